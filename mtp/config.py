@@ -1,0 +1,250 @@
+"""Typed, validated configuration schema (one place for every field).
+
+Config files in ``configs/`` are ``ml_collections.ConfigDict`` objects (so the
+CLI accepts Flax-style overrides such as ``--config.model.num_layers=4``);
+``from_dict`` turns one into the frozen dataclasses below and ``validate``
+checks every field once, before anything is built. Errors are
+``ConfigError`` (a ``ValueError``) naming the dotted field and the allowed
+range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any, get_type_hints
+
+from mtp import tokenizer as tok
+
+
+class ConfigError(ValueError):
+  """A config value is unknown, of the wrong type or out of range."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 264           # padded; ids >= tokenizer.VOCAB_SIZE are masked
+  d_model: int = 128
+  num_layers: int = 4
+  num_heads: int = 4
+  num_kv_heads: int = 2           # GQA: num_heads % num_kv_heads == 0
+  head_dim: int = 32
+  mlp_dim: int = 384              # SwiGLU hidden width F
+  max_seq_len: int = 1024         # longest position a KV cache / RoPE serves
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = True
+  dtype: str = "float32"          # activation dtype
+  param_dtype: str = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig:
+  depth: int = 1                  # D, number of sequential MTP modules (0 = plain LM)
+  loss_weight: float = 0.3        # lambda in L = L_main + lambda/D * sum_k L^k
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  name: str = "python_stdlib"     # python_stdlib | python_docs | any local TFDS text dataset
+  text_feature: str = "text"      # feature holding the text for other TFDS datasets
+  data_dir: str = ""              # TFDS data dir; "" = $MTP_DATA_DIR or ~/.cache/mtp/tensorflow_datasets
+  train_split: str = "train"
+  eval_split: str = "validation"
+  validation_percent: int = 5     # embedded corpora: % of documents held out (stable hash of name)
+  shuffle_buffer: int = 0         # unused for random-access sources (global shuffle); kept for iter sources
+  num_workers: int = 0            # grain worker processes (0 = in-process)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  num_steps: int = 1000
+  batch_size: int = 16            # global batch, in sequences
+  seq_len: int = 128
+  seed: int = 0
+  learning_rate: float = 3e-3
+  warmup_steps: int = 100
+  min_lr_ratio: float = 0.1       # cosine decays to learning_rate * min_lr_ratio
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  grad_clip_norm: float = 1.0
+  log_every: int = 10
+  eval_every: int = 250
+  eval_batches: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every_steps: int = 250
+  keep: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = -1                  # -1 = all remaining devices
+  fsdp: int = 1
+  tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  mtp: MTPConfig = dataclasses.field(default_factory=MTPConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+  def replace(self, **sections) -> "Config":
+    """``cfg.replace(mtp=dict(depth=2))``: a new validated config."""
+    d = self.to_dict()
+    for name, fields in sections.items():
+      if name not in d:
+        raise ConfigError(f"unknown config section '{name}'")
+      d[name] = {**d[name], **fields}
+    return from_dict(d)
+
+
+# Fields that describe the model's parameters: a checkpoint can only be
+# restored into a config that agrees on all of these.
+ARCHITECTURE_FIELDS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
+                            if f.name not in ("dtype", "max_seq_len")) + ("mtp.depth",)
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _coerce(path: str, value: Any, typ: type) -> Any:
+  if typ is bool:
+    if isinstance(value, bool):
+      return value
+    raise ConfigError(f"{path} must be a bool, got {value!r}")
+  if typ is int:
+    if isinstance(value, bool) or not isinstance(value, int):
+      if isinstance(value, float) and value.is_integer():
+        return int(value)
+      raise ConfigError(f"{path} must be an int, got {value!r}")
+    return value
+  if typ is float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise ConfigError(f"{path} must be a number, got {value!r}")
+    return float(value)
+  if typ is str:
+    if not isinstance(value, str):
+      raise ConfigError(f"{path} must be a string, got {value!r}")
+    return value
+  raise TypeError(typ)
+
+
+def _build(cls, path: str, values: Mapping[str, Any]):
+  hints = get_type_hints(cls)
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - names)
+  if unknown:
+    where = f"'{path}'" if path else "the config"
+    raise ConfigError(f"unknown config key(s) {', '.join(path + '.' + u if path else u for u in unknown)}"
+                      f" in {where}; allowed: {', '.join(sorted(names))}")
+  kwargs = {}
+  for name in names:
+    if name not in values:
+      continue
+    sub = f"{path}.{name}" if path else name
+    typ = hints[name]
+    if dataclasses.is_dataclass(typ):
+      v = values[name]
+      if hasattr(v, "to_dict"):
+        v = v.to_dict()
+      if not isinstance(v, Mapping):
+        raise ConfigError(f"{sub} must be a section (mapping), got {v!r}")
+      kwargs[name] = _build(typ, sub, v)
+    else:
+      kwargs[name] = _coerce(sub, values[name], typ)
+  return cls(**kwargs)
+
+
+def _check(cond: bool, field: str, allowed: str, value: Any):
+  if not cond:
+    raise ConfigError(f"{field}={value!r} is out of range: must be {allowed}")
+
+
+def validate(cfg: Config) -> Config:
+  """Checks every field's range; returns ``cfg`` unchanged or raises ConfigError."""
+  m, t = cfg.model, cfg.train
+  for name in ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+               "max_seq_len"):
+    _check(getattr(m, name) >= 1, f"model.{name}", ">= 1", getattr(m, name))
+  _check(m.vocab_size >= tok.VOCAB_SIZE, "model.vocab_size", f">= {tok.VOCAB_SIZE} (byte tokenizer)",
+         m.vocab_size)
+  _check(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads",
+         f"a divisor of model.num_heads={m.num_heads}", m.num_kv_heads)
+  _check(m.head_dim % 2 == 0, "model.head_dim", "even (RoPE rotates pairs)", m.head_dim)
+  _check(m.rope_theta > 0, "model.rope_theta", "> 0", m.rope_theta)
+  _check(0 < m.norm_eps < 1, "model.norm_eps", "in (0, 1)", m.norm_eps)
+  _check(m.dtype in _DTYPES, "model.dtype", f"one of {_DTYPES}", m.dtype)
+  _check(m.param_dtype in _DTYPES, "model.param_dtype", f"one of {_DTYPES}", m.param_dtype)
+  _check(0 <= cfg.mtp.depth <= 16, "mtp.depth", "an int in [0, 16]", cfg.mtp.depth)
+  _check(cfg.mtp.loss_weight >= 0, "mtp.loss_weight", ">= 0", cfg.mtp.loss_weight)
+  _check(bool(cfg.data.name), "data.name", "a non-empty dataset name", cfg.data.name)
+  _check(0 < cfg.data.validation_percent < 100, "data.validation_percent", "in [1, 99]",
+         cfg.data.validation_percent)
+  _check(cfg.data.num_workers >= 0, "data.num_workers", ">= 0", cfg.data.num_workers)
+  for name in ("num_steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches"):
+    _check(getattr(t, name) >= 1, f"train.{name}", ">= 1", getattr(t, name))
+  _check(t.seq_len <= m.max_seq_len, "train.seq_len", f"<= model.max_seq_len={m.max_seq_len}",
+         t.seq_len)
+  _check(t.seq_len > cfg.mtp.depth + 1, "train.seq_len", f"> mtp.depth + 1 = {cfg.mtp.depth + 1}",
+         t.seq_len)
+  _check(t.learning_rate > 0, "train.learning_rate", "> 0", t.learning_rate)
+  _check(t.warmup_steps >= 0, "train.warmup_steps", ">= 0", t.warmup_steps)
+  _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", "in [0, 1]", t.min_lr_ratio)
+  _check(t.weight_decay >= 0, "train.weight_decay", ">= 0", t.weight_decay)
+  _check(0 <= t.b1 < 1, "train.b1", "in [0, 1)", t.b1)
+  _check(0 <= t.b2 < 1, "train.b2", "in [0, 1)", t.b2)
+  _check(t.grad_clip_norm > 0, "train.grad_clip_norm", "> 0", t.grad_clip_norm)
+  _check(t.seed >= 0, "train.seed", ">= 0", t.seed)
+  _check(cfg.checkpoint.every_steps >= 1, "checkpoint.every_steps", ">= 1", cfg.checkpoint.every_steps)
+  _check(cfg.checkpoint.keep >= 1, "checkpoint.keep", ">= 1", cfg.checkpoint.keep)
+  for name in ("data", "fsdp", "tensor"):
+    v = getattr(cfg.mesh, name)
+    _check(v == -1 or v >= 1, f"mesh.{name}", "-1 (all remaining devices) or >= 1", v)
+  _check([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1, "mesh",
+         "at most one axis set to -1", (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor))
+  return cfg
+
+
+def from_dict(values: Mapping[str, Any] | Any) -> Config:
+  """Builds and validates a Config from a (possibly nested) mapping or a
+  ``ml_collections.ConfigDict``. Missing fields take their defaults.
+
+  Raises:
+    ConfigError: unknown key, wrong type or out-of-range value (the message
+      names the dotted field).
+  """
+  if hasattr(values, "to_dict"):
+    values = values.to_dict()
+  return validate(_build(Config, "", values))
+
+
+def to_config_dict(cfg: Config):
+  """The ``ml_collections.ConfigDict`` form of ``cfg`` (for config files)."""
+  import ml_collections
+  return ml_collections.ConfigDict(cfg.to_dict())
+
+
+def architecture_mismatches(a: Config, b: Config) -> list[str]:
+  """Fields in ``ARCHITECTURE_FIELDS`` where ``a`` and ``b`` differ, as
+  ``"field: a_value != b_value"`` strings (empty when compatible)."""
+  out = []
+  da, db = a.to_dict(), b.to_dict()
+  for field in ARCHITECTURE_FIELDS:
+    sec, name = field.split(".")
+    if da[sec][name] != db[sec][name]:
+      out.append(f"{field}: {da[sec][name]!r} != {db[sec][name]!r}")
+  return out
