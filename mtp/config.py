@@ -52,8 +52,6 @@ class DataConfig:
   data_dir: str = ""              # TFDS data dir; "" = $MTP_DATA_DIR or ~/.cache/mtp/tensorflow_datasets
   train_split: str = "train"
   eval_split: str = "validation"
-  validation_percent: int = 5     # embedded corpora: % of documents held out (stable hash of name)
-  shuffle_buffer: int = 0         # unused for random-access sources (global shuffle); kept for iter sources
   num_workers: int = 0            # grain worker processes (0 = in-process)
 
 
@@ -192,8 +190,6 @@ def validate(cfg: Config) -> Config:
   _check(0 <= cfg.mtp.depth <= 16, "mtp.depth", "an int in [0, 16]", cfg.mtp.depth)
   _check(cfg.mtp.loss_weight >= 0, "mtp.loss_weight", ">= 0", cfg.mtp.loss_weight)
   _check(bool(cfg.data.name), "data.name", "a non-empty dataset name", cfg.data.name)
-  _check(0 < cfg.data.validation_percent < 100, "data.validation_percent", "in [1, 99]",
-         cfg.data.validation_percent)
   _check(cfg.data.num_workers >= 0, "data.num_workers", ">= 0", cfg.data.num_workers)
   for name in ("num_steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches"):
     _check(getattr(t, name) >= 1, f"train.{name}", ">= 1", getattr(t, name))
