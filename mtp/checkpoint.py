@@ -1,0 +1,149 @@
+"""Orbax checkpoints of a workdir: parameters, optimizer state, step, the
+data iterator's state and the config that produced them.
+
+Layout: ``WORKDIR/checkpoints/<step>/{state,data,config}``, written
+atomically by ``orbax.checkpoint.CheckpointManager`` (a checkpoint killed
+mid-write is never listed), keeping the last ``keep``. Each checkpoint
+carries its own config, so decoding needs nothing but the workdir, and a
+resumed run is checked against it before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from mtp import config as config_lib
+from mtp.config import Config
+
+
+class CheckpointError(RuntimeError):
+  """Missing, corrupt or incompatible checkpoint (the message names the path)."""
+
+
+def checkpoint_dir(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+class Checkpointer:
+  """Saves and restores training state under ``WORKDIR/checkpoints``.
+
+  Args:
+    workdir: run directory.
+    keep: number of most recent checkpoints kept.
+    read_only: open without creating anything (decoding).
+  """
+
+  def __init__(self, workdir: str, keep: int = 3, *, read_only: bool = False):
+    self.directory = checkpoint_dir(workdir)
+    if read_only and not os.path.isdir(self.directory):
+      raise CheckpointError(f"no checkpoint in workdir {workdir!r}: {self.directory} does not exist "
+                            "(train first: python -m train --config configs/tiny.py --workdir ...)")
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
+                                           read_only=read_only, enable_async_checkpointing=False)
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self._manager.all_steps())
+
+  def save(self, step: int, params, opt_state, data_state: Any, cfg: Config, *, force: bool = True):
+    """Writes checkpoint ``step`` (blocking) with the JSON-serialisable
+    ``data_state`` (the grain iterator state)."""
+    args = ocp.args.Composite(
+        state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+        data=ocp.args.JsonSave({"iterator": data_state}),
+        config=ocp.args.JsonSave(cfg.to_dict()))
+    self._manager.save(step, args=args, force=force)
+    self._manager.wait_until_finished()
+
+  def restore_config(self, step: int | None = None) -> Config:
+    """The config stored with checkpoint ``step`` (default: latest)."""
+    step = self._resolve(step)
+    try:
+      raw = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    except Exception as e:  # orbax raises many types for damaged files
+      raise CheckpointError(f"cannot read the config of checkpoint {self._path(step)}: {e}") from e
+    try:
+      return config_lib.from_dict(raw["config"])
+    except config_lib.ConfigError as e:
+      raise CheckpointError(f"checkpoint {self._path(step)} holds an invalid config: {e}") from e
+
+  def restore(self, step: int | None, abstract_params, abstract_opt_state=None):
+    """Restores (params, opt_state, data_state) of checkpoint ``step``.
+
+    ``abstract_*`` are pytrees of ``jax.ShapeDtypeStruct`` (with shardings
+    where wanted: arrays are restored directly into them). With
+    ``abstract_opt_state=None`` only the parameters are read (inference) and
+    opt_state / data_state come back as None.
+
+    Raises CheckpointError for a missing or unreadable checkpoint.
+    """
+    step = self._resolve(step)
+    try:
+      if abstract_opt_state is None:
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(
+                item={"params": abstract_params},
+                restore_args=ocp.checkpoint_utils.construct_restore_args({"params": abstract_params}),
+                partial_restore=True)))
+        return restored["state"]["params"], None, None
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore({"params": abstract_params, "opt_state": abstract_opt_state}),
+          data=ocp.args.JsonRestore()))
+    except Exception as e:
+      raise CheckpointError(f"checkpoint {self._path(step)} is unreadable or does not match the "
+                            f"model ({type(e).__name__}: {str(e)[:500]}); delete that step "
+                            "directory to fall back to an earlier one") from e
+    return restored["state"]["params"], restored["state"]["opt_state"], restored["data"]["iterator"]
+
+  def close(self):
+    self._manager.close()
+
+  def _resolve(self, step):
+    if step is None:
+      step = self.latest_step()
+    if step is None:
+      raise CheckpointError(f"no checkpoint found in {self.directory}")
+    if step not in self.all_steps():
+      raise CheckpointError(f"checkpoint step {step} not found in {self.directory}; "
+                            f"available: {self.all_steps()}")
+    return step
+
+  def _path(self, step):
+    return os.path.join(self.directory, str(step))
+
+
+def abstract_state(tree):
+  """Pytree of ShapeDtypeStruct (keeping shardings) for ``tree``."""
+  return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+
+
+def load_model(workdir: str, step: int | None = None):
+  """Loads a trained model for inference.
+
+  Returns (config, model, step). Raises CheckpointError when the workdir has
+  no readable checkpoint.
+  """
+  from mtp.model import build_model   # local: keeps this module light to import
+  ckpt = Checkpointer(workdir, read_only=True)
+  step = ckpt._resolve(step)
+  cfg = ckpt.restore_config(step)
+  model = nnx.eval_shape(lambda: build_model(cfg))
+  graphdef, abstract_params = nnx.split(model, nnx.Param)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params)
+  params, _, _ = ckpt.restore(step, abstract)
+  ckpt.close()
+  return cfg, nnx.merge(graphdef, params), step
+
+
+def read_json(path: str):
+  with open(path) as f:
+    return json.load(f)

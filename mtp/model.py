@@ -1,0 +1,298 @@
+"""Causal transformer backbone with D sequential MTP modules (Flax NNX).
+
+Backbone: token embedding E, L pre-norm blocks (RMSNorm -> causal multi-head
+attention with RoPE and optional GQA; RMSNorm -> SwiGLU MLP), final RMSNorm
+and output head W_out (tied to E or not). ``h^0_i`` is the last block's
+output at position i, before the final norm.
+
+MTP module k = 1..D (DeepSeek-V3 technical report, section 2.2, eq. 21-23):
+
+    h'^k_i = M_k [ RMSNorm(h^{k-1}_i) ; RMSNorm(E(t_{i+k})) ]     eq. 21
+    h^k    = TRM_k(h'^k)                                          eq. 22
+    P^k_{i+k+1} = softmax(W_out(RMSNorm_k(h^k_i)))               eq. 23
+
+E and W_out are shared with the main model. Each module has its own output
+RMSNorm (as in the released DeepSeek-V3 weights, ``shared_head.norm``), so
+module k's hidden states can differ in scale from the backbone's.
+
+Shapes use the letters of DESIGN.md: B batch, T query length, S key/cache
+length, D model width, N query heads, K kv heads, H head dim, V vocab,
+F MLP width.
+
+KV cache: every attention layer takes an optional ``LayerCache``
+``{"k": [B, S, K, H], "v": [B, S, K, H]}`` (activation dtype). Cache slot s
+holds position s. A call with ``positions`` [B, T] (contiguous per row:
+``positions[b] = o_b + arange(T)``) writes the new keys/values at slots
+``o_b .. o_b+T-1`` of each row (``dynamic_update_slice`` at per-row offsets,
+in place when the caller donates the cache) and attends to slots
+``s <= position``. Anything past a row's committed length is therefore
+invisible until it is overwritten: rolling back is choosing the next
+``positions``, never copying. Without a cache (training) attention is causal
+within a packed sequence and restricted to equal ``segment_ids``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp import tokenizer as tok
+from mtp.config import Config, ModelConfig
+
+LayerCache = dict[str, jax.Array]          # {"k": [B,S,K,H], "v": [B,S,K,H]}
+
+
+@dataclasses.dataclass
+class ModelOutput:
+  """Result of ``Transformer.__call__``.
+
+  logits: [B, T, V] float32, main head; position i predicts token i+1.
+  mtp_logits: tuple of D arrays [B, T, V] float32; depth k at i predicts i+k+1.
+  hidden: tuple of D+1 arrays [B, T, D]: h^0 (backbone) then h^1..h^D.
+  """
+  logits: jax.Array
+  mtp_logits: tuple[jax.Array, ...]
+  hidden: tuple[jax.Array, ...]
+
+
+def _dtype(name: str):
+  return jnp.dtype(name)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding (Su et al. 2021), rotate-half form.
+
+  x: [B, T, N, H]; positions: [B, T] int. Returns x rotated, same shape/dtype.
+  """
+  h = x.shape[-1]
+  freqs = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)        # [H/2]
+  angles = positions.astype(jnp.float32)[..., None] * freqs             # [B,T,H/2]
+  sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def attention_mask(q_positions, kv_positions, q_segments=None, kv_segments=None) -> jax.Array:
+  """Boolean mask [B, 1, T, S]: key s is visible to query t iff
+  kv_positions[s] <= q_positions[t] (and the segments match when given)."""
+  mask = kv_positions[:, None, :] <= q_positions[:, :, None]
+  if q_segments is not None:
+    mask &= q_segments[:, :, None] == kv_segments[:, None, :]
+  return mask[:, None]
+
+
+def write_cache(cache: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
+  """Writes new [B, T, K, H] into cache [B, S, K, H] at per-row slot offsets [B]."""
+  return jax.vmap(lambda c, x, o: jax.lax.dynamic_update_slice_in_dim(c, x, o, axis=0))(
+      cache, new.astype(cache.dtype), offsets)
+
+
+class Attention(nnx.Module):
+  """Causal multi-head attention with RoPE and grouped-query attention."""
+
+  def __init__(self, cfg: ModelConfig, *, out_scale: float, rngs: nnx.Rngs):
+    d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
+    lin = lambda i, o, scale=1.0: nnx.Linear(
+        i, o, use_bias=False, dtype=dt, param_dtype=pdt, rngs=rngs,
+        kernel_init=nnx.initializers.variance_scaling(scale, "fan_in", "normal"))
+    self.q_proj = lin(d, n * h)
+    self.k_proj = lin(d, k * h)
+    self.v_proj = lin(d, k * h)
+    self.o_proj = lin(n * h, d, out_scale)
+    self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
+    self.rope_theta = cfg.rope_theta
+
+  def __call__(self, x, positions, segment_ids=None, cache: LayerCache | None = None):
+    """x: [B, T, D]; positions: [B, T] int32; segment_ids: [B, T] int32 or
+    None. Returns (y [B, T, D], updated cache or None)."""
+    b, t, _ = x.shape
+    q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+    k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    q = rope(q, positions, self.rope_theta)
+    k = rope(k, positions, self.rope_theta)
+    if cache is None:
+      mask = attention_mask(positions, positions, segment_ids, segment_ids)
+      if segment_ids is None:   # positions alone: also require key index <= query index
+        idx = jnp.arange(t)
+        mask &= (idx[None, :] <= idx[:, None])[None, None]
+      keys, values, new_cache = k, v, None
+    else:
+      offsets = positions[:, 0]
+      keys = write_cache(cache["k"], k, offsets)
+      values = write_cache(cache["v"], v, offsets)
+      new_cache = {"k": keys, "v": values}
+      s = keys.shape[1]
+      mask = attention_mask(positions, jnp.broadcast_to(jnp.arange(s), (b, s)))
+    y = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=mask)
+    return self.o_proj(y.reshape(b, t, self.num_heads * self.head_dim)), new_cache
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward: down(silu(gate(x)) * up(x)) (Shazeer 2020)."""
+
+  def __init__(self, cfg: ModelConfig, *, out_scale: float, rngs: nnx.Rngs):
+    dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
+    lin = lambda i, o, scale=1.0: nnx.Linear(
+        i, o, use_bias=False, dtype=dt, param_dtype=pdt, rngs=rngs,
+        kernel_init=nnx.initializers.variance_scaling(scale, "fan_in", "normal"))
+    self.gate = lin(cfg.d_model, cfg.mlp_dim)
+    self.up = lin(cfg.d_model, cfg.mlp_dim)
+    self.down = lin(cfg.mlp_dim, cfg.d_model, out_scale)
+
+  def __call__(self, x):
+    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+  """Pre-norm transformer block: x + Attn(RMSNorm(x)), then + MLP(RMSNorm(.))."""
+
+  def __init__(self, cfg: ModelConfig, *, out_scale: float, rngs: nnx.Rngs):
+    norm = lambda: nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=_dtype(cfg.dtype),
+                               param_dtype=_dtype(cfg.param_dtype), rngs=rngs)
+    self.attn_norm = norm()
+    self.attn = Attention(cfg, out_scale=out_scale, rngs=rngs)
+    self.mlp_norm = norm()
+    self.mlp = MLP(cfg, out_scale=out_scale, rngs=rngs)
+
+  def __call__(self, x, positions, segment_ids=None, cache=None):
+    a, cache = self.attn(self.attn_norm(x), positions, segment_ids, cache)
+    x = x + a
+    return x + self.mlp(self.mlp_norm(x)), cache
+
+
+class MTPModule(nnx.Module):
+  """One sequential MTP module (DeepSeek-V3 eq. 21-22): RMSNorm both inputs,
+  project the concatenation [2D -> D] with M_k, run one transformer block;
+  plus the module's own output RMSNorm applied before the shared head."""
+
+  def __init__(self, cfg: ModelConfig, *, out_scale: float, rngs: nnx.Rngs):
+    dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
+    norm = lambda: nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, param_dtype=pdt,
+                               rngs=rngs)
+    self.hidden_norm = norm()
+    self.embed_norm = norm()
+    self.proj = nnx.Linear(2 * cfg.d_model, cfg.d_model, use_bias=False, dtype=dt,
+                           param_dtype=pdt, rngs=rngs)
+    self.block = Block(cfg, out_scale=out_scale, rngs=rngs)
+    self.out_norm = norm()
+
+  def __call__(self, h_prev, next_embeds, positions, segment_ids=None, cache=None):
+    x = self.proj(jnp.concatenate([self.hidden_norm(h_prev), self.embed_norm(next_embeds)], -1))
+    return self.block(x, positions, segment_ids, cache)
+
+
+class Transformer(nnx.Module):
+  """Backbone + ``mtp_depth`` sequential MTP modules sharing E and W_out.
+
+  Args:
+    cfg: model config (``mtp.config.ModelConfig``).
+    mtp_depth: D >= 0; D = 0 is a plain language model.
+    rngs: ``nnx.Rngs`` for parameter initialisation.
+  """
+
+  def __init__(self, cfg: ModelConfig, mtp_depth: int, *, rngs: nnx.Rngs):
+    if mtp_depth < 0:
+      raise ValueError(f"mtp_depth must be >= 0, got {mtp_depth}")
+    self.cfg = cfg
+    self.mtp_depth = mtp_depth
+    dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=pdt, rngs=rngs,
+                           embedding_init=nnx.initializers.normal(1.0 / math.sqrt(cfg.d_model)))
+    out_scale = 1.0 / (2 * (cfg.num_layers + mtp_depth))
+    self.blocks = nnx.List([Block(cfg, out_scale=out_scale, rngs=rngs)
+                            for _ in range(cfg.num_layers)])
+    self.final_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, param_dtype=pdt,
+                                  rngs=rngs)
+    if not cfg.tie_embeddings:
+      self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dt,
+                                param_dtype=pdt, rngs=rngs)
+    self.mtp = nnx.List([MTPModule(cfg, out_scale=out_scale, rngs=rngs)
+                         for _ in range(mtp_depth)])
+
+  # -- pieces (used by decoding) ---------------------------------------------
+
+  def backbone(self, tokens, positions, segment_ids=None, cache: list[LayerCache] | None = None):
+    """tokens, positions: [B, T] int32. Returns (h^0 [B, T, D], new per-layer
+    caches or None)."""
+    x = self.embed(tokens)
+    new_cache = [] if cache is not None else None
+    for i, block in enumerate(self.blocks):
+      x, c = block(x, positions, segment_ids, None if cache is None else cache[i])
+      if cache is not None:
+        new_cache.append(c)
+    return x, new_cache
+
+  def head(self, h, norm: nnx.RMSNorm | None = None) -> jax.Array:
+    """Output head: logits [B, T, V] float32 = W_out(norm(h)); ``norm``
+    defaults to the final norm. Ids >= tokenizer.VOCAB_SIZE (vocabulary
+    padding) get -inf, so their probability is exactly 0."""
+    h = (norm or self.final_norm)(h)
+    if self.cfg.tie_embeddings:
+      logits = self.embed.attend(h)
+    else:
+      logits = self.lm_head(h)
+    logits = logits.astype(jnp.float32)
+    valid = jnp.arange(self.cfg.vocab_size) < tok.VOCAB_SIZE
+    return jnp.where(valid, logits, -jnp.inf)
+
+  def mtp_forward(self, k: int, h_prev, next_tokens, positions, segment_ids=None,
+                  cache: LayerCache | None = None):
+    """Runs MTP module k (1-based) at positions i: inputs h^{k-1}_i [B,T,D]
+    and t_{i+k} (``next_tokens`` [B,T] int32). Returns (h^k [B,T,D], cache)."""
+    if not 1 <= k <= self.mtp_depth:
+      raise ValueError(f"MTP module index k={k} out of range [1, {self.mtp_depth}]")
+    return self.mtp[k - 1](h_prev, self.embed(next_tokens), positions, segment_ids, cache)
+
+  def mtp_head(self, k: int, h_k) -> jax.Array:
+    """Logits [B, T, V] float32 of MTP depth k from h^k (eq. 23)."""
+    return self.head(h_k, self.mtp[k - 1].out_norm)
+
+  # -- full forward (training, cache-free reference) ---------------------------
+
+  def __call__(self, tokens, positions=None, segment_ids=None) -> ModelOutput:
+    """Cache-free forward over packed sequences.
+
+    tokens: [B, T] int32; positions: [B, T] int32 (defaults to arange(T));
+    segment_ids: [B, T] int32 document ids (0 = padding) or None.
+    Module k at i reads t_{i+k}; the last k positions read PAD (their targets
+    do not exist and the loss masks them).
+    """
+    b, t = tokens.shape
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    h, _ = self.backbone(tokens, positions, segment_ids)
+    hidden, mtp_logits = [h], []
+    for k in range(1, self.mtp_depth + 1):
+      shifted = jnp.concatenate([tokens[:, k:], jnp.full((b, k), tok.PAD_ID, tokens.dtype)], 1)
+      h, _ = self.mtp_forward(k, h, shifted, positions, segment_ids)
+      hidden.append(h)
+      mtp_logits.append(self.mtp_head(k, h))
+    return ModelOutput(self.head(hidden[0]), tuple(mtp_logits), tuple(hidden))
+
+
+def init_layer_caches(cfg: ModelConfig, num_layers: int, batch: int, max_len: int) -> list[LayerCache]:
+  """Zeroed caches for ``num_layers`` attention layers: K/V [B, S=max_len, K, H]."""
+  shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  return [{"k": jnp.zeros(shape, _dtype(cfg.dtype)), "v": jnp.zeros(shape, _dtype(cfg.dtype))}
+          for _ in range(num_layers)]
+
+
+def build_model(cfg: Config, seed: int = 0) -> Transformer:
+  """The model described by ``cfg`` with parameters initialised from ``seed``."""
+  return Transformer(cfg.model, cfg.mtp.depth, rngs=nnx.Rngs(params=seed))
+
+
+def count_params(model: nnx.Module) -> dict[str, int]:
+  """Parameter counts: total, backbone (incl. embedding/head) and MTP modules."""
+  state = nnx.state(model, nnx.Param)
+  total = sum(x.size for x in jax.tree.leaves(state))
+  mtp = sum(x.size for x in jax.tree.leaves(nnx.state(model.mtp, nnx.Param))) if model.mtp_depth else 0
+  return {"total": int(total), "backbone": int(total - mtp), "mtp": int(mtp)}

@@ -1,0 +1,326 @@
+"""Training loop: jitted, sharded train step with the MTP objective, periodic
+validation, metrics (JSONL + TensorBoard), orbax checkpoints and exact resume.
+
+``train(cfg, workdir)`` is the whole job; ``python -m train`` only parses
+flags and calls it. Re-running on the same workdir resumes from the latest
+checkpoint (parameters, optimizer state, step and data iterator state), so a
+killed-and-resumed run reproduces the losses of an uninterrupted one.
+SIGTERM/SIGINT save a checkpoint at the next step boundary and return.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+from mtp import checkpoint as ckpt_lib
+from mtp import config as config_lib
+from mtp import data as data_lib
+from mtp import sharding as shard_lib
+from mtp.config import Config, ConfigError, TrainConfig
+from mtp.model import build_model, count_params
+from train import losses
+
+
+def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
+  """AdamW with linear warmup + cosine decay and global-norm clipping.
+  Weight decay applies to matrices only (not norms' scales)."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=t.learning_rate, warmup_steps=t.warmup_steps,
+      decay_steps=max(t.num_steps, t.warmup_steps + 1), end_value=t.learning_rate * t.min_lr_ratio)
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  return optax.chain(
+      optax.clip_by_global_norm(t.grad_clip_norm),
+      optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask))
+
+
+def learning_rate(t: TrainConfig, step: int) -> float:
+  """The schedule's learning rate at ``step`` (for logging)."""
+  if step < t.warmup_steps:
+    return t.learning_rate * step / max(t.warmup_steps, 1)
+  frac = min((step - t.warmup_steps) / max(t.num_steps - t.warmup_steps, 1), 1.0)
+  end = t.learning_rate * t.min_lr_ratio
+  return end + (t.learning_rate - end) * 0.5 * (1 + np.cos(np.pi * frac))
+
+
+def make_loss_fn(graphdef, loss_weight: float):
+  """(params, batch) -> (loss, head sums); batch holds tokens, positions,
+  segment_ids [B, T] int32."""
+  def loss_fn(params, batch):
+    model = nnx.merge(graphdef, params)
+    out = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+    return losses.mtp_loss(out, batch["tokens"], batch["segment_ids"], loss_weight)
+  return loss_fn
+
+
+@dataclasses.dataclass
+class TrainState:
+  params: Any
+  opt_state: Any
+  step: int
+
+
+class Trainer:
+  """Holds the compiled steps for one config on one mesh.
+
+  Build with ``Trainer(cfg)``; ``init_state()`` makes fresh sharded state;
+  ``train_step(state, batch)`` and ``eval_sums(params, batches)`` run the
+  jitted computations. Tests and scripts use it directly.
+  """
+
+  def __init__(self, cfg: Config, mesh=None):
+    self.cfg = cfg
+    self.mesh = mesh or shard_lib.make_mesh(cfg.mesh)
+    shard_lib.check_batch(cfg.train.batch_size, self.mesh)
+    self.tx = make_optimizer(cfg.train)
+    abstract_model = nnx.eval_shape(lambda: build_model(cfg, cfg.train.seed))
+    self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+    self.param_shardings = shard_lib.param_shardings(self.mesh, abstract_params)
+    abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
+    self.opt_shardings = jax.tree.map(lambda _: shard_lib.replicated(self.mesh), abstract_opt)
+    batch_sharding = shard_lib.batch_sharding(self.mesh)
+    replicated = shard_lib.replicated(self.mesh)
+    loss_fn = make_loss_fn(self.graphdef, cfg.mtp.loss_weight)
+    tx = self.tx
+
+    def step_fn(params, opt_state, batch):
+      (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads), "sums": sums}
+
+    def eval_fn(params, batch):
+      return loss_fn(params, batch)[1]
+
+    def init_fn():
+      params = nnx.state(build_model(cfg, cfg.train.seed), nnx.Param)
+      return params, tx.init(params)
+
+    self._step = jax.jit(step_fn, in_shardings=(self.param_shardings, self.opt_shardings, batch_sharding),
+                         out_shardings=(self.param_shardings, self.opt_shardings, replicated),
+                         donate_argnums=(0, 1))
+    self._eval = jax.jit(eval_fn, in_shardings=(self.param_shardings, batch_sharding),
+                         out_shardings=replicated)
+    self._init = jax.jit(init_fn, out_shardings=(self.param_shardings, self.opt_shardings))
+    self.abstract_params = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params,
+        self.param_shardings)
+    self.abstract_opt_state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_opt,
+        self.opt_shardings)
+
+  def init_state(self) -> TrainState:
+    params, opt_state = self._init()
+    return TrainState(params, opt_state, 0)
+
+  def train_step(self, state: TrainState, local_batch: dict[str, np.ndarray]):
+    batch = shard_lib.global_batch(local_batch, self.mesh)
+    params, opt_state, metrics = self._step(state.params, state.opt_state, batch)
+    return TrainState(params, opt_state, state.step + 1), metrics
+
+  def eval_sums(self, params, local_batches) -> dict[str, dict[str, float]]:
+    total = None
+    for local in local_batches:
+      sums = self._eval(params, shard_lib.global_batch(local, self.mesh))
+      total = sums if total is None else jax.tree.map(jnp.add, total, sums)
+    return jax.tree.map(float, jax.device_get(total))
+
+  def model(self, params):
+    return nnx.merge(self.graphdef, params)
+
+
+class MetricWriter:
+  """Appends metrics to WORKDIR/metrics.jsonl and TensorBoard event files
+  (process 0 only). A resumed run appends; for a step logged twice (steps
+  after the last checkpoint of a killed run), the later line wins."""
+
+  def __init__(self, workdir: str, enabled: bool):
+    self.enabled = enabled
+    self._tb = None
+    if enabled:
+      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+      try:
+        from tensorboardX import SummaryWriter
+        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      except ImportError:  # optional
+        self._tb = None
+
+  def write(self, step: int, split: str, metrics: dict[str, float]):
+    if not self.enabled:
+      return
+    self._jsonl.write(json.dumps({"step": step, "split": split, **metrics}) + "\n")
+    self._jsonl.flush()
+    if self._tb is not None:
+      for k, v in metrics.items():
+        self._tb.add_scalar(f"{split}/{k}", v, step)
+
+  def close(self):
+    if self.enabled:
+      self._jsonl.close()
+      if self._tb is not None:
+        self._tb.close()
+
+
+def check_workdir(cfg: Config, workdir: str) -> int | None:
+  """Refuses a workdir whose latest checkpoint was made by an incompatible
+  config (before anything is written). Returns the step to resume from, or
+  None for a fresh run. Raises ConfigError / CheckpointError."""
+  if not os.path.isdir(ckpt_lib.checkpoint_dir(workdir)):
+    return None
+  ckpt = ckpt_lib.Checkpointer(workdir, read_only=True)
+  step = ckpt.latest_step()
+  if step is None:
+    return None
+  saved = ckpt.restore_config(step)
+  diffs = config_lib.architecture_mismatches(saved, cfg)
+  if diffs:
+    raise ConfigError(f"workdir {workdir!r} holds a checkpoint (step {step}) from an incompatible "
+                      f"config (saved != requested): {'; '.join(diffs)}. Use a new --workdir or "
+                      "the saved config.")
+  return step
+
+
+class _StopFlag:
+  """Turns SIGTERM/SIGINT into a flag checked at step boundaries."""
+
+  def __init__(self):
+    self.signum = None
+    self._old = {}
+
+  def __enter__(self):
+    for s in (signal.SIGTERM, signal.SIGINT):
+      try:
+        self._old[s] = signal.signal(s, self._handle)
+      except ValueError:  # not in the main thread
+        pass
+    return self
+
+  def _handle(self, signum, frame):
+    self.signum = signum
+
+  def __exit__(self, *exc):
+    for s, h in self._old.items():
+      signal.signal(s, h)
+
+
+def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None,
+          stop_after: int | None = None) -> dict[str, Any]:
+  """Trains (or resumes) ``cfg`` in ``workdir``.
+
+  Args:
+    cfg: validated config.
+    workdir: run directory (created if missing).
+    log: line printer (default: tqdm.write to stderr).
+    stop_after: stop (with a checkpoint) after this global step, as if
+      interrupted; used by resume tests.
+  Returns:
+    dict with ``step``, ``train`` (last logged train metrics), ``eval``
+    (final validation metrics), ``step_time_s`` (median seconds/step after
+    the first, compiling, log window; synchronised at log steps) and ``params`` counts.
+  Raises:
+    ConfigError, DataError, CheckpointError before anything is written.
+  """
+  log = log or (lambda s: tqdm.write(s, file=sys.stderr))
+  is_main = jax.process_index() == 0
+  resume_step = check_workdir(cfg, workdir)
+  t = cfg.train
+  # Open the data first: a bad dataset stops the run before anything is written.
+  dataset = data_lib.make_train_dataset(
+      cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed,
+      process_index=jax.process_index(), process_count=jax.process_count())
+  eval_batches = data_lib.make_eval_batches(
+      cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, num_batches=t.eval_batches,
+      process_index=jax.process_index(), process_count=jax.process_count())
+  trainer = Trainer(cfg)
+
+  os.makedirs(workdir, exist_ok=True)
+  ckpt = ckpt_lib.Checkpointer(workdir, keep=cfg.checkpoint.keep)
+  data_iter = iter(dataset)
+  if resume_step is not None:
+    params, opt_state, data_state = ckpt.restore(resume_step, trainer.abstract_params,
+                                                 trainer.abstract_opt_state)
+    data_iter.set_state(data_state)
+    state = TrainState(params, opt_state, resume_step)
+    log(f"resumed from {ckpt.directory}/{resume_step}")
+  else:
+    state = trainer.init_state()
+  if is_main:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(cfg.to_json())
+  counts = count_params(trainer.model(state.params))
+  writer = MetricWriter(workdir, is_main)
+  if resume_step is None:
+    log(f"params: total {counts['total']:,} (backbone {counts['backbone']:,}, "
+        f"MTP modules {counts['mtp']:,}); devices {jax.device_count()} mesh {dict(trainer.mesh.shape)}")
+
+  def save():
+    ckpt.save(state.step, state.params, state.opt_state, data_iter.get_state(), cfg)
+
+  def evaluate():
+    metrics = losses.summarize(trainer.eval_sums(state.params, eval_batches))
+    writer.write(state.step, "eval", metrics)
+    depth_acc = " ".join(f"acc{k}={metrics[f'mtp_{k}/accuracy']:.3f}"
+                         for k in range(1, cfg.mtp.depth + 1))
+    log(f"step {state.step}: eval loss {metrics['main/loss']:.4f} "
+        f"bpb {metrics['main/bits_per_byte']:.4f} acc {metrics['main/accuracy']:.3f} {depth_acc}")
+    return metrics
+
+  last_train, last_eval, step_times = {}, {}, []
+  target = t.num_steps if stop_after is None else min(t.num_steps, stop_after)
+  interrupted = False
+  with _StopFlag() as stop, tqdm(total=t.num_steps, initial=state.step, disable=None,
+                                  dynamic_ncols=True, file=sys.stderr) as bar:
+    window_start, window_steps, warm = time.perf_counter(), 0, False
+    while state.step < target:
+      state, metrics = trainer.train_step(state, next(data_iter))
+      window_steps += 1
+      if state.step % t.log_every == 0 or state.step == target:
+        host = jax.device_get(metrics)   # the only host sync in the loop
+        elapsed = time.perf_counter() - window_start
+        if warm:   # the first window includes compilation
+          step_times.append(elapsed / window_steps)
+        warm = True
+        last_train = {"loss": float(host["loss"]), "grad_norm": float(host["grad_norm"]),
+                      "learning_rate": float(learning_rate(t, state.step - 1)),
+                      "tokens_per_s": window_steps * t.batch_size * t.seq_len / elapsed,
+                      **losses.summarize(host["sums"])}
+        writer.write(state.step, "train", last_train)
+        bar.set_postfix(loss=f"{last_train['loss']:.3f}")
+        window_start, window_steps = time.perf_counter(), 0
+      bar.update(1)
+      if state.step % t.eval_every == 0 and state.step < t.num_steps:
+        last_eval = evaluate()
+      if state.step % cfg.checkpoint.every_steps == 0:
+        save()
+      if window_steps == 0:   # eval/checkpoint time stays out of the step time
+        window_start = time.perf_counter()
+      if stop.signum is not None:
+        log(f"signal {stop.signum}: saving checkpoint at step {state.step} and exiting")
+        interrupted = True
+        break
+  if not interrupted and state.step >= t.num_steps:
+    last_eval = evaluate()
+  if ckpt.latest_step() != state.step:
+    save()
+  ckpt.close()
+  writer.close()
+  result = {"step": state.step, "train": last_train, "eval": last_eval,
+            "step_time_s": float(np.median(step_times)) if step_times else None, "params": counts,
+            "interrupted": interrupted}
+  if is_main and state.step >= t.num_steps:
+    with open(os.path.join(workdir, "final_metrics.json"), "w") as f:
+      json.dump(result, f, indent=2)
+  return result
