@@ -41,8 +41,11 @@ def shifted_targets(tokens: jax.Array, segment_ids: jax.Array | None, offset: in
 
 
 def token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Per-token cross-entropy [B, T] float32 (nats) of float logits [B, T, V]."""
+  """Per-token cross-entropy [B, T] float32 (nats) of float logits [B, T, V].
+  Out-of-vocabulary targets (PAD with a toy vocabulary) are clipped; callers
+  mask them."""
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  targets = jnp.clip(targets, 0, logits.shape[-1] - 1)
   return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 

@@ -1,0 +1,56 @@
+import pytest
+
+from mtp import config as config_lib
+from mtp.config import ConfigError
+from tests.conftest import tiny_config
+
+
+@pytest.mark.parametrize("override, field", [
+    (dict(mtp=dict(depth=-1)), "mtp.depth"),
+    (dict(model=dict(d_model=0)), "model.d_model"),
+    (dict(model=dict(num_kv_heads=3)), "model.num_kv_heads"),
+    (dict(train=dict(batch_size=0)), "train.batch_size"),
+    (dict(train=dict(seq_len=10_000)), "train.seq_len"),
+    (dict(model=dict(vocab_size=100)), "model.vocab_size"),
+    (dict(mtp=dict(loss_weight=-0.1)), "mtp.loss_weight"),
+    (dict(model=dict(bogus=1)), "model.bogus"),
+    (dict(model=dict(d_model="big")), "model.d_model"),
+    (dict(mesh=dict(data=0)), "mesh.data"),
+])
+def test_bad_values_name_the_field(override, field):
+  with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+    tiny_config(**override)
+
+
+def test_unknown_section():
+  with pytest.raises(ConfigError, match="unknown config key"):
+    config_lib.from_dict({"modle": {}})
+
+
+def test_config_files_load_and_keep_tooling_names():
+  import importlib.util
+  for name in ("tiny", "small"):
+    spec = importlib.util.spec_from_file_location(name, f"configs/{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cd = mod.get_config()
+    cfg = config_lib.from_dict(cd)
+    for dotted in ("mtp.depth", "mtp.loss_weight", "train.num_steps", "train.batch_size",
+                   "train.seq_len", "train.seed", "data.name", "checkpoint.every_steps",
+                   "model.num_layers", "model.d_model"):
+      sec, f = dotted.split(".")
+      assert hasattr(getattr(cfg, sec), f)
+      assert f in cd[sec]
+
+
+def test_architecture_mismatch_lists_fields():
+  a, b = tiny_config(), tiny_config(mtp=dict(depth=1), model=dict(d_model=48))
+  diffs = config_lib.architecture_mismatches(a, b)
+  assert any("mtp.depth" in d for d in diffs) and any("model.d_model" in d for d in diffs)
+  assert config_lib.architecture_mismatches(a, tiny_config(train=dict(num_steps=99))) == []
+
+
+def test_json_roundtrip():
+  import json
+  cfg = tiny_config()
+  assert config_lib.from_dict(json.loads(cfg.to_json())) == cfg

@@ -1,0 +1,157 @@
+"""Model structure, packing isolation and KV-cache equivalence."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mtp import model as model_lib
+from mtp import tokenizer as tok
+from tests.conftest import tiny_config
+
+
+@pytest.fixture(scope="module")
+def cfg():
+  return tiny_config()
+
+
+@pytest.fixture(scope="module")
+def model(cfg):
+  return model_lib.build_model(cfg, seed=1)
+
+
+def _rand_tokens(rng, b, t):
+  return jnp.asarray(rng.integers(0, 256, (b, t)), jnp.int32)
+
+
+def test_shapes_and_padding_mask(cfg, model):
+  toks = _rand_tokens(np.random.default_rng(0), 2, 12)
+  out = model(toks)
+  assert out.logits.shape == (2, 12, cfg.model.vocab_size) and out.logits.dtype == jnp.float32
+  assert len(out.mtp_logits) == cfg.mtp.depth and len(out.hidden) == cfg.mtp.depth + 1
+  # vocabulary padding has probability exactly zero
+  probs = jax.nn.softmax(out.logits, -1)
+  assert float(jnp.max(probs[..., tok.VOCAB_SIZE:])) == 0.0
+  assert bool(jnp.all(jnp.isfinite(out.logits[..., :tok.VOCAB_SIZE])))
+
+
+def test_depth_zero_is_plain_lm(cfg):
+  m = model_lib.build_model(cfg.replace(mtp=dict(depth=0)), seed=1)
+  out = m(_rand_tokens(np.random.default_rng(0), 1, 8))
+  assert out.mtp_logits == () and len(out.hidden) == 1
+  assert model_lib.count_params(m)["mtp"] == 0
+
+
+def test_untied_head_has_its_own_weights(cfg):
+  m = model_lib.build_model(cfg.replace(model=dict(tie_embeddings=False)), seed=1)
+  assert hasattr(m, "lm_head")
+  tied = model_lib.count_params(model_lib.build_model(cfg, seed=1))["total"]
+  assert model_lib.count_params(m)["total"] == tied + cfg.model.d_model * cfg.model.vocab_size
+
+
+def test_causality(model):
+  toks = _rand_tokens(np.random.default_rng(1), 1, 10)
+  out_a = model(toks)
+  out_b = model(toks.at[0, 7].set((toks[0, 7] + 1) % 256))
+  # main head and h^0 at positions < 7 never see token 7
+  np.testing.assert_allclose(out_a.logits[0, :7], out_b.logits[0, :7], atol=1e-6)
+  # depth k at position i reads t_{i+k}: positions < 7-k are unaffected
+  for k, (la, lb) in enumerate(zip(out_a.mtp_logits, out_b.mtp_logits), start=1):
+    np.testing.assert_allclose(la[0, :7 - k], lb[0, :7 - k], atol=1e-6)
+    assert not np.allclose(la[0, 7 - k], lb[0, 7 - k])
+
+
+def test_packed_documents_are_isolated(model):
+  """A packed row gives each document the same outputs as running it alone
+  (segment mask + positions restarting at 0), wherever targets are valid."""
+  rng = np.random.default_rng(2)
+  doc1, doc2 = _rand_tokens(rng, 1, 7), _rand_tokens(rng, 1, 9)
+  packed = jnp.concatenate([doc1, doc2], 1)
+  seg = jnp.asarray([[1] * 7 + [2] * 9], jnp.int32)
+  pos = jnp.asarray([list(range(7)) + list(range(9))], jnp.int32)
+  out = model(packed, pos, seg)
+  alone1, alone2 = model(doc1), model(doc2)
+  np.testing.assert_allclose(out.logits[0, :7], alone1.logits[0], atol=1e-5)
+  np.testing.assert_allclose(out.logits[0, 7:], alone2.logits[0], atol=1e-5)
+  for k in range(1, model.mtp_depth + 1):
+    # depth k at i needs t_{i+k} inside the document: positions < len - k
+    np.testing.assert_allclose(out.mtp_logits[k - 1][0, :7 - k], alone1.mtp_logits[k - 1][0, :7 - k],
+                               atol=1e-5)
+    np.testing.assert_allclose(out.mtp_logits[k - 1][0, 7:16 - k],
+                               alone2.mtp_logits[k - 1][0, :9 - k], atol=1e-5)
+
+
+def test_kv_cache_matches_cache_free_forward(cfg, model):
+  """Backbone and every MTP module run chunk by chunk through their caches
+  (per-row offsets, with stale entries left behind by a rollback) equal the
+  cache-free forward."""
+  rng = np.random.default_rng(3)
+  b, t, s = 2, 14, 32
+  toks = _rand_tokens(rng, b, t)
+  full = model(toks)
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  caches = model_lib.init_layer_caches(cfg.model, cfg.model.num_layers, b, s)
+  mtp_caches = [model_lib.init_layer_caches(cfg.model, 1, b, s)[0] for _ in range(model.mtp_depth)]
+  # write garbage ahead (as a rejected speculative block would), then roll back
+  junk = _rand_tokens(rng, b, 6)
+  _, caches = model.backbone(junk, pos[:, 5:11], cache=caches)
+  hs = []
+  for lo, hi in [(0, 5), (5, 6), (6, 11), (11, 14)]:
+    h, caches = model.backbone(toks[:, lo:hi], pos[:, lo:hi], cache=caches)
+    hs.append(h)
+  h0 = jnp.concatenate(hs, 1)
+  np.testing.assert_allclose(h0, full.hidden[0], atol=2e-5)
+  h_prev = h0
+  for k in range(1, model.mtp_depth + 1):
+    n = t - k   # positions whose input t_{i+k} exists
+    outs = []
+    for lo, hi in [(0, 4), (4, n)]:
+      hk, mtp_caches[k - 1] = model.mtp_forward(k, h_prev[:, lo:hi], toks[:, lo + k:hi + k],
+                                                pos[:, lo:hi], cache=mtp_caches[k - 1])
+      outs.append(hk)
+    hk = jnp.concatenate(outs, 1)
+    np.testing.assert_allclose(hk, full.hidden[k][:, :n], atol=2e-5)
+    np.testing.assert_allclose(model.mtp_head(k, hk), full.mtp_logits[k - 1][:, :n], atol=1e-4)
+    h_prev = hk
+
+
+def test_per_row_offsets(cfg, model):
+  """Rows at different lengths write at their own offsets."""
+  rng = np.random.default_rng(4)
+  toks = _rand_tokens(rng, 2, 10)
+  full = model(toks)
+  caches = model_lib.init_layer_caches(cfg.model, cfg.model.num_layers, 2, 16)
+  # row 0 has 4 tokens cached, row 1 has 6
+  pre = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+  _, caches = model.backbone(toks[:, :6], pre, cache=caches)
+  pos = jnp.asarray([[4, 5, 6], [6, 7, 8]], jnp.int32)
+  new = jnp.stack([toks[0, 4:7], toks[1, 6:9]])
+  h, _ = model.backbone(new, pos, cache=caches)
+  np.testing.assert_allclose(h[0], full.hidden[0][0, 4:7], atol=2e-5)
+  np.testing.assert_allclose(h[1], full.hidden[0][1, 6:9], atol=2e-5)
+
+
+def test_gqa_equals_repeated_kv_heads(cfg):
+  """GQA with K kv heads equals MHA whose K/V projections repeat each head N/K times."""
+  m = model_lib.build_model(cfg, seed=3)
+  mha_cfg = cfg.replace(model=dict(num_kv_heads=cfg.model.num_heads))
+  mha = model_lib.build_model(mha_cfg, seed=3)
+  rep = cfg.model.num_heads // cfg.model.num_kv_heads
+  h = cfg.model.head_dim
+  src, dst = nnx.state(m, nnx.Param), nnx.state(mha, nnx.Param)
+  def expand(w):   # [D, K*H] -> [D, N*H]
+    d = w.shape[0]
+    return jnp.repeat(w.reshape(d, -1, h), rep, axis=1).reshape(d, -1)
+  flat_src = dict(nnx.to_flat_state(src))
+  new = {}
+  for path, var in nnx.to_flat_state(dst):
+    v = flat_src[path][...]
+    if path[-2] in ("k_proj", "v_proj"):
+      v = expand(v)
+    new[path] = v
+  for path, var in nnx.to_flat_state(dst):
+    var.set_value(new[path])
+  nnx.update(mha, dst)
+  toks = _rand_tokens(np.random.default_rng(5), 1, 9)
+  np.testing.assert_allclose(m(toks).logits, mha(toks).logits, atol=1e-5)
