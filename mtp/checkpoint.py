@@ -10,10 +10,9 @@ resumed run is checked against it before anything is written.
 
 from __future__ import annotations
 
-import json
 import os
-from typing import Any
 
+import grain
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -54,13 +53,15 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return list(self._manager.all_steps())
 
-  def save(self, step: int, params, opt_state, data_state: Any, cfg: Config, *, force: bool = True):
-    """Writes checkpoint ``step`` (blocking) with the JSON-serialisable
-    ``data_state`` (the grain iterator state)."""
-    args = ocp.args.Composite(
-        state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
-        data=ocp.args.JsonSave({"iterator": data_state}),
-        config=ocp.args.JsonSave(cfg.to_dict()))
+  def save(self, step: int, params, opt_state, data_iter, cfg: Config, *, force: bool = True):
+    """Writes checkpoint ``step`` (blocking) with the grain iterator's state
+    (one file per JAX process, ``<step>/data/process_{i}-of-{n}.json``;
+    skipped when ``data_iter`` is None, e.g. for synthetic data)."""
+    items = {"state": ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+             "config": ocp.args.JsonSave(cfg.to_dict())}
+    if data_iter is not None:
+      items["data"] = grain.checkpoint.CheckpointSave(data_iter)
+    args = ocp.args.Composite(**items)
     self._manager.save(step, args=args, force=force)
     self._manager.wait_until_finished()
 
@@ -76,13 +77,14 @@ class Checkpointer:
     except config_lib.ConfigError as e:
       raise CheckpointError(f"checkpoint {self._path(step)} holds an invalid config: {e}") from e
 
-  def restore(self, step: int | None, abstract_params, abstract_opt_state=None):
-    """Restores (params, opt_state, data_state) of checkpoint ``step``.
+  def restore(self, step: int | None, abstract_params, abstract_opt_state=None, data_iter=None):
+    """Restores (params, opt_state) of checkpoint ``step``, and sets
+    ``data_iter`` (a grain iterator) to the saved position.
 
     ``abstract_*`` are pytrees of ``jax.ShapeDtypeStruct`` (with shardings
     where wanted: arrays are restored directly into them). With
     ``abstract_opt_state=None`` only the parameters are read (inference) and
-    opt_state / data_state come back as None.
+    opt_state comes back as None.
 
     Raises CheckpointError for a missing or unreadable checkpoint.
     """
@@ -94,15 +96,15 @@ class Checkpointer:
                 item={"params": abstract_params},
                 restore_args=ocp.checkpoint_utils.construct_restore_args({"params": abstract_params}),
                 partial_restore=True)))
-        return restored["state"]["params"], None, None
+        return restored["state"]["params"], None
       restored = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore({"params": abstract_params, "opt_state": abstract_opt_state}),
-          data=ocp.args.JsonRestore()))
+          data=grain.checkpoint.CheckpointRestore(data_iter)))
     except Exception as e:
       raise CheckpointError(f"checkpoint {self._path(step)} is unreadable or does not match the "
                             f"model ({type(e).__name__}: {str(e)[:500]}); delete that step "
                             "directory to fall back to an earlier one") from e
-    return restored["state"]["params"], restored["state"]["opt_state"], restored["data"]["iterator"]
+    return restored["state"]["params"], restored["state"]["opt_state"]
 
   def close(self):
     self._manager.close()
@@ -139,11 +141,7 @@ def load_model(workdir: str, step: int | None = None):
   model = nnx.eval_shape(lambda: build_model(cfg))
   graphdef, abstract_params = nnx.split(model, nnx.Param)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params)
-  params, _, _ = ckpt.restore(step, abstract)
+  params, _ = ckpt.restore(step, abstract)
   ckpt.close()
   return cfg, nnx.merge(graphdef, params), step
 
-
-def read_json(path: str):
-  with open(path) as f:
-    return json.load(f)

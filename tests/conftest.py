@@ -4,9 +4,11 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import numpy as np
 import pytest
 
 from mtp import config as config_lib
+from mtp import tokenizer as tok
 
 
 def tiny_config(**sections) -> config_lib.Config:
@@ -29,3 +31,48 @@ def data_dir(tmp_path_factory):
   """A TFDS data dir private to the test session (embedded corpora build here)."""
   d = os.environ.get("MTP_TEST_DATA_DIR") or str(tmp_path_factory.mktemp("tfds"))
   return d
+
+
+# -- a tiny model trained on a synthetic Markov source --------------------------
+
+ALPHABET = np.frombuffer(b"abcdef ", np.uint8).astype(np.int32)
+
+
+def markov_batch(rng: np.random.Generator, batch: int, seq_len: int, transition: np.ndarray):
+  """[BOS] + a Markov chain over ALPHABET; transition [A, A] row-stochastic."""
+  a = len(ALPHABET)
+  states = np.empty((batch, seq_len - 1), np.int64)
+  states[:, 0] = rng.integers(0, a, batch)
+  cum = np.cumsum(transition, 1)
+  for t in range(1, seq_len - 1):
+    u = rng.random(batch)
+    states[:, t] = (u[:, None] > cum[states[:, t - 1]]).sum(1)
+  tokens = np.concatenate([np.full((batch, 1), tok.BOS_ID), ALPHABET[states]], 1).astype(np.int32)
+  return {"tokens": tokens, "segment_ids": np.ones_like(tokens),
+          "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), tokens.shape).copy()}
+
+
+def markov_transition(seed: int = 0) -> np.ndarray:
+  """A peaked but stochastic transition matrix (entropy ~1 bit per step)."""
+  rng = np.random.default_rng(seed)
+  a = len(ALPHABET)
+  logits = rng.normal(size=(a, a)) * 2.5
+  p = np.exp(logits)
+  return p / p.sum(1, keepdims=True)
+
+
+@pytest.fixture(scope="session")
+def trained_markov():
+  """(cfg, model): a D=2 tiny model trained ~200 steps on a Markov source, so
+  drafts are accepted often but not always and nearly all probability mass
+  sits on ALPHABET. Session-scoped: compiled and trained once (~20 s)."""
+  from train.loop import Trainer
+  cfg = tiny_config(train=dict(num_steps=200, batch_size=16, seq_len=32, warmup_steps=10,
+                               learning_rate=1e-2))
+  trainer = Trainer(cfg)
+  state = trainer.init_state()
+  rng = np.random.default_rng(0)
+  transition = markov_transition()
+  for _ in range(cfg.train.num_steps):
+    state, _ = trainer.train_step(state, markov_batch(rng, 16, 32, transition))
+  return cfg, trainer.model(state.params), transition

@@ -7,7 +7,7 @@ schema in ``mtp.config`` before anything runs.
 
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).",
@@ -19,6 +19,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
   from mtp.checkpoint import CheckpointError
   from mtp.config import ConfigError, from_dict
   from mtp.data import DataError

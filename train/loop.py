@@ -100,7 +100,7 @@ class Trainer:
       (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
       updates, opt_state = tx.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
-      return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads), "sums": sums}
+      return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "sums": sums}
 
     def eval_fn(params, batch):
       return loss_fn(params, batch)[1]
@@ -250,9 +250,8 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
   ckpt = ckpt_lib.Checkpointer(workdir, keep=cfg.checkpoint.keep)
   data_iter = iter(dataset)
   if resume_step is not None:
-    params, opt_state, data_state = ckpt.restore(resume_step, trainer.abstract_params,
-                                                 trainer.abstract_opt_state)
-    data_iter.set_state(data_state)
+    params, opt_state = ckpt.restore(resume_step, trainer.abstract_params,
+                                     trainer.abstract_opt_state, data_iter)
     state = TrainState(params, opt_state, resume_step)
     log(f"resumed from {ckpt.directory}/{resume_step}")
   else:
@@ -267,7 +266,7 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
         f"MTP modules {counts['mtp']:,}); devices {jax.device_count()} mesh {dict(trainer.mesh.shape)}")
 
   def save():
-    ckpt.save(state.step, state.params, state.opt_state, data_iter.get_state(), cfg)
+    ckpt.save(state.step, state.params, state.opt_state, data_iter, cfg)
 
   def evaluate():
     metrics = losses.summarize(trainer.eval_sums(state.params, eval_batches))

@@ -1,0 +1,55 @@
+"""python -m decode --workdir DIR --prompt "def main(" [--method mtp] [--compare] ...
+
+Parses flags and calls ``decode.run.run``; see ``python -m decode --help``.
+"""
+
+import json
+import sys
+
+from absl import app, flags, logging
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Trained run directory (target model).")
+_PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (use --prompt_file for a batch).")
+_PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "UTF-8 file, one prompt per line (batched).")
+_METHOD = flags.DEFINE_enum("method", "mtp", ["ar", "mtp", "draft"],
+                            "ar: autoregressive; mtp: drafts from the MTP modules; draft: "
+                            "drafts from --draft_workdir.")
+_DRAFT_WORKDIR = flags.DEFINE_string("draft_workdir", None, "Draft model run directory (--method draft).")
+_G = flags.DEFINE_integer("num_draft_tokens", 2, "Draft length G per round (>= 1).")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (>= 0; 0 = greedy).")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k (>= 0; 0 = off).")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Top-p in (0, 1] (1 = off).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Generated tokens per sample (>= 1).")
+_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Independent samples per prompt (>= 1).")
+_SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
+_COMPARE = flags.DEFINE_bool("compare", False, "Also run AR on the same prompts; report speedup.")
+_JSON = flags.DEFINE_string("json", None, "Write the report (tokens, text, stats) to this path.")
+flags.mark_flag_as_required("workdir")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  logging.set_verbosity(logging.ERROR)   # orbax warns about read-only managers
+  from decode.run import read_prompt_file, run
+  from decode.speculative import DecodeError, SamplingParams
+  from mtp.checkpoint import CheckpointError
+  try:
+    if (_PROMPT.value is None) == (_PROMPT_FILE.value is None):
+      raise DecodeError("give exactly one of --prompt or --prompt_file")
+    prompts = [_PROMPT.value] if _PROMPT.value is not None else read_prompt_file(_PROMPT_FILE.value)
+    report = run(_WORKDIR.value, prompts, method=_METHOD.value, num_draft_tokens=_G.value,
+                 draft_workdir=_DRAFT_WORKDIR.value, max_new_tokens=_MAX_NEW.value,
+                 sampling=SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value),
+                 num_samples=_NUM_SAMPLES.value, seed=_SEED.value, compare=_COMPARE.value)
+  except (DecodeError, CheckpointError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump(report, f, indent=2)
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)

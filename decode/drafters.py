@@ -1,0 +1,184 @@
+"""Drafters for speculative decoding: the trained MTP modules, or an
+independent small draft model.
+
+Conventions (DESIGN.md sections 5-6). Each row has committed tokens
+x_0..x_{n-1} in a token buffer ``tokens`` [B, S] int32; the target has
+processed positions 0..n-2. A drafter proposes d_1..d_G for positions
+n..n+G-1 together with the distributions q_1..q_G [B, G, V] it really
+sampled them from (the warped draft distribution; one-hot argmax at
+temperature 0), and writes the drafts into ``tokens`` at n..n+G-1 so the
+verify block [x_{n-1}, d_1..d_G] can be read straight from the buffer.
+
+Drafters are stateless objects holding static settings; their state is a
+pytree (``init_state``) threaded through jitted functions. Both keep their
+KV caches consistent with what the model saw in training: a draft's
+distribution equals that of a cache-free forward over the committed tokens
+followed by the earlier drafts (tests/test_decode.py checks this).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from decode import sampling
+from mtp.model import Transformer, init_layer_caches
+
+
+def gather_rows(buf: jax.Array, idx: jax.Array) -> jax.Array:
+  """buf [B, S, ...] at per-row indices idx [B, W] -> [B, W, ...] (clipped to S-1)."""
+  idx = jnp.clip(idx, 0, buf.shape[1] - 1)
+  idx = idx.reshape(idx.shape + (1,) * (buf.ndim - 2))
+  return jnp.take_along_axis(buf, idx, axis=1)
+
+
+def write_rows(buf: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
+  """Writes new [B, W, ...] into buf [B, S, ...] at per-row offsets [B] (in place under donation)."""
+  return jax.vmap(lambda b, x, o: jax.lax.dynamic_update_slice_in_dim(b, x, o, axis=0))(
+      buf, new.astype(buf.dtype), offsets)
+
+
+def warped_probs(logits: jax.Array, warp) -> jax.Array:
+  """probs [..., V] float32 after ``sampling.warp_logits`` with warp = (temperature, top_k, top_p)."""
+  return sampling.probs_from_logits(sampling.warp_logits(logits, *warp))
+
+
+class MTPDrafter:
+  """Drafts with the target's own MTP modules (DESIGN.md section 6).
+
+  All drafts of the round starting at n come from position n-2: module 1
+  reads h^0_{n-2} and x_{n-1}; module k reads h^{k-1}_{n-2} and d_{k-1}.
+  Module k keeps its own KV cache with committed length c_k (entries j < c_k
+  have inputs (h^{k-1}_j, x_{j+k}) with x_{j+k} committed). Each round it runs
+  a window of G+k positions from c_k (the first n-1-c_k of them, a+k after a
+  round that accepted a, are real; the rest are scratch entries past n-2 that
+  causal masking hides and later rounds overwrite), then sets c_k := n-k.
+  Committed hidden states h^{k-1} live in per-depth buffers
+  ``hidden[k-1]`` [B, S, D]; at speculative positions module k reads the
+  values module k-1 wrote in the same round, exactly as teacher forcing
+  would have produced them.
+
+  G < D uses modules 1..G. G > D reuses module D for steps D+1..G the way
+  vLLM does: step k feeds module D its own previous hidden state and the
+  previous draft one position further on. Those steps were never trained,
+  so expect acceptance to decay there.
+
+  Args:
+    num_draft_tokens: G >= 1.
+    depth: D >= 1 of the target model.
+  """
+
+  def __init__(self, num_draft_tokens: int, depth: int):
+    if depth < 1:
+      raise ValueError("the MTP drafter needs a checkpoint with mtp.depth >= 1 (this one has D = 0)")
+    if num_draft_tokens < 1:
+      raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    self.num_draft_tokens = num_draft_tokens
+    self.depth = depth
+    self.used = min(num_draft_tokens, depth)          # modules run in the exact chain
+
+  def init_state(self, target: Transformer, batch: int, cache_len: int):
+    cfg = target.cfg
+    caches = [init_layer_caches(cfg, 1, batch, cache_len)[0] for _ in range(self.used)]
+    hidden = jnp.zeros((self.used, batch, cache_len, cfg.d_model), jnp.dtype(cfg.dtype))
+    return {"caches": caches, "hidden": hidden,
+            "committed": jnp.zeros((self.used, batch), jnp.int32)}
+
+  def prefill(self, target: Transformer, state, tokens, lengths, h0, prefill_len: int):
+    """Runs modules 1..used over positions 0..prefill_len-1 (``h0`` [B, P-1, D]
+    is the target's output there) and commits c_k = max(n-1-k, 0)."""
+    b = tokens.shape[0]
+    pos = jnp.broadcast_to(jnp.arange(prefill_len, dtype=jnp.int32), (b, prefill_len))
+    hidden = state["hidden"].at[0, :, :prefill_len].set(h0.astype(state["hidden"].dtype))
+    caches = list(state["caches"])
+    h = h0
+    for k in range(1, self.used + 1):
+      nxt = gather_rows(tokens, pos + k)
+      h, caches[k - 1] = target.mtp_forward(k, h, nxt, pos, cache=caches[k - 1])
+      if k < self.used:
+        hidden = hidden.at[k, :, :prefill_len].set(h.astype(hidden.dtype))
+    ks = jnp.arange(1, self.used + 1, dtype=jnp.int32)[:, None]
+    committed = jnp.maximum(lengths[None, :] - 1 - ks, 0)
+    return {"caches": caches, "hidden": hidden, "committed": committed}
+
+  def draft(self, target: Transformer, state, tokens, n, key, warp):
+    """Returns (state, tokens, draft_tokens [B, G] int32, draft_probs [B, G, V] float32)."""
+    g = self.num_draft_tokens
+    keys = jax.random.split(key, g)
+    caches, hidden, committed = list(state["caches"]), state["hidden"], state["committed"]
+    drafts, qs = [], []
+    h_last = None
+    for k in range(1, self.used + 1):
+      c = committed[k - 1]
+      pos = c[:, None] + jnp.arange(g + k, dtype=jnp.int32)[None, :]
+      h_in = gather_rows(hidden[k - 1], pos)
+      h, caches[k - 1] = target.mtp_forward(k, h_in, gather_rows(tokens, pos + k), pos,
+                                            cache=caches[k - 1])
+      if k < self.used:
+        hidden = hidden.at[k].set(write_rows(hidden[k], h, c))
+      h_last = gather_rows(h, (n - 2 - c)[:, None])                # [B, 1, D] at position n-2
+      probs = warped_probs(target.mtp_head(k, h_last), warp)[:, 0]
+      d = sampling.sample(keys[k - 1], probs)
+      tokens = write_rows(tokens, d[:, None], n - 1 + k)
+      drafts.append(d)
+      qs.append(probs)
+    for k in range(self.used + 1, g + 1):                          # reuse module D
+      pos = (n - 2 + k - self.depth)[:, None]
+      h_last, caches[-1] = target.mtp_forward(self.depth, h_last, drafts[-1][:, None], pos,
+                                              cache=caches[-1])
+      probs = warped_probs(target.mtp_head(self.depth, h_last), warp)[:, 0]
+      d = sampling.sample(keys[k - 1], probs)
+      tokens = write_rows(tokens, d[:, None], n - 1 + k)
+      drafts.append(d)
+      qs.append(probs)
+    ks = jnp.arange(1, self.used + 1, dtype=jnp.int32)[:, None]
+    committed = jnp.maximum(n[None, :] - ks, 0)
+    state = {"caches": caches, "hidden": hidden, "committed": committed}
+    return state, tokens, jnp.stack(drafts, 1), jnp.stack(qs, 1)
+
+  def after_verify(self, state, h0_block, n):
+    """Stores the target's h^0 for the verify block (positions n-1..n+G-1)."""
+    hidden = state["hidden"].at[0].set(write_rows(state["hidden"][0], h0_block, n - 1))
+    return {**state, "hidden": hidden}
+
+
+class DraftModelDrafter:
+  """Classic speculative decoding with an independent draft model (Leviathan
+  et al. 2023; Chen et al. 2023) that shares the tokenizer.
+
+  The draft model keeps its own KV cache over positions 0..n-2 like the
+  target. Each round feeds [x_{n-2}, x_{n-1}] (re-feeding n-2 makes the cache
+  complete after a round that accepted all G drafts, when d_G was never fed)
+  to get q_1, then feeds each draft to get the next q: G calls per round.
+  """
+
+  def __init__(self, num_draft_tokens: int):
+    if num_draft_tokens < 1:
+      raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    self.num_draft_tokens = num_draft_tokens
+
+  def init_state(self, draft: Transformer, batch: int, cache_len: int):
+    return {"cache": init_layer_caches(draft.cfg, draft.cfg.num_layers, batch, cache_len)}
+
+  def prefill(self, draft: Transformer, state, tokens, lengths, prefill_len: int):
+    b = tokens.shape[0]
+    pos = jnp.broadcast_to(jnp.arange(prefill_len, dtype=jnp.int32), (b, prefill_len))
+    _, cache = draft.backbone(tokens[:, :prefill_len], pos, cache=state["cache"])
+    return {"cache": cache}
+
+  def draft(self, draft: Transformer, state, tokens, n, key, warp):
+    g = self.num_draft_tokens
+    keys = jax.random.split(key, g)
+    cache = state["cache"]
+    pos = (n - 2)[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
+    inp = gather_rows(tokens, pos)
+    drafts, qs = [], []
+    for j in range(1, g + 1):
+      h, cache = draft.backbone(inp, pos, cache=cache)
+      probs = warped_probs(draft.head(h[:, -1:]), warp)[:, 0]
+      d = sampling.sample(keys[j - 1], probs)
+      tokens = write_rows(tokens, d[:, None], n - 1 + j)
+      drafts.append(d)
+      qs.append(probs)
+      inp, pos = d[:, None], (n - 1 + j)[:, None]
+    return {"cache": cache}, tokens, jnp.stack(drafts, 1), jnp.stack(qs, 1)

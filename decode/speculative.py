@@ -1,0 +1,329 @@
+"""KV-cached decoding: autoregressive baseline and speculative decoding with
+an MTP or draft-model drafter, in two forms each.
+
+- ``Decoder.stream(...)``: a jitted prefill and a jitted single round (one
+  target call) driven from Python: streaming, per-token timing, early stop.
+- ``Decoder.generate(...)``: prefill then every round inside one
+  ``jax.lax.while_loop`` (throughput; one host round trip per generation).
+
+Both run the same ``_round`` function, so they emit identical tokens for the
+same seed. One round for a row with committed tokens x_0..x_{n-1} (target
+cache valid for 0..n-2; DESIGN.md section 5):
+
+1. draft d_1..d_G with distributions q_1..q_G (``decode.drafters``);
+2. verify: one target forward over [x_{n-1}, d_1..d_G] at positions
+   n-1..n+G-1, p_j = warp(l_j);
+3. accept with ``sampling.rejection_sample`` (Leviathan et al. 2023,
+   Algorithm 1): a accepted drafts plus one residual/bonus token;
+4. commit: n' = n + e where e <= a+1 is cut at EOS (kept) and at the token
+   budget, never overshooting ``max_new_tokens``. Rolling back the caches is
+   setting lengths; stale entries are masked and later overwritten.
+
+The AR baseline is the same round with G = 0: one target call per token.
+Caches and buffers are donated, so writes happen in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from decode import sampling
+from decode.drafters import DraftModelDrafter, MTPDrafter, gather_rows, warped_probs, write_rows
+from mtp import tokenizer as tok
+from mtp.model import Transformer, init_layer_caches
+
+METHODS = ("ar", "mtp", "draft")
+PROMPT_BUCKET = 64      # prompt lengths are padded to a multiple: no recompile per length
+
+
+class DecodeError(ValueError):
+  """Bad decoding input (the message names the flag or field)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """temperature >= 0 (0 = greedy), top_k >= 0 (0 = off), top_p in (0, 1] (1 = off)."""
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def validate(self):
+    if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0
+            and math.isfinite(self.temperature)):
+      raise DecodeError(f"--temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
+    if not (isinstance(self.top_k, int) and self.top_k >= 0):
+      raise DecodeError(f"--top_k={self.top_k!r} must be an integer >= 0 (0 disables top-k)")
+    if not (0 < self.top_p <= 1):
+      raise DecodeError(f"--top_p={self.top_p!r} must be in (0, 1] (1 disables top-p)")
+    return self
+
+  def as_arrays(self):
+    return (jnp.float32(self.temperature), jnp.int32(self.top_k), jnp.float32(self.top_p))
+
+
+@dataclasses.dataclass
+class Generation:
+  """Result of one batched generation.
+
+  tokens: per row, the generated ids (int32 numpy, EOS included if emitted).
+  prompt_lengths: per row, prompt length including BOS.
+  accepted_histogram: [B, G+1] int64, rounds per number of accepted drafts a.
+  target_calls: [B] int64, target verification calls while the row was active.
+  emit_times: per row, seconds from the start of the request to each emitted
+    token (stream form only; tokens of one round share a time).
+  wall_time_s: seconds for the whole call (prefill included), after compilation.
+  """
+  tokens: list[np.ndarray]
+  prompt_lengths: np.ndarray
+  accepted_histogram: np.ndarray
+  target_calls: np.ndarray
+  emit_times: list[list[float]] | None
+  wall_time_s: float
+  num_draft_tokens: int
+
+
+class Decoder:
+  """Batched KV-cached decoder for one target model and one method.
+
+  Args:
+    target: trained ``Transformer``.
+    method: "ar" (one target call per token), "mtp" (drafts from the
+      target's MTP modules) or "draft" (independent ``draft`` model).
+    num_draft_tokens: G >= 1 for "mtp"/"draft" (ignored for "ar").
+    draft: draft model for method "draft" (same tokenizer / vocabulary).
+  Raises:
+    DecodeError: unknown method, G < 1, "mtp" with D = 0, or a draft model
+      with another vocabulary.
+  """
+
+  def __init__(self, target: Transformer, method: str = "mtp", num_draft_tokens: int = 2,
+               draft: Transformer | None = None):
+    if method not in METHODS:
+      raise DecodeError(f"--method={method!r} must be one of {METHODS}")
+    self.method = method
+    self.target_graphdef, self.target_params = nnx.split(target, nnx.Param)
+    self.target_cfg = target.cfg
+    self.draft_graphdef = self.draft_params = None
+    if method == "ar":
+      self.G, self.drafter = 0, None
+    else:
+      if not (isinstance(num_draft_tokens, int) and num_draft_tokens >= 1):
+        raise DecodeError(f"--num_draft_tokens={num_draft_tokens!r} must be an integer >= 1")
+      self.G = num_draft_tokens
+      if method == "mtp":
+        if target.mtp_depth < 1:
+          raise DecodeError("--method=mtp needs a checkpoint trained with mtp.depth >= 1; this one "
+                            "has D = 0 (use --method=ar or --method=draft)")
+        self.drafter = MTPDrafter(num_draft_tokens, target.mtp_depth)
+      else:
+        if draft is None:
+          raise DecodeError("--method=draft needs a draft model (--draft_workdir)")
+        if draft.cfg.vocab_size != target.cfg.vocab_size:
+          raise DecodeError(f"--draft_workdir model has vocab_size {draft.cfg.vocab_size}, the target "
+                            f"has {target.cfg.vocab_size}: draft and target must share the vocabulary")
+        self.drafter = DraftModelDrafter(num_draft_tokens)
+        self.draft_graphdef, self.draft_params = nnx.split(draft, nnx.Param)
+    self._prefill_fn = jax.jit(self._prefill, donate_argnums=(2,), static_argnums=(3,))
+    self._round_fn = jax.jit(self._round, donate_argnums=(2,))
+    self._generate_fn = jax.jit(self._generate, donate_argnums=(2,), static_argnums=(4,))
+
+  def target(self) -> Transformer:
+    """The target model."""
+    return nnx.merge(self.target_graphdef, self.target_params)
+
+  # -- pure pieces (traced) ---------------------------------------------------
+
+  def _models(self, params, draft_params):
+    target = nnx.merge(self.target_graphdef, params)
+    draft = None if draft_params is None else nnx.merge(self.draft_graphdef, draft_params)
+    return target, draft
+
+  def _prefill(self, params, draft_params, state, p: int):
+    """Target (and drafter) over positions 0..p-1 (p = prompt bucket - 1, static)."""
+    target, draft = self._models(params, draft_params)
+    tokens, n = state["tokens"], state["length"]
+    b = tokens.shape[0]
+    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    h0, cache = target.backbone(tokens[:, :p], pos, cache=state["cache"])
+    state = {**state, "cache": cache}
+    if self.method == "mtp":
+      state["drafter"] = self.drafter.prefill(target, state["drafter"], tokens, n, h0, p)
+    elif self.method == "draft":
+      state["drafter"] = self.drafter.prefill(draft, state["drafter"], tokens, n, p)
+    return state
+
+  def _propose(self, target, draft, state, warp):
+    """Draft and verify: returns (state with drafts written and the target
+    cache extended, draft_tokens [B, G], draft_probs [B, G, V], target_probs
+    [B, G+1, V], h0 [B, G+1, D], accept key)."""
+    g = self.G
+    tokens, n = state["tokens"], state["length"]
+    key, k_draft, k_accept = jax.random.split(state["key"], 3)
+    state = {**state, "key": key}
+    d_tok = d_probs = None
+    if g:
+      model = target if self.method == "mtp" else draft
+      dstate, tokens, d_tok, d_probs = self.drafter.draft(model, state["drafter"], tokens, n,
+                                                          k_draft, warp)
+      state["drafter"] = dstate
+    block_pos = (n - 1)[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]
+    h0, cache = target.backbone(gather_rows(tokens, block_pos), block_pos, cache=state["cache"])
+    p = warped_probs(target.head(h0), warp)                        # [B, G+1, V]
+    return {**state, "tokens": tokens, "cache": cache}, d_tok, d_probs, p, h0, k_accept
+
+  def _commit(self, state, d_tok, a, nxt, h0):
+    """Emits d_1..d_a then ``nxt`` per row, cut after an EOS and at the token
+    budget; updates lengths, done flags, statistics and drafter state."""
+    g = self.G
+    n, done = state["length"], state["done"]
+    b = n.shape[0]
+    cand = (jnp.concatenate([d_tok, jnp.zeros((b, 1), jnp.int32)], 1) if g
+            else jnp.zeros((b, 1), jnp.int32))
+    idx = jnp.arange(g + 1)[None, :]
+    cand = jnp.where(idx == a[:, None], nxt[:, None], cand)         # d_1..d_a, next
+    is_eos = (cand == tok.EOS_ID) & (idx <= a[:, None])
+    first_eos = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1), g + 1)
+    remaining = state["max_new"] - (n - state["prompt_len"])
+    e = jnp.minimum(jnp.minimum(a + 1, remaining), first_eos + 1)
+    active = ~done
+    e = jnp.where(active, e, 0)
+    new_n = n + e
+    done = done | (first_eos < e) | (new_n - state["prompt_len"] >= state["max_new"])
+    # A done row's writes land past its length and are never read.
+    state = {**state, "tokens": write_rows(state["tokens"], cand, n), "length": new_n,
+             "done": done, "target_calls": state["target_calls"] + active,
+             "accepted_histogram": state["accepted_histogram"]
+             + jax.nn.one_hot(a, g + 1, dtype=jnp.int32) * active[:, None]}
+    if self.method == "mtp":
+      state["drafter"] = self.drafter.after_verify(state["drafter"], h0, n)
+    return state
+
+  def _round(self, params, draft_params, state, warp):
+    """One draft-verify-accept-commit round for every row (no-op for done rows)."""
+    target, draft = self._models(params, draft_params)
+    state, d_tok, d_probs, p, h0, key = self._propose(target, draft, state, warp)
+    if self.G:
+      a, nxt = sampling.rejection_sample(key, p, d_probs, d_tok)
+    else:
+      a, nxt = jnp.zeros_like(state["length"]), sampling.sample(key, p[:, 0])
+    return self._commit(state, d_tok, a, nxt, h0)
+
+  def _generate(self, params, draft_params, state, warp, prefill_len: int):
+    state = self._prefill(params, draft_params, state, prefill_len)
+    max_rounds = jnp.max(state["max_new"])
+    def cond(carry):
+      s, i = carry
+      return jnp.logical_and(~jnp.all(s["done"]), i < max_rounds)
+    def body(carry):
+      s, i = carry
+      return self._round(params, draft_params, s, warp), i + 1
+    state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
+    return state
+
+  # -- host side ---------------------------------------------------------------
+
+  def prepare(self, prompts: Sequence[np.ndarray], max_new_tokens: int, seed: int):
+    """Builds the initial state for a batch of token prompts (BOS included);
+    returns (state, prefill_len).
+
+    Raises DecodeError for an empty batch, a prompt without any token after
+    BOS, or prompt + max_new_tokens beyond the model's max_seq_len.
+    """
+    if not prompts:
+      raise DecodeError("no prompts given")
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+      raise DecodeError(f"--max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    max_len = self.target_cfg.max_seq_len
+    for i, p in enumerate(prompts):
+      if len(p) < 2:
+        raise DecodeError(f"prompt {i} is empty: give at least one byte of text after BOS")
+      if len(p) + max_new_tokens > max_len:
+        room = max_len - len(p)
+        raise DecodeError(
+            f"prompt {i} has {len(p)} tokens (with BOS); with --max_new_tokens={max_new_tokens} it "
+            f"exceeds the model's max_seq_len={max_len}"
+            + (f" (at most {room} new tokens fit)" if room > 0 else " (no room left to generate)"))
+    b = len(prompts)
+    p_len = PROMPT_BUCKET * math.ceil(int(lengths.max()) / PROMPT_BUCKET)
+    # scratch room past the budget for verify blocks and drafter windows
+    headroom = 2 * self.G + 4 + (self.drafter.depth if isinstance(self.drafter, MTPDrafter) else 0)
+    cache_len = PROMPT_BUCKET * math.ceil((p_len + max_new_tokens + headroom) / PROMPT_BUCKET)
+    tokens = np.full((b, cache_len), tok.PAD_ID, np.int32)
+    for i, p in enumerate(prompts):
+      tokens[i, :len(p)] = p
+    target = nnx.merge(self.target_graphdef, self.target_params)
+    state = {
+        "tokens": jnp.asarray(tokens),
+        "length": jnp.asarray(lengths),
+        "prompt_len": jnp.asarray(lengths),
+        "max_new": jnp.full((b,), max_new_tokens, jnp.int32),
+        "done": jnp.zeros((b,), bool),
+        "key": jax.random.key(seed),
+        "cache": init_layer_caches(self.target_cfg, self.target_cfg.num_layers, b, cache_len),
+        "target_calls": jnp.zeros((b,), jnp.int32),
+        "accepted_histogram": jnp.zeros((b, self.G + 1), jnp.int32),
+    }
+    if self.method == "mtp":
+      state["drafter"] = self.drafter.init_state(target, b, cache_len)
+    elif self.method == "draft":
+      draft = nnx.merge(self.draft_graphdef, self.draft_params)
+      state["drafter"] = self.drafter.init_state(draft, b, cache_len)
+    return state, p_len - 1
+
+  def _result(self, state, emit_times, wall):
+    host = jax.device_get({k: state[k] for k in ("tokens", "length", "prompt_len",
+                                                  "target_calls", "accepted_histogram")})
+    rows = [host["tokens"][i, host["prompt_len"][i]:host["length"][i]].copy()
+            for i in range(host["tokens"].shape[0])]
+    return Generation(rows, host["prompt_len"], host["accepted_histogram"].astype(np.int64),
+                      host["target_calls"].astype(np.int64), emit_times, wall, self.G)
+
+  def generate(self, prompts, max_new_tokens: int, sampling_params: SamplingParams, seed: int = 0):
+    """Whole generation in one jitted ``while_loop`` (throughput form)."""
+    warp = sampling_params.validate().as_arrays()
+    state, prefill_len = self.prepare(prompts, max_new_tokens, seed)
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    state = self._generate_fn(self.target_params, self.draft_params, state, warp, prefill_len)
+    jax.block_until_ready(state["length"])
+    return self._result(state, None, time.perf_counter() - t0)
+
+  def stream(self, prompts, max_new_tokens: int, sampling_params: SamplingParams, seed: int = 0,
+             on_tokens: Callable[[int, np.ndarray], None] | None = None):
+    """Jitted prefill + one jitted round per Python step (streaming form).
+
+    ``on_tokens(row, new_ids)`` is called after each round with each row's
+    newly emitted ids. Emits exactly what ``generate`` emits for the same seed.
+    """
+    warp = sampling_params.validate().as_arrays()
+    state, prefill_len = self.prepare(prompts, max_new_tokens, seed)
+    jax.block_until_ready(state)
+    b = len(prompts)
+    emit_times: list[list[float]] = [[] for _ in range(b)]
+    t0 = time.perf_counter()
+    state = self._prefill_fn(self.target_params, self.draft_params, state, prefill_len)
+    prev = np.asarray(state["length"])
+    for _ in range(max_new_tokens):
+      state = self._round_fn(self.target_params, self.draft_params, state, warp)
+      length, done = jax.device_get((state["length"], state["done"]))
+      now = time.perf_counter() - t0
+      if on_tokens is not None and np.any(length > prev):
+        toks = np.asarray(state["tokens"])
+      for i in np.nonzero(length > prev)[0]:
+        emit_times[i].extend([now] * int(length[i] - prev[i]))
+        if on_tokens is not None:
+          on_tokens(int(i), toks[i, prev[i]:length[i]])
+      prev = length
+      if done.all():
+        break
+    wall = time.perf_counter() - t0
+    return self._result(state, emit_times, wall)

@@ -1,0 +1,79 @@
+"""Decoding statistics (definitions of DESIGN.md section 7).
+
+- mean accepted length tau: tokens per target verification call, the mean of
+  a+1 over rounds (a = accepted drafts; AR has tau = 1). The budget or an EOS
+  may cut a round's output short; tau counts the round as verified (a+1), so
+  it measures the drafter, not the budget.
+- acceptance rate alpha_k: P(d_k accepted | d_1..d_{k-1} accepted), from the
+  histogram of a: rounds with a >= k over rounds with a >= k-1.
+- TTFT: seconds from the request (before prefill) to the first emitted token.
+- ITL: seconds between successive emitted tokens of a row as a client sees
+  them; tokens emitted by the same round arrive together (gap 0), which is
+  what makes speculative decoding's ITL distribution bimodal.
+- tokens_per_s: emitted tokens over the whole batch / wall time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from decode.speculative import Generation
+
+
+def acceptance_rates(histogram: np.ndarray) -> list[float | None]:
+  """alpha_k for k = 1..G from a histogram [G+1] of accepted counts (None
+  where no round reached position k)."""
+  h = np.asarray(histogram, np.float64)
+  g = len(h) - 1
+  reach = np.cumsum(h[::-1])[::-1]          # reach[j] = rounds with a >= j
+  return [float(reach[k] / reach[k - 1]) if reach[k - 1] > 0 else None for k in range(1, g + 1)]
+
+
+def summarize(gen: Generation, rows: Sequence[int] | None = None) -> dict:
+  """Statistics over ``rows`` (default: all) of a generation. Keys:
+  mean_accepted_length, acceptance_rate_per_position,
+  accepted_length_histogram, target_calls, num_tokens, ttft_s, itl_p50_s,
+  itl_p90_s, tokens_per_s, wall_time_s. Times are in seconds; timing keys are
+  None for the while_loop form, which has no per-token times."""
+  rows = list(range(len(gen.tokens))) if rows is None else list(rows)
+  hist = gen.accepted_histogram[rows].sum(0)
+  calls = int(gen.target_calls[rows].sum())
+  num_tokens = int(sum(len(gen.tokens[i]) for i in rows))
+  verified = float((hist * (np.arange(len(hist)) + 1)).sum())
+  out = {
+      "mean_accepted_length": verified / calls if calls else None,
+      "acceptance_rate_per_position": acceptance_rates(hist),
+      "accepted_length_histogram": [int(x) for x in hist],
+      "target_calls": calls,
+      "num_tokens": num_tokens,
+      "ttft_s": None, "itl_p50_s": None, "itl_p90_s": None,
+      "tokens_per_s": num_tokens / gen.wall_time_s if gen.wall_time_s > 0 else None,
+      "wall_time_s": gen.wall_time_s,
+  }
+  if gen.emit_times is not None:
+    firsts = [gen.emit_times[i][0] for i in rows if gen.emit_times[i]]
+    gaps = np.concatenate([np.diff(gen.emit_times[i]) for i in rows if len(gen.emit_times[i]) > 1]
+                          or [np.zeros(0)])
+    out["ttft_s"] = float(np.median(firsts)) if firsts else None
+    if gaps.size:
+      out["itl_p50_s"] = float(np.percentile(gaps, 50))
+      out["itl_p90_s"] = float(np.percentile(gaps, 90))
+  return out
+
+
+def format_summary(name: str, s: dict) -> str:
+  """Human-readable block for the CLI."""
+  num = lambda x, spec: "n/a" if x is None else format(x, spec)
+  ms = lambda x: "n/a" if x is None else f"{x * 1e3:.2f} ms"
+  alphas = ", ".join(f"alpha_{k}={num(a, '.3f')}" for k, a in
+                     enumerate(s["acceptance_rate_per_position"], 1)) or "n/a (AR)"
+  return "\n".join([
+      f"[{name}] tokens {s['num_tokens']}  target calls {s['target_calls']}  "
+      f"tau {num(s['mean_accepted_length'], '.3f')}",
+      f"  acceptance per position: {alphas}",
+      f"  accepted-length histogram (a = 0..G): {s['accepted_length_histogram']}",
+      f"  TTFT {ms(s['ttft_s'])}  ITL p50 {ms(s['itl_p50_s'])}  p90 {ms(s['itl_p90_s'])}  "
+      f"throughput {num(s['tokens_per_s'], '.1f')} tok/s  wall {s['wall_time_s']:.3f} s",
+  ])

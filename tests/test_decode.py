@@ -1,0 +1,246 @@
+"""Decoding engine: cache exactness, greedy equality, budgets/EOS, bad input.
+
+The statistical (end-to-end distribution) tests live in
+tests/test_decode_distribution.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from decode import drafters as drafters_lib
+from decode.speculative import DecodeError, Decoder, SamplingParams
+from mtp import model as model_lib
+from mtp import tokenizer as tok
+from tests.conftest import ALPHABET, tiny_config
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _prompts(lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [np.concatenate([[tok.BOS_ID], rng.choice(ALPHABET, n)]).astype(np.int32) for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def target(trained_markov):
+  return trained_markov[1]
+
+
+@pytest.fixture(scope="module")
+def ar_greedy(target):
+  """AR greedy reference for a batch of prompts of different lengths."""
+  prompts = _prompts([3, 9, 17, 30])
+  return prompts, Decoder(target, "ar").generate(prompts, 24, GREEDY)
+
+
+# -- cache exactness --------------------------------------------------------------
+
+@pytest.mark.parametrize("num_draft_tokens", [2, 1])
+def test_mtp_draft_and_verify_logits_equal_cache_free_forward(target, num_draft_tokens):
+  """After prefill and over rounds with random accepted lengths (forced, per
+  row), every MTP module's q_k equals a cache-free forward of the backbone and
+  modules over the committed tokens followed by the drafts, and the verify
+  distributions equal the cache-free target's (DESIGN.md section 6)."""
+  g = num_draft_tokens
+  dec = Decoder(target, "mtp", g)
+  warp = SamplingParams(temperature=1.0).as_arrays()
+  prompts = _prompts([2, 7, 12], seed=g)
+  state, prefill_len = dec.prepare(prompts, 40, seed=0)
+  state = dec._prefill_fn(dec.target_params, None, state, prefill_len)
+  propose = jax.jit(lambda params, s: dec._propose(*dec._models(params, None), s, warp))
+  commit = jax.jit(dec._commit)
+  full = jax.jit(lambda params, x: (lambda o: (o.logits, o.mtp_logits))(
+      dec._models(params, None)[0](x)))
+  rng = np.random.default_rng(1)
+  for _ in range(6):
+    state, d_tok, d_probs, p, h0, _ = propose(dec.target_params, state)
+    tokens, n = np.asarray(state["tokens"]), np.asarray(state["length"])
+    for b in range(len(prompts)):
+      seq = jnp.asarray(tokens[b:b + 1, :n[b] + g])       # committed + drafts
+      logits, mtp_logits = full(dec.target_params, seq)
+      np.testing.assert_allclose(p[b], jax.nn.softmax(logits[0, n[b] - 1:n[b] + g]), atol=2e-5)
+      for k in range(1, min(g, target.mtp_depth) + 1):
+        np.testing.assert_allclose(d_probs[b, k - 1], jax.nn.softmax(mtp_logits[k - 1][0, n[b] - 2]),
+                                   atol=2e-5, err_msg=f"row {b} depth {k}")
+    a = jnp.asarray(rng.integers(0, g + 1, len(prompts)), jnp.int32)
+    nxt = jnp.asarray(rng.choice(ALPHABET, len(prompts)), jnp.int32)
+    state = commit(state, d_tok, a, nxt, h0)
+
+
+def test_draft_model_drafts_equal_cache_free_forward(target):
+  draft = model_lib.build_model(tiny_config(mtp=dict(depth=0), model=dict(num_layers=1)), seed=7)
+  g = 3
+  dec = Decoder(target, "draft", g, draft)
+  warp = SamplingParams(temperature=1.0).as_arrays()
+  prompts = _prompts([2, 6], seed=3)
+  state, prefill_len = dec.prepare(prompts, 40, seed=0)
+  state = dec._prefill_fn(dec.target_params, dec.draft_params, state, prefill_len)
+  propose = jax.jit(lambda tp, dp, s: dec._propose(*dec._models(tp, dp), s, warp))
+  commit = jax.jit(dec._commit)
+  rng = np.random.default_rng(2)
+  for _ in range(5):
+    state, d_tok, d_probs, p, h0, _ = propose(dec.target_params, dec.draft_params, state)
+    tokens, n = np.asarray(state["tokens"]), np.asarray(state["length"])
+    for b in range(len(prompts)):
+      ref = jax.nn.softmax(draft(jnp.asarray(tokens[b:b + 1, :n[b] + g])).logits[0])
+      np.testing.assert_allclose(d_probs[b], ref[n[b] - 1:n[b] - 1 + g], atol=2e-5)
+    # include all-accepted rounds, where d_G was never fed to the draft model
+    a = jnp.asarray(rng.choice([0, g, g], len(prompts)), jnp.int32)
+    state = commit(state, d_tok, a, jnp.asarray(rng.choice(ALPHABET, len(prompts)), jnp.int32), h0)
+
+
+# -- greedy equality ----------------------------------------------------------------
+
+@pytest.mark.parametrize("g", [1, 2, 3])
+def test_mtp_greedy_equals_ar(target, ar_greedy, g):
+  """Batch of prompts with different lengths; G = 3 > D = 2 reuses module D."""
+  prompts, ref = ar_greedy
+  dec = Decoder(target, "mtp", g)
+  for gen in (dec.generate(prompts, 24, GREEDY), dec.stream(prompts, 24, GREEDY)):
+    for b in range(len(prompts)):
+      np.testing.assert_array_equal(gen.tokens[b], ref.tokens[b], err_msg=f"G={g} row {b}")
+  hist = gen.accepted_histogram
+  assert hist[:, 1:].sum() > 0, "the trained drafter should get some drafts accepted"
+  # rows accepted different numbers of drafts in the same rounds
+  assert len({tuple(h) for h in hist}) > 1
+
+
+def test_ar_stream_equals_while_loop(target, ar_greedy):
+  prompts, ref = ar_greedy
+  gen = Decoder(target, "ar").stream(prompts, 24, GREEDY)
+  for b in range(len(prompts)):
+    np.testing.assert_array_equal(gen.tokens[b], ref.tokens[b])
+  assert (gen.target_calls == 24).all()
+
+
+class _FixedDrafter(drafters_lib.DraftModelDrafter):
+  """Test drafter: proposes tokens from a rule, with one-hot q."""
+
+  def __init__(self, g, rule):
+    super().__init__(g)
+    self.rule = rule
+
+  def init_state(self, draft, batch, cache_len):
+    return {}
+
+  def prefill(self, draft, state, tokens, lengths, prefill_len):
+    return state
+
+  def draft(self, draft, state, tokens, n, key, warp):
+    d = self.rule(key, tokens, n, self.num_draft_tokens)
+    for j in range(self.num_draft_tokens):
+      tokens = drafters_lib.write_rows(tokens, d[:, j:j + 1], n + j)
+    return state, tokens, d, jax.nn.one_hot(d, 264, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("rule_name", ["random", "adversarial_pad", "copy_last"])
+def test_greedy_equals_ar_with_random_and_adversarial_drafters(target, ar_greedy, rule_name):
+  rules = {
+      "random": lambda key, tokens, n, g: jax.random.choice(key, jnp.asarray(ALPHABET), (n.shape[0], g)),
+      # ids the target can never emit at temperature 0 here (PAD / vocab padding)
+      "adversarial_pad": lambda key, tokens, n, g: jnp.full((n.shape[0], g), tok.PAD_ID, jnp.int32)
+      .at[:, -1].set(263),
+      "copy_last": lambda key, tokens, n, g: jnp.repeat(
+          drafters_lib.gather_rows(tokens, (n - 1)[:, None]), g, axis=1),
+  }
+  prompts, ref = ar_greedy
+  dec = Decoder(target, "draft", 3, target)
+  dec.drafter = _FixedDrafter(3, rules[rule_name])
+  gen = dec.generate(prompts, 24, GREEDY)
+  for b in range(len(prompts)):
+    np.testing.assert_array_equal(gen.tokens[b], ref.tokens[b], err_msg=f"{rule_name} row {b}")
+  if rule_name == "adversarial_pad":
+    assert gen.accepted_histogram[:, 1:].sum() == 0
+
+
+def test_draft_model_greedy_equals_ar(target, ar_greedy):
+  prompts, ref = ar_greedy
+  small = model_lib.build_model(tiny_config(mtp=dict(depth=0), model=dict(num_layers=1)), seed=5)
+  for draft in (target, small):    # the target as its own drafter accepts everything
+    gen = Decoder(target, "draft", 2, draft).generate(prompts, 24, GREEDY)
+    for b in range(len(prompts)):
+      np.testing.assert_array_equal(gen.tokens[b], ref.tokens[b])
+  full = Decoder(target, "draft", 2, target).generate(prompts, 24, GREEDY)
+  # p == q: every draft accepted (only the budget can cut the last round short)
+  assert full.accepted_histogram[:, :2].sum() == 0
+
+
+# -- EOS, budget, lengths -----------------------------------------------------------
+
+def _commit_case(g, d_tok, a, nxt, n, prompt_len, max_new):
+  target = model_lib.build_model(tiny_config(mtp=dict(depth=0), model=dict(num_layers=1)), seed=0)
+  dec = Decoder(target, "draft", g, target)
+  b = len(n)
+  state = {"tokens": jnp.zeros((b, 64), jnp.int32), "length": jnp.asarray(n, jnp.int32),
+           "prompt_len": jnp.asarray(prompt_len, jnp.int32),
+           "max_new": jnp.asarray(max_new, jnp.int32), "done": jnp.zeros((b,), bool),
+           "target_calls": jnp.zeros((b,), jnp.int32),
+           "accepted_histogram": jnp.zeros((b, g + 1), jnp.int32), "drafter": {}}
+  out = dec._commit(state, jnp.asarray(d_tok, jnp.int32), jnp.asarray(a, jnp.int32),
+                    jnp.asarray(nxt, jnp.int32), None)
+  return jax.device_get(out)
+
+
+def test_eos_inside_accepted_block_and_budget_mid_block():
+  e = tok.EOS_ID
+  out = _commit_case(
+      g=4,
+      d_tok=[[10, e, 12, 13], [10, 11, 12, 13], [10, 11, 12, 13], [10, 11, 12, 13]],
+      a=[4, 4, 1, 4], nxt=[99, 99, e, 99],
+      n=[5, 5, 5, 5], prompt_len=[5, 5, 5, 3], max_new=[50, 3, 50, 50])
+  # row 0: EOS is the 2nd accepted draft: emit [10, EOS], stop
+  # row 1: budget 3 reached inside the block: emit [10, 11, 12], stop
+  # row 2: one accepted then EOS as the residual token: emit [10, EOS], stop
+  # row 3: all accepted + bonus: 5 tokens, continue
+  np.testing.assert_array_equal(out["length"], [7, 8, 7, 10])
+  np.testing.assert_array_equal(out["done"], [True, True, True, False])
+  np.testing.assert_array_equal(out["tokens"][0, 5:7], [10, e])
+  np.testing.assert_array_equal(out["tokens"][1, 5:8], [10, 11, 12])
+  np.testing.assert_array_equal(out["tokens"][3, 5:10], [10, 11, 12, 13, 99])
+  np.testing.assert_array_equal(out["accepted_histogram"][:, 4], [1, 1, 0, 1])
+
+
+def test_done_rows_emit_nothing_more(target):
+  prompts = _prompts([4, 20])
+  gen = Decoder(target, "mtp", 2).generate(prompts, 7, SamplingParams(temperature=1.0), seed=3)
+  assert all(len(t) <= 7 for t in gen.tokens)
+  assert all(len(t) == 7 or t[-1] == tok.EOS_ID for t in gen.tokens)
+
+
+# -- bad input ------------------------------------------------------------------------
+
+def test_bad_input_errors(target):
+  dec = Decoder(target, "mtp", 2)
+  max_len = target.cfg.max_seq_len
+  with pytest.raises(DecodeError, match="empty"):
+    dec.prepare([np.asarray([tok.BOS_ID], np.int32)], 4, 0)
+  with pytest.raises(DecodeError, match="no room left"):
+    dec.prepare(_prompts([max_len - 1]), 4, 0)
+  with pytest.raises(DecodeError, match="at most 3 new tokens"):
+    dec.prepare(_prompts([max_len - 4]), 4, 0)
+  with pytest.raises(DecodeError, match="max_new_tokens"):
+    dec.prepare(_prompts([3]), 0, 0)
+  for sp, flag in [(SamplingParams(-1.0), "temperature"), (SamplingParams(1.0, -1), "top_k"),
+                   (SamplingParams(1.0, 0, 0.0), "top_p"), (SamplingParams(1.0, 0, 1.5), "top_p")]:
+    with pytest.raises(DecodeError, match=flag):
+      sp.validate()
+  with pytest.raises(DecodeError, match="num_draft_tokens"):
+    Decoder(target, "mtp", 0)
+  with pytest.raises(DecodeError, match="mtp.depth"):
+    Decoder(model_lib.build_model(tiny_config(mtp=dict(depth=0)), seed=0), "mtp", 2)
+  other = model_lib.build_model(tiny_config(model=dict(vocab_size=272), mtp=dict(depth=0)), seed=0)
+  with pytest.raises(DecodeError, match="vocab"):
+    Decoder(target, "draft", 2, other)
+  with pytest.raises(DecodeError, match="method"):
+    Decoder(target, "beam")
+
+
+def test_prompt_at_maximum_length_generates_to_the_limit(target):
+  """A prompt leaving exactly max_new_tokens of room decodes without overflow."""
+  max_len = target.cfg.max_seq_len
+  prompts = _prompts([max_len - 1 - 5])
+  gen = Decoder(target, "mtp", 3).generate(prompts, 5, GREEDY)
+  ref = Decoder(target, "ar").generate(prompts, 5, GREEDY)
+  np.testing.assert_array_equal(gen.tokens[0], ref.tokens[0])
