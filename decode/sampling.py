@@ -1,0 +1,336 @@
+"""Logits warping and the speculative-sampling acceptance rule.
+
+Pure, jittable functions with no model inside (DESIGN.md, sections 3 and 5):
+
+- ``warp_logits``: temperature, then top-k, then top-p (nucleus), applied
+  identically to target and draft logits.
+- ``probs_from_logits``: float32 softmax with exact zeros at removed tokens.
+- ``sample``: categorical sampling that never returns a 0-probability token.
+- ``rejection_sample``: the stochastic verification rule of Leviathan et al.
+  2023, "Fast Inference from Transformers via Speculative Decoding",
+  Algorithm 1 (the same rule as Chen et al. 2023, "Accelerating Large
+  Language Model Decoding with Speculative Sampling", Algorithm 2), vectorised
+  over the batch B and the draft length G.
+- ``greedy_verify``: the temperature-0 special case (accept while the draft is
+  the target argmax).
+
+Shapes use the axis letters of DESIGN.md: B batch, G draft length (gamma),
+V vocabulary. Internally everything is float32. The derivation of why the
+rule is lossless, with a worked example, is in docs/speculative_sampling.md.
+
+Sampling parameters (``temperature``, ``top_k``, ``top_p``) may be Python
+scalars or traced jnp scalars, so one compiled function serves every setting;
+shapes (B, G, V) are the only things that trigger recompilation.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+  "warp_logits",
+  "probs_from_logits",
+  "sample",
+  "rejection_sample",
+  "greedy_verify",
+]
+
+_NEG_INF = -jnp.inf
+
+
+def _check_python_params(temperature, top_k, top_p) -> None:
+  """Validates sampling parameters given as Python scalars (traced ones pass)."""
+  if isinstance(temperature, numbers.Real) and not temperature >= 0:
+    raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature!r}")
+  if isinstance(top_k, numbers.Real):
+    if isinstance(top_k, float) and not float(top_k).is_integer():
+      raise ValueError(f"top_k must be an integer, got {top_k!r}")
+    if not top_k >= 0:
+      raise ValueError(f"top_k must be >= 0 (0 disables top-k), got {top_k!r}")
+  if isinstance(top_p, numbers.Real) and not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p must be in (0, 1] (1 disables top-p), got {top_p!r}")
+
+
+def warp_logits(logits, temperature, top_k, top_p):
+  """Applies temperature, then top-k, then top-p to logits.
+
+  Standard nucleus sampling (Holtzman et al. 2020, "The Curious Case of Neural
+  Text Degeneration", section 3.1) after temperature and top-k; the same warp
+  must be applied to the target's and the drafter's logits so that the
+  speculative rule (Leviathan et al. 2023, Algorithm 1) is lossless with
+  respect to sampling the target under these settings.
+
+  Semantics:
+    - Temperature: finite logits are shifted by their row maximum and divided
+      by ``temperature`` (softmax is shift invariant, and the shift keeps tiny
+      temperatures from overflowing to +inf). ``temperature == 0`` (or any
+      traced value <= 0) is greedy: only the argmax of ``logits`` keeps a
+      finite logit (0.0), ties going to the lowest index as in ``jnp.argmax``,
+      so the softmax is exactly one-hot. Greedy ignores top-k and top-p (the
+      argmax is in every top-k / top-p set anyway).
+    - Top-k: keeps the ``top_k`` highest-scoring tokens, exactly ``top_k`` of
+      them: ties at the boundary go to the lowest index. ``top_k <= 0`` or
+      ``top_k >= V`` disables it.
+    - Top-p: over the temperature-scaled, top-k-filtered distribution, keeps
+      the smallest prefix of tokens sorted by decreasing probability (ties:
+      lowest index first) whose cumulative probability reaches ``top_p``,
+      always at least the top token. ``top_p >= 1`` disables it.
+    - Removed tokens get logit -inf. Input entries that are already -inf
+      (masked vocabulary padding) stay -inf under every setting, so their
+      probability is exactly 0 and they are never the greedy choice (unless
+      the whole row is -inf, which is invalid input: the row stays all -inf
+      and its softmax is NaN).
+
+  Args:
+    logits: [..., V] float (any float dtype; computed in float32). May contain
+      -inf for masked tokens; must not contain NaN or +inf.
+    temperature: scalar, Python float or traced jnp scalar, >= 0.
+    top_k: scalar, Python int or traced jnp integer scalar, >= 0 (0: off).
+    top_p: scalar, Python float or traced jnp scalar in (0, 1] (1: off).
+
+  Returns:
+    [..., V] float32 warped logits, removed tokens at -inf. At least one entry
+    per row is finite (given at least one finite input entry).
+
+  Raises:
+    ValueError: if a parameter given as a Python scalar is out of range
+      (temperature < 0, top_k < 0 or non-integral, top_p outside (0, 1]).
+      Traced parameters cannot be checked: a traced temperature <= 0 is
+      greedy, top_k <= 0 disables top-k, top_p <= 0 keeps only the top token.
+  """
+  _check_python_params(temperature, top_k, top_p)
+  x = jnp.asarray(logits, jnp.float32)
+  if x.ndim < 1:
+    raise ValueError(f"logits must have a vocabulary axis, got shape {x.shape}")
+  vocab = x.shape[-1]
+  t = jnp.asarray(temperature, jnp.float32)
+  k = jnp.asarray(top_k).astype(jnp.int32)
+  top_p = jnp.asarray(top_p, jnp.float32)
+  valid = x > _NEG_INF
+
+  # Greedy (temperature 0): one finite logit at the argmax of the raw logits.
+  idx = jnp.arange(vocab, dtype=jnp.int32)
+  greedy_tok = jnp.argmax(x, axis=-1)[..., None]
+  greedy = jnp.where((idx == greedy_tok) & valid, 0.0, _NEG_INF)
+
+  # Temperature, on max-shifted logits: values <= 0, underflow goes to -inf.
+  row_max = jnp.max(x, axis=-1, keepdims=True)
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  safe_t = jnp.where(t > 0, t, 1.0)
+  z = jnp.where(valid, (x - row_max) / safe_t, _NEG_INF)
+
+  # Rank of every token by decreasing scaled logit, ties to the lowest index.
+  order = jnp.argsort(-z, axis=-1, stable=True)  # [..., V], best first
+  rank = jnp.argsort(order, axis=-1, stable=True)  # inverse permutation
+
+  # Top-k by rank (exactly k survivors among tokens with finite logits).
+  keep_k = (k <= 0) | (rank < k)
+  z = jnp.where(keep_k, z, _NEG_INF)
+
+  # Top-p over the top-k-filtered distribution, in sorted order. Filtering by
+  # rank keeps the sort order valid (removed tokens are a suffix).
+  z_sorted = jnp.take_along_axis(z, order, axis=-1)
+  p_sorted = jax.nn.softmax(z_sorted, axis=-1)
+  cum = jnp.cumsum(p_sorted, axis=-1)
+  before = jnp.concatenate([jnp.zeros_like(cum[..., :1]), cum[..., :-1]], axis=-1)
+  keep_sorted = (before < top_p) | (idx == 0)
+  keep_p = jnp.take_along_axis(keep_sorted, rank, axis=-1) | (top_p >= 1.0)
+  z = jnp.where(keep_p, z, _NEG_INF)
+
+  return jnp.where(t > 0, z, greedy)
+
+
+def probs_from_logits(warped_logits):
+  """Softmax of (warped) logits in float32.
+
+  Args:
+    warped_logits: [..., V] float, removed tokens at -inf (at least one finite
+      entry per row).
+
+  Returns:
+    [..., V] float32 probabilities summing to 1 over V; exactly 0.0 where the
+    logit is -inf.
+
+  Raises:
+    Nothing (an all -inf row gives NaN, like ``jax.nn.softmax``).
+  """
+  return jax.nn.softmax(jnp.asarray(warped_logits, jnp.float32), axis=-1)
+
+
+def _uniform_open(key, shape):
+  """float32 uniforms in [tiny, 1): usable both as u ~ U[0, 1) and for Gumbel noise."""
+  return jax.random.uniform(key, shape, jnp.float32, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
+
+
+def _categorical_from_uniform(probs, u):
+  """Gumbel-max sampling: argmax(log probs - log(-log u)) over the last axis.
+
+  probs [..., V] float32 >= 0, u [..., V] float32 in (0, 1). A 0-probability
+  token has score -inf and is never chosen while some entry is positive
+  (the Gumbel noise is finite). Scale invariant in probs.
+  """
+  logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), _NEG_INF)
+  return jnp.argmax(logp - jnp.log(-jnp.log(u)), axis=-1).astype(jnp.int32)
+
+
+def sample(key, probs):
+  """Draws one token per row from a categorical distribution.
+
+  Gumbel-max over log(probs) (as ``jax.random.categorical``): a token with
+  probability exactly 0 has log-probability -inf and is never returned. The
+  probabilities need not be normalised (only ratios matter).
+
+  Args:
+    key: a ``jax.random`` key.
+    probs: [..., V] float, non-negative, at least one positive entry per row.
+
+  Returns:
+    [...] int32 sampled token ids.
+
+  Raises:
+    ValueError: if ``probs`` has no vocabulary axis.
+  """
+  probs = jnp.asarray(probs, jnp.float32)
+  if probs.ndim < 1:
+    raise ValueError(f"probs must have a vocabulary axis, got shape {probs.shape}")
+  return _categorical_from_uniform(probs, _uniform_open(key, probs.shape))
+
+
+def _check_verify_shapes(name, target, draft_tokens, draft_probs=None):
+  """Static (trace-time) shape checks for the verification functions."""
+  if target.ndim != 3:
+    raise ValueError(f"{name}: target must be [B, G+1, V], got shape {target.shape}")
+  b, g1, v = target.shape
+  if draft_tokens.ndim != 2 or draft_tokens.shape != (b, g1 - 1):
+    raise ValueError(
+      f"{name}: draft_tokens must be [B, G] = [{b}, {g1 - 1}] to match target "
+      f"{target.shape}, got {draft_tokens.shape}"
+    )
+  if not jnp.issubdtype(draft_tokens.dtype, jnp.integer):
+    raise ValueError(f"{name}: draft_tokens must be integer, got {draft_tokens.dtype}")
+  if draft_probs is not None and draft_probs.shape != (b, g1 - 1, v):
+    raise ValueError(
+      f"{name}: draft_probs must be [B, G, V] = [{b}, {g1 - 1}, {v}], got {draft_probs.shape}"
+    )
+
+
+def rejection_sample(key, target_probs, draft_probs, draft_tokens):
+  """Speculative-sampling verification of G drafted tokens per row.
+
+  Leviathan et al. 2023, Algorithm 1 (= Chen et al. 2023, Algorithm 2), with
+  the indices of DESIGN.md section 5: for j = 1..G in order, draft d_j is
+  accepted with probability min(1, p_{j-1}(d_j) / q_j(d_j)), where
+  p_{j-1} = ``target_probs[:, j-1]`` and q_j = ``draft_probs[:, j-1]``. At the
+  first rejection j* the round emits one token from the residual
+  norm(max(0, p_{j*-1} - q_{j*})) and stops; if all G drafts are accepted it
+  emits a bonus token from p_G = ``target_probs[:, G]``. With a accepted
+  drafts the round emits ``draft_tokens[:, :a]`` followed by ``next_token``;
+  each emitted token, given the tokens before it, follows the target's
+  distribution, so the output has exactly the target's law, provided each d_j
+  was really sampled from q_j (derivation: docs/speculative_sampling.md).
+
+  Implementation: all randomness of the round is one uniform draw of shape
+  [B, G + V] from ``key``: u_j (j = 1..G) for the acceptance tests, accept iff
+  u_j < p/q (so p >= q always accepts and p == 0 never does), and V more for
+  the Gumbel-max draw of the stop token. The accepted count is the length of
+  the leading run of accepts (cumulative product), so there is no loop over
+  G. The residual is formed only for the stop row.
+
+  Edge cases (decisions):
+    - p(d) == 0: never accepted, and never emitted (the residual and the
+      bonus row give it probability 0), whatever q(d) is.
+    - q(d) == 0 (impossible if d was sampled from q; an adversarial or buggy
+      drafter): the ratio is taken as +inf, i.e. accepted iff p(d) > 0. The
+      output is then no longer guaranteed to follow p: losslessness requires
+      drafts sampled from q.
+    - Draft ids outside [0, V) are rejected.
+    - Residual summing to 0 (only through rounding when p == q, or with an
+      adversarial q(d) == 0, p(d) == 0 draft on a row where p == q): falls
+      back to sampling from p itself.
+
+  Args:
+    key: a ``jax.random`` key (one uniform draw of shape [B, G + V]).
+    target_probs: [B, G+1, V] float, the warped target distributions p_0..p_G
+      (rows sum to 1).
+    draft_probs: [B, G, V] float, q_1..q_G, the distributions the drafts were
+      actually sampled from (after the same warp).
+    draft_tokens: [B, G] integer, the drafts d_1..d_G.
+
+  Returns:
+    (num_accepted, next_token): [B] int32 in 0..G, and [B] int32, the residual
+    token (num_accepted < G) or the bonus token (num_accepted == G).
+
+  Raises:
+    ValueError: on inconsistent shapes or non-integer draft_tokens (at trace
+      time; G is static, one compilation per (B, G, V)).
+  """
+  p = jnp.asarray(target_probs, jnp.float32)
+  q = jnp.asarray(draft_probs, jnp.float32)
+  d = jnp.asarray(draft_tokens)
+  _check_verify_shapes("rejection_sample", p, d, q)
+  b, g1, v = p.shape
+  g = g1 - 1
+  d = d.astype(jnp.int32)
+  uniforms = _uniform_open(key, (b, g + v))
+  u, u_stop = uniforms[:, :g], uniforms[:, g:]  # [B, G] in [0, 1), [B, V]
+
+  # Acceptance tests for all G drafts at once.
+  in_range = (d >= 0) & (d < v)
+  d_safe = jnp.clip(d, 0, v - 1)[..., None]
+  p_d = jnp.take_along_axis(p[:, :g], d_safe, axis=-1)[..., 0]  # [B, G]
+  q_d = jnp.take_along_axis(q, d_safe, axis=-1)[..., 0]  # [B, G]
+  ratio = jnp.where(
+    q_d > 0,
+    p_d / jnp.where(q_d > 0, q_d, 1.0),
+    jnp.where(p_d > 0, jnp.inf, 0.0),
+  )
+  accept = (u < ratio) & (p_d > 0) & in_range
+  num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
+
+  # The stop row: residual max(0, p_a - q_{a+1}) for a < G, p_G for a == G
+  # (q padded with a zero row at index G).
+  q_pad = jnp.concatenate([q, jnp.zeros((b, 1, v), jnp.float32)], axis=1)
+  row = num_accepted[:, None, None]
+  p_row = jnp.take_along_axis(p, row, axis=1)[:, 0]  # [B, V]
+  q_row = jnp.take_along_axis(q_pad, row, axis=1)[:, 0]  # [B, V]
+  residual = jnp.maximum(p_row - q_row, 0.0)
+  total = jnp.sum(residual, axis=-1, keepdims=True)
+  residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p_row)
+  next_token = _categorical_from_uniform(residual, u_stop)
+  return num_accepted.astype(jnp.int32), next_token
+
+
+def greedy_verify(target_logits_or_probs, draft_tokens):
+  """Greedy (temperature 0) verification of G drafted tokens per row.
+
+  Accepts d_j while d_j == argmax of target row j-1 (j = 1..G); the next
+  token is the argmax at the first mismatch position, or at position G (the
+  bonus) when all drafts match. This is ``rejection_sample`` with one-hot p
+  and q (Leviathan et al. 2023, Algorithm 1 at temperature 0): p(d)/q(d) is 1
+  iff d is the argmax and 0 otherwise, and the residual max(0, p - q) is then
+  the one-hot argmax. Ties go to the lowest index (``jnp.argmax``), matching
+  ``warp_logits`` at temperature 0. Deterministic: no key.
+
+  Args:
+    target_logits_or_probs: [B, G+1, V] float, target logits or probabilities
+      (only the argmax is used; -inf entries are never chosen).
+    draft_tokens: [B, G] integer drafts d_1..d_G.
+
+  Returns:
+    (num_accepted, next_token): [B] int32 in 0..G and [B] int32.
+
+  Raises:
+    ValueError: on inconsistent shapes or non-integer draft_tokens.
+  """
+  x = jnp.asarray(target_logits_or_probs)
+  d = jnp.asarray(draft_tokens)
+  _check_verify_shapes("greedy_verify", x, d)
+  g = x.shape[1] - 1
+  best = jnp.argmax(x, axis=-1).astype(jnp.int32)  # [B, G+1]
+  match = d.astype(jnp.int32) == best[:, :g]
+  num_accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+  next_token = jnp.take_along_axis(best, num_accepted[:, None], axis=1)[:, 0]
+  return num_accepted.astype(jnp.int32), next_token
