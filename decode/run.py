@@ -99,8 +99,10 @@ def decode_texts(decoder: Decoder, prompts: Sequence[str], *, max_new_tokens: in
 def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp", num_draft_tokens: int = 2,
         draft_workdir: str | None = None, max_new_tokens: int = 128,
         sampling: SamplingParams = SamplingParams(), num_samples: int = 1, seed: int = 0,
-        compare: bool = False, out: TextIO = sys.stdout) -> dict:
-  """Everything ``python -m decode`` does; returns the JSON report."""
+        compare: bool = False, out: TextIO | None = None) -> dict:
+  """Everything ``python -m decode`` does (printing to ``out``, default
+  stdout); returns the JSON report."""
+  out = out or sys.stdout
   sampling.validate()
   decoder = load_decoder(workdir, method, num_draft_tokens, draft_workdir)
   gen = decode_texts(decoder, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
