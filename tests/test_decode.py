@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from decode import drafters as drafters_lib
 from decode.speculative import DecodeError, Decoder, SamplingParams
@@ -25,7 +26,18 @@ def _prompts(lengths, seed=0):
 
 @pytest.fixture(scope="module")
 def target(trained_markov):
-  return trained_markov[1]
+  """The trained Markov model with noise on its MTP modules only: the main
+  head is unchanged, but drafts are wrong often enough that rows accept
+  different numbers of drafts (a well-trained drafter on a Markov source
+  can settle into cycles where every draft is accepted)."""
+  model = trained_markov[1]
+  graphdef, params = nnx.split(model, nnx.Param)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  keys = jax.random.split(jax.random.key(0), len(leaves))
+  noisy = [x + 0.5 * jnp.std(x) * jax.random.normal(k, x.shape)
+           if any(getattr(e, "key", None) == "mtp" for e in path) else x
+           for (path, x), k in zip(leaves, keys)]
+  return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, noisy))
 
 
 @pytest.fixture(scope="module")
