@@ -267,7 +267,7 @@ class Decoder:
         "prompt_len": jnp.asarray(lengths),
         "max_new": jnp.full((b,), max_new_tokens, jnp.int32),
         "done": jnp.zeros((b,), bool),
-        "key": jax.random.key(seed),
+        "key": jax.random.key(seed, impl="rbg"),
         "cache": init_layer_caches(self.target_cfg, self.target_cfg.num_layers, b, cache_len),
         "target_calls": jnp.zeros((b,), jnp.int32),
         "accepted_histogram": jnp.zeros((b, self.G + 1), jnp.int32),

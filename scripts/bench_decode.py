@@ -1,0 +1,295 @@
+"""Decode benchmark: AR vs MTP (and draft-model) speculative decoding, side by
+side in one process, on held-out prompts.
+
+    python scripts/bench_decode.py --workdir runs/tiny [--draft_workdir DIR] \
+        [--dataset python_stdlib] [--batch_sizes 1,4] [--temperatures 0,1] \
+        [--num_draft_tokens 1,2,3,4] [--repeats 5] [--out results/bench_decode]
+
+For every (temperature, batch size) it runs, after compiling each cell once,
+``repeats`` rounds that interleave all cells (so machine noise hits them
+alike) with identical prompts, budgets and sampling settings. Per cell:
+median / min / max wall time, tokens/s, speedup over AR in the same form
+(same batch, same temperature), tau, alpha per position, the measured draft
+cost ratio c, the ideal speedup of Leviathan et al. 2023 (Theorem 3.8) with
+the measured alpha and c, efficiency = measured / ideal, TTFT and ITL
+(stream form). Also the bare cost of one jitted target forward over 1 and
+over G+1 tokens. Writes ``OUT.json`` (with config, commit, JAX version,
+device, CPU count and date) and ``OUT.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from decode import stats as stats_lib  # noqa: E402
+from decode.speculative import Decoder, SamplingParams  # noqa: E402
+from mtp import checkpoint as ckpt_lib  # noqa: E402
+from mtp import data as data_lib  # noqa: E402
+from mtp import tokenizer as tok  # noqa: E402
+from mtp.config import DataConfig  # noqa: E402
+from mtp.model import init_layer_caches  # noqa: E402
+
+
+def held_out_prompts(dataset: str, n: int, prompt_bytes: int, seed: int = 0,
+                     data_dir: str = "") -> list[str]:
+  """n prompts of about ``prompt_bytes`` bytes from the validation split,
+  each starting at a line boundary of a different document (cycling)."""
+  docs = [d for d in data_lib.load_documents(DataConfig(name=dataset, data_dir=data_dir), "validation")
+          if len(d.encode()) > prompt_bytes + 64]
+  if not docs:
+    raise SystemExit(f"no validation document of {dataset} is longer than {prompt_bytes + 64} bytes")
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(n):
+    doc = docs[i % len(docs)]
+    lines = np.cumsum([0] + [len(l) for l in doc.splitlines(keepends=True)])
+    starts = lines[lines < len(doc) - 2 * prompt_bytes] if len(doc) > 2 * prompt_bytes else [0]
+    start = int(rng.choice(starts))
+    raw = doc[start:].encode()[:prompt_bytes]
+    out.append(raw.decode("utf-8", errors="ignore") or doc[:prompt_bytes])
+  return out
+
+
+def ideal_speedup(alpha: float, g: int, c: float) -> float:
+  """Leviathan et al. 2023, Theorem 3.8: (1 - alpha^(G+1)) / ((1 - alpha)(G c + 1))."""
+  if alpha >= 1.0:
+    return (g + 1) / (g * c + 1)
+  return (1 - alpha ** (g + 1)) / ((1 - alpha) * (g * c + 1))
+
+
+def alpha_from_tau(tau: float, g: int) -> float:
+  """The i.i.d. acceptance rate alpha with (1 - alpha^(G+1)) / (1 - alpha) = tau."""
+  lo, hi = 0.0, 1.0
+  for _ in range(60):
+    mid = (lo + hi) / 2
+    val = (g + 1) if mid >= 1 else (1 - mid ** (g + 1)) / (1 - mid)
+    lo, hi = (mid, hi) if val < tau else (lo, mid)
+  return (lo + hi) / 2
+
+
+def bare_forward_s(model, batch: int, length: int, cache_len: int, repeats: int) -> float:
+  """Median seconds of one jitted target forward over ``length`` new tokens
+  with a KV cache (donated), batch ``batch``."""
+  graphdef, params = nnx.split(model, nnx.Param)
+
+  def forward(params, cache, toks, pos):
+    m = nnx.merge(graphdef, params)
+    h, cache = m.backbone(toks, pos, cache=cache)
+    return m.head(h), cache
+  fwd = jax.jit(forward, donate_argnums=(1,))
+  cache = init_layer_caches(model.cfg, model.cfg.num_layers, batch, cache_len)
+  toks = jnp.zeros((batch, length), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32) + cache_len // 2, (batch, length))
+  out, cache = fwd(params, cache, toks, pos)
+  jax.block_until_ready(out)
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for _ in range(10):
+      out, cache = fwd(params, cache, toks, pos)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / 10)
+  return float(np.median(times))
+
+
+def draft_time_s(decoder: Decoder, prompts, max_new: int, sp: SamplingParams, repeats: int) -> float:
+  """Median seconds of one jitted drafting step alone (G draft tokens, caches donated)."""
+  encoded = [tok.ByteTokenizer().encode(p, add_bos=True) for p in prompts]
+  state, prefill_len = decoder.prepare(encoded, max_new, 0)
+  state = decoder._prefill_fn(decoder.target_params, decoder.draft_params, state, prefill_len)
+  warp = sp.as_arrays()
+
+  def step(params, dparams, dstate, tokens, n, key):
+    target, draft = decoder._models(params, dparams)
+    model = target if decoder.method == "mtp" else draft
+    dstate, tokens, d, q = decoder.drafter.draft(model, dstate, tokens, n, key, warp)
+    return dstate, tokens, q
+  fn = jax.jit(step, donate_argnums=(2, 3))
+  dstate, tokens, n, key = state["drafter"], state["tokens"], state["length"], state["key"]
+  dstate, tokens, q = fn(decoder.target_params, decoder.draft_params, dstate, tokens, n, key)
+  jax.block_until_ready(q)
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for _ in range(10):
+      dstate, tokens, q = fn(decoder.target_params, decoder.draft_params, dstate, tokens, n, key)
+    jax.block_until_ready(q)
+    times.append((time.perf_counter() - t0) / 10)
+  return float(np.median(times))
+
+
+@dataclasses.dataclass
+class Cell:
+  name: str
+  method: str
+  g: int
+  form: str              # "while" or "stream"
+  decoder: Decoder
+  walls: list = dataclasses.field(default_factory=list)
+  gens: list = dataclasses.field(default_factory=list)
+
+
+def run_cells(cells, prompts, max_new, sp, repeats):
+  encoded = [tok.ByteTokenizer().encode(p, add_bos=True) for p in prompts]
+  call = lambda c, seed: (c.decoder.generate if c.form == "while" else c.decoder.stream)(
+      encoded, max_new, sp, seed=seed)
+  for c in cells:                       # compile
+    call(c, 0)
+  for r in range(repeats):              # interleave
+    for c in cells:
+      gen = call(c, r)
+      c.walls.append(gen.wall_time_s)
+      c.gens.append(gen)
+
+
+def summarize_cell(c: Cell, ar_wall: float, ar_step_s: float, draft_s: float | None) -> dict:
+  """Row of the table; ``ar_step_s``: one AR step (one target call) in the
+  while_loop form, the "target step" of the cost ratio c."""
+  hist = sum(g.accepted_histogram.sum(0) for g in c.gens)
+  calls = int(sum(g.target_calls.sum() for g in c.gens))
+  tokens = sum(sum(len(t) for t in g.tokens) for g in c.gens) / len(c.gens)
+  wall = float(np.median(c.walls))
+  tau = float((hist * (np.arange(len(hist)) + 1)).sum() / calls)
+  row = {"name": c.name, "method": c.method, "num_draft_tokens": c.g, "form": c.form,
+         "wall_s_median": wall, "wall_s_min": float(min(c.walls)), "wall_s_max": float(max(c.walls)),
+         "tokens_per_s": tokens / wall, "speedup": ar_wall / wall, "tau": tau,
+         "acceptance_rate_per_position": stats_lib.acceptance_rates(hist),
+         "accepted_length_histogram": [int(x) for x in hist]}
+  # time per round (one target call for the whole batch) and the draft cost ratio c
+  rounds_per_gen = max(int(g.target_calls.max()) for g in c.gens)
+  row["round_s"] = wall / rounds_per_gen
+  if c.g:
+    cost = draft_s / (c.g * ar_step_s)
+    alpha = alpha_from_tau(tau, c.g)
+    ideal = ideal_speedup(alpha, c.g, cost)
+    row.update({"draft_cost_ratio_c": cost, "alpha_iid": alpha, "ideal_speedup": ideal,
+                "efficiency": row["speedup"] / ideal})
+  if c.form == "stream":
+    s = [stats_lib.summarize(g) for g in c.gens]
+    for k in ("ttft_s", "itl_p50_s", "itl_p90_s"):
+      vals = [x[k] for x in s if x[k] is not None]
+      row[k] = float(np.median(vals)) if vals else None
+  return row
+
+
+def markdown(results, meta) -> str:
+  lines = [f"Decode benchmark: {meta['workdir']} on {meta['device_kind']} ({meta['cpu_count']} CPUs), "
+           f"JAX {meta['jax_version']}, commit {meta['commit']}, {meta['date']}; "
+           f"{meta['max_new_tokens']} new tokens per prompt, prompts of ~{meta['prompt_bytes']} bytes "
+           f"from {meta['dataset']} validation; median of {meta['repeats']} repeats.", "",
+           f"Bare target forward: 1 token {meta['bare_forward_s']['1'] * 1e3:.2f} ms; " + ", ".join(
+               f"{k} tokens {v * 1e3:.2f} ms" for k, v in meta["bare_forward_s"].items() if k != "1"),
+           "",
+           "| T | B | method | G | form | tok/s | speedup | tau | alpha_k | c | ideal | eff. | "
+           "ms/round | TTFT ms | ITL p50/p90 ms |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  f = lambda x, s=".2f": "-" if x is None else format(x, s)
+  for r in results:
+    alphas = "/".join(f(a) for a in r["acceptance_rate_per_position"]) or "-"
+    itl = "-" if r.get("itl_p50_s") is None else f"{r['itl_p50_s'] * 1e3:.2f}/{r['itl_p90_s'] * 1e3:.2f}"
+    lines.append(
+        f"| {r['temperature']} | {r['batch_size']} | {r['method']} | {r['num_draft_tokens'] or '-'} | "
+        f"{r['form']} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['tau']:.2f} | {alphas} | "
+        f"{f(r.get('draft_cost_ratio_c'))} | {f(r.get('ideal_speedup'))} | {f(r.get('efficiency'))} | "
+        f"{r['round_s'] * 1e3:.2f} | {f(r.get('ttft_s') and r['ttft_s'] * 1e3, '.1f')} | {itl} |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--workdir", required=True)
+  ap.add_argument("--draft_workdir", default=None)
+  ap.add_argument("--dataset", default="python_stdlib")
+  ap.add_argument("--data_dir", default="", help="TFDS data dir (default: $MTP_DATA_DIR or ~/.cache/mtp)")
+  ap.add_argument("--prompt_bytes", type=int, default=256)
+  ap.add_argument("--max_new_tokens", type=int, default=128)
+  ap.add_argument("--batch_sizes", default="1,4,16")
+  ap.add_argument("--temperatures", default="0,1")
+  ap.add_argument("--num_draft_tokens", default=None, help="comma list; default 1..D+2")
+  ap.add_argument("--forms", default="while,stream")
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--out", default="results/bench_decode")
+  ap.add_argument("--quick", action="store_true", help="tiny sizes for tests")
+  args = ap.parse_args(argv)
+  if args.quick:
+    args.batch_sizes, args.temperatures, args.repeats = "1", "0,1", 1
+    args.max_new_tokens, args.prompt_bytes = 8, 64
+  cfg, target, step = ckpt_lib.load_model(args.workdir)
+  draft = ckpt_lib.load_model(args.draft_workdir)[1] if args.draft_workdir else None
+  depth = cfg.mtp.depth
+  gs = ([int(x) for x in args.num_draft_tokens.split(",")] if args.num_draft_tokens
+        else list(range(1, depth + 3)) if depth else [])
+  if args.quick:
+    gs = gs[:1]
+  forms = args.forms.split(",")
+  batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+  temps = [float(x) for x in args.temperatures.split(",")]
+  prompts_all = held_out_prompts(args.dataset, max(batch_sizes), args.prompt_bytes,
+                                 data_dir=args.data_dir)
+  cache_len = 64 * int(np.ceil((args.prompt_bytes + args.max_new_tokens + 64) / 64))
+  results, bare = [], {}
+  for b in batch_sizes:
+    fwd1 = bare_forward_s(target, b, 1, cache_len, args.repeats)
+    fwd_g = {g + 1: bare_forward_s(target, b, g + 1, cache_len, args.repeats) for g in gs}
+    bare[str(b)] = {"1": fwd1, **{str(k): v for k, v in fwd_g.items()}}
+    prompts = prompts_all[:b]
+    decoders = {("ar", 0): Decoder(target, "ar")}
+    decoders.update({("mtp", g): Decoder(target, "mtp", g) for g in gs if depth})
+    if draft is not None:
+      decoders.update({("draft", g): Decoder(target, "draft", g, draft) for g in gs})
+    for t in temps:
+      sp = SamplingParams(temperature=t)
+      cells = [Cell(f"{m}{'' if not g else f'_G{g}'}_{form}", m, g, form, dec)
+               for (m, g), dec in decoders.items() for form in forms]
+      run_cells(cells, prompts, args.max_new_tokens, sp, args.repeats)
+      ar_cells = {c.form: c for c in cells if c.method == "ar"}
+      ar_wall = {form: float(np.median(c.walls)) for form, c in ar_cells.items()}
+      ar_any = ar_cells.get("while", next(iter(ar_cells.values())))
+      ar_step = float(np.median(ar_any.walls)) / int(ar_any.gens[0].target_calls.max())
+      draft_s = {key: draft_time_s(dec, prompts, args.max_new_tokens, sp, args.repeats)
+                 for key, dec in decoders.items() if key[0] != "ar"}
+      for c in cells:
+        row = summarize_cell(c, ar_wall[c.form], ar_step, draft_s.get((c.method, c.g)))
+        row.update({"temperature": t, "batch_size": b, "draft_s": draft_s.get((c.method, c.g)),
+                    "ar_step_s": ar_step})
+        results.append(row)
+        print(f"T={t} B={b} {c.name:16s} {row['tokens_per_s']:8.1f} tok/s  speedup {row['speedup']:.2f}x"
+              f"  tau {row['tau']:.2f}", flush=True)
+  try:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+  except OSError:
+    commit = "unknown"
+  meta = {"workdir": args.workdir, "checkpoint_step": step, "config": cfg.to_dict(),
+          "draft_workdir": args.draft_workdir, "dataset": args.dataset,
+          "prompt_bytes": args.prompt_bytes, "max_new_tokens": args.max_new_tokens,
+          "repeats": args.repeats, "commit": commit, "jax_version": jax.__version__,
+          "device_kind": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
+          "date": datetime.date.today().isoformat(),
+          "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+          "bare_forward_s": bare[str(batch_sizes[0])], "bare_forward_s_by_batch": bare}
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out + ".json", "w") as f:
+    json.dump({"meta": meta, "results": results}, f, indent=2)
+  with open(args.out + ".md", "w") as f:
+    f.write(markdown(results, meta))
+  print(f"wrote {args.out}.json and {args.out}.md")
+
+
+if __name__ == "__main__":
+  main()

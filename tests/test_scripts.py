@@ -1,0 +1,58 @@
+"""Benchmarks run end to end on tiny sizes and write well-formed output
+(timings are not asserted: they belong to the scripts, not the tests)."""
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+from flax import nnx
+
+from mtp import checkpoint as ckpt_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _script(name):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
+  mod = importlib.util.module_from_spec(spec)
+  sys.modules[name] = mod            # dataclasses look their module up
+  spec.loader.exec_module(mod)
+  return mod
+
+
+@pytest.fixture(scope="module")
+def workdir(trained_markov, tmp_path_factory):
+  cfg, model, _ = trained_markov
+  path = str(tmp_path_factory.mktemp("bench_wd"))
+  ckpt = ckpt_lib.Checkpointer(path)
+  ckpt.save(1, nnx.state(model, nnx.Param), {}, None, cfg)
+  ckpt.close()
+  return path
+
+
+def test_bench_decode_quick(workdir, data_dir, tmp_path):
+  out = str(tmp_path / "bd")
+  _script("bench_decode").main(["--workdir", workdir, "--quick", "--data_dir", data_dir,
+                                "--draft_workdir", workdir, "--out", out])
+  report = json.load(open(out + ".json"))
+  assert {"commit", "jax_version", "device_kind", "cpu_count", "date", "config"} <= set(report["meta"])
+  names = {(r["method"], r["form"], r["temperature"]) for r in report["results"]}
+  assert ("ar", "while", 0.0) in names and ("mtp", "stream", 1.0) in names and ("draft", "while", 1.0) in names
+  for r in report["results"]:
+    assert r["tokens_per_s"] > 0 and r["tau"] >= 1
+    if r["method"] != "ar":
+      assert r["ideal_speedup"] > 0 and r["efficiency"] > 0
+  rows = [l for l in open(out + ".md").read().splitlines() if l.startswith("| ") and
+          not l.startswith("| T ")]
+  assert len(rows) == len(report["results"])
+
+
+def test_bench_train_quick(tmp_path):
+  out = str(tmp_path / "bt")
+  _script("bench_train").main(["--config", os.path.join(REPO, "configs/tiny.py"), "--quick",
+                               "--depths", "0,1", "--out", out])
+  rows = json.load(open(out + ".json"))["results"]
+  assert [r["depth"] for r in rows] == [0, 1]
+  assert rows[0]["time_ratio"] == 1.0 and rows[1]["flop_ratio"] > 1.0
