@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) -m train --config configs/tiny.py --workdir $(WORKDIR)
-	$(PY) -m decode --workdir $(WORKDIR) --method mtp --compare \
-	  --prompt "def fibonacci(n):" --max_new_tokens 200 --temperature 0
+	$(PY) -m decode --workdir $(WORKDIR) --method mtp --num_draft_tokens 2 --compare \
+	  --prompt "$$(printf 'import os\nimport sys\n\n\ndef main(')" --max_new_tokens 200 --temperature 0.7
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
