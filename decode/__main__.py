@@ -1,9 +1,10 @@
 """python -m decode --workdir DIR --prompt "def main(" [--method mtp] [--compare] ...
 
-Parses flags and calls ``decode.run.run``; see ``python -m decode --help``.
+Parses flags and calls ``decode.run.run``. Flags are listed by --help.
 """
 
 import json
+import os
 import sys
 
 from absl import app, flags, logging
@@ -37,6 +38,11 @@ def main(argv):
   try:
     if (_PROMPT.value is None) == (_PROMPT_FILE.value is None):
       raise DecodeError("give exactly one of --prompt or --prompt_file")
+    if _JSON.value and not os.path.isdir(os.path.dirname(os.path.abspath(_JSON.value))):
+      raise DecodeError(f"--json={_JSON.value!r}: directory "
+                        f"{os.path.dirname(os.path.abspath(_JSON.value))!r} does not exist")
+    if _COMPARE.value and _METHOD.value == "ar":
+      print("note: --compare has no effect with --method=ar", file=sys.stderr)
     prompts = [_PROMPT.value] if _PROMPT.value is not None else read_prompt_file(_PROMPT_FILE.value)
     report = run(_WORKDIR.value, prompts, method=_METHOD.value, num_draft_tokens=_G.value,
                  draft_workdir=_DRAFT_WORKDIR.value, max_new_tokens=_MAX_NEW.value,

@@ -1,7 +1,7 @@
 """Drafters for speculative decoding: the trained MTP modules, or an
 independent small draft model.
 
-Conventions (DESIGN.md sections 5-6). Each row has committed tokens
+Conventions (docs/design.md sections 5-6). Each row has committed tokens
 x_0..x_{n-1} in a token buffer ``tokens`` [B, S] int32; the target has
 processed positions 0..n-2. A drafter proposes d_1..d_G for positions
 n..n+G-1 together with the distributions q_1..q_G [B, G, V] it really
@@ -44,7 +44,7 @@ def warped_probs(logits: jax.Array, warp) -> jax.Array:
 
 
 class MTPDrafter:
-  """Drafts with the target's own MTP modules (DESIGN.md section 6).
+  """Drafts with the target's own MTP modules (docs/design.md section 6).
 
   All drafts of the round starting at n come from position n-2: module 1
   reads h^0_{n-2} and x_{n-1}; module k reads h^{k-1}_{n-2} and d_{k-1}.

@@ -22,7 +22,8 @@ from mtp import tokenizer as tok
 
 
 def read_prompt_file(path: str) -> list[str]:
-  """One prompt per line (trailing newline stripped; ``\\n`` escapes allowed).
+  """One prompt per line, taken literally (a prompt cannot contain a newline;
+  use ``--prompt $'...'`` for one multi-line prompt). Blank lines are skipped.
 
   Raises DecodeError for a missing file, non-UTF-8 bytes (naming the line) or
   a file with no prompts.
@@ -39,7 +40,7 @@ def read_prompt_file(path: str) -> list[str]:
       raise DecodeError(f"--prompt_file={path!r} line {i} is not valid UTF-8 "
                         f"(byte {e.start}: {line[e.start:e.start + 1]!r})") from e
     if text.strip():
-      prompts.append(text.replace("\\n", "\n"))
+      prompts.append(text)
   if not prompts:
     raise DecodeError(f"--prompt_file={path!r} holds no non-empty prompt line")
   return prompts
@@ -115,8 +116,8 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp", num_draft_
                     "stats": stats_lib.summarize(gen, [r])})
   summary = stats_lib.summarize(gen)
   if len(gen.tokens) > 1:
-    for res in results:
-      out.write(f"--- prompt {results.index(res)} sample {res['sample']}: "
+    for r, res in enumerate(results):
+      out.write(f"--- prompt {r // num_samples} sample {res['sample']}: "
                 f"{res['prompt']!r}\n{res['prompt']}{res['text']}\n")
   out.write(stats_lib.format_summary(method, summary) + "\n")
   report = {"config": {"workdir": workdir, "method": method, "num_draft_tokens": decoder.G,

@@ -1,6 +1,6 @@
 """Logits warping and the speculative-sampling acceptance rule.
 
-Pure, jittable functions with no model inside (DESIGN.md, sections 3 and 5):
+Pure, jittable functions with no model inside (docs/design.md, sections 3 and 5):
 
 - ``warp_logits``: temperature, then top-k, then top-p (nucleus), applied
   identically to target and draft logits.
@@ -14,7 +14,7 @@ Pure, jittable functions with no model inside (DESIGN.md, sections 3 and 5):
 - ``greedy_verify``: the temperature-0 special case (accept while the draft is
   the target argmax).
 
-Shapes use the axis letters of DESIGN.md: B batch, G draft length (gamma),
+Shapes use the axis letters of docs/design.md: B batch, G draft length (gamma),
 V vocabulary. Internally everything is float32. The derivation of why the
 rule is lossless, with a worked example, is in docs/speculative_sampling.md.
 
@@ -234,7 +234,7 @@ def rejection_sample(key, target_probs, draft_probs, draft_tokens):
   """Speculative-sampling verification of G drafted tokens per row.
 
   Leviathan et al. 2023, Algorithm 1 (= Chen et al. 2023, Algorithm 2), with
-  the indices of DESIGN.md section 5: for j = 1..G in order, draft d_j is
+  the indices of docs/design.md section 5: for j = 1..G in order, draft d_j is
   accepted with probability min(1, p_{j-1}(d_j) / q_j(d_j)), where
   p_{j-1} = ``target_probs[:, j-1]`` and q_j = ``draft_probs[:, j-1]``. At the
   first rejection j* the round emits one token from the residual

@@ -1,9 +1,13 @@
-"""Decoding statistics (definitions of DESIGN.md section 7).
+"""Decoding statistics (definitions of docs/design.md section 7).
 
 - mean accepted length tau: tokens per target verification call, the mean of
   a+1 over rounds (a = accepted drafts; AR has tau = 1). The budget or an EOS
-  may cut a round's output short; tau counts the round as verified (a+1), so
-  it measures the drafter, not the budget.
+  may cut a round's output short; tau still counts the round as a+1 verified
+  tokens, so it measures the drafter, not the budget (``num_tokens /
+  target_calls`` is the emitted-token rate, lower when rounds are cut).
+- target_calls: verification calls summed over rows (a batch of B active rows
+  in one round counts B); the number of batched forward passes is the
+  maximum over rows.
 - acceptance rate alpha_k: P(d_k accepted | d_1..d_{k-1} accepted), from the
   histogram of a: rounds with a >= k over rounds with a >= k-1.
 - TTFT: seconds from the request (before prefill) to the first emitted token.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from typing import Any, get_type_hints
 
@@ -133,6 +134,8 @@ def _coerce(path: str, value: Any, typ: type) -> Any:
   if typ is float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       raise ConfigError(f"{path} must be a number, got {value!r}")
+    if not math.isfinite(value):
+      raise ConfigError(f"{path} must be a finite number, got {value!r}")
     return float(value)
   if typ is str:
     if not isinstance(value, str):
@@ -213,6 +216,29 @@ def validate(cfg: Config) -> Config:
   _check([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1, "mesh",
          "at most one axis set to -1", (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor))
   return cfg
+
+
+def check_override_keys(argv: list[str], flag: str = "config") -> None:
+  """Checks ``--config.a.b=value`` command-line overrides against the schema
+  before ml_collections parses them (it would fail with a bare KeyError).
+
+  Raises ConfigError naming the unknown key and the allowed ones.
+  """
+  prefix = f"--{flag}."
+  for arg in argv:
+    if not arg.startswith(prefix):
+      continue
+    path = arg[len(prefix):].split("=", 1)[0]
+    cls, done = Config, []
+    for part in path.split("."):
+      names = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+      if part not in names:
+        where = ".".join(done) or "the config"
+        allowed = ", ".join(sorted(names)) if names else "(none: it is not a section)"
+        raise ConfigError(f"unknown config key '{'.'.join(done + [part])}' in {where}; "
+                          f"allowed: {allowed}")
+      done.append(part)
+      cls = get_type_hints(cls)[part]
 
 
 def from_dict(values: Mapping[str, Any] | Any) -> Config:

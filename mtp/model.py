@@ -15,7 +15,7 @@ E and W_out are shared with the main model. Each module has its own output
 RMSNorm (as in the released DeepSeek-V3 weights, ``shared_head.norm``), so
 module k's hidden states can differ in scale from the backbone's.
 
-Shapes use the letters of DESIGN.md: B batch, T query length, S key/cache
+Shapes use the letters of docs/design.md: B batch, T query length, S key/cache
 length, D model width, N query heads, K kv heads, H head dim, V vocab,
 F MLP width.
 

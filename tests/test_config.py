@@ -54,3 +54,18 @@ def test_json_roundtrip():
   import json
   cfg = tiny_config()
   assert config_lib.from_dict(json.loads(cfg.to_json())) == cfg
+
+
+def test_non_finite_floats_rejected():
+  with pytest.raises(ConfigError, match="train.learning_rate must be a finite number"):
+    tiny_config(train=dict(learning_rate=float("inf")))
+
+
+def test_override_keys_checked_before_parsing():
+  config_lib.check_override_keys(["--config.train.learning_rate=1", "--workdir=x"])
+  with pytest.raises(ConfigError, match=r"unknown config key 'train\.lr' in train; allowed: .*learning_rate"):
+    config_lib.check_override_keys(["--config.train.lr=3"])
+  with pytest.raises(ConfigError, match="unknown config key 'foo'"):
+    config_lib.check_override_keys(["--config.foo.bar=3"])
+  with pytest.raises(ConfigError, match="not a section"):
+    config_lib.check_override_keys(["--config.train.seed.x=3"])

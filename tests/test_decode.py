@@ -54,7 +54,7 @@ def test_mtp_draft_and_verify_logits_equal_cache_free_forward(target, num_draft_
   """After prefill and over rounds with random accepted lengths (forced, per
   row), every MTP module's q_k equals a cache-free forward of the backbone and
   modules over the committed tokens followed by the drafts, and the verify
-  distributions equal the cache-free target's (DESIGN.md section 6)."""
+  distributions equal the cache-free target's (docs/design.md section 6)."""
   g = num_draft_tokens
   dec = Decoder(target, "mtp", g)
   warp = SamplingParams(temperature=1.0).as_arrays()

@@ -34,6 +34,8 @@ def test_run_report_has_tokens_text_and_stats(workdir, capsys):
   report = run(workdir, ["abca", "fed"], method="mtp", num_draft_tokens=2, max_new_tokens=12,
                sampling=SamplingParams(temperature=1.0, top_p=0.9), num_samples=2, seed=1,
                compare=True)
+  assert [(r["prompt"], r["sample"]) for r in report["results"]] == [
+      ("abca", 0), ("abca", 1), ("fed", 0), ("fed", 1)]
   assert len(report["results"]) == 4
   for r in report["results"]:
     assert set(r) >= {"prompt", "sample", "tokens", "text", "stats"}
@@ -46,6 +48,7 @@ def test_run_report_has_tokens_text_and_stats(workdir, capsys):
   json.dumps(report)          # serialisable
   out = capsys.readouterr().out
   assert "tau" in out and "speedup over AR" in out
+  assert "--- prompt 1 sample 1: 'fed'" in out
 
 
 def test_stream_prints_the_continuation(workdir, capsys):
@@ -68,7 +71,7 @@ def test_prompt_file_errors(tmp_path):
     read_prompt_file(str(tmp_path / "missing.txt"))
   ok = tmp_path / "ok.txt"
   ok.write_text("def f(x):\\n  return\nimport os\n")
-  assert read_prompt_file(str(ok)) == ["def f(x):\n  return", "import os"]
+  assert read_prompt_file(str(ok)) == ["def f(x):\\n  return", "import os"]   # taken literally
 
 
 def test_run_errors(workdir, tmp_path):
