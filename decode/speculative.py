@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from decode import mesh as decode_mesh
 from decode import sampling
 from decode.drafters import DraftModelDrafter, MTPDrafter, gather_rows, warped_probs, write_rows
 from mtp import tokenizer as tok
@@ -99,13 +100,17 @@ class Decoder:
       target's MTP modules) or "draft" (independent ``draft`` model).
     num_draft_tokens: G >= 1 for "mtp"/"draft" (ignored for "ar").
     draft: draft model for method "draft" (same tokenizer / vocabulary).
+    mesh: optional ``jax.sharding.Mesh`` (``mtp.sharding.make_mesh``):
+      parameters tensor-parallel (and FSDP) sharded as in training, batch
+      rows over ``data`` (``decode.mesh``); None = one device, unchanged.
   Raises:
     DecodeError: unknown method, G < 1, "mtp" with D = 0, or a draft model
       with another vocabulary.
+    ConfigError: mesh axes that do not divide the model dimensions.
   """
 
   def __init__(self, target: Transformer, method: str = "mtp", num_draft_tokens: int = 2,
-               draft: Transformer | None = None):
+               draft: Transformer | None = None, mesh=None):
     if method not in METHODS:
       raise DecodeError(f"--method={method!r} must be one of {METHODS}")
     self.method = method
@@ -131,9 +136,16 @@ class Decoder:
                             f"has {target.cfg.vocab_size}: draft and target must share the vocabulary")
         self.drafter = DraftModelDrafter(num_draft_tokens)
         self.draft_graphdef, self.draft_params = nnx.split(draft, nnx.Param)
-    self._prefill_fn = jax.jit(self._prefill, donate_argnums=(2,), static_argnums=(3,))
-    self._round_fn = jax.jit(self._round, donate_argnums=(2,))
-    self._generate_fn = jax.jit(self._generate, donate_argnums=(2,), static_argnums=(4,))
+    self.mesh = mesh
+    fns = (self._prefill, self._round, self._generate)
+    if mesh is not None:
+      self.target_params = decode_mesh.place_params(mesh, self.target_params, target.cfg)
+      if self.draft_params is not None:
+        self.draft_params = decode_mesh.place_params(mesh, self.draft_params, draft.cfg)
+      fns = tuple(decode_mesh.constrain_state(f, mesh) for f in fns)
+    self._prefill_fn = jax.jit(fns[0], donate_argnums=(2,), static_argnums=(3,))
+    self._round_fn = jax.jit(fns[1], donate_argnums=(2,))
+    self._generate_fn = jax.jit(fns[2], donate_argnums=(2,), static_argnums=(4,))
 
   def target(self) -> Transformer:
     """The target model."""
@@ -235,10 +247,14 @@ class Decoder:
     returns (state, prefill_len).
 
     Raises DecodeError for an empty batch, a prompt without any token after
-    BOS, or prompt + max_new_tokens beyond the model's max_seq_len.
+    BOS, prompt + max_new_tokens beyond the model's max_seq_len, or (with a
+    mesh) a batch that the ``data`` axis does not divide.
     """
     if not prompts:
       raise DecodeError("no prompts given")
+    if self.mesh is not None and len(prompts) % self.mesh.shape["data"]:
+      raise DecodeError(f"{len(prompts)} prompts cannot be split over the mesh's data axis of size "
+                        f"{self.mesh.shape['data']}: give a multiple of it")
     if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
       raise DecodeError(f"--max_new_tokens={max_new_tokens!r} must be an integer >= 1")
     lengths = np.asarray([len(p) for p in prompts], np.int32)
@@ -277,6 +293,8 @@ class Decoder:
     elif self.method == "draft":
       draft = nnx.merge(self.draft_graphdef, self.draft_params)
       state["drafter"] = self.drafter.init_state(draft, b, cache_len)
+    if self.mesh is not None:
+      state = decode_mesh.shard_state(self.mesh, state)
     return state, p_len - 1
 
   def _result(self, state, emit_times, wall):

@@ -82,9 +82,12 @@ class Checkpointer:
     ``data_iter`` (a grain iterator) to the saved position.
 
     ``abstract_*`` are pytrees of ``jax.ShapeDtypeStruct`` (with shardings
-    where wanted: arrays are restored directly into them). With
+    where wanted: arrays are restored directly into them, so a checkpoint
+    saved on one mesh restores onto any other mesh or a single device;
+    every process reads only the shards it holds). With
     ``abstract_opt_state=None`` only the parameters are read (inference) and
-    opt_state comes back as None.
+    opt_state comes back as None. ``data_iter=None`` skips the data state
+    (synthetic data).
 
     Raises CheckpointError for a missing or unreadable checkpoint.
     """
@@ -97,9 +100,11 @@ class Checkpointer:
                 restore_args=ocp.checkpoint_utils.construct_restore_args({"params": abstract_params}),
                 partial_restore=True)))
         return restored["state"]["params"], None
-      restored = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore({"params": abstract_params, "opt_state": abstract_opt_state}),
-          data=grain.checkpoint.CheckpointRestore(data_iter)))
+      items = {"state": ocp.args.StandardRestore({"params": abstract_params,
+                                                  "opt_state": abstract_opt_state})}
+      if data_iter is not None:
+        items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+      restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:
       raise CheckpointError(f"checkpoint {self._path(step)} is unreadable or does not match the "
                             f"model ({type(e).__name__}: {str(e)[:500]}); delete that step "

@@ -3,6 +3,11 @@
 Parses flags and calls ``train.loop.train``. Config overrides follow the Flax
 examples (ml_collections config_flags) and are validated against the typed
 schema in ``mtp.config`` before anything runs.
+
+Multi-host: start the same command on every host with ``--coordinator_address
+HOST:PORT --num_processes N --process_id I`` (or ``--distributed`` to let
+JAX detect them on Cloud TPU, Slurm, Open MPI, Kubernetes); see
+``mtp.sharding.initialize_distributed`` and docs/scaling.md.
 """
 
 import sys
@@ -13,6 +18,14 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, config).")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "Multi-host: HOST:PORT of process 0's coordinator service "
+    "(default: $JAX_COORDINATOR_ADDRESS or JAX's cluster auto-detection).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Call jax.distributed.initialize() even without the flags above "
+    "(JAX auto-detects Cloud TPU, Slurm, Open MPI and Kubernetes jobs).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -23,9 +36,12 @@ def main(argv):
   from mtp.checkpoint import CheckpointError
   from mtp.config import ConfigError, from_dict
   from mtp.data import DataError
+  from mtp.sharding import initialize_distributed
   from train.loop import train
   try:
     cfg = from_dict(_CONFIG.value)
+    initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                           force=_DISTRIBUTED.value)
     result = train(cfg, _WORKDIR.value)
   except (ConfigError, DataError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)

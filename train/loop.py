@@ -85,12 +85,13 @@ class Trainer:
     self.cfg = cfg
     self.mesh = mesh or shard_lib.make_mesh(cfg.mesh)
     shard_lib.check_batch(cfg.train.batch_size, self.mesh)
+    shard_lib.check_mesh(cfg.model, self.mesh)
     self.tx = make_optimizer(cfg.train)
     abstract_model = nnx.eval_shape(lambda: build_model(cfg, cfg.train.seed))
     self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     self.param_shardings = shard_lib.param_shardings(self.mesh, abstract_params)
     abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
-    self.opt_shardings = jax.tree.map(lambda _: shard_lib.replicated(self.mesh), abstract_opt)
+    self.opt_shardings = shard_lib.state_shardings(self.mesh, abstract_opt)   # mu/nu like params
     batch_sharding = shard_lib.batch_sharding(self.mesh)
     replicated = shard_lib.replicated(self.mesh)
     loss_fn = make_loss_fn(self.graphdef, cfg.mtp.loss_weight)
@@ -233,8 +234,10 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
   Raises:
     ConfigError, DataError, CheckpointError before anything is written.
   """
-  log = log or (lambda s: tqdm.write(s, file=sys.stderr))
   is_main = jax.process_index() == 0
+  log = log or (lambda s: tqdm.write(s, file=sys.stderr))
+  if not is_main:   # multi-host: one process prints and writes files
+    log = lambda s: None
   resume_step = check_workdir(cfg, workdir)
   t = cfg.train
   # Open the data first: a bad dataset stops the run before anything is written.
@@ -280,8 +283,9 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
   last_train, last_eval, step_times = {}, {}, []
   target = t.num_steps if stop_after is None else min(t.num_steps, stop_after)
   interrupted = False
-  with _StopFlag() as stop, tqdm(total=t.num_steps, initial=state.step, disable=None,
-                                  dynamic_ncols=True, file=sys.stderr) as bar:
+  with _StopFlag() as stop, tqdm(total=t.num_steps, initial=state.step,
+                                  disable=None if is_main else True, dynamic_ncols=True,
+                                  file=sys.stderr) as bar:
     window_start, window_steps, warm = time.perf_counter(), 0, False
     while state.step < target:
       state, metrics = trainer.train_step(state, next(data_iter))

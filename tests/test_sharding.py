@@ -1,0 +1,236 @@
+"""Sharding: FSDP / tensor-parallel meshes on 8 fake CPU devices, two JAX
+processes on loopback, checkpoints restored onto another mesh, sharded
+decoding, and the bad-mesh errors.
+
+JAX must see the fake devices before it loads, and this pytest process has
+already loaded it with one device, so the checks run in subprocesses
+(``tests/sharding_worker.py``): one per MTP depth on 8 devices, and two
+processes x 2 devices that form one 4-device mesh. All four start together
+(they share the machine's cores) from a module fixture that kills whatever
+is still running when it finishes, passes or fails.
+
+Tolerances: losses on different meshes agree to rtol 1e-5 (float32 sums
+reduced in another order; observed differences are ~1e-7 relative).
+Restored parameters are bit-identical; decoding at temperature 0 is token
+for token identical.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from mtp import sharding as shard_lib
+from mtp.config import ConfigError, MeshConfig
+from tests.conftest import tiny_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "tests", "sharding_worker.py")
+TIMEOUT_S = 420        # all workers together; typical ~2 min on 2 busy cores
+RTOL = 1e-5
+MESHES = ("8x1x1", "1x8x1", "2x2x2", "1x1x1")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """Runs every worker; returns {name: result dict or failure text}."""
+  root = tmp_path_factory.mktemp("sharding")
+  port = _free_port()
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  jobs = {
+      "d0": ["meshes", "--depth", "0"],
+      "d2": ["meshes", "--depth", "2", "--extras"],
+      "proc0": ["process", "--process_id", "0", "--port", str(port)],
+      "proc1": ["process", "--process_id", "1", "--port", str(port)],
+  }
+  procs, logs, results = {}, {}, {}
+  try:
+    for name, argv in jobs.items():
+      workdir = root / ("ckpt_2proc" if name.startswith("proc") else name)
+      logs[name] = open(root / f"{name}.log", "w")
+      procs[name] = subprocess.Popen(
+          [sys.executable, WORKER, *argv, "--workdir", str(workdir),
+           "--out", str(root / f"{name}.json")],
+          cwd=REPO, env=env, stdout=logs[name], stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + TIMEOUT_S
+    for name, p in procs.items():
+      try:
+        p.wait(timeout=max(deadline - time.monotonic(), 1))
+      except subprocess.TimeoutExpired:
+        pass
+  finally:
+    for p in procs.values():       # only the processes started here, by handle
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+    for f in logs.values():
+      f.close()
+  for name, p in procs.items():
+    out = root / f"{name}.json"
+    if p.returncode == 0 and out.exists():
+      results[name] = json.loads(out.read_text())
+    else:
+      tail = (root / f"{name}.log").read_text()[-3000:]
+      results[name] = f"worker {name} exited with {p.returncode}:\n{tail}"
+  results["root"] = root
+  return results
+
+
+def _get(runs, name) -> dict:
+  r = runs[name]
+  if isinstance(r, str):
+    pytest.fail(r)
+  return r
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_losses_agree_across_meshes(runs, depth):
+  r = _get(runs, f"d{depth}")
+  assert r["devices"] == 8
+  ref = r["losses"]["1x1x1"]
+  for mesh in MESHES:
+    np.testing.assert_allclose(r["losses"][mesh], ref, rtol=RTOL, err_msg=mesh)
+  assert max(r["final_params_max_diff"].values()) < 1e-4
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_parameters_and_optimizer_state_are_sharded(runs, depth):
+  lay = _get(runs, f"d{depth}")["layout"]
+  fsdp, mixed = lay["1x8x1"], lay["2x2x2"]
+  # FSDP: the model width D = 32 is split 8 ways.
+  assert fsdp["mlp_gate"] == {"spec": ["fsdp", None], "shard_shape": [4, 64], "shape": [32, 64]}
+  assert fsdp["mlp_down"] == {"spec": [None, "fsdp"], "shard_shape": [64, 4], "shape": [64, 32]}
+  assert fsdp["embed"]["shard_shape"] == [264, 4]
+  # FSDP x tensor parallel: heads / MLP width / vocabulary over tensor.
+  assert mixed["q_proj"] == {"spec": ["fsdp", "tensor"], "shard_shape": [16, 16], "shape": [32, 32]}
+  assert mixed["mlp_gate"]["shard_shape"] == [16, 32]
+  assert mixed["embed"] == {"spec": ["tensor", "fsdp"], "shard_shape": [132, 16],
+                            "shape": [264, 32]}
+  for l in (fsdp, mixed, lay["8x1x1"]):
+    assert l["norm"]["spec"] == [None] and l["norm"]["shard_shape"] == [32]
+    assert l["mu_mlp_gate"] == l["mlp_gate"]        # Adam moments follow the parameters
+    assert l["count"]["spec"] == []
+  assert lay["8x1x1"]["mlp_gate"]["shard_shape"] == [32, 64]   # pure data parallel: replicated
+  if depth:   # the MTP modules shard like the backbone
+    assert fsdp["mtp_proj"] == {"spec": [None, "fsdp"], "shard_shape": [64, 4], "shape": [64, 32]}
+    assert mixed["mtp_mlp_up"] == mixed["mlp_gate"]
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_fsdp_divides_parameter_memory(runs, depth):
+  b = _get(runs, f"d{depth}")["bytes_per_device"]
+  full = b["1x1x1"]
+  assert b["8x1x1"] == full
+  assert b["1x8x1"] < full / 7        # everything but the [D] norm scales split 8 ways
+  assert b["2x2x2"] < full / 3
+
+
+def test_two_processes_train_like_one(runs):
+  ref = _get(runs, "d2")["losses"]["1x1x1"]
+  for i in (0, 1):
+    r = _get(runs, f"proc{i}")
+    assert (r["process_index"], r["process_count"]) == (i, 2)
+    assert (r["devices"], r["local_devices"]) == (4, 2)
+    np.testing.assert_allclose(r["losses"], ref, rtol=RTOL)
+    assert r["gate"]["spec"] == ["fsdp", "tensor"] and r["gate"]["shard_shape"] == [16, 32]
+    # Checkpoint written by both processes and restored by each.
+    assert r["restored_equal"] and r["restored_config_depth"] == 2
+  # Each process's grain iterator resumes at its own position (range(16)[i::2], i+1 consumed).
+  assert [_get(runs, f"proc{i}")["restored_next_item"] for i in (0, 1)] == [2, 5]
+  data = runs["root"] / "ckpt_2proc" / "checkpoints" / "3" / "data"
+  assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(os.listdir(data))
+
+
+def test_checkpoint_saved_on_8x1x1_restores_on_other_meshes(runs):
+  r = _get(runs, "d2")
+  assert r["restored_equal"] == {"2x2x2": True, "1x1x1": True}   # bit-identical params + opt
+  for name, lay in r["restored_layout"].items():
+    assert lay["q_proj"]["spec"] == lay["want"], name
+  assert r["restored_layout"]["2x2x2"]["q_proj"]["shard_shape"] == [16, 16]
+  for name in ("2x2x2", "1x1x1"):
+    np.testing.assert_allclose(r["next_loss"][name], r["next_loss"]["8x1x1"], rtol=RTOL)
+
+
+def test_sharded_decoding_equals_one_device(runs):
+  dec = _get(runs, "d2")["decode"]
+  for case in ("trained_mtp3", "untied_ar0"):
+    d = dec[case]
+    assert d["sharded"] == d["ref"], case
+    assert d["sharded_histogram"] == d["ref_histogram"], case
+    assert d["param"]["spec"] == [None, "tensor"] and d["param"]["shard_shape"] == [32, 32]
+  assert dec["trained_mtp3"]["sharded_stream"] == dec["trained_mtp3"]["ref"]
+  # The trained case is informative: rows accept different numbers of drafts.
+  hist = np.asarray(dec["trained_mtp3"]["ref_histogram"])
+  assert hist[:, 1:].sum() > 0 and len({tuple(h) for h in hist}) > 1
+  assert "3 prompts" in dec["bad_batch"] and "data axis of size 4" in dec["bad_batch"]
+
+
+def test_bad_meshes_raise_config_errors_naming_the_numbers(runs):
+  e = _get(runs, "d2")["errors"]
+  assert "3*1*1 = 3" in e["mesh_product"] and "(8)" in e["mesh_product"]
+  assert "product 3 does not divide the 8 devices" in e["mesh_fixed_axes"]
+  assert "train.batch_size=6" in e["batch"] and "mesh size 8" in e["batch"]
+  assert "mesh.tensor=4 does not divide model.num_kv_heads=2" in e["kv_heads"]
+  assert "mesh.tensor=8 does not divide model.num_heads=4" in e["heads"]
+  assert "mesh.tensor=4 does not divide model.mlp_dim=66" in e["mlp"]
+  assert "mesh.tensor=2 does not divide model.vocab_size=265" in e["vocab"]
+  assert "mesh.fsdp=8 does not divide model.d_model=36" in e["fsdp"]
+
+
+# -- in-process (one device): the pure checks ----------------------------------------
+
+
+def test_mesh_checks_without_devices():
+  cfg = tiny_config().model
+  shard_lib.check_mesh(cfg, {"data": 4, "fsdp": 8, "tensor": 2})
+  with pytest.raises(ConfigError, match=r"mesh.tensor=3 does not divide model.num_heads=4.*"
+                                        r"num_kv_heads=2.*mlp_dim=64"):
+    shard_lib.check_mesh(cfg, {"tensor": 3})
+  with pytest.raises(ConfigError, match=r"mesh.fsdp=5 does not divide model.d_model=32"):
+    shard_lib.check_mesh(cfg, {"fsdp": 5})
+  with pytest.raises(ConfigError, match=r"2\*2\*2 = 8 must equal the number of devices \(4\)"):
+    shard_lib.mesh_shape(MeshConfig(2, 2, 2), 4)
+  assert shard_lib.mesh_shape(MeshConfig(-1, 2, 2), 8) == (2, 2, 2)
+
+
+def test_trainer_rejects_a_mesh_larger_than_the_devices():
+  from train.loop import Trainer
+  with pytest.raises(ConfigError, match=r"2\*1\*1 = 2 must equal the number of devices \(1\)"):
+    Trainer(tiny_config(mesh=dict(data=2)))
+
+
+def test_every_parameter_has_a_rule():
+  import jax
+  from flax import nnx
+  from mtp.model import build_model
+  for tie, depth in ((True, 0), (True, 2), (False, 4)):
+    cfg = tiny_config(model=dict(tie_embeddings=tie), mtp=dict(depth=depth))
+    _, params = nnx.split(nnx.eval_shape(lambda: build_model(cfg)), nnx.Param)
+    mesh = shard_lib.make_mesh(MeshConfig(1, 1, 1))
+    shardings = shard_lib.param_shardings(mesh, params)
+    assert len(jax.tree.leaves(shardings)) == len(jax.tree.leaves(params))
+  assert shard_lib.logical_axes("mtp/1/block/attn/k_proj/kernel") == ("embed", "kv_heads")
+  assert shard_lib.logical_axes("lm_head/kernel") == ("embed", "vocab")
+  assert shard_lib.logical_axes("blocks/0/mlp_norm/scale") == ("norm",)
+  with pytest.raises(ValueError, match="no sharding rule for parameter 'extra/kernel'"):
+    shard_lib.param_shardings(mesh, {"extra": {"kernel": jax.ShapeDtypeStruct((2, 2), "float32")}})
+
+
+def test_initialize_distributed_flags(monkeypatch):
+  for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",
+              "OMPI_COMM_WORLD_SIZE"):
+    monkeypatch.delenv(var, raising=False)
+  assert shard_lib.initialize_distributed() is False        # one process: nothing to do
+  with pytest.raises(ConfigError, match=r"--process_id=2 must be in \[0, --num_processes=2\)"):
+    shard_lib.initialize_distributed("127.0.0.1:1", 2, 2)
