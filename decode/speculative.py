@@ -8,7 +8,7 @@ an MTP or draft-model drafter, in two forms each.
 
 Both run the same ``_round`` function, so they emit identical tokens for the
 same seed. One round for a row with committed tokens x_0..x_{n-1} (target
-cache valid for 0..n-2; DESIGN.md section 5):
+cache valid for 0..n-2; docs/design.md section 5):
 
 1. draft d_1..d_G with distributions q_1..q_G (``decode.drafters``);
 2. verify: one target forward over [x_{n-1}, d_1..d_G] at positions

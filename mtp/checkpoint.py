@@ -71,7 +71,9 @@ class Checkpointer:
     try:
       raw = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises many types for damaged files
-      raise CheckpointError(f"cannot read the config of checkpoint {self._path(step)}: {e}") from e
+      raise CheckpointError(f"cannot read the config of checkpoint {self._path(step)} "
+                            f"({_first_line(e)}); delete that step directory to fall back to "
+                            "an earlier one") from e
     try:
       return config_lib.from_dict(raw["config"])
     except config_lib.ConfigError as e:
@@ -107,7 +109,7 @@ class Checkpointer:
       restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:
       raise CheckpointError(f"checkpoint {self._path(step)} is unreadable or does not match the "
-                            f"model ({type(e).__name__}: {str(e)[:500]}); delete that step "
+                            f"model ({type(e).__name__}: {_first_line(e)}); delete that step "
                             "directory to fall back to an earlier one") from e
     return restored["state"]["params"], restored["state"]["opt_state"]
 
@@ -150,3 +152,11 @@ def load_model(workdir: str, step: int | None = None):
   ckpt.close()
   return cfg, nnx.merge(graphdef, params), step
 
+
+
+def _first_line(e: Exception, limit: int = 200) -> str:
+  """The first line of an exception message, shortened (orbax and
+  tensorstore errors embed long specs)."""
+  lines = str(e).strip().splitlines()
+  text = lines[0] if lines else type(e).__name__
+  return text if len(text) <= limit else text[:limit] + "..."

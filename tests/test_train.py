@@ -55,8 +55,12 @@ def test_killed_and_resumed_run_reproduces_losses(uninterrupted, tmp_path, data_
   resumed = str(tmp_path / "resumed")
   first = train(_cfg(data_dir), resumed, stop_after=3)       # "killed" after step 3
   assert first["step"] == 3 and not os.path.exists(os.path.join(resumed, "final_metrics.json"))
+  with open(os.path.join(resumed, "metrics.jsonl"), "a") as f:   # rows a killed run left behind
+    f.write(json.dumps({"step": 5, "split": "train", "loss": -1.0}) + "\n")
   second = train(_cfg(data_dir), resumed)                    # same command again
   assert second["step"] == 6
+  steps = [json.loads(l)["step"] for l in open(os.path.join(resumed, "metrics.jsonl"))]
+  assert steps == sorted(steps) and len([s for s in steps if s == 4]) == 2   # train + eval, once
   want, got = _train_losses(workdir), _train_losses(resumed)
   assert set(want) <= set(got)       # the stopped run also logged its last step
   np.testing.assert_allclose([got[s] for s in sorted(want)], [want[s] for s in sorted(want)],
@@ -66,6 +70,22 @@ def test_killed_and_resumed_run_reproduces_losses(uninterrupted, tmp_path, data_
 
 def _eval(workdir):
   return json.load(open(os.path.join(workdir, "final_metrics.json")))["eval"]["main/loss"]
+
+
+def test_rerunning_a_finished_run_changes_nothing(uninterrupted, data_dir):
+  workdir, result = uninterrupted
+  names = ("config.json", "metrics.jsonl", "final_metrics.json")
+  before = {n: open(os.path.join(workdir, n), "rb").read() for n in names}
+  again = train(_cfg(data_dir), workdir)
+  assert again["step"] == result["step"] and again["eval"] == json.loads(before["final_metrics.json"])["eval"]
+  assert before == {n: open(os.path.join(workdir, n), "rb").read() for n in names}
+
+
+def test_divergence_stops_with_a_clear_error(tmp_path, data_dir):
+  from train.loop import DivergedError
+  with pytest.raises(DivergedError, match="loss is nan"):
+    train(_cfg(data_dir, train=dict(learning_rate=1e30, grad_clip_norm=1e30, warmup_steps=0)),
+          str(tmp_path / "nan"))
 
 
 def test_incompatible_config_refused_and_nothing_overwritten(uninterrupted, data_dir):
@@ -120,6 +140,9 @@ def test_cli_rejects_bad_override_naming_the_field(tmp_path):
   r = _run_cli(["--config", "configs/tiny.py", "--workdir", str(tmp_path / "w"),
                 "--config.mtp.depth=-1"], timeout=120)
   assert r.returncode == 2 and "mtp.depth" in r.stderr
+  r = _run_cli(["--config", "configs/tiny.py", "--workdir", str(tmp_path / "w"),
+                "--config.train.lr=3"], timeout=120)
+  assert r.returncode == 2 and "unknown config key 'train.lr'" in r.stderr, r.stderr[-500:]
   assert not (tmp_path / "w").exists()
 
 

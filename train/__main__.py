@@ -37,7 +37,7 @@ def main(argv):
   from mtp.config import ConfigError, from_dict
   from mtp.data import DataError
   from mtp.sharding import initialize_distributed
-  from train.loop import train
+  from train.loop import DivergedError, train
   try:
     cfg = from_dict(_CONFIG.value)
     initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
@@ -46,14 +46,23 @@ def main(argv):
   except (ConfigError, DataError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except DivergedError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 3
   ev = result["eval"]
   if ev:
     print(f"step {result['step']}: validation bits/byte {ev['main/bits_per_byte']:.4f}, "
           f"main top-1 {ev['main/accuracy']:.3f}" + "".join(
               f", MTP depth {k} top-1 {ev[f'mtp_{k}/accuracy']:.3f}"
               for k in range(1, cfg.mtp.depth + 1)))
-  return 143 if result["interrupted"] else 0
+  return 128 + result["signal"] if result.get("signal") else 0
 
 
 if __name__ == "__main__":
+  from mtp.config import ConfigError, check_override_keys
+  try:
+    check_override_keys(sys.argv[1:])
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
   app.run(main)

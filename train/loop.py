@@ -194,6 +194,22 @@ def check_workdir(cfg: Config, workdir: str) -> int | None:
   return step
 
 
+class DivergedError(RuntimeError):
+  """The training loss became NaN or infinite."""
+
+
+def _truncate_metrics(path: str, step: int):
+  """Drops metric rows after ``step`` (left by a run killed after its last
+  checkpoint), so a resumed run's rows are not duplicated."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+  with open(path + ".tmp", "w") as f:
+    f.writelines(rows)
+  os.replace(path + ".tmp", path)
+
+
 class _StopFlag:
   """Turns SIGTERM/SIGINT into a flag checked at step boundaries."""
 
@@ -240,6 +256,12 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
     log = lambda s: None
   resume_step = check_workdir(cfg, workdir)
   t = cfg.train
+  final_path = os.path.join(workdir, "final_metrics.json")
+  if resume_step is not None and resume_step >= t.num_steps and os.path.exists(final_path):
+    log(f"{workdir} already finished at step {resume_step} (train.num_steps={t.num_steps}); "
+        "nothing to do (raise train.num_steps to continue)")
+    with open(final_path) as f:
+      return json.load(f)
   # Open the data first: a bad dataset stops the run before anything is written.
   dataset = data_lib.make_train_dataset(
       cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed,
@@ -260,7 +282,12 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
   else:
     state = trainer.init_state()
   if is_main:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
+    config_path = os.path.join(workdir, "config.json")
+    if resume_step is not None:
+      _truncate_metrics(os.path.join(workdir, "metrics.jsonl"), resume_step)
+      if os.path.exists(config_path) and open(config_path).read() != cfg.to_json():
+        os.replace(config_path, os.path.join(workdir, f"config.until_step{resume_step}.json"))
+    with open(config_path, "w") as f:
       f.write(cfg.to_json())
   counts = count_params(trainer.model(state.params))
   writer = MetricWriter(workdir, is_main)
@@ -300,6 +327,10 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
                       "learning_rate": float(learning_rate(t, state.step - 1)),
                       "tokens_per_s": window_steps * t.batch_size * t.seq_len / elapsed,
                       **losses.summarize(host["sums"])}
+        if not np.isfinite(last_train["loss"]):
+          raise DivergedError(f"training loss is {last_train['loss']} at step {state.step}; no "
+                              "checkpoint written for it (lower train.learning_rate or raise "
+                              "train.warmup_steps; the run resumes from the last checkpoint)")
         writer.write(state.step, "train", last_train)
         bar.set_postfix(loss=f"{last_train['loss']:.3f}")
         window_start, window_steps = time.perf_counter(), 0
@@ -322,7 +353,7 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
   writer.close()
   result = {"step": state.step, "train": last_train, "eval": last_eval,
             "step_time_s": float(np.median(step_times)) if step_times else None, "params": counts,
-            "interrupted": interrupted}
+            "interrupted": interrupted, "signal": stop.signum}
   if is_main and state.step >= t.num_steps:
     with open(os.path.join(workdir, "final_metrics.json"), "w") as f:
       json.dump(result, f, indent=2)
