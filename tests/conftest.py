@@ -76,3 +76,16 @@ def trained_markov():
   for _ in range(cfg.train.num_steps):
     state, _ = trainer.train_step(state, markov_batch(rng, 16, 32, transition))
   return cfg, trainer.model(state.params), transition
+
+
+@pytest.fixture(scope="session")
+def markov_workdir(trained_markov, tmp_path_factory):
+  """The trained Markov model saved as a checkpoint workdir (for CLIs and scripts)."""
+  from flax import nnx
+  from mtp import checkpoint as ckpt_lib
+  cfg, model, _ = trained_markov
+  path = str(tmp_path_factory.mktemp("markov_wd"))
+  ckpt = ckpt_lib.Checkpointer(path)
+  ckpt.save(1, nnx.state(model, nnx.Param), {}, None, cfg)
+  ckpt.close()
+  return path

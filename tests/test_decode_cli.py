@@ -6,11 +6,9 @@ import subprocess
 import sys
 
 import pytest
-from flax import nnx
 
 from decode.run import read_prompt_file, run
 from decode.speculative import DecodeError, SamplingParams
-from mtp import checkpoint as ckpt_lib
 from mtp.checkpoint import CheckpointError
 from tests.conftest import tiny_config
 
@@ -20,14 +18,8 @@ STATS_KEYS = {"mean_accepted_length", "acceptance_rate_per_position", "accepted_
 
 
 @pytest.fixture(scope="module")
-def workdir(trained_markov, tmp_path_factory):
-  """The trained Markov model saved as a checkpoint workdir."""
-  cfg, model, _ = trained_markov
-  path = str(tmp_path_factory.mktemp("decode_wd"))
-  ckpt = ckpt_lib.Checkpointer(path)
-  ckpt.save(1, nnx.state(model, nnx.Param), {}, None, cfg)
-  ckpt.close()
-  return path
+def workdir(markov_workdir):
+  return markov_workdir
 
 
 def test_run_report_has_tokens_text_and_stats(workdir, capsys):

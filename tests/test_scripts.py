@@ -7,9 +7,7 @@ import os
 import sys
 
 import pytest
-from flax import nnx
 
-from mtp import checkpoint as ckpt_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,13 +21,8 @@ def _script(name):
 
 
 @pytest.fixture(scope="module")
-def workdir(trained_markov, tmp_path_factory):
-  cfg, model, _ = trained_markov
-  path = str(tmp_path_factory.mktemp("bench_wd"))
-  ckpt = ckpt_lib.Checkpointer(path)
-  ckpt.save(1, nnx.state(model, nnx.Param), {}, None, cfg)
-  ckpt.close()
-  return path
+def workdir(markov_workdir):
+  return markov_workdir
 
 
 def test_bench_decode_quick(workdir, data_dir, tmp_path):
