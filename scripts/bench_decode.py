@@ -144,12 +144,20 @@ class Cell:
   gens: list = dataclasses.field(default_factory=list)
 
 
-def run_cells(cells, prompts, max_new, sp, repeats):
+def run_cells(cells, prompts, batch, max_new, sp, repeats):
+  """Repeat r decodes prompts[r*batch .. r*batch+batch-1] (cycling) with seed r
+  in every cell, so all cells see the same prompts and the sample grows
+  with the repeats."""
   encoded = [tok.ByteTokenizer().encode(p, add_bos=True) for p in prompts]
-  call = lambda c, seed: (c.decoder.generate if c.form == "while" else c.decoder.stream)(
-      encoded, max_new, sp, seed=seed)
-  for c in cells:                       # compile
-    call(c, 0)
+  rows = lambda r: [encoded[(r * batch + i) % len(encoded)] for i in range(batch)]
+  call = lambda c, r: (c.decoder.generate if c.form == "while" else c.decoder.stream)(
+      rows(r), max_new, sp, seed=r)
+  # compile every prompt-length bucket that the repeats will hit
+  bucket = lambda r: -(-max(len(x) for x in rows(r)) // 64)
+  warm = {bucket(r): r for r in range(repeats)}.values()
+  for c in cells:
+    for r in warm:
+      call(c, r)
   for r in range(repeats):              # interleave
     for c in cells:
       gen = call(c, r)
@@ -217,6 +225,8 @@ def main(argv=None):
   ap.add_argument("--dataset", default="python_stdlib")
   ap.add_argument("--data_dir", default="", help="TFDS data dir (default: $MTP_DATA_DIR or ~/.cache/mtp)")
   ap.add_argument("--prompt_bytes", type=int, default=256)
+  ap.add_argument("--num_prompts", type=int, default=0,
+                  help="held-out prompts, cycled over repeats (default: max batch x repeats)")
   ap.add_argument("--max_new_tokens", type=int, default=128)
   ap.add_argument("--batch_sizes", default="1,4,16")
   ap.add_argument("--temperatures", default="0,1")
@@ -239,15 +249,15 @@ def main(argv=None):
   forms = args.forms.split(",")
   batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
   temps = [float(x) for x in args.temperatures.split(",")]
-  prompts_all = held_out_prompts(args.dataset, max(batch_sizes), args.prompt_bytes,
-                                 data_dir=args.data_dir)
+  prompts_all = held_out_prompts(args.dataset, args.num_prompts or max(batch_sizes) * args.repeats,
+                                 args.prompt_bytes, data_dir=args.data_dir)
   cache_len = 64 * int(np.ceil((args.prompt_bytes + args.max_new_tokens + 64) / 64))
   results, bare = [], {}
   for b in batch_sizes:
     fwd1 = bare_forward_s(target, b, 1, cache_len, args.repeats)
     fwd_g = {g + 1: bare_forward_s(target, b, g + 1, cache_len, args.repeats) for g in gs}
     bare[str(b)] = {"1": fwd1, **{str(k): v for k, v in fwd_g.items()}}
-    prompts = prompts_all[:b]
+    prompts = prompts_all[:b]       # for the drafting-cost probe
     decoders = {("ar", 0): Decoder(target, "ar")}
     decoders.update({("mtp", g): Decoder(target, "mtp", g) for g in gs if depth})
     if draft is not None:
@@ -256,7 +266,7 @@ def main(argv=None):
       sp = SamplingParams(temperature=t)
       cells = [Cell(f"{m}{'' if not g else f'_G{g}'}_{form}", m, g, form, dec)
                for (m, g), dec in decoders.items() for form in forms]
-      run_cells(cells, prompts, args.max_new_tokens, sp, args.repeats)
+      run_cells(cells, prompts_all, b, args.max_new_tokens, sp, args.repeats)
       ar_cells = {c.form: c for c in cells if c.method == "ar"}
       ar_wall = {form: float(np.median(c.walls)) for form, c in ar_cells.items()}
       ar_any = ar_cells.get("while", next(iter(ar_cells.values())))
