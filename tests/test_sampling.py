@@ -354,14 +354,19 @@ def test_masked_tokens_never_get_probability():
   assert not masked[np.arange(6)[None, None, :], draws].any()
 
 
-def test_traced_parameters_match_python_scalars_and_compile_once():
+def _counting_jit(fn):
+  """(jitted fn, list that grows by one per trace) to assert single compiles."""
   traces = []
 
-  def warp(x, t, k, p):
+  def traced(*args):
     traces.append(None)
-    return sampling.warp_logits(x, t, k, p)
+    return fn(*args)
 
-  warp_jit = jax.jit(warp)
+  return jax.jit(traced), traces
+
+
+def test_traced_parameters_match_python_scalars_and_compile_once():
+  warp_jit, traces = _counting_jit(sampling.warp_logits)
   rng = np.random.default_rng(2)
   x = rng.normal(size=(5, 16)).astype(np.float32)
   x[:, 3] = -np.inf
@@ -499,13 +504,7 @@ def test_adversarial_zero_draft_probability():
 
 
 def test_rejection_sample_shapes_dtypes_and_single_compile():
-  traces = []
-
-  def rs(key, p, q, d):
-    traces.append(None)
-    return sampling.rejection_sample(key, p, q, d)
-
-  rs_jit = jax.jit(rs)
+  rs_jit, traces = _counting_jit(sampling.rejection_sample)
   rng = np.random.default_rng(10)
   for seed in range(3):
     p = _dirichlet_rows(rng, 5 * 4, 9).reshape(5, 4, 9)
