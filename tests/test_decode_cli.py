@@ -10,7 +10,6 @@ import pytest
 from decode.run import read_prompt_file, run
 from decode.speculative import DecodeError, SamplingParams
 from mtp.checkpoint import CheckpointError
-from tests.conftest import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATS_KEYS = {"mean_accepted_length", "acceptance_rate_per_position", "accepted_length_histogram",
