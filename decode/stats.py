@@ -81,3 +81,28 @@ def format_summary(name: str, s: dict) -> str:
       f"  TTFT {ms(s['ttft_s'])}  ITL p50 {ms(s['itl_p50_s'])}  p90 {ms(s['itl_p90_s'])}  "
       f"throughput {num(s['tokens_per_s'], '.1f')} tok/s  wall {s['wall_time_s']:.3f} s",
   ])
+
+
+# -- speedup theory (Leviathan et al. 2023, section 3.4) -------------------------
+
+def expected_accepted_length(alpha: float, num_draft_tokens: int) -> float:
+  """E[tokens per target call] = (1 - alpha^(G+1)) / (1 - alpha) for i.i.d.
+  acceptance rate alpha in [0, 1] (Leviathan et al. 2023, eq. 1); G+1 at alpha = 1."""
+  return float(sum(alpha ** k for k in range(num_draft_tokens + 1)))   # no cancellation near 1
+
+
+def ideal_speedup(alpha: float, num_draft_tokens: int, cost_ratio: float) -> float:
+  """Expected walltime improvement (1 - alpha^(G+1)) / ((1 - alpha)(G c + 1))
+  (Leviathan et al. 2023, Theorem 3.8); c = drafting time per draft token /
+  one target step."""
+  return expected_accepted_length(alpha, num_draft_tokens) / (num_draft_tokens * cost_ratio + 1)
+
+
+def alpha_from_tau(tau: float, num_draft_tokens: int) -> float:
+  """The i.i.d. acceptance rate alpha in [0, 1] whose expected accepted length
+  (``expected_accepted_length``) equals tau (bisection; tau clipped to [1, G+1])."""
+  lo, hi = 0.0, 1.0
+  for _ in range(60):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if expected_accepted_length(mid, num_draft_tokens) < tau else (lo, mid)
+  return (lo + hi) / 2

@@ -254,6 +254,25 @@ def from_dict(values: Mapping[str, Any] | Any) -> Config:
   return validate(_build(Config, "", values))
 
 
+def load_config_file(path: str) -> Config:
+  """Builds and validates the Config of a config file (a Python file with
+  ``get_config()``, as ``configs/tiny.py``) without absl flags.
+
+  Raises:
+    ConfigError: missing file, no ``get_config``, or an invalid value.
+  """
+  import importlib.util
+  import os
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file {path!r} does not exist")
+  spec = importlib.util.spec_from_file_location("_mtp_config_file", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  if not hasattr(mod, "get_config"):
+    raise ConfigError(f"config file {path!r} has no get_config() function")
+  return from_dict(mod.get_config())
+
+
 def to_config_dict(cfg: Config):
   """The ``ml_collections.ConfigDict`` form of ``cfg`` (for config files)."""
   import ml_collections

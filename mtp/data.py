@@ -602,3 +602,26 @@ def make_eval_batches(cfg: DataConfig, *, seq_len: int, batch_size: int, num_bat
     lo = start + process_index * per_process
     out.append({k: np.ascontiguousarray(v[lo:lo + per_process]) for k, v in stacked.items()})
   return out
+
+
+def held_out_prompts(dataset: str, n: int, prompt_bytes: int, seed: int = 0,
+                     data_dir: str = "") -> list[str]:
+  """n held-out prompts (str) of about ``prompt_bytes`` bytes (cut at a UTF-8
+  boundary) from the validation split of ``dataset``, each starting at a
+  line boundary of a different document (documents cycle when n exceeds
+  them); deterministic for a seed. Raises DataError (unknown dataset, or no
+  validation document longer than prompt_bytes + 64)."""
+  docs = [d for d in load_documents(DataConfig(name=dataset, data_dir=data_dir), "validation")
+          if len(d.encode()) > prompt_bytes + 64]
+  if not docs:
+    raise DataError(f"no validation document of {dataset} is longer than {prompt_bytes + 64} bytes")
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(n):
+    doc = docs[i % len(docs)]
+    lines = np.cumsum([0] + [len(l) for l in doc.splitlines(keepends=True)])
+    starts = lines[lines < len(doc) - 2 * prompt_bytes] if len(doc) > 2 * prompt_bytes else [0]
+    start = int(rng.choice(starts))
+    raw = doc[start:].encode()[:prompt_bytes]
+    out.append(raw.decode("utf-8", errors="ignore") or doc[:prompt_bytes])
+  return out

@@ -21,11 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import os
-import resource
-import subprocess
 import sys
 import time
 
@@ -37,49 +33,12 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from decode import stats as stats_lib  # noqa: E402
+from scripts import common  # noqa: E402
 from decode.speculative import Decoder, SamplingParams  # noqa: E402
 from mtp import checkpoint as ckpt_lib  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
 from mtp import tokenizer as tok  # noqa: E402
-from mtp.config import DataConfig  # noqa: E402
 from mtp.model import init_layer_caches  # noqa: E402
-
-
-def held_out_prompts(dataset: str, n: int, prompt_bytes: int, seed: int = 0,
-                     data_dir: str = "") -> list[str]:
-  """n prompts of about ``prompt_bytes`` bytes from the validation split,
-  each starting at a line boundary of a different document (cycling)."""
-  docs = [d for d in data_lib.load_documents(DataConfig(name=dataset, data_dir=data_dir), "validation")
-          if len(d.encode()) > prompt_bytes + 64]
-  if not docs:
-    raise SystemExit(f"no validation document of {dataset} is longer than {prompt_bytes + 64} bytes")
-  rng = np.random.default_rng(seed)
-  out = []
-  for i in range(n):
-    doc = docs[i % len(docs)]
-    lines = np.cumsum([0] + [len(l) for l in doc.splitlines(keepends=True)])
-    starts = lines[lines < len(doc) - 2 * prompt_bytes] if len(doc) > 2 * prompt_bytes else [0]
-    start = int(rng.choice(starts))
-    raw = doc[start:].encode()[:prompt_bytes]
-    out.append(raw.decode("utf-8", errors="ignore") or doc[:prompt_bytes])
-  return out
-
-
-def ideal_speedup(alpha: float, g: int, c: float) -> float:
-  """Leviathan et al. 2023, Theorem 3.8: (1 - alpha^(G+1)) / ((1 - alpha)(G c + 1))."""
-  if alpha >= 1.0:
-    return (g + 1) / (g * c + 1)
-  return (1 - alpha ** (g + 1)) / ((1 - alpha) * (g * c + 1))
-
-
-def alpha_from_tau(tau: float, g: int) -> float:
-  """The i.i.d. acceptance rate alpha with (1 - alpha^(G+1)) / (1 - alpha) = tau."""
-  lo, hi = 0.0, 1.0
-  for _ in range(60):
-    mid = (lo + hi) / 2
-    val = (g + 1) if mid >= 1 else (1 - mid ** (g + 1)) / (1 - mid)
-    lo, hi = (mid, hi) if val < tau else (lo, mid)
-  return (lo + hi) / 2
 
 
 def bare_forward_s(model, batch: int, length: int, cache_len: int, repeats: int) -> float:
@@ -183,8 +142,8 @@ def summarize_cell(c: Cell, ar_wall: float, ar_step_s: float, draft_s: float | N
   row["round_s"] = wall / rounds_per_gen
   if c.g:
     cost = draft_s / (c.g * ar_step_s)
-    alpha = alpha_from_tau(tau, c.g)
-    ideal = ideal_speedup(alpha, c.g, cost)
+    alpha = stats_lib.alpha_from_tau(tau, c.g)
+    ideal = stats_lib.ideal_speedup(alpha, c.g, cost)
     row.update({"draft_cost_ratio_c": cost, "alpha_iid": alpha, "ideal_speedup": ideal,
                 "efficiency": row["speedup"] / ideal})
   if c.form == "stream":
@@ -249,7 +208,7 @@ def main(argv=None):
   forms = args.forms.split(",")
   batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
   temps = [float(x) for x in args.temperatures.split(",")]
-  prompts_all = held_out_prompts(args.dataset, args.num_prompts or max(batch_sizes) * args.repeats,
+  prompts_all = data_lib.held_out_prompts(args.dataset, args.num_prompts or max(batch_sizes) * args.repeats,
                                  args.prompt_bytes, data_dir=args.data_dir)
   cache_len = 64 * int(np.ceil((args.prompt_bytes + args.max_new_tokens + 64) / 64))
   results, bare = [], {}
@@ -280,24 +239,12 @@ def main(argv=None):
         results.append(row)
         print(f"T={t} B={b} {c.name:16s} {row['tokens_per_s']:8.1f} tok/s  speedup {row['speedup']:.2f}x"
               f"  tau {row['tau']:.2f}", flush=True)
-  try:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-  except OSError:
-    commit = "unknown"
-  meta = {"workdir": args.workdir, "checkpoint_step": step, "config": cfg.to_dict(),
-          "draft_workdir": args.draft_workdir, "dataset": args.dataset,
-          "prompt_bytes": args.prompt_bytes, "max_new_tokens": args.max_new_tokens,
-          "repeats": args.repeats, "commit": commit, "jax_version": jax.__version__,
-          "device_kind": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
-          "date": datetime.date.today().isoformat(),
-          "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-          "bare_forward_s": bare[str(batch_sizes[0])], "bare_forward_s_by_batch": bare}
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out + ".json", "w") as f:
-    json.dump({"meta": meta, "results": results}, f, indent=2)
-  with open(args.out + ".md", "w") as f:
-    f.write(markdown(results, meta))
+  meta = common.provenance(
+      workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),
+      draft_workdir=args.draft_workdir, dataset=args.dataset, prompt_bytes=args.prompt_bytes,
+      max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+      bare_forward_s=bare[str(batch_sizes[0])], bare_forward_s_by_batch=bare)
+  common.write_report(args.out, meta, results, markdown(results, meta))
   print(f"wrote {args.out}.json and {args.out}.md")
 
 

@@ -15,11 +15,7 @@ version, device and date.
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.util
-import json
 import os
-import subprocess
 import sys
 import time
 
@@ -30,14 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mtp import config as config_lib  # noqa: E402
 from mtp import sharding as shard_lib  # noqa: E402
+from scripts import common  # noqa: E402
 from train.loop import Trainer  # noqa: E402
-
-
-def load_config(path: str) -> config_lib.Config:
-  spec = importlib.util.spec_from_file_location("bench_config", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return config_lib.from_dict(mod.get_config())
 
 
 def synthetic_batch(cfg: config_lib.Config, seed: int = 0) -> dict[str, np.ndarray]:
@@ -70,7 +60,7 @@ def main(argv=None):
   ap.add_argument("--out", default="results/bench_train")
   ap.add_argument("--quick", action="store_true", help="tiny sizes for tests")
   args = ap.parse_args(argv)
-  base = load_config(args.config)
+  base = config_lib.load_config_file(args.config)
   if args.quick:
     base = base.replace(model=dict(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
                                    head_dim=16, mlp_dim=64),
@@ -111,15 +101,9 @@ def main(argv=None):
                                         if rows[-1]["flop_ratio"] else None)
     print(f"D={d}: {med * 1e3:.1f} ms/step  {tokens / med:.0f} tok/s  time x{rows[-1]['time_ratio']:.2f}"
           f"  flops x{rows[-1]['flop_ratio'] or float('nan'):.2f}", flush=True)
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-  meta = {"config_file": args.config, "config": base.to_dict(), "repeats": args.repeats,
-          "steps_per_repeat": args.steps, "commit": commit, "jax_version": jax.__version__,
-          "device_kind": jax.devices()[0].device_kind, "device_count": jax.device_count(),
-          "cpu_count": os.cpu_count(), "date": datetime.date.today().isoformat()}
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out + ".json", "w") as f:
-    json.dump({"meta": meta, "results": rows}, f, indent=2)
+  meta = common.provenance(config_file=args.config, config=base.to_dict(), repeats=args.repeats,
+                           steps_per_repeat=args.steps)
+  commit = meta["commit"]
   lines = [f"Train-step benchmark: {args.config} (batch {base.train.batch_size} x {base.train.seq_len}), "
            f"{meta['device_kind']} x{meta['device_count']} ({meta['cpu_count']} CPUs), JAX "
            f"{meta['jax_version']}, commit {commit}, {meta['date']}; median of {args.repeats} x "
@@ -132,8 +116,7 @@ def main(argv=None):
     mem = "-" if r["memory_bytes"] is None else f"{r['memory_bytes'] / 2**20:.1f}"
     lines.append(f"| {r['depth']} | {r['step_s_median'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | "
                  f"{r['time_ratio']:.2f} | {fr} | {tf} | {mem} |")
-  with open(args.out + ".md", "w") as f:
-    f.write("\n".join(lines) + "\n")
+  common.write_report(args.out, meta, rows, "\n".join(lines) + "\n")
   print(f"wrote {args.out}.json and {args.out}.md")
 
 

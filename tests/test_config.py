@@ -69,3 +69,13 @@ def test_override_keys_checked_before_parsing():
     config_lib.check_override_keys(["--config.foo.bar=3"])
   with pytest.raises(ConfigError, match="not a section"):
     config_lib.check_override_keys(["--config.train.seed.x=3"])
+
+
+def test_load_config_file(tmp_path):
+  assert config_lib.load_config_file("configs/tiny.py").mtp.depth == 2
+  with pytest.raises(ConfigError, match="does not exist"):
+    config_lib.load_config_file(str(tmp_path / "nope.py"))
+  bad = tmp_path / "bad.py"
+  bad.write_text("x = 1\n")
+  with pytest.raises(ConfigError, match="get_config"):
+    config_lib.load_config_file(str(bad))
