@@ -41,55 +41,72 @@ from mtp import tokenizer as tok  # noqa: E402
 from mtp.model import init_layer_caches  # noqa: E402
 
 
-def bare_forward_s(model, batch: int, length: int, cache_len: int, repeats: int) -> float:
-  """Median seconds of one jitted target forward over ``length`` new tokens
-  with a KV cache (donated), batch ``batch``."""
+def _median_per_iter(fn, args, iters: int, repeats: int):
+  """Median seconds per iteration of ``fn(*args) -> args`` (donated carry),
+  after one compiling call; each timed call runs ``iters`` iterations."""
+  args = fn(*args)
+  jax.block_until_ready(args)
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    args = fn(*args)
+    jax.block_until_ready(args)
+    times.append((time.perf_counter() - t0) / iters)
+  return float(np.median(times))
+
+
+def bare_forward_s(model, batch: int, length: int, cache_len: int, repeats: int,
+                   in_loop: bool = False, iters: int = 20) -> float:
+  """Median seconds of one target forward (backbone + head) over ``length``
+  new tokens with a KV cache (donated), batch ``batch``. ``in_loop=False``:
+  one jitted call per forward (includes the host dispatch, ~0.1-0.2 ms on
+  CPU); ``in_loop=True``: ``iters`` forwards inside one ``lax.fori_loop``
+  (device time only, comparable with the while_loop decoding form)."""
   graphdef, params = nnx.split(model, nnx.Param)
 
   def forward(params, cache, toks, pos):
     m = nnx.merge(graphdef, params)
     h, cache = m.backbone(toks, pos, cache=cache)
     return m.head(h), cache
-  fwd = jax.jit(forward, donate_argnums=(1,))
+
+  def body(_, carry):
+    params, cache, toks, pos = carry
+    logits, cache = forward(params, cache, toks, pos)
+    toks = jnp.argmax(logits, -1).astype(jnp.int32)      # data dependence: no hoisting
+    return params, cache, toks, pos
+  if in_loop:
+    fn = jax.jit(lambda *c: jax.lax.fori_loop(0, iters, body, c), donate_argnums=(1,))
+  else:
+    fn = jax.jit(lambda *c: body(0, c), donate_argnums=(1,))
+    iters = 1
   cache = init_layer_caches(model.cfg, model.cfg.num_layers, batch, cache_len)
   toks = jnp.zeros((batch, length), jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32) + cache_len // 2, (batch, length))
-  out, cache = fwd(params, cache, toks, pos)
-  jax.block_until_ready(out)
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    for _ in range(10):
-      out, cache = fwd(params, cache, toks, pos)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / 10)
-  return float(np.median(times))
+  return _median_per_iter(fn, (params, cache, toks, pos), iters, max(repeats, 5) * (1 if in_loop else 10))
 
 
-def draft_time_s(decoder: Decoder, prompts, max_new: int, sp: SamplingParams, repeats: int) -> float:
-  """Median seconds of one jitted drafting step alone (G draft tokens, caches donated)."""
+def draft_time_s(decoder: Decoder, prompts, max_new: int, sp: SamplingParams, repeats: int,
+                 iters: int = 20) -> float:
+  """Median seconds of one drafting step alone (G draft tokens, the drafter's
+  forward passes, warps and samples), measured as ``iters`` steps inside one
+  ``lax.fori_loop`` so that, like the while_loop decoding form, no host
+  dispatch is counted. The cost ratio c is this over G AR steps."""
   encoded = [tok.ByteTokenizer().encode(p, add_bos=True) for p in prompts]
   state, prefill_len = decoder.prepare(encoded, max_new, 0)
   state = decoder._prefill_fn(decoder.target_params, decoder.draft_params, state, prefill_len)
   warp = sp.as_arrays()
 
-  def step(params, dparams, dstate, tokens, n, key):
+  def body(_, carry):
+    params, dparams, dstate, tokens, n, key = carry
     target, draft = decoder._models(params, dparams)
     model = target if decoder.method == "mtp" else draft
-    dstate, tokens, d, q = decoder.drafter.draft(model, dstate, tokens, n, key, warp)
-    return dstate, tokens, q
-  fn = jax.jit(step, donate_argnums=(2, 3))
-  dstate, tokens, n, key = state["drafter"], state["tokens"], state["length"], state["key"]
-  dstate, tokens, q = fn(decoder.target_params, decoder.draft_params, dstate, tokens, n, key)
-  jax.block_until_ready(q)
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    for _ in range(10):
-      dstate, tokens, q = fn(decoder.target_params, decoder.draft_params, dstate, tokens, n, key)
-    jax.block_until_ready(q)
-    times.append((time.perf_counter() - t0) / 10)
-  return float(np.median(times))
+    key, sub = jax.random.split(key)
+    dstate, tokens, _, _ = decoder.drafter.draft(model, dstate, tokens, n, sub, warp)
+    return params, dparams, dstate, tokens, n, key
+  fn = jax.jit(lambda *c: jax.lax.fori_loop(0, iters, body, c), donate_argnums=(2, 3))
+  args = (decoder.target_params, decoder.draft_params, state["drafter"], state["tokens"],
+          state["length"], state["key"])
+  return _median_per_iter(fn, args, iters, max(repeats, 5))
 
 
 @dataclasses.dataclass
@@ -159,9 +176,20 @@ def markdown(results, meta) -> str:
            f"JAX {meta['jax_version']}, commit {meta['commit']}, {meta['date']}; "
            f"{meta['max_new_tokens']} new tokens per prompt, prompts of ~{meta['prompt_bytes']} bytes "
            f"from {meta['dataset']} validation; median of {meta['repeats']} repeats.", "",
-           f"Bare target forward: 1 token {meta['bare_forward_s']['1'] * 1e3:.2f} ms; " + ", ".join(
-               f"{k} tokens {v * 1e3:.2f} ms" for k, v in meta["bare_forward_s"].items() if k != "1"),
-           "",
+           "Bare target forward (backbone + head with KV cache) per batch size, over 1 and over G+1 "
+           "tokens: one jitted call per forward (host dispatch included) / inside a fori_loop "
+           "(device time; compare with the while_loop form). AR step = AR while_loop time per token "
+           "(prefill included).", "",
+           "| B | " + " | ".join(f"{k} tok call / loop ms" for k in meta["bare_forward_s"]) +
+           " | AR step ms | AR step / loop forward |",
+           "|---|" + "---|" * (len(meta["bare_forward_s"]) + 2)]
+  for bsz, per_call in meta["bare_forward_s_by_batch"].items():
+    loop = meta["bare_forward_in_loop_s_by_batch"][bsz]
+    ar = [r["ar_step_s"] for r in results if str(r["batch_size"]) == bsz and r["method"] == "ar"]
+    ar_s = min(ar) if ar else None
+    lines.append(f"| {bsz} | " + " | ".join(f"{per_call[k] * 1e3:.3f} / {loop[k] * 1e3:.3f}" for k in per_call)
+                 + (f" | {ar_s * 1e3:.3f} | {ar_s / loop['1']:.2f} |" if ar_s else " | - | - |"))
+  lines += ["",
            "| T | B | method | G | form | tok/s | speedup | tau | alpha_k | c | ideal | eff. | "
            "ms/round | TTFT ms | ITL p50/p90 ms |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -211,11 +239,12 @@ def main(argv=None):
   prompts_all = data_lib.held_out_prompts(args.dataset, args.num_prompts or max(batch_sizes) * args.repeats,
                                  args.prompt_bytes, data_dir=args.data_dir)
   cache_len = 64 * int(np.ceil((args.prompt_bytes + args.max_new_tokens + 64) / 64))
-  results, bare = [], {}
+  results, bare, bare_loop = [], {}, {}
   for b in batch_sizes:
-    fwd1 = bare_forward_s(target, b, 1, cache_len, args.repeats)
-    fwd_g = {g + 1: bare_forward_s(target, b, g + 1, cache_len, args.repeats) for g in gs}
-    bare[str(b)] = {"1": fwd1, **{str(k): v for k, v in fwd_g.items()}}
+    lengths = [1] + [g + 1 for g in gs]
+    bare[str(b)] = {str(k): bare_forward_s(target, b, k, cache_len, args.repeats) for k in lengths}
+    bare_loop[str(b)] = {str(k): bare_forward_s(target, b, k, cache_len, args.repeats, in_loop=True)
+                         for k in lengths}
     prompts = prompts_all[:b]       # for the drafting-cost probe
     decoders = {("ar", 0): Decoder(target, "ar")}
     decoders.update({("mtp", g): Decoder(target, "mtp", g) for g in gs if depth})
@@ -243,7 +272,8 @@ def main(argv=None):
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),
       draft_workdir=args.draft_workdir, dataset=args.dataset, prompt_bytes=args.prompt_bytes,
       max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-      bare_forward_s=bare[str(batch_sizes[0])], bare_forward_s_by_batch=bare)
+      bare_forward_s=bare[str(batch_sizes[0])], bare_forward_s_by_batch=bare,
+      bare_forward_in_loop_s=bare_loop[str(batch_sizes[0])], bare_forward_in_loop_s_by_batch=bare_loop)
   common.write_report(args.out, meta, results, markdown(results, meta))
   print(f"wrote {args.out}.json and {args.out}.md")
 

@@ -37,9 +37,13 @@ def test_bench_decode_quick(workdir, data_dir, tmp_path):
     assert r["tokens_per_s"] > 0 and r["tau"] >= 1
     if r["method"] != "ar":
       assert r["ideal_speedup"] > 0 and r["efficiency"] > 0
-  rows = [l for l in open(out + ".md").read().splitlines() if l.startswith("| ") and
-          not l.startswith("| T ")]
+  md = open(out + ".md").read().splitlines()
+  main_table = md[md.index(next(l for l in md if l.startswith("| T | B |"))) + 2:]
+  rows = [l for l in main_table if l.startswith("| ")]
   assert len(rows) == len(report["results"])
+  bare = report["meta"]["bare_forward_in_loop_s_by_batch"]["1"]
+  assert set(bare) == {"1", "2"} and all(v > 0 for v in bare.values())
+  assert any(l.startswith("| 1 | ") for l in md[:md.index(next(l for l in md if l.startswith("| T | B |")))])
 
 
 def test_bench_train_quick(tmp_path):
