@@ -10,7 +10,10 @@ For every (temperature, batch size) it runs, after compiling each cell once,
 alike) with identical prompts, budgets and sampling settings. Per cell:
 median / min / max wall time, tokens/s, speedup over AR in the same form
 (same batch, same temperature), tau, alpha per position, the measured draft
-cost ratio c, the ideal speedup of Leviathan et al. 2023 (Theorem 3.8) with
+cost ratio c (drafting time per draft token, both measured inside a
+fori_loop, over one AR while_loop step) next to the FLOP share c (FLOPs) it
+would have if time followed XLA-counted FLOPs, the ideal speedup of
+Leviathan et al. 2023 (Theorem 3.8) with
 the measured alpha and c, efficiency = measured / ideal, TTFT and ITL
 (stream form). Also the bare cost of one jitted target forward over 1 and
 over G+1 tokens. Writes ``OUT.json`` (with config, commit, JAX version,
@@ -109,6 +112,35 @@ def draft_time_s(decoder: Decoder, prompts, max_new: int, sp: SamplingParams, re
   return _median_per_iter(fn, args, iters, max(repeats, 5))
 
 
+def _flops(fn, *args) -> float:
+  cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost.get("flops", 0.0)) if cost else 0.0
+
+
+def draft_flop_share(decoder: Decoder, prompts, max_new: int, sp: SamplingParams) -> float:
+  """XLA-counted FLOPs of one drafting step / (G x FLOPs of one target
+  forward over 1 token with the same cache): the cost ratio c that drafting
+  would have if time followed FLOPs."""
+  encoded = [tok.ByteTokenizer().encode(p, add_bos=True) for p in prompts]
+  state, _ = decoder.prepare(encoded, max_new, 0)
+  warp = sp.as_arrays()
+
+  def draft_step(params, dparams, dstate, tokens, n, key):
+    target, draft = decoder._models(params, dparams)
+    model = target if decoder.method == "mtp" else draft
+    return decoder.drafter.draft(model, dstate, tokens, n, key, warp)
+
+  def forward(params, cache, tokens, n):
+    target, _ = decoder._models(params, None)
+    h, cache = target.backbone(tokens[:, :1], n[:, None], cache=cache)
+    return target.head(h), cache
+  d = _flops(draft_step, decoder.target_params, decoder.draft_params, state["drafter"], state["tokens"],
+             state["length"], state["key"])
+  f = _flops(forward, decoder.target_params, state["cache"], state["tokens"], state["length"])
+  return d / (decoder.G * f) if f else float("nan")
+
+
 @dataclasses.dataclass
 class Cell:
   name: str
@@ -190,9 +222,9 @@ def markdown(results, meta) -> str:
     lines.append(f"| {bsz} | " + " | ".join(f"{per_call[k] * 1e3:.3f} / {loop[k] * 1e3:.3f}" for k in per_call)
                  + (f" | {ar_s * 1e3:.3f} | {ar_s / loop['1']:.2f} |" if ar_s else " | - | - |"))
   lines += ["",
-           "| T | B | method | G | form | tok/s | speedup | tau | alpha_k | c | ideal | eff. | "
+           "| T | B | method | G | form | tok/s | speedup | tau | alpha_k | c | c (FLOPs) | ideal | eff. | "
            "ms/round | TTFT ms | ITL p50/p90 ms |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   f = lambda x, s=".2f": "-" if x is None else format(x, s)
   for r in results:
     alphas = "/".join(f(a) for a in r["acceptance_rate_per_position"]) or "-"
@@ -200,7 +232,7 @@ def markdown(results, meta) -> str:
     lines.append(
         f"| {r['temperature']} | {r['batch_size']} | {r['method']} | {r['num_draft_tokens'] or '-'} | "
         f"{r['form']} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['tau']:.2f} | {alphas} | "
-        f"{f(r.get('draft_cost_ratio_c'))} | {f(r.get('ideal_speedup'))} | {f(r.get('efficiency'))} | "
+        f"{f(r.get('draft_cost_ratio_c'))} | {f(r.get('draft_cost_ratio_c_flops'))} | {f(r.get('ideal_speedup'))} | {f(r.get('efficiency'))} | "
         f"{r['round_s'] * 1e3:.2f} | {f(r.get('ttft_s') and r['ttft_s'] * 1e3, '.1f')} | {itl} |")
   return "\n".join(lines) + "\n"
 
@@ -261,9 +293,12 @@ def main(argv=None):
       ar_step = float(np.median(ar_any.walls)) / int(ar_any.gens[0].target_calls.max())
       draft_s = {key: draft_time_s(dec, prompts, args.max_new_tokens, sp, args.repeats)
                  for key, dec in decoders.items() if key[0] != "ar"}
+      c_flops = {key: draft_flop_share(dec, prompts, args.max_new_tokens, sp)
+                 for key, dec in decoders.items() if key[0] != "ar"}
       for c in cells:
         row = summarize_cell(c, ar_wall[c.form], ar_step, draft_s.get((c.method, c.g)))
         row.update({"temperature": t, "batch_size": b, "draft_s": draft_s.get((c.method, c.g)),
+                    "draft_cost_ratio_c_flops": c_flops.get((c.method, c.g)),
                     "ar_step_s": ar_step})
         results.append(row)
         print(f"T={t} B={b} {c.name:16s} {row['tokens_per_s']:8.1f} tok/s  speedup {row['speedup']:.2f}x"

@@ -37,6 +37,7 @@ def test_bench_decode_quick(workdir, data_dir, tmp_path):
     assert r["tokens_per_s"] > 0 and r["tau"] >= 1
     if r["method"] != "ar":
       assert r["ideal_speedup"] > 0 and r["efficiency"] > 0
+      assert 0 < r["draft_cost_ratio_c_flops"] < 5
   md = open(out + ".md").read().splitlines()
   main_table = md[md.index(next(l for l in md if l.startswith("| T | B |"))) + 2:]
   rows = [l for l in main_table if l.startswith("| ")]
