@@ -1,0 +1,484 @@
+"""Losslessness study: speculative decoding samples from the same distribution
+as autoregressive (AR) sampling from the target, tested statistically, with a
+deliberately wrong acceptance rule as a power check.
+
+    python scripts/losslessness_study.py --workdir runs/tiny [--dataset python_stdlib] \
+        [--num_prompts 4] [--prompt_bytes 48] [--temperatures 0.7,1.0,1.3] [--top_ps 1.0,0.9] \
+        [--num_draft_tokens 2] [--num_samples 4000] [--num_tokens 4] [--batch_size 1000] \
+        [--out results/losslessness_study]
+
+For every prompt (held out from ``--dataset`` via ``mtp.data.held_out_prompts``,
+or ``--prompt`` texts; ``--quick`` uses short prompts over the alphabet of the
+tests' Markov source) and every sampling setting (temperature x top-p), it
+draws ``--num_samples`` continuations of ``--num_tokens`` tokens with
+``Decoder(target, "ar")`` and as many with ``Decoder(target, "mtp", G)``:
+copies of the prompts fill fixed-size batches (rows are sampled
+independently; one compilation per decoder), each batch with its own seed,
+and AR and MTP never share a seed.
+
+Tests (per prompt, setting and statistic): a two-sample chi-square test of
+homogeneity (``scipy.stats.chi2_contingency`` without continuity correction,
+a 2 x K table AR vs speculative) on
+
+- ``first_token``: the first generated token;
+- ``first_n_tokens``: the tuple of the first n generated tokens (n = 2 and n =
+  ``--num_tokens``), one tuple per sample, so samples stay independent (a row
+  cut short by EOS is padded with -1: ending is a category too).
+
+Pooling rule (so the chi-square approximation holds): with expected cell
+counts E_ij = row_i total x column_j total / N, every category whose smaller
+expected count min_i E_ij is below 5 goes into one "other" column; if "other"
+itself has an expected count below 5 it is merged into the largest category.
+The rule looks only at the column totals (pooled over both samples), so under
+H0 it does not depend on which sample a count came from. Fewer than 2
+categories left = degenerate (no test; e.g. a one-token top-p nucleus).
+
+Combined view: under H0 the p-values are (close to) uniform, so with many
+tests some are small by chance. The report gives the fraction below 0.01 and
+0.05, a KS test of uniformity (approximate: the statistics of one prompt and
+setting share samples, and chi-square p-values of counts are only
+asymptotically uniform), and Holm-corrected and Bonferroni-corrected p-values
+over the family of all correct-rule tests (Holm 1979; rejections at 0.01 and
+0.001 are counted).
+
+Power check: ``ArgmaxAcceptDecoder``, a speculative decoder whose ``_round``
+accepts a draft when it equals the target's argmax and otherwise samples the
+next token from p at the first rejected position (the bonus from p_G when all
+are accepted). It over-weights the argmax (P(argmax) = q(m) + (1 - q(m)) p(m)
+for the first token), so at temperature 1 (top-p 1) the same tests must reject
+it. The total-variation distance between the empirical first-token
+distributions (AR vs each rule) is reported next to the tests.
+
+Writes OUT.json, OUT.md and OUT_pvalues.png (p-value histogram and a QQ plot
+against the uniform law, correct vs wrong rule). The full run takes roughly
+(prompts x settings x 2 + prompts) x num_samples / batch_size generate calls
+(208 with the defaults above), 3-5 s each for configs/tiny.py on 2 idle CPU
+cores: about 15 minutes (more on a shared machine; the time scales with
+--num_samples). ``--quick`` takes about 20-30 s, mostly compiling the three
+decoders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+import jax.numpy as jnp  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from scipy import stats as sps  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from decode import sampling  # noqa: E402
+from decode.speculative import Decoder, SamplingParams  # noqa: E402
+from mtp import checkpoint as ckpt_lib  # noqa: E402
+from mtp import data as data_lib  # noqa: E402
+from mtp import tokenizer as tok  # noqa: E402
+from scripts import common  # noqa: E402
+
+QUICK_PROMPTS = ("ace", "ef ")    # over the alphabet "abcdef " of tests/conftest.py's Markov source
+MIN_EXPECTED = 5.0
+POWER_SETTING = (1.0, 1.0)        # (temperature, top_p) of the wrong-rule check
+SEED_STRIDE = 100_003             # seeds of different methods / settings never collide
+
+
+# -- the deliberately wrong rule ---------------------------------------------------
+
+def argmax_accept(key, target_probs, draft_tokens):
+  """WRONG acceptance rule, for the power check: accept d_j while it equals
+  argmax p_{j-1}; the next token is sampled from p_a (the target row at the
+  first rejected position, or p_G as the bonus). Not lossless: it ignores q.
+
+  Args: key (jax.random key), target_probs [B, G+1, V] float, draft_tokens
+  [B, G] int. Returns (num_accepted [B] int32 in 0..G, next_token [B] int32).
+  """
+  p = jnp.asarray(target_probs, jnp.float32)
+  g = p.shape[1] - 1
+  best = jnp.argmax(p[:, :g], axis=-1).astype(jnp.int32)                 # [B, G]
+  match = draft_tokens.astype(jnp.int32) == best
+  a = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)      # [B]
+  p_row = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]         # [B, V]
+  return a.astype(jnp.int32), sampling.sample(key, p_row)
+
+
+class ArgmaxAcceptDecoder(Decoder):
+  """A speculative ``Decoder`` whose round uses ``argmax_accept`` instead of
+  the rejection rule of Leviathan et al. 2023 (Algorithm 1): same drafting,
+  verification and commit, wrong acceptance. For power checks only."""
+
+  def __init__(self, target, method="mtp", num_draft_tokens=2, draft=None, mesh=None):
+    if method == "ar":
+      raise ValueError("ArgmaxAcceptDecoder needs a speculative method (mtp or draft)")
+    super().__init__(target, method, num_draft_tokens, draft, mesh)
+
+  def _round(self, params, draft_params, state, warp):
+    target, draft = self._models(params, draft_params)
+    state, d_tok, _, p, h0, key = self._propose(target, draft, state, warp)
+    a, nxt = argmax_accept(key, p, d_tok)
+    return self._commit(state, d_tok, a, nxt, h0)
+
+
+# -- sampling ------------------------------------------------------------------------
+
+def sample_continuations(decoder: Decoder, prompts: list[np.ndarray], num_samples: int,
+                         num_tokens: int, sp: SamplingParams, seed: int, batch_size: int):
+  """``num_samples`` independent continuations of every prompt.
+
+  The (prompt, sample) pairs fill batches of exactly ``batch_size`` rows (the
+  last one topped up with spare rows that are dropped), batch i with seed
+  ``seed + i``; ``Decoder.generate`` samples rows independently.
+
+  Args: prompts: token arrays (BOS included). Returns (samples, histogram):
+  samples, a list (one per prompt) of [num_samples, num_tokens] int64 arrays
+  padded with -1 after an EOS; histogram [G+1] int64, accepted-draft counts
+  summed over the kept rows ([1] for AR).
+  """
+  jobs = [(i, j) for i in range(len(prompts)) for j in range(num_samples)]
+  out = [np.full((num_samples, num_tokens), -1, np.int64) for _ in prompts]
+  hist = np.zeros(decoder.G + 1, np.int64)
+  for b, start in enumerate(range(0, len(jobs), batch_size)):
+    chunk = jobs[start:start + batch_size]
+    rows = [prompts[i] for i, _ in chunk]
+    rows += [rows[0]] * (batch_size - len(rows))
+    gen = decoder.generate(rows, num_tokens, sp, seed=seed + b)
+    for r, (i, j) in enumerate(chunk):
+      toks = gen.tokens[r][:num_tokens]
+      out[i][j, :len(toks)] = toks
+    hist += gen.accepted_histogram[:len(chunk)].sum(0)
+  return out, hist
+
+
+# -- statistics ------------------------------------------------------------------------
+
+def categories(samples: np.ndarray, n: int) -> np.ndarray:
+  """The category of each sample for the first-n-tokens statistic: samples
+  [N, T] int -> [N, n] int (one row = one category, compared row-wise)."""
+  return np.asarray(samples)[:, :n]
+
+
+def contingency(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """2 x K count table of two samples of categories (rows of [N, n] int
+  arrays; a 1-D array is one token per sample). Returns (table [2, K] int64,
+  keys [K, n] int64: the category of each column, sorted)."""
+  a = np.asarray(a).reshape(len(a), -1)
+  b = np.asarray(b).reshape(len(b), -1)
+  keys, inv = np.unique(np.concatenate([a, b]), axis=0, return_inverse=True)
+  inv = inv.reshape(-1)
+  table = np.stack([np.bincount(inv[:len(a)], minlength=len(keys)),
+                    np.bincount(inv[len(a):], minlength=len(keys))]).astype(np.int64)
+  return table, keys
+
+
+def pool_small_categories(table: np.ndarray, min_expected: float = MIN_EXPECTED) -> np.ndarray:
+  """The pooling rule of the module docstring: columns whose smaller expected
+  count is below ``min_expected`` merge into an "other" column (last), which
+  merges into the largest column if it is itself below ``min_expected``.
+  table [2, K] int -> [2, K'] int (K' <= K; empty columns dropped)."""
+  table = np.asarray(table, np.int64)
+  table = table[:, table.sum(0) > 0]
+  n = table.sum()
+  expected_min = table.sum(1).min() * table.sum(0) / max(n, 1)          # [K]
+  small = expected_min < min_expected
+  kept, other = table[:, ~small], table[:, small].sum(1, keepdims=True)
+  if not small.any():
+    return kept
+  if kept.shape[1] and table.sum(1).min() * other.sum() / n < min_expected:
+    kept = kept.copy()
+    kept[:, np.argmax(kept.sum(0))] += other[:, 0]
+    return kept
+  return np.concatenate([kept, other], axis=1)
+
+
+def two_sample_chi2(a, b, min_expected: float = MIN_EXPECTED) -> dict:
+  """Chi-square test that two samples of categories (see ``contingency``)
+  come from one distribution: ``scipy.stats.chi2_contingency`` without
+  continuity correction on the pooled 2 x K table.
+
+  Returns dict: chi2, dof, pvalue (None when degenerate: fewer than 2 pooled
+  categories), n_a, n_b, num_categories (before pooling), num_columns (after),
+  tv (empirical total-variation distance, 0.5 sum |f_a - f_b| over the
+  unpooled categories)."""
+  table, _ = contingency(a, b)
+  freqs = table / table.sum(1, keepdims=True)
+  res = {"n_a": int(table[0].sum()), "n_b": int(table[1].sum()), "num_categories": table.shape[1],
+         "tv": float(0.5 * np.abs(freqs[0] - freqs[1]).sum())}
+  pooled = pool_small_categories(table, min_expected)
+  res["num_columns"] = pooled.shape[1]
+  if pooled.shape[1] < 2:
+    return {**res, "chi2": 0.0, "dof": 0, "pvalue": None}
+  chi2, p, dof, _ = sps.chi2_contingency(pooled, correction=False)
+  return {**res, "chi2": float(chi2), "dof": int(dof), "pvalue": float(p)}
+
+
+def holm(pvalues) -> np.ndarray:
+  """Holm (1979) step-down adjusted p-values [m] (reject H_i at level a iff
+  adjusted_i <= a; controls the family-wise error rate)."""
+  p = np.asarray(pvalues, np.float64)
+  m = len(p)
+  if m == 0:
+    return p
+  order = np.argsort(p)
+  adj = np.minimum(1.0, np.maximum.accumulate((m - np.arange(m)) * p[order]))
+  out = np.empty(m)
+  out[order] = adj
+  return out
+
+
+def bonferroni(pvalues) -> np.ndarray:
+  """min(1, m p) for each of m p-values."""
+  p = np.asarray(pvalues, np.float64)
+  return np.minimum(1.0, p * len(p))
+
+
+def combine(tests: list[dict]) -> dict:
+  """Adds holm_pvalue / bonferroni_pvalue to each non-degenerate test (in
+  place) and returns the family summary: num_tests, num_degenerate,
+  frac_below_0.01 / 0.05, ks_uniform_pvalue, min_pvalue, Holm and Bonferroni
+  rejections at 0.01 and 0.001."""
+  live = [t for t in tests if t["pvalue"] is not None]
+  p = np.array([t["pvalue"] for t in live])
+  for t, h, bf in zip(live, holm(p), bonferroni(p)):
+    t["holm_pvalue"], t["bonferroni_pvalue"] = float(h), float(bf)
+  out = {"num_tests": len(live), "num_degenerate": len(tests) - len(live)}
+  if not len(p):
+    return out
+  h, bf = holm(p), bonferroni(p)
+  out.update({
+      "frac_below_0.01": float(np.mean(p < 0.01)), "frac_below_0.05": float(np.mean(p < 0.05)),
+      "ks_uniform_pvalue": float(sps.kstest(p, "uniform").pvalue) if len(p) > 1 else None,
+      "min_pvalue": float(p.min()), "max_pvalue": float(p.max()),
+      "holm_rejections_0.01": int((h <= 0.01).sum()), "holm_rejections_0.001": int((h <= 0.001).sum()),
+      "bonferroni_rejections_0.01": int((bf <= 0.01).sum()),
+      "bonferroni_rejections_0.001": int((bf <= 0.001).sum())})
+  return out
+
+
+def tau_from_histogram(hist) -> float | None:
+  """Mean accepted length sum (a+1) h[a] / sum h[a] (None for an empty histogram)."""
+  h = np.asarray(hist, np.float64)
+  return float((h * (np.arange(len(h)) + 1)).sum() / h.sum()) if h.sum() else None
+
+
+# -- report --------------------------------------------------------------------------
+
+def _p(x):
+  return "-" if x is None else (f"{x:.3g}" if x >= 1e-300 else "<1e-300")
+
+
+def markdown(results: dict, meta: dict) -> str:
+  c, w = results["combined"]["correct"], results["combined"]["wrong"]
+  verdict = ("No evidence against losslessness (no Holm rejection at 0.01)"
+             if c.get("holm_rejections_0.01", 0) == 0 else
+             f"{c['holm_rejections_0.01']} correct-rule tests REJECT at Holm 0.01")
+  power = ("detected in every test" if w["num_tests"] and w.get("holm_rejections_0.001", 0)
+           == w["num_tests"] else "NOT detected in every test (too few samples?)")
+  lines = [
+      f"# Losslessness study: {meta['workdir']} (commit {meta['commit']}, {meta['date']})", "",
+      f"{len(results['prompts'])} prompts x {len(results['settings'])} settings (temperature, top-p); "
+      f"{meta['num_samples']} AR and {meta['num_samples']} speculative samples of "
+      f"{meta['num_tokens']} tokens per prompt and setting; MTP G = {meta['num_draft_tokens']}. "
+      "Two-sample chi-square tests of homogeneity (AR vs speculative); categories with an "
+      f"expected count below {MIN_EXPECTED:g} are pooled into 'other' (merged into the largest "
+      "category if still below).", "",
+      "## Verdict", "",
+      f"- Correct rule (Leviathan et al. 2023, Algorithm 1): {c['num_tests']} tests "
+      f"({c['num_degenerate']} degenerate, skipped); fraction of p < 0.01: "
+      f"{c.get('frac_below_0.01', 0):.3f}, p < 0.05: {c.get('frac_below_0.05', 0):.3f} (uniform: "
+      f"0.01 and 0.05); KS test of uniformity p = {_p(c.get('ks_uniform_pvalue'))}; min p = "
+      f"{_p(c.get('min_pvalue'))}; Holm rejections at 0.01 / 0.001: "
+      f"{c.get('holm_rejections_0.01', 0)} / {c.get('holm_rejections_0.001', 0)}; Bonferroni: "
+      f"{c.get('bonferroni_rejections_0.01', 0)} / {c.get('bonferroni_rejections_0.001', 0)}.",
+      f"- Wrong rule (accept iff draft = target argmax, T = {POWER_SETTING[0]:g}, top-p "
+      f"{POWER_SETTING[1]:g}): {w['num_tests']} tests, max p = {_p(w.get('max_pvalue'))}, Holm "
+      f"rejections at 0.001: {w.get('holm_rejections_0.001', 0)} of {w['num_tests']}.",
+      f"- {verdict}; with the same tests the wrong rule is {power} (the power check).", "",
+      "Note: the statistics of one prompt and setting share samples and chi-square p-values of "
+      "counts are only asymptotically uniform, so the KS test is a rough check; the Holm "
+      "correction is valid under any dependence.", "",
+      "## Tests", "",
+      "| prompt | T | top-p | rule | statistic | n AR / spec | K (pooled) | chi2 | dof | p | Holm p | TV |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for t in results["tests"]:
+    lines.append(
+        f"| {t['prompt_index']} | {t['temperature']:g} | {t['top_p']:g} | {t['rule']} | "
+        f"{t['statistic']} | {t['n_a']} / {t['n_b']} | {t['num_categories']} ({t['num_columns']}) | "
+        f"{t['chi2']:.1f} | {t['dof']} | {_p(t['pvalue'])} | {_p(t.get('holm_pvalue'))} | "
+        f"{t['tv']:.3f} |")
+  lines += ["", "## Acceptance", "",
+            "| T | top-p | rule | G | tau | accepted-length histogram |", "|---|---|---|---|---|---|"]
+  for a in results["acceptance"]:
+    tau = "-" if a["tau"] is None else f"{a['tau']:.2f}"
+    lines.append(f"| {a['temperature']:g} | {a['top_p']:g} | {a['rule']} | {a['num_draft_tokens']} | "
+                 f"{tau} | {a['accepted_length_histogram']} |")
+  lines += ["", "## Prompts", ""]
+  lines += [f"{i}. `{p!r}`" for i, p in enumerate(results["prompts"])]
+  return "\n".join(lines) + "\n"
+
+
+def plot_pvalues(path: str, correct: list[float], wrong: list[float]) -> None:
+  """Left: histogram of the correct rule's p-values against the uniform
+  density; right: QQ plot of -log10 p against uniform quantiles, both rules."""
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
+  ax1.hist(correct, bins=10, range=(0, 1), color="tab:blue", edgecolor="k", lw=0.5)
+  ax1.axhline(len(correct) / 10, color="k", ls="--", lw=1, label="uniform (H0)")
+  ax1.set_xlabel("p-value (correct rule)")
+  ax1.set_ylabel("tests")
+  ax1.legend(fontsize=8)
+  floor = 1e-30
+  for vals, color, marker, label in [(correct, "tab:blue", "o", "correct rule"),
+                                     (wrong, "tab:red", "x", "wrong rule (argmax accept)")]:
+    if not vals:
+      continue
+    obs = -np.log10(np.clip(np.sort(vals), floor, 1))
+    exp = -np.log10((np.arange(len(vals)) + 1) / (len(vals) + 1))
+    ax2.scatter(exp, obs, s=14, color=color, marker=marker, label=label)
+  lim = -math.log10(1 / (max(len(correct), len(wrong), 1) + 1)) + 0.3
+  ax2.plot([0, lim], [0, lim], color="k", lw=0.8, ls="--")
+  ax2.axhline(3, color="gray", lw=0.6, ls=":")
+  ax2.set_xlabel("-log10 expected p (uniform)")
+  ax2.set_ylabel(f"-log10 observed p (clipped at {floor:g})")
+  ax2.legend(fontsize=8, loc="upper left")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+# -- main ------------------------------------------------------------------------------
+
+def _float_list(flag, lo, hi, lo_open=False):
+  def parse(s):
+    try:
+      vals = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{flag} needs comma-separated numbers, got {s!r}")
+    ok = lambda v: (v > lo if lo_open else v >= lo) and v <= hi
+    if not vals or not all(ok(v) for v in vals):
+      raise argparse.ArgumentTypeError(
+          f"{flag} values must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {s!r}")
+    return vals
+  return parse
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--workdir", required=True, help="trained checkpoint with MTP depth >= 1")
+  ap.add_argument("--dataset", default="python_stdlib")
+  ap.add_argument("--data_dir", default="", help="TFDS data dir (default: $MTP_DATA_DIR or ~/.cache/mtp)")
+  ap.add_argument("--num_prompts", type=int, default=4)
+  ap.add_argument("--prompt_bytes", type=int, default=48)
+  ap.add_argument("--prompt", action="append", default=None,
+                  help="prompt text (repeatable); replaces the held-out prompts")
+  ap.add_argument("--temperatures", type=_float_list("--temperatures", 0, 100, lo_open=True),
+                  default=None, help="comma list, each > 0 (default 0.7,1.0,1.3; --quick 0.7,1.0)")
+  ap.add_argument("--top_ps", type=_float_list("--top_ps", 0, 1, lo_open=True), default=None,
+                  help="comma list, each in (0, 1] (default 1.0,0.9)")
+  ap.add_argument("--num_draft_tokens", type=int, default=0, help="MTP draft length G (default: D)")
+  ap.add_argument("--num_samples", type=int, default=4000, help="samples per prompt, setting and method")
+  ap.add_argument("--num_tokens", type=int, default=4, help="generated tokens per sample")
+  ap.add_argument("--batch_size", type=int, default=1000, help="rows per generate call")
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--out", default="results/losslessness_study")
+  ap.add_argument("--quick", action="store_true",
+                  help=f"for the tests' Markov model: prompts {QUICK_PROMPTS}, temperatures 0.7,1.0, "
+                  "500 samples of 2 tokens, one batch per setting")
+  args = ap.parse_args(argv)
+  if args.quick:
+    args.prompt = args.prompt or list(QUICK_PROMPTS)
+    args.temperatures = args.temperatures or [0.7, 1.0]
+    args.num_samples, args.num_tokens = 500, 2
+    args.batch_size = len(args.prompt) * args.num_samples
+  args.temperatures = args.temperatures or [0.7, 1.0, 1.3]
+  args.top_ps = args.top_ps or [1.0, 0.9]
+  for flag, val, lo, hi in [("--num_samples", args.num_samples, 20, 10**7),
+                            ("--num_tokens", args.num_tokens, 1, 64),
+                            ("--batch_size", args.batch_size, 1, 10**5),
+                            ("--num_prompts", args.num_prompts, 1, 1000),
+                            ("--num_draft_tokens", args.num_draft_tokens, 0, 64),
+                            ("--prompt_bytes", args.prompt_bytes, 1, 10**5)]:
+    if not lo <= val <= hi:
+      ap.error(f"{flag}={val} must be in {lo}..{hi}")
+  try:
+    cfg, target, step = ckpt_lib.load_model(args.workdir)
+  except ckpt_lib.CheckpointError as e:
+    ap.error(f"--workdir {args.workdir}: {e}")
+  depth = cfg.mtp.depth
+  if depth < 1:
+    ap.error(f"--workdir {args.workdir} has MTP depth D = 0: the study needs D >= 1")
+  g = args.num_draft_tokens or depth
+  texts = args.prompt or data_lib.held_out_prompts(args.dataset, args.num_prompts, args.prompt_bytes,
+                                                   seed=args.seed, data_dir=args.data_dir)
+  encoded = [tok.ByteTokenizer().encode(t, add_bos=True) for t in texts]
+  too_long = [i for i, e in enumerate(encoded)
+              if len(e) < 2 or len(e) + args.num_tokens > cfg.model.max_seq_len]
+  if too_long:
+    ap.error(f"prompts {too_long} are empty or, with --num_tokens={args.num_tokens}, longer than "
+             f"the model's max_seq_len={cfg.model.max_seq_len} (lower --prompt_bytes)")
+  settings = [(t, p) for t in args.temperatures for p in args.top_ps]
+
+  t0 = time.perf_counter()
+  decoders = {"ar": Decoder(target, "ar"), "mtp": Decoder(target, "mtp", g),
+              "wrong_argmax": ArgmaxAcceptDecoder(target, "mtp", g)}
+  draw = lambda name, k, sp, s_idx: sample_continuations(
+      decoders[name], encoded, args.num_samples, args.num_tokens, sp,
+      args.seed + SEED_STRIDE * (3 * s_idx + k), args.batch_size)
+  ns = sorted({1, min(2, args.num_tokens), args.num_tokens})
+  stat_name = lambda n: "first_token" if n == 1 else f"first_{n}_tokens"
+  tests, acceptance = [], []
+
+  def compare(rule, s_idx, temp, top_p, spec, ar):
+    for i in range(len(encoded)):
+      for n in ns:
+        res = two_sample_chi2(categories(ar[i], n), categories(spec[i], n))
+        tests.append({"prompt_index": i, "temperature": temp, "top_p": top_p, "rule": rule,
+                      "num_draft_tokens": g, "statistic": stat_name(n), "n": n, **res})
+
+  all_settings = settings + ([POWER_SETTING] if POWER_SETTING not in settings else [])
+  for s_idx, (temp, top_p) in enumerate(all_settings):
+    sp = SamplingParams(temperature=temp, top_p=top_p)
+    ar, _ = draw("ar", 0, sp, s_idx)
+    runs = ([("mtp", 1)] if (temp, top_p) in settings else []) + \
+           ([("wrong_argmax", 2)] if (temp, top_p) == POWER_SETTING else [])
+    for rule, k in runs:
+      spec, hist = draw(rule, k, sp, s_idx)
+      compare(rule, s_idx, temp, top_p, spec, ar)
+      acceptance.append({"temperature": temp, "top_p": top_p, "rule": rule, "num_draft_tokens": g,
+                         "tau": tau_from_histogram(hist), "accepted_length_histogram": hist.tolist()})
+    print(f"T={temp:g} top-p={top_p:g}: done ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+  correct = [t for t in tests if t["rule"] == "mtp"]
+  wrong = [t for t in tests if t["rule"] == "wrong_argmax"]
+  results = {
+      "prompts": texts, "settings": [{"temperature": t, "top_p": p} for t, p in settings],
+      "power_setting": {"temperature": POWER_SETTING[0], "top_p": POWER_SETTING[1]},
+      "statistics": [stat_name(n) for n in ns], "min_expected": MIN_EXPECTED,
+      "combined": {"correct": combine(correct), "wrong": combine(wrong)},
+      "first_token_tv": [{"prompt_index": t["prompt_index"], "temperature": t["temperature"],
+                          "top_p": t["top_p"], "rule": t["rule"], "tv": t["tv"]}
+                         for t in tests if t["statistic"] == "first_token"],
+      "tests": tests, "acceptance": acceptance, "seconds": time.perf_counter() - t0,
+  }
+  meta = common.provenance(
+      workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),
+      prompt_source="--prompt" if args.prompt else "held_out_prompts", dataset=args.dataset,
+      prompt_bytes=args.prompt_bytes, num_prompts=len(texts), temperatures=args.temperatures,
+      top_ps=args.top_ps, num_draft_tokens=g, num_samples=args.num_samples,
+      num_tokens=args.num_tokens, batch_size=args.batch_size, seed=args.seed, quick=args.quick)
+  common.write_report(args.out, meta, results, markdown(results, meta))
+  plot_pvalues(args.out + "_pvalues.png", [t["pvalue"] for t in correct if t["pvalue"] is not None],
+               [t["pvalue"] for t in wrong if t["pvalue"] is not None])
+  c, w = results["combined"]["correct"], results["combined"]["wrong"]
+  print(f"correct rule: {c['num_tests']} tests, min p {_p(c.get('min_pvalue'))}, Holm rejections "
+        f"at 0.01: {c.get('holm_rejections_0.01', 0)}; wrong rule: max p {_p(w.get('max_pvalue'))}")
+  print(f"wrote {args.out}.json, {args.out}.md, {args.out}_pvalues.png")
+  return results
+
+
+if __name__ == "__main__":
+  main()
