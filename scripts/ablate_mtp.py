@@ -198,8 +198,9 @@ def decode_cell(workdir: str, prompts: list[str], temperatures: list[float], max
   summarize_cell: ``runs`` decodes per method and temperature (prompt r mod
   len(prompts), seed r), interleaved across methods; speedup = median AR wall
   / median MTP wall. The drafting cost c (draft time per draft token / one AR
-  step) is measured once per G (at the first temperature: the temperature is a
-  runtime argument of the same compiled step), ``repeats`` x 10 calls.
+  step) comes from bench_decode.draft_time_s, measured once per G (at the
+  first temperature: the temperature is a runtime argument of the same
+  compiled step).
 
   Returns rows of summarize_cell (tau, acceptance_rate_per_position, speedup,
   draft_cost_ratio_c, ideal_speedup, ...) with temperature, batch_size,
