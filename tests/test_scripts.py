@@ -54,3 +54,14 @@ def test_bench_train_quick(tmp_path):
   rows = json.load(open(out + ".json"))["results"]
   assert [r["depth"] for r in rows] == [0, 1]
   assert rows[0]["time_ratio"] == 1.0 and rows[1]["flop_ratio"] > 1.0
+
+
+def test_bench_draft_cost_quick(tmp_path):
+  out = str(tmp_path / "dc")
+  _script("bench_draft_cost").main(["--config", os.path.join(REPO, "configs/tiny.py"), "--quick",
+                                    "--layers", "1,4", "--out", out])
+  rows = json.load(open(out + ".json"))["results"]
+  assert [r["layers"] for r in rows] == [1, 4]
+  # one module next to 1 layer costs more of a target step than next to 4 layers
+  assert rows[0]["c_flops"] > rows[1]["c_flops"] > 0
+  assert all(r["c"] > 0 for r in rows) and os.path.getsize(out + ".png") < 150_000

@@ -1,0 +1,137 @@
+"""Drafting cost ratio c against target depth: how the MTP drafter's cost
+per draft token compares with one target step as the target gets deeper.
+
+    python scripts/bench_draft_cost.py --config configs/tiny.py --layers 2,4,8,16 \
+        --num_draft_tokens 1,2 [--out results/bench_draft_cost]
+
+An MTP module is one transformer block (plus a projection and the shared
+head) run over a window of G+k positions (docs/design.md section 6), so its
+FLOP share of a target step shrinks like 1/L with the target's L layers
+(DeepSeek-V3: 1 module next to 61 layers). Acceptance does not matter for c,
+so the targets are randomly initialised copies of ``--config`` with
+``model.num_layers`` = L and ``mtp.depth`` = max(G). For each L and G it
+reports the measured c (drafting step and one target forward, both inside a
+``lax.fori_loop``: no host dispatch, as in the while_loop decoding form), the
+FLOP share c (XLA cost analysis), their ratio (per-op overhead on top of
+FLOPs), and the ideal speedup they imply at a few acceptance rates
+(Leviathan et al. 2023, Theorem 3.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from decode import stats as stats_lib  # noqa: E402
+from decode.speculative import Decoder, SamplingParams  # noqa: E402
+from mtp import config as config_lib  # noqa: E402
+from mtp.model import build_model  # noqa: E402
+from scripts import common  # noqa: E402
+from scripts.bench_decode import bare_forward_s, draft_flop_share, draft_time_s  # noqa: E402
+
+PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    return 0\n"
+ALPHAS = (0.6, 0.8, 0.9)
+
+
+def measure(cfg: config_lib.Config, layers: int, gs: list[int], repeats: int, max_new: int) -> list[dict]:
+  """Rows {layers, num_draft_tokens, c, c_flops, overhead, draft_s, forward_s, ideal_speedup}
+  for a random target with ``layers`` layers and MTP depth max(gs)."""
+  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers),
+                            mtp=dataclasses.replace(cfg.mtp, depth=max(gs)))
+  target = build_model(config_lib.validate(cfg))
+  cache_len = 64 * -(-(len(PROMPT) + 1 + max_new + 64) // 64)
+  fwd = bare_forward_s(target, 1, 1, cache_len, repeats, in_loop=True)
+  sp = SamplingParams(temperature=0.0)
+  rows = []
+  for g in gs:
+    dec = Decoder(target, "mtp", g)
+    draft_s = draft_time_s(dec, [PROMPT], max_new, sp, repeats)
+    c = draft_s / (g * fwd)
+    c_flops = draft_flop_share(dec, [PROMPT], max_new, sp)
+    rows.append({"layers": layers, "num_draft_tokens": g, "c": c, "c_flops": c_flops,
+                 "overhead": c / c_flops, "draft_s": draft_s, "forward_s": fwd,
+                 "ideal_speedup": {str(a): stats_lib.ideal_speedup(a, g, c) for a in ALPHAS}})
+    print(f"L={layers:3d} G={g}: c {c:.3f}  c(FLOPs) {c_flops:.3f}  forward {fwd * 1e3:.3f} ms  "
+          f"draft {draft_s * 1e3:.3f} ms", flush=True)
+  return rows
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+  lines = [f"Drafting cost ratio c vs target depth: random-init copies of {meta['config_file']} "
+           f"(d_model {meta['d_model']}), batch 1, T=0; {meta['device_kind']} ({meta['cpu_count']} CPUs), "
+           f"JAX {meta['jax_version']}, commit {meta['commit']}, {meta['date']}; median of "
+           f"{meta['repeats']} repeats of 20 in-loop steps.", "",
+           f"Command: `{meta['command']}`", "",
+           "| L | G | target forward ms | drafting ms | c | c (FLOPs) | c / c (FLOPs) | "
+           + " | ".join(f"ideal speedup alpha={a}" for a in ALPHAS) + " |",
+           "|---|---|---|---|---|---|---|" + "---|" * len(ALPHAS)]
+  for r in rows:
+    lines.append(f"| {r['layers']} | {r['num_draft_tokens']} | {r['forward_s'] * 1e3:.3f} | "
+                 f"{r['draft_s'] * 1e3:.3f} | {r['c']:.3f} | {r['c_flops']:.3f} | {r['overhead']:.2f} | "
+                 + " | ".join(f"{r['ideal_speedup'][str(a)]:.2f}" for a in ALPHAS) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str) -> None:
+  fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=100)
+  for g in sorted({r["num_draft_tokens"] for r in rows}):
+    sel = [r for r in rows if r["num_draft_tokens"] == g]
+    ls = [r["layers"] for r in sel]
+    ax.plot(ls, [r["c"] for r in sel], "o-", label=f"G={g} measured")
+    ax.plot(ls, [r["c_flops"] for r in sel], "s--", label=f"G={g} FLOP share")
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xlabel("target layers L")
+  ax.set_ylabel("cost ratio c per draft token")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--config", default="configs/tiny.py")
+  ap.add_argument("--layers", default="2,4,8,16")
+  ap.add_argument("--num_draft_tokens", default="1,2")
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--max_new_tokens", type=int, default=128)
+  ap.add_argument("--out", default="results/bench_draft_cost")
+  ap.add_argument("--quick", action="store_true", help="tiny sizes for tests")
+  args = ap.parse_args(argv)
+  try:
+    layers = [int(x) for x in args.layers.split(",")]
+    gs = [int(x) for x in args.num_draft_tokens.split(",")]
+  except ValueError:
+    ap.error("--layers and --num_draft_tokens take comma-separated integers")
+  if min(layers) < 1 or min(gs) < 1:
+    ap.error("--layers and --num_draft_tokens must be >= 1")
+  try:
+    cfg = config_lib.load_config_file(args.config)
+  except config_lib.ConfigError as e:
+    ap.error(f"--config: {e}")
+  if args.quick:
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=256))
+    layers, gs, args.repeats, args.max_new_tokens = layers[:2], gs[:1], 1, 8
+  rows = [r for n in layers for r in measure(cfg, n, gs, args.repeats, args.max_new_tokens)]
+  meta = common.provenance(config_file=args.config, d_model=cfg.model.d_model, layers=layers,
+                           num_draft_tokens=gs, repeats=args.repeats,
+                           command="python scripts/bench_draft_cost.py " + " ".join(argv or sys.argv[1:]))
+  common.write_report(args.out, meta, rows, markdown(rows, meta))
+  plot(rows, args.out + ".png")
+  print(f"wrote {args.out}.json, {args.out}.md and {args.out}.png")
+
+
+if __name__ == "__main__":
+  main()
