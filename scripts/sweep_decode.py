@@ -1,0 +1,360 @@
+"""Where MTP acceptance collapses and where batching erases the gain:
+one-axis sweeps of speculative decoding around a base point.
+
+    python scripts/sweep_decode.py --workdir runs/tiny --out results/sweep_decode \
+        [--temperatures 0,0.3,0.7,1,1.3] [--top_ps 1,0.9] [--batch_sizes 1,4,16] \
+        [--batch_temperatures 0,1] [--domains python_stdlib,python_docs] \
+        [--num_draft_tokens D] [--repeats 10] [--max_new_tokens 128] [--prompt_bytes 256]
+
+Base point: temperature 1, top-p 1 (off), batch 1, held-out code prompts
+(``python_stdlib`` validation split, the tiny model's training domain), MTP
+with G = D draft tokens. T = 1 is plain sampling from the target, the case
+the stochastic acceptance rule exists for; greedy (T = 0) appears on the
+temperature and batch axes. Each sweep moves one or two settings away from
+the base point instead of running the full cross product:
+
+- temperature: every T in ``--temperatures``, per domain (code and prose);
+- top_p: every p in ``--top_ps`` at T = 1 (code);
+- batch: every B in ``--batch_sizes`` at each T in ``--batch_temperatures``
+  (code);
+- domain: code vs prose (python_docs: pydoc topics, out of the training
+  domain) at T = 0 and T = 1, batch 1.
+
+Identical settings shared by two sweeps are measured once. Every point
+decodes the same held-out prompts (``mtp.data.held_out_prompts``; a
+different prompt per repeat and row) with AR and with MTP in the same
+process and the same sampling settings, repeats interleaved
+(``scripts/bench_decode.run_cells``, while_loop form by default), and
+reports tau, alpha per position, the measured draft cost ratio c (and the
+FLOP share c that drafting would have if time followed FLOPs), speedup
+over AR at the same batch and sampling (median wall time), and the ideal
+speedup of Leviathan et al. 2023 (Theorem 3.8) with the measured alpha and c
+(``scripts/bench_decode.summarize_cell``). The drafting time behind c is
+probed at every point (``--draft_cost_probe point``, one compile each) or once
+per batch size (``batch``, what ``--quick`` uses).
+
+Writes OUT.json, OUT.md (one table per sweep, with the command),
+OUT_temperature.png (tau and speedup vs T, per domain) and OUT_batch.png
+(speedup and tau vs batch size). Runtime with the defaults on runs/tiny
+(d_model 128, 4 layers, D = 2; 15 distinct points): about 4-6 minutes on 2
+shared CPU cores, mostly compilation and the per-point drafting probe;
+``--quick`` (tests): under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from decode.speculative import Decoder, SamplingParams  # noqa: E402
+from mtp import checkpoint as ckpt_lib  # noqa: E402
+from mtp import data as data_lib  # noqa: E402
+from scripts import common  # noqa: E402
+from scripts.bench_decode import (Cell, draft_flop_share, draft_time_s, run_cells,  # noqa: E402
+                                  summarize_cell)
+
+SWEEPS = ("temperature", "top_p", "batch", "domain")
+DOMAIN_KIND = {"python_stdlib": "code", "python_docs": "prose"}
+
+
+# -- measurement -------------------------------------------------------------------
+
+def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens: int,
+                  sp: SamplingParams, repeats: int, forms=("while",),
+                  draft_cache: dict | None = None, flops_cache: dict | None = None) -> list[dict]:
+  """Decodes one setting with every decoder, side by side, and summarizes.
+
+  Args:
+    decoders: {label: Decoder}; exactly one must have method "ar" (the
+      baseline of the speedups). Labels name the rows.
+    prompts: held-out prompt texts; repeat r decodes rows r*batch..r*batch+batch-1
+      (cycling), identical in every cell (``bench_decode.run_cells``).
+    batch: rows per generate call (B).
+    max_new_tokens: token budget per row.
+    sp: sampling settings, the same for every cell (AR included).
+    repeats: interleaved timed repeats per cell (after a compile warm-up).
+    forms: "while" (one jitted while_loop) and/or "stream" (jitted round per step).
+    draft_cache: optional {(label, batch): draft_s}; a hit skips the drafting
+      probe (``bench_decode.draft_time_s`` compiles afresh on every call), a
+      miss is measured at ``sp`` and stored. None: measure at every call.
+    flops_cache: optional {(label, batch): FLOP share c}, the same for
+      ``bench_decode.draft_flop_share`` (XLA FLOP counts do not depend on the
+      sampling values, so one entry per decoder and batch suffices).
+  Returns:
+    one row per (label, form): ``bench_decode.summarize_cell``'s fields
+    (wall_s_median, tokens_per_s, speedup over AR in the same form, tau,
+    acceptance_rate_per_position, draft_cost_ratio_c, ideal_speedup,
+    efficiency, ...) plus label, temperature, top_p, batch_size, draft_s (s
+    per drafting step of G tokens) and ar_step_s (s per AR step, the "target
+    step" of c) and draft_cost_ratio_c_flops (the c that drafting would have
+    if time followed XLA-counted FLOPs), as bench_decode.main combines them.
+  Raises:
+    ValueError: no AR decoder, or more than one.
+  """
+  ar_labels = [k for k, d in decoders.items() if d.method == "ar"]
+  if len(ar_labels) != 1:
+    raise ValueError(f"measure_point needs exactly one AR decoder, got {len(ar_labels)}")
+  pairs = [(label, Cell(f"{label}_{form}", dec.method, dec.G, form, dec))
+           for label, dec in decoders.items() for form in forms]
+  cells = [c for _, c in pairs]
+  run_cells(cells, prompts, batch, max_new_tokens, sp, repeats)
+  ar_cells = {c.form: c for c in cells if c.method == "ar"}
+  ar_wall = {form: float(np.median(c.walls)) for form, c in ar_cells.items()}
+  ar_any = ar_cells.get("while", next(iter(ar_cells.values())))
+  ar_step = float(np.median(ar_any.walls)) / int(ar_any.gens[0].target_calls.max())
+  probe = prompts[:batch] if len(prompts) >= batch else [prompts[i % len(prompts)] for i in range(batch)]
+  draft_s = {}
+  for label, dec in decoders.items():
+    if dec.method == "ar":
+      continue
+    if draft_cache is not None and (label, batch) in draft_cache:
+      draft_s[label] = draft_cache[label, batch]
+    else:
+      draft_s[label] = draft_time_s(dec, probe, max_new_tokens, sp, repeats)
+      if draft_cache is not None:
+        draft_cache[label, batch] = draft_s[label]
+  flops_cache = {} if flops_cache is None else flops_cache
+  for label, dec in decoders.items():
+    if dec.method != "ar" and (label, batch) not in flops_cache:
+      flops_cache[label, batch] = draft_flop_share(dec, probe, max_new_tokens, sp)
+  rows = []
+  for label, c in pairs:
+    row = summarize_cell(c, ar_wall[c.form], ar_step, draft_s.get(label))
+    row.update({"label": label, "temperature": sp.temperature, "top_p": sp.top_p,
+                "batch_size": batch, "draft_s": draft_s.get(label), "ar_step_s": ar_step,
+                "draft_cost_ratio_c_flops": flops_cache.get((label, batch))})
+    rows.append(row)
+  return rows
+
+
+def sweep_points(base: dict, temperatures, top_ps, batch_sizes, batch_temperatures,
+                 domains) -> dict[str, list[dict]]:
+  """The settings of each sweep: {sweep name: [point, ...]}, each point a
+  dict with keys domain, temperature, top_p, batch_size; every point equals
+  ``base`` except on its sweep's axes (temperature sweep: T x domain; top_p:
+  p; batch: B x T in ``batch_temperatures``; domain: domain x T in {0, 1}).
+  Pure; points repeat across sweeps where the settings coincide."""
+  pt = lambda **kw: {**base, **kw}
+  return {
+      "temperature": [pt(domain=d, temperature=t) for d in domains for t in temperatures],
+      "top_p": [pt(top_p=p) for p in top_ps],
+      "batch": [pt(batch_size=b, temperature=t) for t in batch_temperatures for b in batch_sizes],
+      "domain": [pt(domain=d, temperature=t) for t in (0.0, 1.0) for d in domains],
+  }
+
+
+def point_key(p: dict) -> tuple:
+  return (p["domain"], float(p["temperature"]), float(p["top_p"]), int(p["batch_size"]))
+
+
+# -- flags ---------------------------------------------------------------------------
+
+def parse_list(ap: argparse.ArgumentParser, flag: str, text: str, typ, ok, allowed: str) -> list:
+  """Comma list of ``typ`` values each satisfying ``ok``; otherwise an argparse
+  error naming ``--flag`` and the allowed range."""
+  try:
+    vals = [typ(x) for x in str(text).split(",") if x.strip()]
+  except ValueError:
+    ap.error(f"--{flag}={text!r}: not a comma list of {typ.__name__} values ({allowed})")
+  if not vals or not all(ok(v) for v in vals):
+    ap.error(f"--{flag}={text!r} is out of range: every value must be {allowed}")
+  return list(dict.fromkeys(vals))
+
+
+def check_positive(ap: argparse.ArgumentParser, args, names) -> None:
+  for name in names:
+    if getattr(args, name) < 1:
+      ap.error(f"--{name}={getattr(args, name)} is out of range: must be an integer >= 1")
+
+
+# -- report ----------------------------------------------------------------------------
+
+def _f(x, spec=".2f"):
+  return "-" if x is None else format(x, spec)
+
+
+def markdown(sweeps: dict, meta: dict) -> str:
+  lines = [f"# Decode sweeps: {meta['workdir']} (step {meta['checkpoint_step']})", "",
+           f"Command: `{meta['command']}`", "",
+           f"{meta['device_kind']} ({meta['cpu_count']} CPUs), JAX {meta['jax_version']}, commit "
+           f"{meta['commit']}, {meta['date']}. MTP with G = {meta['num_draft_tokens']} (D = "
+           f"{meta['depth']}), {meta['max_new_tokens']} new tokens per row, held-out prompts of "
+           f"~{meta['prompt_bytes']} bytes, median of {meta['repeats']} interleaved repeats, "
+           f"form {'/'.join(meta['forms'])}. Base point: T = {meta['base']['temperature']}, top-p "
+           f"{meta['base']['top_p']}, batch {meta['base']['batch_size']}, {meta['base']['domain']}. "
+           "Speedup: AR wall time / MTP wall time at the same batch and sampling; c: drafting "
+           "time per draft token / one AR step (drafting time measured inside a fori_loop, "
+           "probed "
+           + ("at every point" if meta["draft_cost_probe"] == "point" else
+              "once per batch size, at its first point") + "); c (FLOPs): the c drafting would "
+           "have if time followed XLA-counted FLOPs; ideal: Leviathan et al. 2023 "
+           "Thm 3.8 with the measured alpha (i.i.d. fit of tau) and c.", ""]
+  for name, rows in sweeps.items():
+    lines += [f"## {name}", "",
+              "| domain | T | top-p | B | method | G | tok/s | speedup | tau | alpha_k | c | c (FLOPs) | "
+              "ideal | eff. |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+      alphas = "/".join(_f(a) for a in r["acceptance_rate_per_position"]) or "-"
+      lines.append(
+          f"| {r['domain']} | {r['temperature']:g} | {r['top_p']:g} | {r['batch_size']} | "
+          f"{r['method']} | {r['num_draft_tokens'] or '-'} | {r['tokens_per_s']:.0f} | "
+          f"{r['speedup']:.2f}x | {r['tau']:.2f} | {alphas} | {_f(r.get('draft_cost_ratio_c'))} | "
+          f"{_f(r.get('draft_cost_ratio_c_flops'))} | {_f(r.get('ideal_speedup'))} | "
+          f"{_f(r.get('efficiency'))} |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+def _spec_rows(rows):
+  return [r for r in rows if r["method"] != "ar"]
+
+
+def plot_temperature(rows: list[dict], path: str) -> None:
+  """tau and speedup vs T, one line per (domain, G)."""
+  fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), dpi=100)
+  groups = sorted({(r["domain"], r["num_draft_tokens"], r["form"]) for r in _spec_rows(rows)})
+  for dom, g, form in groups:
+    pts = sorted((r["temperature"], r["tau"], r["speedup"]) for r in _spec_rows(rows)
+                 if (r["domain"], r["num_draft_tokens"], r["form"]) == (dom, g, form))
+    t, tau, sp = zip(*pts)
+    label = f"{DOMAIN_KIND.get(dom, dom)} G={g}" + ("" if form == "while" else f" {form}")
+    axes[0].plot(t, tau, "o-", label=label)
+    axes[1].plot(t, sp, "o-", label=label)
+  axes[0].set(xlabel="temperature T", ylabel="tau (tokens / target call)", title="mean accepted length")
+  axes[1].axhline(1.0, color="gray", lw=0.8, ls="--")
+  axes[1].set(xlabel="temperature T", ylabel="speedup over AR", title="measured speedup (batch 1)")
+  axes[0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
+def plot_batch(rows: list[dict], path: str) -> None:
+  """Speedup (and tau) vs batch size, one line per (T, G)."""
+  fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), dpi=100)
+  groups = sorted({(r["temperature"], r["num_draft_tokens"], r["form"]) for r in _spec_rows(rows)})
+  for t, g, form in groups:
+    pts = sorted((r["batch_size"], r["speedup"], r["tau"]) for r in _spec_rows(rows)
+                 if (r["temperature"], r["num_draft_tokens"], r["form"]) == (t, g, form))
+    b, sp, tau = zip(*pts)
+    label = f"T={t:g} G={g}" + ("" if form == "while" else f" {form}")
+    axes[0].plot(b, sp, "o-", label=label)
+    axes[1].plot(b, tau, "o-", label=label)
+  batches = sorted({r["batch_size"] for r in rows})
+  for ax in axes:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.minorticks_off()
+    ax.set_xlabel("batch size B")
+  axes[0].axhline(1.0, color="gray", lw=0.8, ls="--")
+  axes[0].set(ylabel="speedup over AR (same B)", title="measured speedup")
+  axes[1].set(ylabel="tau", title="mean accepted length")
+  axes[0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
+# -- main --------------------------------------------------------------------------------
+
+def main(argv=None):
+  argv = list(sys.argv[1:] if argv is None else argv)
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--workdir", required=True, help="trained MTP target (mtp.depth >= 1)")
+  ap.add_argument("--data_dir", default="", help="TFDS data dir (default: $MTP_DATA_DIR or ~/.cache/mtp)")
+  ap.add_argument("--domains", default="python_stdlib,python_docs",
+                  help="held-out prompt datasets; the first is the base point's")
+  ap.add_argument("--temperatures", default="0,0.3,0.7,1,1.3")
+  ap.add_argument("--top_ps", default="1,0.9", help="top-p values swept at T = base temperature")
+  ap.add_argument("--batch_sizes", default="1,4,16")
+  ap.add_argument("--batch_temperatures", default="0,1")
+  ap.add_argument("--base_temperature", type=float, default=1.0)
+  ap.add_argument("--num_draft_tokens", default=None, help="comma list of G (default: D)")
+  ap.add_argument("--forms", default="while", help="while and/or stream")
+  ap.add_argument("--prompt_bytes", type=int, default=256)
+  ap.add_argument("--max_new_tokens", type=int, default=128)
+  ap.add_argument("--repeats", type=int, default=10,
+                  help="interleaved timed repeats; repeat r decodes its own held-out prompt(s)")
+  ap.add_argument("--seed", type=int, default=0, help="held-out prompt sample seed")
+  ap.add_argument("--draft_cost_probe", choices=("point", "batch"), default="point",
+                  help="measure the drafting time (for c) at every sweep point, or once per "
+                       "batch size at its first point (each probe compiles: --quick uses batch)")
+  ap.add_argument("--out", default="results/sweep_decode")
+  ap.add_argument("--quick", action="store_true", help="tiny sizes for tests")
+  args = ap.parse_args(argv)
+  if args.quick:
+    args.temperatures, args.batch_sizes, args.repeats = "0,1", "1,2", 1
+    args.max_new_tokens, args.prompt_bytes, args.draft_cost_probe = 8, 48, "batch"
+  check_positive(ap, args, ("prompt_bytes", "max_new_tokens", "repeats"))
+  finite = lambda x: math.isfinite(x) and x >= 0
+  temps = parse_list(ap, "temperatures", args.temperatures, float, finite, "a finite number >= 0")
+  top_ps = parse_list(ap, "top_ps", args.top_ps, float, lambda p: 0 < p <= 1, "in (0, 1]")
+  batches = parse_list(ap, "batch_sizes", args.batch_sizes, int, lambda b: b >= 1, "an integer >= 1")
+  batch_temps = parse_list(ap, "batch_temperatures", args.batch_temperatures, float, finite,
+                           "a finite number >= 0")
+  forms = parse_list(ap, "forms", args.forms, str, lambda f: f in ("while", "stream"),
+                     "'while' or 'stream'")
+  domains = parse_list(ap, "domains", args.domains, str, bool, "a dataset name")
+  if not finite(args.base_temperature):
+    ap.error(f"--base_temperature={args.base_temperature} is out of range: must be a finite number >= 0")
+
+  cfg, target, step = ckpt_lib.load_model(args.workdir)
+  depth = cfg.mtp.depth
+  if depth < 1:
+    ap.error(f"--workdir={args.workdir} holds a model with mtp.depth = 0: the sweep needs MTP modules")
+  gs = parse_list(ap, "num_draft_tokens", args.num_draft_tokens or str(depth), int,
+                  lambda g: g >= 1, "an integer >= 1")
+  if args.prompt_bytes + args.max_new_tokens + 64 > cfg.model.max_seq_len:
+    ap.error(f"--prompt_bytes + --max_new_tokens = {args.prompt_bytes + args.max_new_tokens} leaves "
+             f"no room within the model's max_seq_len={cfg.model.max_seq_len} (keep 64 spare)")
+
+  base = {"domain": domains[0], "temperature": args.base_temperature, "top_p": 1.0,
+          "batch_size": 1}
+  plan = sweep_points(base, temps, top_ps, batches, batch_temps, domains)
+  unique = {point_key(p): p for pts in plan.values() for p in pts}
+  num_prompts = max(p["batch_size"] for p in unique.values()) * args.repeats
+  prompts = {d: data_lib.held_out_prompts(d, num_prompts, args.prompt_bytes, seed=args.seed,
+                                          data_dir=args.data_dir) for d in domains}
+  # One decoder per method: its jitted functions compile once per batch shape.
+  decoders = {"ar": Decoder(target, "ar"), **{f"mtp_G{g}": Decoder(target, "mtp", g) for g in gs}}
+  measured, draft_cache, flops_cache = {}, ({} if args.draft_cost_probe == "batch" else None), {}
+  for i, (key, p) in enumerate(sorted(unique.items(), key=lambda kv: (kv[0][3], kv[0]))):
+    sp = SamplingParams(temperature=p["temperature"], top_p=p["top_p"])
+    rows = measure_point(decoders, prompts[p["domain"]], p["batch_size"], args.max_new_tokens, sp,
+                         args.repeats, forms, draft_cache, flops_cache)
+    for r in rows:
+      r["domain"] = p["domain"]
+    measured[key] = rows
+    spec = " ".join(f"{r['label']} tau {r['tau']:.2f} x{r['speedup']:.2f}" for r in _spec_rows(rows))
+    print(f"[{i + 1}/{len(unique)}] {p['domain']} T={p['temperature']:g} top_p={p['top_p']:g} "
+          f"B={p['batch_size']}: {spec}", flush=True)
+  sweeps = {name: [dict(r, sweep=name) for p in pts for r in measured[point_key(p)]]
+            for name, pts in plan.items()}
+  meta = common.provenance(
+      command="python scripts/sweep_decode.py " + " ".join(shlex.quote(a) for a in argv),
+      workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(), depth=depth,
+      num_draft_tokens=gs, domains=domains, temperatures=temps, top_ps=top_ps, batch_sizes=batches,
+      batch_temperatures=batch_temps, base=base, forms=forms, prompt_bytes=args.prompt_bytes,
+      max_new_tokens=args.max_new_tokens, repeats=args.repeats, prompt_seed=args.seed,
+      draft_cost_probe=args.draft_cost_probe,
+      num_points=len(unique), quick=args.quick)
+  common.write_report(args.out, meta, sweeps, markdown(sweeps, meta))
+  plot_temperature(sweeps["temperature"], args.out + "_temperature.png")
+  plot_batch(sweeps["batch"], args.out + "_batch.png")
+  print(f"wrote {args.out}.json, {args.out}.md, {args.out}_temperature.png and {args.out}_batch.png")
+
+
+if __name__ == "__main__":
+  main()
