@@ -192,56 +192,29 @@ def train_cell(cfg: Config, workdir: str, log) -> dict:
 
 
 def decode_cell(workdir: str, prompts: list[str], temperatures: list[float], max_new_tokens: int,
-                runs: int, repeats: int) -> list[dict]:
+                runs: int) -> list[dict]:
   """AR vs MTP speculative decoding (G = 1 and G = D) of one trained cell,
-  batch 1, while_loop form, with scripts/bench_decode.py's Cell / run_cells /
-  summarize_cell: ``runs`` decodes per method and temperature (prompt r mod
-  len(prompts), seed r), interleaved across methods; speedup = median AR wall
-  / median MTP wall. The drafting cost c (draft time per draft token / one AR
-  step) comes from bench_decode.draft_time_s, measured once per G (at the
-  first temperature: the temperature is a runtime argument of the same
-  compiled step).
+  batch 1, while_loop form, with ``bench_decode.measure_point``: ``runs``
+  decodes per method and temperature (prompt r mod len(prompts), seed r),
+  interleaved across methods; speedup = median AR wall / median MTP wall. The
+  drafting cost c (draft time per draft token / one AR step) is measured once
+  per G (at the first temperature: the temperature is a runtime argument of
+  the same compiled step).
 
   Returns rows of summarize_cell (tau, acceptance_rate_per_position, speedup,
   draft_cost_ratio_c, ideal_speedup, ...) with temperature, batch_size,
   draft_s, ar_step_s; AR rows included (method "ar").
   """
   from decode.speculative import Decoder, SamplingParams
-  bench = _bench_decode()
+  from scripts.bench_decode import measure_point
   cfg, model, _ = ckpt_lib.load_model(workdir)
-  depth = cfg.mtp.depth
-  gs = sorted({1, depth})
-  decoders = {0: Decoder(model, "ar"), **{g: Decoder(model, "mtp", g) for g in gs}}
-  draft_s, rows = {}, []
+  gs = sorted({1, cfg.mtp.depth})
+  decoders = {"ar": Decoder(model, "ar"), **{f"mtp_G{g}": Decoder(model, "mtp", g) for g in gs}}
+  draft_cache, rows = {}, []
   for t in temperatures:
-    sp = SamplingParams(temperature=t)
-    cells = [bench.Cell("ar_while" if g == 0 else f"mtp_G{g}_while", "ar" if g == 0 else "mtp", g,
-                        "while", dec) for g, dec in decoders.items()]
-    bench.run_cells(cells, prompts, 1, max_new_tokens, sp, runs)
-    ar = cells[0]
-    ar_wall = float(np.median(ar.walls))
-    ar_step = ar_wall / int(ar.gens[0].target_calls.max())
-    for g in gs:
-      if g not in draft_s:
-        draft_s[g] = bench.draft_time_s(decoders[g], prompts[:1], max_new_tokens, sp, repeats)
-    for c in cells:
-      row = bench.summarize_cell(c, ar_wall, ar_step, draft_s.get(c.g))
-      row.update({"temperature": t, "batch_size": 1, "draft_s": draft_s.get(c.g), "ar_step_s": ar_step})
-      rows.append(row)
+    rows += measure_point(decoders, prompts, 1, max_new_tokens, SamplingParams(temperature=t), runs,
+                          draft_cache=draft_cache)
   return rows
-
-
-def _bench_decode():
-  """scripts/bench_decode.py as a module (the one way to time decoding cells)."""
-  import importlib.util
-  name = "bench_decode"
-  if name not in sys.modules:
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_decode.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod           # dataclasses look their module up
-    spec.loader.exec_module(mod)
-  return sys.modules[name]
 
 
 # -- tables (pure) -------------------------------------------------------------
@@ -615,8 +588,7 @@ def _run(args, argv, base, cells, cfgs, budget, prompts, depths, lams, seeds, te
   runs = args.decode_prompts * args.decode_repeats
   for k, c in enumerate(dec_cells, 1):
     t0 = time.perf_counter()
-    c["decode"] = decode_cell(c["workdir"], prompts, temps, args.decode_tokens, runs,
-                              args.decode_repeats)
+    c["decode"] = decode_cell(c["workdir"], prompts, temps, args.decode_tokens, runs)
     jax.clear_caches()
     gc.collect()
     c["decode_wall_s"] = time.perf_counter() - t0

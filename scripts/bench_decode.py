@@ -203,6 +203,74 @@ def summarize_cell(c: Cell, ar_wall: float, ar_step_s: float, draft_s: float | N
   return row
 
 
+def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens: int,
+                  sp: SamplingParams, repeats: int, forms=("while",),
+                  draft_cache: dict | None = None, flops_cache: dict | None = None) -> list[dict]:
+  """Decodes one setting with every decoder, side by side, and summarizes.
+
+  Args:
+    decoders: {label: Decoder}; exactly one must have method "ar" (the
+      baseline of the speedups). Labels name the rows.
+    prompts: held-out prompt texts; repeat r decodes rows r*batch..r*batch+batch-1
+      (cycling), identical in every cell (``bench_decode.run_cells``).
+    batch: rows per generate call (B).
+    max_new_tokens: token budget per row.
+    sp: sampling settings, the same for every cell (AR included).
+    repeats: interleaved timed repeats per cell (after a compile warm-up).
+    forms: "while" (one jitted while_loop) and/or "stream" (jitted round per step).
+    draft_cache: optional {(label, batch): draft_s}; a hit skips the drafting
+      probe (``bench_decode.draft_time_s`` compiles afresh on every call), a
+      miss is measured at ``sp`` and stored. None: measure at every call.
+    flops_cache: optional {(label, batch): FLOP share c}, the same for
+      ``bench_decode.draft_flop_share`` (XLA FLOP counts do not depend on the
+      sampling values, so one entry per decoder and batch suffices).
+  Returns:
+    one row per (label, form): ``bench_decode.summarize_cell``'s fields
+    (wall_s_median, tokens_per_s, speedup over AR in the same form, tau,
+    acceptance_rate_per_position, draft_cost_ratio_c, ideal_speedup,
+    efficiency, ...) plus label, temperature, top_p, batch_size, draft_s (s
+    per drafting step of G tokens) and ar_step_s (s per AR step, the "target
+    step" of c) and draft_cost_ratio_c_flops (the c that drafting would have
+    if time followed XLA-counted FLOPs), as bench_decode.main combines them.
+  Raises:
+    ValueError: no AR decoder, or more than one.
+  """
+  ar_labels = [k for k, d in decoders.items() if d.method == "ar"]
+  if len(ar_labels) != 1:
+    raise ValueError(f"measure_point needs exactly one AR decoder, got {len(ar_labels)}")
+  pairs = [(label, Cell(f"{label}_{form}", dec.method, dec.G, form, dec))
+           for label, dec in decoders.items() for form in forms]
+  cells = [c for _, c in pairs]
+  run_cells(cells, prompts, batch, max_new_tokens, sp, repeats)
+  ar_cells = {c.form: c for c in cells if c.method == "ar"}
+  ar_wall = {form: float(np.median(c.walls)) for form, c in ar_cells.items()}
+  ar_any = ar_cells.get("while", next(iter(ar_cells.values())))
+  ar_step = float(np.median(ar_any.walls)) / int(ar_any.gens[0].target_calls.max())
+  probe = prompts[:batch] if len(prompts) >= batch else [prompts[i % len(prompts)] for i in range(batch)]
+  draft_s = {}
+  for label, dec in decoders.items():
+    if dec.method == "ar":
+      continue
+    if draft_cache is not None and (label, batch) in draft_cache:
+      draft_s[label] = draft_cache[label, batch]
+    else:
+      draft_s[label] = draft_time_s(dec, probe, max_new_tokens, sp, repeats)
+      if draft_cache is not None:
+        draft_cache[label, batch] = draft_s[label]
+  flops_cache = {} if flops_cache is None else flops_cache
+  for label, dec in decoders.items():
+    if dec.method != "ar" and (label, batch) not in flops_cache:
+      flops_cache[label, batch] = draft_flop_share(dec, probe, max_new_tokens, sp)
+  rows = []
+  for label, c in pairs:
+    row = summarize_cell(c, ar_wall[c.form], ar_step, draft_s.get(label))
+    row.update({"label": label, "temperature": sp.temperature, "top_p": sp.top_p,
+                "batch_size": batch, "draft_s": draft_s.get(label), "ar_step_s": ar_step,
+                "draft_cost_ratio_c_flops": flops_cache.get((label, batch))})
+    rows.append(row)
+  return rows
+
+
 def markdown(results, meta) -> str:
   lines = [f"Decode benchmark: {meta['workdir']} on {meta['device_kind']} ({meta['cpu_count']} CPUs), "
            f"JAX {meta['jax_version']}, commit {meta['commit']}, {meta['date']}; "
@@ -277,32 +345,19 @@ def main(argv=None):
     bare[str(b)] = {str(k): bare_forward_s(target, b, k, cache_len, args.repeats) for k in lengths}
     bare_loop[str(b)] = {str(k): bare_forward_s(target, b, k, cache_len, args.repeats, in_loop=True)
                          for k in lengths}
-    prompts = prompts_all[:b]       # for the drafting-cost probe
-    decoders = {("ar", 0): Decoder(target, "ar")}
-    decoders.update({("mtp", g): Decoder(target, "mtp", g) for g in gs if depth})
+    decoders = {"ar": Decoder(target, "ar")}
+    decoders.update({f"mtp_G{g}": Decoder(target, "mtp", g) for g in gs if depth})
     if draft is not None:
-      decoders.update({("draft", g): Decoder(target, "draft", g, draft) for g in gs})
+      decoders.update({f"draft_G{g}": Decoder(target, "draft", g, draft) for g in gs})
+    flops_cache = {}
     for t in temps:
       sp = SamplingParams(temperature=t)
-      cells = [Cell(f"{m}{'' if not g else f'_G{g}'}_{form}", m, g, form, dec)
-               for (m, g), dec in decoders.items() for form in forms]
-      run_cells(cells, prompts_all, b, args.max_new_tokens, sp, args.repeats)
-      ar_cells = {c.form: c for c in cells if c.method == "ar"}
-      ar_wall = {form: float(np.median(c.walls)) for form, c in ar_cells.items()}
-      ar_any = ar_cells.get("while", next(iter(ar_cells.values())))
-      ar_step = float(np.median(ar_any.walls)) / int(ar_any.gens[0].target_calls.max())
-      draft_s = {key: draft_time_s(dec, prompts, args.max_new_tokens, sp, args.repeats)
-                 for key, dec in decoders.items() if key[0] != "ar"}
-      c_flops = {key: draft_flop_share(dec, prompts, args.max_new_tokens, sp)
-                 for key, dec in decoders.items() if key[0] != "ar"}
-      for c in cells:
-        row = summarize_cell(c, ar_wall[c.form], ar_step, draft_s.get((c.method, c.g)))
-        row.update({"temperature": t, "batch_size": b, "draft_s": draft_s.get((c.method, c.g)),
-                    "draft_cost_ratio_c_flops": c_flops.get((c.method, c.g)),
-                    "ar_step_s": ar_step})
+      rows = measure_point(decoders, prompts_all, b, args.max_new_tokens, sp, args.repeats, forms,
+                           flops_cache=flops_cache)
+      for row in rows:
         results.append(row)
-        print(f"T={t} B={b} {c.name:16s} {row['tokens_per_s']:8.1f} tok/s  speedup {row['speedup']:.2f}x"
-              f"  tau {row['tau']:.2f}", flush=True)
+        print(f"T={t} B={b} {row['name']:16s} {row['tokens_per_s']:8.1f} tok/s  speedup "
+              f"{row['speedup']:.2f}x  tau {row['tau']:.2f}", flush=True)
   meta = common.provenance(
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),
       draft_workdir=args.draft_workdir, dataset=args.dataset, prompt_bytes=args.prompt_bytes,

@@ -45,7 +45,7 @@ runs, validation bits per byte (from each run's final_metrics.json), and
 for every G and temperature at batch 1 on held-out prompts: tau, alpha per
 position, the measured draft cost ratio c and its FLOP share, speedup over AR, the ideal
 speedup of Leviathan et al. (Theorem 3.8) and efficiency (cells decoded
-side by side with interleaved repeats: ``sweep_decode.measure_point`` over
+side by side with interleaved repeats: ``bench_decode.measure_point`` over
 ``bench_decode.run_cells`` / ``summarize_cell``).
 
 Writes OUT.json, OUT.md (tables + command) and OUT.png (tau and speedup vs G
@@ -85,9 +85,9 @@ from mtp import data as data_lib  # noqa: E402
 from mtp import sharding as shard_lib  # noqa: E402
 from mtp.model import build_model, count_params  # noqa: E402
 from scripts import common  # noqa: E402
-from scripts.bench_decode import draft_time_s  # noqa: E402
+from scripts.bench_decode import draft_time_s, measure_point  # noqa: E402
 from scripts.bench_train import synthetic_batch  # noqa: E402
-from scripts.sweep_decode import _f, check_positive, measure_point, parse_list  # noqa: E402
+from scripts.sweep_decode import _f, check_positive, parse_list  # noqa: E402
 from train.loop import Trainer, train  # noqa: E402
 
 SELECTION_FILE = "arch_selection.json"

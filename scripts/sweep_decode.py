@@ -53,7 +53,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -61,82 +60,13 @@ from decode.speculative import Decoder, SamplingParams  # noqa: E402
 from mtp import checkpoint as ckpt_lib  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
 from scripts import common  # noqa: E402
-from scripts.bench_decode import (Cell, draft_flop_share, draft_time_s, run_cells,  # noqa: E402
-                                  summarize_cell)
+from scripts.bench_decode import measure_point  # noqa: E402
 
 SWEEPS = ("temperature", "top_p", "batch", "domain")
 DOMAIN_KIND = {"python_stdlib": "code", "python_docs": "prose"}
 
 
 # -- measurement -------------------------------------------------------------------
-
-def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens: int,
-                  sp: SamplingParams, repeats: int, forms=("while",),
-                  draft_cache: dict | None = None, flops_cache: dict | None = None) -> list[dict]:
-  """Decodes one setting with every decoder, side by side, and summarizes.
-
-  Args:
-    decoders: {label: Decoder}; exactly one must have method "ar" (the
-      baseline of the speedups). Labels name the rows.
-    prompts: held-out prompt texts; repeat r decodes rows r*batch..r*batch+batch-1
-      (cycling), identical in every cell (``bench_decode.run_cells``).
-    batch: rows per generate call (B).
-    max_new_tokens: token budget per row.
-    sp: sampling settings, the same for every cell (AR included).
-    repeats: interleaved timed repeats per cell (after a compile warm-up).
-    forms: "while" (one jitted while_loop) and/or "stream" (jitted round per step).
-    draft_cache: optional {(label, batch): draft_s}; a hit skips the drafting
-      probe (``bench_decode.draft_time_s`` compiles afresh on every call), a
-      miss is measured at ``sp`` and stored. None: measure at every call.
-    flops_cache: optional {(label, batch): FLOP share c}, the same for
-      ``bench_decode.draft_flop_share`` (XLA FLOP counts do not depend on the
-      sampling values, so one entry per decoder and batch suffices).
-  Returns:
-    one row per (label, form): ``bench_decode.summarize_cell``'s fields
-    (wall_s_median, tokens_per_s, speedup over AR in the same form, tau,
-    acceptance_rate_per_position, draft_cost_ratio_c, ideal_speedup,
-    efficiency, ...) plus label, temperature, top_p, batch_size, draft_s (s
-    per drafting step of G tokens) and ar_step_s (s per AR step, the "target
-    step" of c) and draft_cost_ratio_c_flops (the c that drafting would have
-    if time followed XLA-counted FLOPs), as bench_decode.main combines them.
-  Raises:
-    ValueError: no AR decoder, or more than one.
-  """
-  ar_labels = [k for k, d in decoders.items() if d.method == "ar"]
-  if len(ar_labels) != 1:
-    raise ValueError(f"measure_point needs exactly one AR decoder, got {len(ar_labels)}")
-  pairs = [(label, Cell(f"{label}_{form}", dec.method, dec.G, form, dec))
-           for label, dec in decoders.items() for form in forms]
-  cells = [c for _, c in pairs]
-  run_cells(cells, prompts, batch, max_new_tokens, sp, repeats)
-  ar_cells = {c.form: c for c in cells if c.method == "ar"}
-  ar_wall = {form: float(np.median(c.walls)) for form, c in ar_cells.items()}
-  ar_any = ar_cells.get("while", next(iter(ar_cells.values())))
-  ar_step = float(np.median(ar_any.walls)) / int(ar_any.gens[0].target_calls.max())
-  probe = prompts[:batch] if len(prompts) >= batch else [prompts[i % len(prompts)] for i in range(batch)]
-  draft_s = {}
-  for label, dec in decoders.items():
-    if dec.method == "ar":
-      continue
-    if draft_cache is not None and (label, batch) in draft_cache:
-      draft_s[label] = draft_cache[label, batch]
-    else:
-      draft_s[label] = draft_time_s(dec, probe, max_new_tokens, sp, repeats)
-      if draft_cache is not None:
-        draft_cache[label, batch] = draft_s[label]
-  flops_cache = {} if flops_cache is None else flops_cache
-  for label, dec in decoders.items():
-    if dec.method != "ar" and (label, batch) not in flops_cache:
-      flops_cache[label, batch] = draft_flop_share(dec, probe, max_new_tokens, sp)
-  rows = []
-  for label, c in pairs:
-    row = summarize_cell(c, ar_wall[c.form], ar_step, draft_s.get(label))
-    row.update({"label": label, "temperature": sp.temperature, "top_p": sp.top_p,
-                "batch_size": batch, "draft_s": draft_s.get(label), "ar_step_s": ar_step,
-                "draft_cost_ratio_c_flops": flops_cache.get((label, batch))})
-    rows.append(row)
-  return rows
-
 
 def sweep_points(base: dict, temperatures, top_ps, batch_sizes, batch_temperatures,
                  domains) -> dict[str, list[dict]]:
