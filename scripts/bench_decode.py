@@ -1,4 +1,4 @@
-"""Decode benchmark: AR vs MTP (and draft-model) speculative decoding, side by
+r"""Decode benchmark: AR vs MTP (and draft-model) speculative decoding, side by
 side in one process, on held-out prompts.
 
     python scripts/bench_decode.py --workdir runs/tiny [--draft_workdir DIR] \
@@ -272,10 +272,10 @@ def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens
 
 
 def markdown(results, meta) -> str:
-  lines = [f"Decode benchmark: {meta['workdir']} on {meta['device_kind']} ({meta['cpu_count']} CPUs), "
+  lines = [f"Decode benchmark: {meta['workdir']} on {common.machine(meta)}, "
            f"JAX {meta['jax_version']}, commit {meta['commit']}, {meta['date']}; "
            f"{meta['max_new_tokens']} new tokens per prompt, prompts of ~{meta['prompt_bytes']} bytes "
-           f"from {meta['dataset']} validation; median of {meta['repeats']} repeats.", "",
+           f"from {meta['dataset']} validation; median of {common.plural(meta['repeats'], 'repeat')}.", "",
            "Bare target forward (backbone + head with KV cache) per batch size, over 1 and over G+1 "
            "tokens: one jitted call per forward (host dispatch included) / inside a fori_loop "
            "(device time; compare with the while_loop form). AR step = AR while_loop time per token "
@@ -306,36 +306,48 @@ def markdown(results, meta) -> str:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--workdir", required=True)
-  ap.add_argument("--draft_workdir", default=None)
-  ap.add_argument("--dataset", default="python_stdlib")
-  ap.add_argument("--data_dir", default="", help="TFDS data dir (default: $MTP_DATA_DIR or ~/.cache/mtp)")
-  ap.add_argument("--prompt_bytes", type=int, default=256)
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
+  ap.add_argument("--workdir", required=True, help="target checkpoint (its MTP modules draft when D >= 1)")
+  ap.add_argument("--draft_workdir", default=None, help="separate draft-model checkpoint (optional)")
+  ap.add_argument("--ar_only", action="store_true",
+                  help="time AR alone (needed when --workdir has D = 0 and no --draft_workdir is given)")
+  ap.add_argument("--dataset", default="python_stdlib", help="held-out prompt dataset")
+  ap.add_argument("--data_dir", default="", help=common.DATA_DIR_HELP)
+  ap.add_argument("--prompt_bytes", type=int, default=256, help="bytes per prompt, >= 1")
   ap.add_argument("--num_prompts", type=int, default=0,
                   help="held-out prompts, cycled over repeats (default: max batch x repeats)")
-  ap.add_argument("--max_new_tokens", type=int, default=128)
-  ap.add_argument("--batch_sizes", default="1,4,16")
-  ap.add_argument("--temperatures", default="0,1")
-  ap.add_argument("--num_draft_tokens", default=None, help="comma list; default 1..D+2")
-  ap.add_argument("--forms", default="while,stream")
-  ap.add_argument("--repeats", type=int, default=5)
-  ap.add_argument("--out", default="results/bench_decode")
-  ap.add_argument("--quick", action="store_true", help="tiny sizes for tests")
+  ap.add_argument("--max_new_tokens", type=int, default=128, help="new tokens per prompt, >= 1")
+  ap.add_argument("--batch_sizes", default="1,4,16", help="comma list of batch sizes B >= 1")
+  ap.add_argument("--temperatures", default="0,1", help="comma list of temperatures >= 0 (0: greedy)")
+  ap.add_argument("--num_draft_tokens", default=None,
+                  help="comma list of G >= 1 (default: 1..D+2; --quick: 1)")
+  ap.add_argument("--forms", default="while,stream", help="comma list of 'while' and/or 'stream'")
+  ap.add_argument("--repeats", type=int, default=5, help="interleaved timed repeats, >= 1")
+  ap.add_argument("--out", default="results/bench_decode", help="output prefix (OUT.json, OUT.md)")
+  ap.add_argument("--quick", action="store_true",
+                  help="tiny sizes for tests: fills in --batch_sizes 1 --temperatures 0,1 --repeats 1 "
+                       "--max_new_tokens 8 --prompt_bytes 64 and G = 1 where not given")
   args = ap.parse_args(argv)
   if args.quick:
-    args.batch_sizes, args.temperatures, args.repeats = "1", "0,1", 1
-    args.max_new_tokens, args.prompt_bytes = 8, 64
+    common.apply_quick(ap, args, batch_sizes="1", temperatures="0,1", repeats=1, max_new_tokens=8,
+                       prompt_bytes=64)
+  common.check_range(ap, args, prompt_bytes=1, max_new_tokens=1, repeats=1, num_prompts=0)
+  batch_sizes = common.parse_list(ap, "batch_sizes", args.batch_sizes, int, 1)
+  temps = common.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
+  forms = common.parse_list(ap, "forms", args.forms, str, choices=("while", "stream"))
+  gs_given = (common.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1)
+              if args.num_draft_tokens is not None else None)
   cfg, target, step = ckpt_lib.load_model(args.workdir)
   draft = ckpt_lib.load_model(args.draft_workdir)[1] if args.draft_workdir else None
   depth = cfg.mtp.depth
-  gs = ([int(x) for x in args.num_draft_tokens.split(",")] if args.num_draft_tokens
-        else list(range(1, depth + 3)) if depth else [])
-  if args.quick:
+  if not depth and draft is None and not args.ar_only:
+    ap.error(f"--workdir={args.workdir} holds a model with MTP depth D = 0 and no --draft_workdir "
+             "was given: there is no drafter to compare with AR (give --draft_workdir DIR, or "
+             "--ar_only to time AR alone)")
+  gs = [] if args.ar_only else (gs_given if gs_given is not None
+                                else list(range(1, depth + 3)) if depth or draft is not None else [])
+  if args.quick and gs_given is None:
     gs = gs[:1]
-  forms = args.forms.split(",")
-  batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
-  temps = [float(x) for x in args.temperatures.split(",")]
   prompts_all = data_lib.held_out_prompts(args.dataset, args.num_prompts or max(batch_sizes) * args.repeats,
                                  args.prompt_bytes, data_dir=args.data_dir)
   cache_len = 64 * int(np.ceil((args.prompt_bytes + args.max_new_tokens + 64) / 64))
@@ -369,4 +381,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  common.main_guard(main)

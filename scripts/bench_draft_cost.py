@@ -1,4 +1,4 @@
-"""Drafting cost ratio c against target depth: how the MTP drafter's cost
+r"""Drafting cost ratio c against target depth: how the MTP drafter's cost
 per draft token compares with one target step as the target gets deeper.
 
     python scripts/bench_draft_cost.py --config configs/tiny.py --layers 2,4,8,16 \
@@ -67,9 +67,9 @@ def measure(cfg: config_lib.Config, layers: int, gs: list[int], repeats: int, ma
 
 def markdown(rows: list[dict], meta: dict) -> str:
   lines = [f"Drafting cost ratio c vs target depth: random-init copies of {meta['config_file']} "
-           f"(d_model {meta['d_model']}), batch 1, T=0; {meta['device_kind']} ({meta['cpu_count']} CPUs), "
+           f"(d_model {meta['d_model']}), batch 1, T=0; {common.machine(meta)}, "
            f"JAX {meta['jax_version']}, commit {meta['commit']}, {meta['date']}; median of "
-           f"{meta['repeats']} repeats of 20 in-loop steps.", "",
+           f"{common.plural(meta['repeats'], 'repeat')} of 20 in-loop steps.", "",
            f"Command: `{meta['command']}`", "",
            "| L | G | target forward ms | drafting ms | c | c (FLOPs) | c / c (FLOPs) | "
            + " | ".join(f"ideal speedup alpha={a}" for a in ALPHAS) + " |",
@@ -100,22 +100,24 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--config", default="configs/tiny.py")
-  ap.add_argument("--layers", default="2,4,8,16")
-  ap.add_argument("--num_draft_tokens", default="1,2")
-  ap.add_argument("--repeats", type=int, default=5)
-  ap.add_argument("--max_new_tokens", type=int, default=128)
-  ap.add_argument("--out", default="results/bench_draft_cost")
-  ap.add_argument("--quick", action="store_true", help="tiny sizes for tests")
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
+  ap.add_argument("--config", default="configs/tiny.py", help="config file (d_model, heads, MLP)")
+  ap.add_argument("--layers", default="2,4,8,16", help="comma list of target depths L >= 1")
+  ap.add_argument("--num_draft_tokens", default="1,2", help="comma list of G >= 1")
+  ap.add_argument("--repeats", type=int, default=5, help="timed repeats, >= 1")
+  ap.add_argument("--max_new_tokens", type=int, default=128, help="KV cache room in new tokens, >= 1")
+  ap.add_argument("--out", default="results/bench_draft_cost", help="output prefix")
+  ap.add_argument("--quick", action="store_true",
+                  help="tiny sizes for tests: d_model 32, the first 2 --layers and first G, and "
+                       "--repeats 1 --max_new_tokens 8 where not given")
   args = ap.parse_args(argv)
-  try:
-    layers = [int(x) for x in args.layers.split(",")]
-    gs = [int(x) for x in args.num_draft_tokens.split(",")]
-  except ValueError:
-    ap.error("--layers and --num_draft_tokens take comma-separated integers")
-  if min(layers) < 1 or min(gs) < 1:
-    ap.error("--layers and --num_draft_tokens must be >= 1")
+  if args.quick:
+    common.apply_quick(ap, args, repeats=1, max_new_tokens=8)
+  common.check_range(ap, args, repeats=1, max_new_tokens=1)
+  layers = common.parse_list(ap, "layers", args.layers, int, 1)
+  gs = common.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1)
+  if not os.path.isfile(args.config):
+    ap.error(f"--config={args.config!r}: no such file")
   try:
     cfg = config_lib.load_config_file(args.config)
   except config_lib.ConfigError as e:
@@ -123,7 +125,7 @@ def main(argv=None):
   if args.quick:
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=256))
-    layers, gs, args.repeats, args.max_new_tokens = layers[:2], gs[:1], 1, 8
+    layers, gs = layers[:2], gs[:1]
   rows = [r for n in layers for r in measure(cfg, n, gs, args.repeats, args.max_new_tokens)]
   meta = common.provenance(config_file=args.config, d_model=cfg.model.d_model, layers=layers,
                            num_draft_tokens=gs, repeats=args.repeats,
@@ -134,4 +136,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  common.main_guard(main)

@@ -1,4 +1,4 @@
-"""Training-step benchmark across MTP depths at a fixed backbone.
+r"""Training-step benchmark across MTP depths at a fixed backbone.
 
     python scripts/bench_train.py --config configs/tiny.py [--depths 0,1,2,3,4] \
         [--repeats 5] [--steps 10] [--out results/bench_train]
@@ -52,21 +52,27 @@ def step_cost(trainer: Trainer, state, batch) -> dict:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--config", default="configs/tiny.py")
-  ap.add_argument("--depths", default="0,1,2,3,4")
-  ap.add_argument("--repeats", type=int, default=5)
-  ap.add_argument("--steps", type=int, default=10)
-  ap.add_argument("--out", default="results/bench_train")
-  ap.add_argument("--quick", action="store_true", help="tiny sizes for tests")
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
+  ap.add_argument("--config", default="configs/tiny.py", help="config file (its model is the backbone)")
+  ap.add_argument("--depths", default="0,1,2,3,4", help="comma list of MTP depths D in [0, 16]")
+  ap.add_argument("--repeats", type=int, default=5, help="interleaved timed repeats, >= 1")
+  ap.add_argument("--steps", type=int, default=10, help="train steps per repeat, >= 1")
+  ap.add_argument("--out", default="results/bench_train", help="output prefix (OUT.json, OUT.md)")
+  ap.add_argument("--quick", action="store_true",
+                  help="tiny sizes for tests: a 1-layer d_model 32 model, batch 2 x 16, and "
+                       "--repeats 1 --steps 2 where not given")
   args = ap.parse_args(argv)
+  if args.quick:
+    common.apply_quick(ap, args, repeats=1, steps=2)
+  common.check_range(ap, args, repeats=1, steps=1)
+  depths = common.parse_list(ap, "depths", args.depths, int, 0, 16)
+  if not os.path.isfile(args.config):
+    ap.error(f"--config={args.config!r}: no such file")
   base = config_lib.load_config_file(args.config)
   if args.quick:
     base = base.replace(model=dict(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
                                    head_dim=16, mlp_dim=64),
                         train=dict(batch_size=2, seq_len=16))
-    args.repeats, args.steps = 1, 2
-  depths = [int(d) for d in args.depths.split(",")]
   batch = synthetic_batch(base)
   runs = {}
   for d in depths:
@@ -102,12 +108,15 @@ def main(argv=None):
     print(f"D={d}: {med * 1e3:.1f} ms/step  {tokens / med:.0f} tok/s  time x{rows[-1]['time_ratio']:.2f}"
           f"  flops x{rows[-1]['flop_ratio'] or float('nan'):.2f}", flush=True)
   meta = common.provenance(config_file=args.config, config=base.to_dict(), repeats=args.repeats,
-                           steps_per_repeat=args.steps)
+                           steps_per_repeat=args.steps, quick=args.quick)
   commit = meta["commit"]
-  lines = [f"Train-step benchmark: {args.config} (batch {base.train.batch_size} x {base.train.seq_len}), "
-           f"{meta['device_kind']} x{meta['device_count']} ({meta['cpu_count']} CPUs), JAX "
-           f"{meta['jax_version']}, commit {commit}, {meta['date']}; median of {args.repeats} x "
-           f"{args.steps} steps.", "",
+  m = base.model
+  model = (f"--quick test model ({m.num_layers} layer, d_model {m.d_model}; not {args.config}'s)"
+           if args.quick else args.config)
+  lines = [f"Train-step benchmark: {model} (batch {base.train.batch_size} x {base.train.seq_len}), "
+           f"{meta['device_kind']} x{meta['device_count']} ({meta['cpu_count']} CPUs: "
+           f"{meta['cpu_model']}), JAX {meta['jax_version']}, commit {commit}, {meta['date']}; "
+           f"median of {common.plural(args.repeats, 'repeat')} x {common.plural(args.steps, 'step')}.", "",
            "| D | ms/step | tokens/s | time / D=0 | FLOPs / D=0 | time ratio / FLOP ratio | step memory MB |",
            "|---|---|---|---|---|---|---|"]
   for r in rows:
@@ -121,4 +130,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  common.main_guard(main)
