@@ -143,13 +143,15 @@ def load_model(workdir: str, step: int | None = None):
   """
   from mtp.model import build_model   # local: keeps this module light to import
   ckpt = Checkpointer(workdir, read_only=True)
-  step = ckpt._resolve(step)
-  cfg = ckpt.restore_config(step)
-  model = nnx.eval_shape(lambda: build_model(cfg))
-  graphdef, abstract_params = nnx.split(model, nnx.Param)
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params)
-  params, _ = ckpt.restore(step, abstract)
-  ckpt.close()
+  try:       # closed on errors too: an open manager spews asyncio errors at exit
+    step = ckpt._resolve(step)
+    cfg = ckpt.restore_config(step)
+    model = nnx.eval_shape(lambda: build_model(cfg))
+    graphdef, abstract_params = nnx.split(model, nnx.Param)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params)
+    params, _ = ckpt.restore(step, abstract)
+  finally:
+    ckpt.close()
   return cfg, nnx.merge(graphdef, params), step
 
 

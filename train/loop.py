@@ -182,10 +182,13 @@ def check_workdir(cfg: Config, workdir: str) -> int | None:
   if not os.path.isdir(ckpt_lib.checkpoint_dir(workdir)):
     return None
   ckpt = ckpt_lib.Checkpointer(workdir, read_only=True)
-  step = ckpt.latest_step()
-  if step is None:
-    return None
-  saved = ckpt.restore_config(step)
+  try:
+    step = ckpt.latest_step()
+    if step is None:
+      return None
+    saved = ckpt.restore_config(step)
+  finally:
+    ckpt.close()
   diffs = config_lib.architecture_mismatches(saved, cfg)
   if diffs:
     raise ConfigError(f"workdir {workdir!r} holds a checkpoint (step {step}) from an incompatible "
@@ -275,8 +278,12 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
   ckpt = ckpt_lib.Checkpointer(workdir, keep=cfg.checkpoint.keep)
   data_iter = iter(dataset)
   if resume_step is not None:
-    params, opt_state = ckpt.restore(resume_step, trainer.abstract_params,
-                                     trainer.abstract_opt_state, data_iter)
+    try:
+      params, opt_state = ckpt.restore(resume_step, trainer.abstract_params,
+                                       trainer.abstract_opt_state, data_iter)
+    except BaseException:
+      ckpt.close()
+      raise
     state = TrainState(params, opt_state, resume_step)
     log(f"resumed from {ckpt.directory}/{resume_step}")
   else:
