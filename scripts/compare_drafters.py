@@ -1,4 +1,4 @@
-"""MTP drafting vs independent small draft models, for one trained MTP target.
+r"""MTP drafting vs independent small draft models, for one trained MTP target.
 
     python scripts/compare_drafters.py --workdir runs/tiny --runs_dir runs/drafters \
         --out results/compare_drafters [--draft_steps N] [--num_draft_tokens 1,2,3] \
@@ -87,7 +87,7 @@ from mtp.model import build_model, count_params  # noqa: E402
 from scripts import common  # noqa: E402
 from scripts.bench_decode import draft_time_s, measure_point  # noqa: E402
 from scripts.bench_train import synthetic_batch  # noqa: E402
-from scripts.sweep_decode import _f, check_positive, parse_list  # noqa: E402
+from scripts.sweep_decode import _f, check_positive  # noqa: E402
 from train.loop import Trainer, train  # noqa: E402
 
 SELECTION_FILE = "arch_selection.json"
@@ -326,12 +326,15 @@ def train_drafts(args, cfg, archs) -> list[dict]:
     print(f"{'reusing' if already else 'training'} {role}-matched draft {name} "
           f"({param_count(dcfg)['total']:,} params) in {workdir}", flush=True)
     t0 = time.perf_counter()
-    train(dcfg, workdir)
+    res = train(dcfg, workdir)
     wall = time.perf_counter() - t0
     walls = _load_json(walls_path)
     if not already:
       walls[name] = walls.get(name, 0.0) + wall   # resumed runs add up their pieces
       _dump_json(walls_path, walls)
+    # a SIGINT / SIGTERM makes train() checkpoint and return early: stop, do not report it as done
+    common.exit_if_interrupted(res, dcfg.train.num_steps, f"training of the {role}-matched draft {name}",
+                               workdir)
     drafts[name] = {"label": name, "role": role, "workdir": workdir, "trained_now": not already,
                     "wall_s": walls.get(name)}
   return list(drafts.values())
@@ -353,7 +356,7 @@ def markdown(drafters: list[dict], rows: list[dict], meta: dict) -> str:
   t = meta["target"]
   lines = [f"# MTP drafting vs independent draft models: {meta['workdir']} (step {meta['checkpoint_step']})",
            "", f"Command: `{meta['command']}`", "",
-           f"{meta['device_kind']} ({meta['cpu_count']} CPUs), JAX {meta['jax_version']}, commit "
+           f"{common.machine(meta)}, JAX {meta['jax_version']}, commit "
            f"{meta['commit']}, {meta['date']}. Target: {t['num_layers']} layers, d_model "
            f"{t['d_model']}, D = {t['depth']} MTP modules, backbone {t['params']['backbone']:,} "
            f"params, validation bpb {_f(t['val_bpb'], '.3f')}. Drafts trained on {t['dataset']} "
@@ -396,8 +399,8 @@ def markdown(drafters: list[dict], rows: list[dict], meta: dict) -> str:
       lines.append(f"| MTP (D = {t['depth']}) | {t['params']['mtp']:,} | "
                    f"{sel['cost_calibration'][0]['mtp_draft_s'] * 1e3:.3f} | 1.00 |")
   lines += ["", f"## Decoding (batch {meta['batch_size']}, {meta['max_new_tokens']} new tokens, "
-            f"held-out prompts of ~{meta['prompt_bytes']} bytes, median of {meta['repeats']} "
-            "interleaved repeats, while_loop form)", "",
+            f"held-out prompts of ~{meta['prompt_bytes']} bytes, median of "
+            f"{common.plural(meta['repeats'], 'interleaved repeat')}, while_loop form)", "",
             "c: drafting time per draft token / one AR step (drafting time measured inside a "
             "fori_loop, probed "
             + ("at every temperature" if meta["draft_cost_probe"] == "point" else "once, at the first "
@@ -417,11 +420,15 @@ def markdown(drafters: list[dict], rows: list[dict], meta: dict) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
-  """tau and speedup vs G, one colour per drafter, solid/dashed/... per T."""
+  """tau and speedup vs G, one colour per drafter, solid/dashed/... and a
+  marker per T; each (drafter, T) series is shifted by a small x offset so
+  that coinciding points (e.g. every drafter's tau at T = 0) stay visible."""
   fig, axes = plt.subplots(1, 2, figsize=(8.5, 3.4), dpi=100)
   drafters = list(dict.fromkeys(r["drafter"] for r in rows if r["method"] != "ar"))
   temps = sorted({r["temperature"] for r in rows})
   styles, markers = ["-", "--", ":", "-."], ["o", "s", "^", "D"]
+  n_series = max(1, len(drafters) * len(temps))
+  step = min(0.06, 0.5 / n_series)
   for i, name in enumerate(drafters):
     for j, t in enumerate(temps):
       pts = sorted((r["num_draft_tokens"], r["tau"], r["speedup"]) for r in rows
@@ -429,6 +436,8 @@ def plot(rows: list[dict], path: str) -> None:
       if not pts:
         continue
       g, tau, sp = zip(*pts)
+      shift = (i * len(temps) + j - (n_series - 1) / 2) * step
+      g = [x + shift for x in g]
       kw = dict(color=f"C{i}", ls=styles[j % len(styles)], marker=markers[j % len(markers)],
                 label=f"{name} T={t:g}")
       axes[0].plot(g, tau, **kw)
@@ -450,7 +459,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained MTP target (mtp.depth >= 1)")
   ap.add_argument("--runs_dir", default="runs/drafters", help="where the draft runs live")
   ap.add_argument("--draft_workdir", action="append", default=[], metavar="[LABEL=]PATH",
@@ -461,36 +470,37 @@ def main(argv=None):
                   help="'auto' (1 layer at d_model/4, /2, /1) or a comma list of LAYERSxD_MODEL "
                        "searched for the cost-matched draft")
   ap.add_argument("--draft_steps", type=int, default=0, help="draft training steps (default: the target's)")
-  ap.add_argument("--data_dir", default="", help="TFDS data dir (default: $MTP_DATA_DIR or ~/.cache/mtp)")
-  ap.add_argument("--num_draft_tokens", default="1,2,3")
-  ap.add_argument("--temperatures", default="0,1")
-  ap.add_argument("--batch_size", type=int, default=1)
-  ap.add_argument("--prompt_bytes", type=int, default=256)
-  ap.add_argument("--max_new_tokens", type=int, default=128)
+  ap.add_argument("--data_dir", default="", help=common.DATA_DIR_HELP)
+  ap.add_argument("--num_draft_tokens", default="1,2,3", help="comma list of G >= 1")
+  ap.add_argument("--temperatures", default="0,1", help="comma list of temperatures >= 0 (0: greedy)")
+  ap.add_argument("--batch_size", type=int, default=1, help="rows per decode call, >= 1")
+  ap.add_argument("--prompt_bytes", type=int, default=256, help="bytes per prompt, >= 1")
+  ap.add_argument("--max_new_tokens", type=int, default=128, help="new tokens per row, >= 1")
   ap.add_argument("--repeats", type=int, default=10,
-                  help="interleaved timed repeats; repeat r decodes its own held-out prompt(s)")
+                  help="interleaved timed repeats, >= 1; repeat r decodes its own held-out prompt(s)")
   ap.add_argument("--calib_repeats", type=int, default=5, help="repeats of the cost calibration probe")
   ap.add_argument("--probe_steps", type=int, default=5, help="train steps per probe repeat")
-  ap.add_argument("--probe_repeats", type=int, default=3)
+  ap.add_argument("--probe_repeats", type=int, default=3, help="repeats of the train-step probe")
   ap.add_argument("--seed", type=int, default=0, help="held-out prompt sample seed")
   ap.add_argument("--draft_cost_probe", choices=("point", "once"), default="point",
                   help="measure the drafting time (for c) at every temperature, or once at the "
                        "first (each probe compiles: --quick uses once)")
-  ap.add_argument("--out", default="results/compare_drafters")
-  ap.add_argument("--quick", action="store_true", help="tiny sizes for tests")
+  ap.add_argument("--out", default="results/compare_drafters", help="output prefix")
+  ap.add_argument("--quick", action="store_true",
+                  help="tiny sizes for tests: fills in --num_draft_tokens 2 --repeats 1 "
+                       "--calib_repeats 1 --draft_cost_probe once --max_new_tokens 8 --prompt_bytes 48 "
+                       "--probe_steps 1 --probe_repeats 1 --draft_steps 20 where not given")
   args = ap.parse_args(argv)
   if args.quick:
-    args.num_draft_tokens, args.repeats, args.calib_repeats = "2", 1, 1
-    args.draft_cost_probe = "once"
-    args.max_new_tokens, args.prompt_bytes, args.probe_steps, args.probe_repeats = 8, 48, 1, 1
+    common.apply_quick(ap, args, num_draft_tokens="2", repeats=1, calib_repeats=1,
+                       draft_cost_probe="once", max_new_tokens=8, prompt_bytes=48, probe_steps=1,
+                       probe_repeats=1, draft_steps=20)
   check_positive(ap, args, ("batch_size", "prompt_bytes", "max_new_tokens", "repeats",
                             "calib_repeats", "probe_steps", "probe_repeats"))
   if args.draft_steps < 0:
     ap.error(f"--draft_steps={args.draft_steps} is out of range: must be >= 1 (0 = the target's)")
-  gs = parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, lambda g: g >= 1,
-                  "an integer >= 1")
-  temps = parse_list(ap, "temperatures", args.temperatures, float,
-                     lambda t: math.isfinite(t) and t >= 0, "a finite number >= 0")
+  gs = common.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1)
+  temps = common.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
   for flag in ("param_arch", "cost_arch"):
     parse_arch(ap, flag, getattr(args, flag))
   if args.cost_candidates != "auto":
@@ -601,4 +611,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  common.main_guard(main)

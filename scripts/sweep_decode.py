@@ -1,4 +1,4 @@
-"""Where MTP acceptance collapses and where batching erases the gain:
+r"""Where MTP acceptance collapses and where batching erases the gain:
 one-axis sweeps of speculative decoding around a base point.
 
     python scripts/sweep_decode.py --workdir runs/tiny --out results/sweep_decode \
@@ -90,22 +90,9 @@ def point_key(p: dict) -> tuple:
 
 # -- flags ---------------------------------------------------------------------------
 
-def parse_list(ap: argparse.ArgumentParser, flag: str, text: str, typ, ok, allowed: str) -> list:
-  """Comma list of ``typ`` values each satisfying ``ok``; otherwise an argparse
-  error naming ``--flag`` and the allowed range."""
-  try:
-    vals = [typ(x) for x in str(text).split(",") if x.strip()]
-  except ValueError:
-    ap.error(f"--{flag}={text!r}: not a comma list of {typ.__name__} values ({allowed})")
-  if not vals or not all(ok(v) for v in vals):
-    ap.error(f"--{flag}={text!r} is out of range: every value must be {allowed}")
-  return list(dict.fromkeys(vals))
-
-
 def check_positive(ap: argparse.ArgumentParser, args, names) -> None:
-  for name in names:
-    if getattr(args, name) < 1:
-      ap.error(f"--{name}={getattr(args, name)} is out of range: must be an integer >= 1")
+  """``ap.error`` naming the flag unless every ``args.NAME`` is >= 1."""
+  common.check_range(ap, args, **{name: 1 for name in names})
 
 
 # -- report ----------------------------------------------------------------------------
@@ -117,10 +104,10 @@ def _f(x, spec=".2f"):
 def markdown(sweeps: dict, meta: dict) -> str:
   lines = [f"# Decode sweeps: {meta['workdir']} (step {meta['checkpoint_step']})", "",
            f"Command: `{meta['command']}`", "",
-           f"{meta['device_kind']} ({meta['cpu_count']} CPUs), JAX {meta['jax_version']}, commit "
+           f"{common.machine(meta)}, JAX {meta['jax_version']}, commit "
            f"{meta['commit']}, {meta['date']}. MTP with G = {meta['num_draft_tokens']} (D = "
            f"{meta['depth']}), {meta['max_new_tokens']} new tokens per row, held-out prompts of "
-           f"~{meta['prompt_bytes']} bytes, median of {meta['repeats']} interleaved repeats, "
+           f"~{meta['prompt_bytes']} bytes, median of {common.plural(meta['repeats'], 'interleaved repeat')}, "
            f"form {'/'.join(meta['forms'])}. Base point: T = {meta['base']['temperature']}, top-p "
            f"{meta['base']['top_p']}, batch {meta['base']['batch_size']}, {meta['base']['domain']}. "
            "Speedup: AR wall time / MTP wall time at the same batch and sampling; c: drafting "
@@ -201,51 +188,51 @@ def plot_batch(rows: list[dict], path: str) -> None:
 
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained MTP target (mtp.depth >= 1)")
-  ap.add_argument("--data_dir", default="", help="TFDS data dir (default: $MTP_DATA_DIR or ~/.cache/mtp)")
+  ap.add_argument("--data_dir", default="", help=common.DATA_DIR_HELP)
   ap.add_argument("--domains", default="python_stdlib,python_docs",
                   help="held-out prompt datasets; the first is the base point's")
-  ap.add_argument("--temperatures", default="0,0.3,0.7,1,1.3")
+  ap.add_argument("--temperatures", default="0,0.3,0.7,1,1.3",
+                  help="temperature axis: comma list >= 0 (0: greedy)")
   ap.add_argument("--top_ps", default="1,0.9", help="top-p values swept at T = base temperature")
-  ap.add_argument("--batch_sizes", default="1,4,16")
-  ap.add_argument("--batch_temperatures", default="0,1")
-  ap.add_argument("--base_temperature", type=float, default=1.0)
+  ap.add_argument("--batch_sizes", default="1,4,16", help="batch axis: comma list of B >= 1")
+  ap.add_argument("--batch_temperatures", default="0,1",
+                  help="temperatures of the batch axis: comma list >= 0")
+  ap.add_argument("--base_temperature", type=float, default=1.0, help="base point temperature, >= 0")
   ap.add_argument("--num_draft_tokens", default=None, help="comma list of G (default: D)")
   ap.add_argument("--forms", default="while", help="while and/or stream")
-  ap.add_argument("--prompt_bytes", type=int, default=256)
-  ap.add_argument("--max_new_tokens", type=int, default=128)
+  ap.add_argument("--prompt_bytes", type=int, default=256, help="bytes per prompt, >= 1")
+  ap.add_argument("--max_new_tokens", type=int, default=128, help="new tokens per row, >= 1")
   ap.add_argument("--repeats", type=int, default=10,
-                  help="interleaved timed repeats; repeat r decodes its own held-out prompt(s)")
+                  help="interleaved timed repeats, >= 1; repeat r decodes its own held-out prompt(s)")
   ap.add_argument("--seed", type=int, default=0, help="held-out prompt sample seed")
   ap.add_argument("--draft_cost_probe", choices=("point", "batch"), default="point",
                   help="measure the drafting time (for c) at every sweep point, or once per "
                        "batch size at its first point (each probe compiles: --quick uses batch)")
-  ap.add_argument("--out", default="results/sweep_decode")
-  ap.add_argument("--quick", action="store_true", help="tiny sizes for tests")
+  ap.add_argument("--out", default="results/sweep_decode", help="output prefix")
+  ap.add_argument("--quick", action="store_true",
+                  help="tiny sizes for tests: fills in --temperatures 0,1 --batch_sizes 1,2 --repeats 1 "
+                       "--max_new_tokens 8 --prompt_bytes 48 --draft_cost_probe batch where not given")
   args = ap.parse_args(argv)
   if args.quick:
-    args.temperatures, args.batch_sizes, args.repeats = "0,1", "1,2", 1
-    args.max_new_tokens, args.prompt_bytes, args.draft_cost_probe = 8, 48, "batch"
+    common.apply_quick(ap, args, temperatures="0,1", batch_sizes="1,2", repeats=1, max_new_tokens=8,
+                       prompt_bytes=48, draft_cost_probe="batch")
   check_positive(ap, args, ("prompt_bytes", "max_new_tokens", "repeats"))
-  finite = lambda x: math.isfinite(x) and x >= 0
-  temps = parse_list(ap, "temperatures", args.temperatures, float, finite, "a finite number >= 0")
-  top_ps = parse_list(ap, "top_ps", args.top_ps, float, lambda p: 0 < p <= 1, "in (0, 1]")
-  batches = parse_list(ap, "batch_sizes", args.batch_sizes, int, lambda b: b >= 1, "an integer >= 1")
-  batch_temps = parse_list(ap, "batch_temperatures", args.batch_temperatures, float, finite,
-                           "a finite number >= 0")
-  forms = parse_list(ap, "forms", args.forms, str, lambda f: f in ("while", "stream"),
-                     "'while' or 'stream'")
-  domains = parse_list(ap, "domains", args.domains, str, bool, "a dataset name")
-  if not finite(args.base_temperature):
+  temps = common.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
+  top_ps = common.parse_list(ap, "top_ps", args.top_ps, float, 0.0, 1.0, lo_open=True)
+  batches = common.parse_list(ap, "batch_sizes", args.batch_sizes, int, 1)
+  batch_temps = common.parse_list(ap, "batch_temperatures", args.batch_temperatures, float, 0.0)
+  forms = common.parse_list(ap, "forms", args.forms, str, choices=("while", "stream"))
+  domains = common.parse_list(ap, "domains", args.domains, str)
+  if not (math.isfinite(args.base_temperature) and args.base_temperature >= 0):
     ap.error(f"--base_temperature={args.base_temperature} is out of range: must be a finite number >= 0")
 
   cfg, target, step = ckpt_lib.load_model(args.workdir)
   depth = cfg.mtp.depth
   if depth < 1:
     ap.error(f"--workdir={args.workdir} holds a model with mtp.depth = 0: the sweep needs MTP modules")
-  gs = parse_list(ap, "num_draft_tokens", args.num_draft_tokens or str(depth), int,
-                  lambda g: g >= 1, "an integer >= 1")
+  gs = common.parse_list(ap, "num_draft_tokens", args.num_draft_tokens or str(depth), int, 1)
   if args.prompt_bytes + args.max_new_tokens + 64 > cfg.model.max_seq_len:
     ap.error(f"--prompt_bytes + --max_new_tokens = {args.prompt_bytes + args.max_new_tokens} leaves "
              f"no room within the model's max_seq_len={cfg.model.max_seq_len} (keep 64 spare)")
@@ -287,4 +274,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  common.main_guard(main)
