@@ -1,4 +1,4 @@
-"""MTP ablation: depth D x loss weight lambda x seed at a fixed backbone.
+r"""MTP ablation: depth D x loss weight lambda x seed at a fixed backbone.
 
 Full run (the default grid, 26 cells: D = 0 once per seed plus D = 1..4 x
 lambda = 0.1/0.3/1.0, 2 seeds; 200 steps of 16 x 128 tokens per cell). On 2
@@ -306,14 +306,13 @@ def markdown(meta: dict, ttable: list[dict], dtable: list[dict]) -> str:
   lines = [
       f"MTP ablation: backbone of {meta['config_file']} ({meta['backbone_params']} backbone params), "
       f"{b['num_steps']} steps x {b['batch_size']} x {b['seq_len']} tokens per cell "
-      f"({b['tokens_per_cell']:,} tokens), dataset {meta['dataset']}; {meta['device_kind']} "
-      f"({meta['cpu_count']} CPUs), JAX {meta['jax_version']}, commit {meta['commit']}, {meta['date']}. "
+      f"({b['tokens_per_cell']:,} tokens), dataset {meta['dataset']}; {common.machine(meta)}, JAX {meta['jax_version']}, commit {meta['commit']}, {meta['date']}. "
       f"Values: mean over seeds [min, max].", "",
       "Command:", "", f"    {meta['command']}", "",
       f"## (a) Training benefit (validation after {b['num_steps']} steps, "
       f"{b['eval_batches']} batches of {b['batch_size']} x {b['seq_len']})", "",
       "Delta: cell - D=0 of the same seed (negative = MTP training helps the main head). "
-      "Time/step: median s/step, ratio to D=0 of the same seed (machine shared: noisy).", "",
+      "ms/step: median milliseconds per training step; time/step vs D=0: its ratio to D=0 of the same seed (machine shared: noisy).", "",
       "| D | lambda | seeds | val loss (nats) | val bpb | delta bpb vs D=0 | delta loss | ms/step | "
       "time/step vs D=0 | MTP top-1 acc k=1.. |",
       "|---|---|---|---|---|---|---|---|---|---|"]
@@ -331,9 +330,9 @@ def markdown(meta: dict, ttable: list[dict], dtable: list[dict]) -> str:
   d = meta["decode"]
   lines += [
       "", "## (b) Decoding benefit (MTP speculative decoding vs AR of the same model)", "",
-      f"Batch 1, while_loop form, {d['runs_per_method']} decodes per method and temperature "
-      f"({d['num_prompts']} held-out prompts of ~{d['prompt_bytes']} bytes from {meta['dataset']} "
-      f"validation x {d['repeats']}), {d['max_new_tokens']} new tokens each; speedup = median AR wall "
+      f"Batch 1, while_loop form, {common.plural(d['runs_per_method'], 'decode')} per method and "
+      f"temperature ({common.plural(d['num_prompts'], 'held-out prompt')} of ~{d['prompt_bytes']} bytes "
+      f"from {meta['dataset']} validation x {common.plural(d['repeats'], 'repeat')}), {d['max_new_tokens']} new tokens each; speedup = median AR wall "
       "/ median MTP wall in the same cell; c = draft time per draft token / one AR step. "
       "Kept apart from (a): a better draft is not a better main head.", "",
       "One row per (D, lambda, G); per temperature T: tau, alpha_k (k = 1..G, mean over seeds), "
@@ -400,7 +399,7 @@ def plot_train(ttable: list[dict], path: str) -> None:
     ax.legend(fontsize=7)
   ax2.set(xlabel="MTP depth D", ylabel="delta bpb vs D=0, same seed", xticks=depths)
   ax2.set_title("paired difference (< 0: MTP training helps)", fontsize=9)
-  if lams:
+  if ax2.get_legend_handles_labels()[0]:
     ax2.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path)
@@ -445,23 +444,14 @@ def plot_decode(dtable: list[dict], path: str) -> None:
 # -- main ------------------------------------------------------------------------
 
 def _parse_list(ap, flag: str, text: str, typ, lo, hi=None) -> list:
-  """Comma list of ``typ`` in [lo, hi] (hi None: no upper bound), no duplicates;
-  argparse error naming the flag otherwise."""
-  rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-  try:
-    vals = [typ(x) for x in str(text).split(",") if x.strip() != ""]
-  except ValueError:
-    ap.error(f"--{flag}={text!r}: must be a comma list of {typ.__name__}s {rng}")
-  if not vals or any(not np.isfinite(v) or v < lo or (hi is not None and v > hi) for v in vals):
-    ap.error(f"--{flag}={text!r}: every value must be {rng}")
-  if len(set(vals)) != len(vals):
-    ap.error(f"--{flag}={text!r}: duplicate values")
-  return vals
+  """Comma list of ``typ`` in [lo, hi] (hi None: no upper bound), no duplicates
+  (``common.parse_list``); argparse error naming the flag otherwise."""
+  return common.parse_list(ap, flag, text, typ, lo, hi, duplicates="error")
 
 
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
   ap.add_argument("--config", default="configs/tiny.py",
                   help="config file; its model section is the backbone")
   ap.add_argument("--depths", help="MTP depths D, comma list in [0, 16] (default 0,1,2,3,4)")
@@ -473,7 +463,8 @@ def main(argv=None):
   ap.add_argument("--seq_len", type=int, help="tokens per sequence (default 128)")
   ap.add_argument("--eval_batches", type=int, help="validation batches (default: the config's)")
   ap.add_argument("--data_dir", default="",
-                  help="TFDS data dir (default: the config's, $MTP_DATA_DIR or ~/.cache/mtp)")
+                  help="TFDS data dir (default: the config's data.data_dir, else $MTP_DATA_DIR, "
+                       "else ~/.cache/mtp/tensorflow_datasets)")
   ap.add_argument("--runs_dir", default="runs/ablate", help="one workdir per cell under it")
   ap.add_argument("--temperatures", help="decoding temperatures, comma list >= 0 (default 0,1)")
   ap.add_argument("--decode_prompts", type=int, help="held-out prompts (default 8)")
@@ -624,4 +615,4 @@ def _run(args, argv, base, cells, cfgs, budget, prompts, depths, lams, seeds, te
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  common.main_guard(main)
