@@ -1,4 +1,4 @@
-"""Losslessness study: speculative decoding samples from the same distribution
+r"""Losslessness study: speculative decoding samples from the same distribution
 as autoregressive (AR) sampling from the target, tested statistically, with a
 deliberately wrong acceptance rule as a power check.
 
@@ -272,11 +272,21 @@ def _p(x):
   return "-" if x is None else (f"{x:.3g}" if x >= 1e-300 else "<1e-300")
 
 
+def verdict(correct: dict) -> str:
+  """The study's conclusion from the correct rule's ``combine`` summary:
+  inconclusive when no test had enough samples (every test degenerate),
+  else whether any test rejects at Holm-corrected level 0.01."""
+  if not correct.get("num_tests"):
+    return ("Inconclusive: no test had enough samples (all "
+            f"{correct.get('num_degenerate', 0)} degenerate; raise --num_samples)")
+  if correct.get("holm_rejections_0.01", 0) == 0:
+    return "No evidence against losslessness (no Holm rejection at 0.01)"
+  return f"{correct['holm_rejections_0.01']} correct-rule tests REJECT at Holm 0.01"
+
+
 def markdown(results: dict, meta: dict) -> str:
   c, w = results["combined"]["correct"], results["combined"]["wrong"]
-  verdict = ("No evidence against losslessness (no Holm rejection at 0.01)"
-             if c.get("holm_rejections_0.01", 0) == 0 else
-             f"{c['holm_rejections_0.01']} correct-rule tests REJECT at Holm 0.01")
+  conclusion = results.get("verdict") or verdict(c)
   power = ("detected in every test" if w["num_tests"] and w.get("holm_rejections_0.001", 0)
            == w["num_tests"] else "NOT detected in every test (too few samples?)")
   lines = [
@@ -298,7 +308,7 @@ def markdown(results: dict, meta: dict) -> str:
       f"- Wrong rule (accept iff draft = target argmax, T = {POWER_SETTING[0]:g}, top-p "
       f"{POWER_SETTING[1]:g}): {w['num_tests']} tests, max p = {_p(w.get('max_pvalue'))}, Holm "
       f"rejections at 0.001: {w.get('holm_rejections_0.001', 0)} of {w['num_tests']}.",
-      f"- {verdict}; with the same tests the wrong rule is {power} (the power check).", "",
+      f"- {conclusion}; with the same tests the wrong rule is {power} (the power check).", "",
       "Note: the statistics of one prompt and setting share samples and chi-square p-values of "
       "counts are only asymptotically uniform, so the KS test is a rough check; the Holm "
       "correction is valid under any dependence.", "",
@@ -344,7 +354,8 @@ def plot_pvalues(path: str, correct: list[float], wrong: list[float]) -> None:
   ax2.axhline(3, color="gray", lw=0.6, ls=":")
   ax2.set_xlabel("-log10 expected p (uniform)")
   ax2.set_ylabel(f"-log10 observed p (clipped at {floor:g})")
-  ax2.legend(fontsize=8, loc="upper left")
+  # outside the axes: the points run along the diagonal and, for the wrong rule, up the left side
+  ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
@@ -352,50 +363,36 @@ def plot_pvalues(path: str, correct: list[float], wrong: list[float]) -> None:
 
 # -- main ------------------------------------------------------------------------------
 
-def _float_list(flag, lo, hi, lo_open=False):
-  def parse(s):
-    try:
-      vals = [float(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"{flag} needs comma-separated numbers, got {s!r}")
-    ok = lambda v: (v > lo if lo_open else v >= lo) and v <= hi
-    if not vals or not all(ok(v) for v in vals):
-      raise argparse.ArgumentTypeError(
-          f"{flag} values must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {s!r}")
-    return vals
-  return parse
-
-
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained checkpoint with MTP depth >= 1")
-  ap.add_argument("--dataset", default="python_stdlib")
-  ap.add_argument("--data_dir", default="", help="TFDS data dir (default: $MTP_DATA_DIR or ~/.cache/mtp)")
-  ap.add_argument("--num_prompts", type=int, default=4)
-  ap.add_argument("--prompt_bytes", type=int, default=48)
+  ap.add_argument("--dataset", default="python_stdlib", help="held-out prompt dataset")
+  ap.add_argument("--data_dir", default="", help=common.DATA_DIR_HELP)
+  ap.add_argument("--num_prompts", type=int, default=4, help="held-out prompts, in [1, 1000]")
+  ap.add_argument("--prompt_bytes", type=int, default=48, help="bytes per held-out prompt, >= 1")
   ap.add_argument("--prompt", action="append", default=None,
                   help="prompt text (repeatable); replaces the held-out prompts")
-  ap.add_argument("--temperatures", type=_float_list("--temperatures", 0, 100, lo_open=True),
-                  default=None, help="comma list, each > 0 (default 0.7,1.0,1.3; --quick 0.7,1.0)")
-  ap.add_argument("--top_ps", type=_float_list("--top_ps", 0, 1, lo_open=True), default=None,
+  ap.add_argument("--temperatures", default=None,
+                  help="comma list, each in (0, 100] (default 0.7,1.0,1.3; --quick 0.7,1.0)")
+  ap.add_argument("--top_ps", default=None,
                   help="comma list, each in (0, 1] (default 1.0,0.9)")
   ap.add_argument("--num_draft_tokens", type=int, default=0, help="MTP draft length G (default: D)")
   ap.add_argument("--num_samples", type=int, default=4000, help="samples per prompt, setting and method")
   ap.add_argument("--num_tokens", type=int, default=4, help="generated tokens per sample")
   ap.add_argument("--batch_size", type=int, default=1000, help="rows per generate call")
-  ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--out", default="results/losslessness_study")
+  ap.add_argument("--seed", type=int, default=0, help="sampling and prompt seed")
+  ap.add_argument("--out", default="results/losslessness_study", help="output prefix")
   ap.add_argument("--quick", action="store_true",
                   help=f"for the tests' Markov model: prompts {QUICK_PROMPTS}, temperatures 0.7,1.0, "
                   "500 samples of 2 tokens, one batch per setting")
   args = ap.parse_args(argv)
-  if args.quick:
+  if args.quick:        # only what the user did not give
     args.prompt = args.prompt or list(QUICK_PROMPTS)
-    args.temperatures = args.temperatures or [0.7, 1.0]
-    args.num_samples, args.num_tokens = 500, 2
-    args.batch_size = len(args.prompt) * args.num_samples
-  args.temperatures = args.temperatures or [0.7, 1.0, 1.3]
-  args.top_ps = args.top_ps or [1.0, 0.9]
+    common.apply_quick(ap, args, temperatures="0.7,1.0", num_samples=500, num_tokens=2)
+    common.apply_quick(ap, args, batch_size=len(args.prompt) * args.num_samples)
+  args.temperatures = common.parse_list(ap, "temperatures", args.temperatures or "0.7,1.0,1.3", float,
+                                        0.0, 100.0, lo_open=True)
+  args.top_ps = common.parse_list(ap, "top_ps", args.top_ps or "1.0,0.9", float, 0.0, 1.0, lo_open=True)
   for flag, val, lo, hi in [("--num_samples", args.num_samples, 20, 10**7),
                             ("--num_tokens", args.num_tokens, 1, 64),
                             ("--batch_size", args.batch_size, 1, 10**5),
@@ -464,6 +461,7 @@ def main(argv=None):
                          for t in tests if t["statistic"] == "first_token"],
       "tests": tests, "acceptance": acceptance, "seconds": time.perf_counter() - t0,
   }
+  results["verdict"] = verdict(results["combined"]["correct"])
   meta = common.provenance(
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),
       prompt_source="--prompt" if args.prompt else "held_out_prompts", dataset=args.dataset,
@@ -476,9 +474,10 @@ def main(argv=None):
   c, w = results["combined"]["correct"], results["combined"]["wrong"]
   print(f"correct rule: {c['num_tests']} tests, min p {_p(c.get('min_pvalue'))}, Holm rejections "
         f"at 0.01: {c.get('holm_rejections_0.01', 0)}; wrong rule: max p {_p(w.get('max_pvalue'))}")
+  print(results["verdict"])
   print(f"wrote {args.out}.json, {args.out}.md, {args.out}_pvalues.png")
   return results
 
 
 if __name__ == "__main__":
-  main()
+  common.main_guard(main)

@@ -1,4 +1,4 @@
-"""Speculative-decoding speedup theory: closed forms, a Monte Carlo check,
+r"""Speculative-decoding speedup theory: closed forms, a Monte Carlo check,
 the optimal draft length, measured points and the DeepSeek-V3 numbers.
 
     python scripts/simulate_speedup.py [--bench results/bench_decode_tiny.json ...] \
@@ -436,35 +436,27 @@ def plot_optimal_g(path: str, alphas, costs, g_max: int) -> None:
 
 # -- main ----------------------------------------------------------------------------
 
-def _floats(flag):
-  def parse(s):
-    try:
-      vals = [float(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"{flag} needs comma-separated numbers, got {s!r}")
-    if not vals or any(not (v >= 0 and math.isfinite(v)) for v in vals):
-      raise argparse.ArgumentTypeError(f"{flag} values must be finite and >= 0, got {s!r}")
-    return vals
-  return parse
-
-
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
   ap.add_argument("--bench", action="append", default=[],
                   help="bench_decode JSON report to overlay (repeatable)")
-  ap.add_argument("--costs", type=_floats("--costs"), default=list(DEFAULT_COSTS),
-                  help="draft cost ratios c for the tables and the Monte Carlo check")
-  ap.add_argument("--curve_costs", type=_floats("--curve_costs"), default=[0.05, 0.25],
-                  help="c values of the curve panels")
-  ap.add_argument("--alpha_min", type=float, default=0.3)
-  ap.add_argument("--alpha_max", type=float, default=0.9)
+  ap.add_argument("--costs", default=",".join(f"{c:g}" for c in DEFAULT_COSTS),
+                  help="draft cost ratios c >= 0 for the tables and the Monte Carlo check (comma list)")
+  ap.add_argument("--curve_costs", default="0.05,0.25", help="c values >= 0 of the curve panels (comma list)")
+  ap.add_argument("--alpha_min", type=float, default=0.3, help="lowest acceptance rate alpha, in [0, 1)")
+  ap.add_argument("--alpha_max", type=float, default=0.9, help="highest acceptance rate alpha, <= 1")
   ap.add_argument("--alpha_step", type=float, default=0.05, help="table / Monte Carlo grid step")
-  ap.add_argument("--g_max", type=int, default=8)
-  ap.add_argument("--rounds", type=int, default=200_000, help="simulated rounds per cell")
-  ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--out", default="results/simulate_speedup")
-  ap.add_argument("--quick", action="store_true", help="fewer rounds, coarser grid (tests)")
+  ap.add_argument("--g_max", type=int, default=8, help="largest draft length G, in [1, 64]")
+  ap.add_argument("--rounds", type=int, default=200_000, help="simulated rounds per cell, >= 100")
+  ap.add_argument("--seed", type=int, default=0, help="Monte Carlo seed")
+  ap.add_argument("--out", default="results/simulate_speedup", help="output prefix")
+  ap.add_argument("--quick", action="store_true",
+                  help="tests: fills in --rounds 5000 --alpha_step 0.2 where not given")
   args = ap.parse_args(argv)
+  if args.quick:
+    common.apply_quick(ap, args, rounds=5000, alpha_step=0.2)
+  args.costs = common.parse_list(ap, "costs", args.costs, float, 0.0)
+  args.curve_costs = common.parse_list(ap, "curve_costs", args.curve_costs, float, 0.0)
   if not 0 <= args.alpha_min < args.alpha_max <= 1:
     ap.error(f"--alpha_min={args.alpha_min} and --alpha_max={args.alpha_max} must satisfy "
              "0 <= alpha_min < alpha_max <= 1")
@@ -474,8 +466,6 @@ def main(argv=None):
     ap.error(f"--g_max={args.g_max} must be in 1..64")
   if not args.rounds >= 100:
     ap.error(f"--rounds={args.rounds} must be >= 100")
-  if args.quick:
-    args.rounds, args.alpha_step = min(args.rounds, 5000), max(args.alpha_step, 0.2)
   try:
     measured = [r for path in args.bench for r in load_bench(path)]
   except BenchError as e:
@@ -522,4 +512,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  common.main_guard(main)
