@@ -151,3 +151,12 @@ def test_cli_errors(ls, tmp_path, capsys):
       ls.main(flags + ["--out", str(tmp_path / "o")])
     assert name in capsys.readouterr().err
   assert not os.path.exists(str(tmp_path / "o.json"))
+
+
+def test_verdict_inconclusive_without_live_tests(ls):
+  """0 non-degenerate tests: no conclusion either way (markdown and JSON share it)."""
+  combined = ls.combine([{"pvalue": None}, {"pvalue": None}])
+  assert combined["num_tests"] == 0
+  assert ls.verdict(combined).startswith("Inconclusive: no test had enough samples")
+  assert ls.verdict(ls.combine([{"pvalue": 0.5}, {"pvalue": 0.3}])).startswith("No evidence")
+  assert "REJECT" in ls.verdict(ls.combine([{"pvalue": 1e-9}, {"pvalue": 0.3}]))

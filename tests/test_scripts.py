@@ -65,3 +65,104 @@ def test_bench_draft_cost_quick(tmp_path):
   # one module next to 1 layer costs more of a target step than next to 4 layers
   assert rows[0]["c_flops"] > rows[1]["c_flops"] > 0
   assert all(r["c"] > 0 for r in rows) and os.path.getsize(out + ".png") < 150_000
+
+
+# -- shared command-line helpers (scripts/common.py) ----------------------------------------
+
+import argparse  # noqa: E402
+
+from scripts import common  # noqa: E402
+
+
+def _ap():
+  return argparse.ArgumentParser(prog="x")
+
+
+def test_parse_list_values_and_errors(capsys):
+  ap = _ap()
+  assert common.parse_list(ap, "t", "0, 1,1,0.5", float, 0.0) == [0.0, 1.0, 0.5]   # duplicates dropped
+  assert common.parse_list(ap, "f", "while", str, choices=("while", "stream")) == ["while"]
+  assert common.parse_list(ap, "p", "1", float, 0.0, 1.0, lo_open=True) == [1.0]
+  for args, needle in [(("d", "", int, 0, 16), "--d=''"), (("d", "0,17", int, 0, 16), "in [0, 16]"),
+                       (("d", "x", int, 0), "comma list of integers"), (("t", "nan", float, 0.0), ">= 0"),
+                       (("p", "0", float, 0.0, 1.0), "in (0, 1]"),
+                       (("f", "bogus", str), "one of while, stream"),
+                       (("s", "0,0", int, 0), "duplicate")]:
+    kw = {"lo_open": True} if args[0] == "p" else {"choices": ("while", "stream")} if args[0] == "f" else {}
+    if args[0] == "s":
+      kw = {"duplicates": "error"}
+    with pytest.raises(SystemExit) as e:
+      common.parse_list(ap, *args, **kw)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--{args[0]}=" in err and needle in err, err
+
+
+def test_apply_quick_keeps_given_values():
+  ap = _ap()
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--temperatures", default="0,1")
+  args = ap.parse_args(["--temperatures", "-1"])
+  common.apply_quick(ap, args, repeats=1, temperatures="0")
+  assert (args.repeats, args.temperatures) == (1, "-1")
+
+
+def test_exit_if_interrupted(capsys, tmp_path):
+  common.exit_if_interrupted({"step": 10, "interrupted": False, "signal": None}, 10, "run", str(tmp_path))
+  for sig, code in ((2, 130), (15, 143)):
+    with pytest.raises(SystemExit) as e:
+      common.exit_if_interrupted({"step": 3, "interrupted": True, "signal": sig}, 10, "draft run x",
+                                 str(tmp_path))
+    assert e.value.code == code
+    err = capsys.readouterr().err
+    assert "draft run x" in err and "resume" in err and "step 3 of 10" in err
+
+
+def test_provenance_has_cpu_model():
+  meta = common.provenance()
+  assert meta["cpu_model"] and meta["platform"] and "CPUs: " in common.machine(meta)
+  assert common.plural(1, "repeat") == "1 repeat" and common.plural(2, "repeat") == "2 repeats"
+
+
+@pytest.mark.parametrize("name,flags,needle", [
+    ("bench_decode", ["--temperatures", ""], "--temperatures"),
+    ("bench_decode", ["--batch_sizes", "0"], "--batch_sizes"),
+    ("bench_decode", ["--repeats", "0"], "--repeats"),
+    ("bench_decode", ["--forms", "bogus"], "--forms"),
+    ("bench_decode", ["--max_new_tokens", "0"], "--max_new_tokens"),
+    ("bench_decode", ["--num_draft_tokens", "0"], "--num_draft_tokens"),
+    ("bench_decode", ["--quick", "--temperatures", "-1"], "--temperatures"),   # --quick keeps given flags
+    ("bench_train", ["--depths", ""], "--depths"),
+    ("bench_train", ["--steps", "0"], "--steps"),
+    ("bench_train", ["--depths", "-1"], "--depths"),
+    ("bench_train", ["--config", "/nonexistent/config.py"], "--config"),
+    ("bench_draft_cost", ["--layers", "0"], "--layers"),
+    ("bench_draft_cost", ["--repeats", "0"], "--repeats"),
+    ("bench_draft_cost", ["--max_new_tokens", "0"], "--max_new_tokens"),
+    ("bench_draft_cost", ["--config", "/nonexistent/config.py"], "--config"),
+])
+def test_bench_bad_flags_fail_before_loading(name, flags, needle, capsys, tmp_path):
+  """Validation comes first: the workdir does not exist, so reaching the
+  model load would raise CheckpointError instead of exiting with status 2."""
+  argv = (["--workdir", str(tmp_path / "nonexistent")] if name == "bench_decode" else []) + flags
+  with pytest.raises(SystemExit) as e:
+    _script(name).main(argv + ["--out", str(tmp_path / "x")])
+  assert e.value.code == 2
+  assert needle in capsys.readouterr().err
+  assert not os.path.exists(tmp_path / "x.json")
+
+
+def test_main_guard_one_line_error(capsys, tmp_path):
+  with pytest.raises(SystemExit) as e:
+    common.main_guard(_script("bench_decode").main, ["--workdir", str(tmp_path / "nope"), "--quick"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: CheckpointError") and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_help_keeps_usage_lines_and_defaults(capsys):
+  with pytest.raises(SystemExit):
+    _script("bench_decode").main(["--help"])
+  out = capsys.readouterr().out
+  assert "[--draft_workdir DIR] \\\n" in out                  # raw docstring: the line break stays
+  assert "(default: 5)" in out and "tensorflow_datasets" in out
