@@ -56,7 +56,9 @@ class MTPDrafter:
   Committed hidden states h^{k-1} live in per-depth buffers
   ``hidden[k-1]`` [B, S, D]; at speculative positions module k reads the
   values module k-1 wrote in the same round, exactly as teacher forcing
-  would have produced them.
+  would have produced them. The buffers are separate arrays per depth (a
+  list), so each round writes a few rows of one buffer in place (a stacked
+  [used, B, S, D] array made XLA copy it whole every round).
 
   G < D uses modules 1..G. G > D reuses module D for steps D+1..G the way
   vLLM does: step k feeds module D its own previous hidden state and the
@@ -80,7 +82,8 @@ class MTPDrafter:
   def init_state(self, target: Transformer, batch: int, cache_len: int):
     cfg = target.cfg
     caches = [init_layer_caches(cfg, 1, batch, cache_len)[0] for _ in range(self.used)]
-    hidden = jnp.zeros((self.used, batch, cache_len, cfg.d_model), jnp.dtype(cfg.dtype))
+    hidden = [jnp.zeros((batch, cache_len, cfg.d_model), jnp.dtype(cfg.dtype))
+              for _ in range(self.used)]
     return {"caches": caches, "hidden": hidden,
             "committed": jnp.zeros((self.used, batch), jnp.int32)}
 
@@ -89,14 +92,15 @@ class MTPDrafter:
     is the target's output there) and commits c_k = max(n-1-k, 0)."""
     b = tokens.shape[0]
     pos = jnp.broadcast_to(jnp.arange(prefill_len, dtype=jnp.int32), (b, prefill_len))
-    hidden = state["hidden"].at[0, :, :prefill_len].set(h0.astype(state["hidden"].dtype))
+    hidden = list(state["hidden"])
+    hidden[0] = hidden[0].at[:, :prefill_len].set(h0.astype(hidden[0].dtype))
     caches = list(state["caches"])
     h = h0
     for k in range(1, self.used + 1):
       nxt = gather_rows(tokens, pos + k)
       h, caches[k - 1] = target.mtp_forward(k, h, nxt, pos, cache=caches[k - 1])
       if k < self.used:
-        hidden = hidden.at[k, :, :prefill_len].set(h.astype(hidden.dtype))
+        hidden[k] = hidden[k].at[:, :prefill_len].set(h.astype(hidden[k].dtype))
     ks = jnp.arange(1, self.used + 1, dtype=jnp.int32)[:, None]
     committed = jnp.maximum(lengths[None, :] - 1 - ks, 0)
     return {"caches": caches, "hidden": hidden, "committed": committed}
@@ -105,7 +109,7 @@ class MTPDrafter:
     """Returns (state, tokens, draft_tokens [B, G] int32, draft_probs [B, G, V] float32)."""
     g = self.num_draft_tokens
     keys = jax.random.split(key, g)
-    caches, hidden, committed = list(state["caches"]), state["hidden"], state["committed"]
+    caches, hidden, committed = list(state["caches"]), list(state["hidden"]), state["committed"]
     drafts, qs = [], []
     h_last = None
     for k in range(1, self.used + 1):
@@ -115,7 +119,7 @@ class MTPDrafter:
       h, caches[k - 1] = target.mtp_forward(k, h_in, gather_rows(tokens, pos + k), pos,
                                             cache=caches[k - 1])
       if k < self.used:
-        hidden = hidden.at[k].set(write_rows(hidden[k], h, c))
+        hidden[k] = write_rows(hidden[k], h, c)
       h_last = gather_rows(h, (n - 2 - c)[:, None])                # [B, 1, D] at position n-2
       probs = warped_probs(target.mtp_head(k, h_last), warp)[:, 0]
       d = sampling.sample(keys[k - 1], probs)
@@ -138,7 +142,8 @@ class MTPDrafter:
 
   def after_verify(self, state, h0_block, n):
     """Stores the target's h^0 for the verify block (positions n-1..n+G-1)."""
-    hidden = state["hidden"].at[0].set(write_rows(state["hidden"][0], h0_block, n - 1))
+    hidden = list(state["hidden"])
+    hidden[0] = write_rows(hidden[0], h0_block, n - 1)
     return {**state, "hidden": hidden}
 
 

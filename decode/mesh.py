@@ -10,8 +10,9 @@ One JAX process (all devices addressable); multi-host decoding is not
 supported here.
 
 State layout (``decode.speculative.Decoder.prepare``): every array has the
-batch B as its leading dimension, except the MTP drafter's per-depth
-buffers ``hidden`` [used, B, S, D] and ``committed`` [used, B] (B second);
+batch B as its leading dimension (the MTP drafter's per-depth ``hidden``
+buffers are a list of [B, S, D]), except the drafter's ``committed``
+[used, B] (B second);
 0-d leaves (the PRNG key) are replicated.
 """
 
@@ -24,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mtp import sharding as shard_lib
 
-_BATCH_SECOND = ("drafter/hidden", "drafter/committed")
+_BATCH_SECOND = ("drafter/committed",)
 
 
 def place_params(mesh: Mesh, params, model_cfg):
