@@ -2,10 +2,8 @@
 deliberately wrong acceptance rule, and the --quick study end to end on the
 Markov model (the correct rule passes, the wrong rule is rejected)."""
 
-import importlib.util
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,15 +11,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from tests.test_scripts import _script
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _script(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
-  mod = importlib.util.module_from_spec(spec)
-  sys.modules[name] = mod
-  spec.loader.exec_module(mod)
-  return mod
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,9 @@
 """Benchmarks run end to end on tiny sizes and write well-formed output
 (timings are not asserted: they belong to the scripts, not the tests)."""
 
-import importlib.util
+import importlib
 import json
 import os
-import sys
 
 import pytest
 
@@ -13,11 +12,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _script(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
-  mod = importlib.util.module_from_spec(spec)
-  sys.modules[name] = mod            # dataclasses look their module up
-  spec.loader.exec_module(mod)
-  return mod
+  """scripts/NAME.py as the module ``scripts.NAME`` (the repository root is on sys.path)."""
+  return importlib.import_module(f"scripts.{name}")
 
 
 @pytest.fixture(scope="module")

@@ -2,25 +2,17 @@
 closed forms of Leviathan et al. 2023 (and would catch a wrong one), the
 optimal draft length, the DeepSeek-V3 numbers, and the CLI end to end."""
 
-import importlib.util
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 from scipy import stats
 
+from tests.test_scripts import _script
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "results", "bench_decode_tiny.json")
-
-
-def _script(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
-  mod = importlib.util.module_from_spec(spec)
-  sys.modules[name] = mod
-  spec.loader.exec_module(mod)
-  return mod
 
 
 @pytest.fixture(scope="module")
