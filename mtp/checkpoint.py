@@ -14,6 +14,7 @@ import os
 
 import grain
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -101,6 +102,7 @@ class Checkpointer:
                 item={"params": abstract_params},
                 restore_args=ocp.checkpoint_utils.construct_restore_args({"params": abstract_params}),
                 partial_restore=True)))
+        check_finite(restored["state"]["params"], self._path(step))
         return restored["state"]["params"], None
       items = {"state": ocp.args.StandardRestore({"params": abstract_params,
                                                   "opt_state": abstract_opt_state})}
@@ -111,6 +113,7 @@ class Checkpointer:
       raise CheckpointError(f"checkpoint {self._path(step)} is unreadable or does not match the "
                             f"model ({type(e).__name__}: {_first_line(e)}); delete that step "
                             "directory to fall back to an earlier one") from e
+    check_finite(restored["state"]["params"], self._path(step))
     return restored["state"]["params"], restored["state"]["opt_state"]
 
   def close(self):
@@ -128,6 +131,22 @@ class Checkpointer:
 
   def _path(self, step):
     return os.path.join(self.directory, str(step))
+
+
+def check_finite(params, where: str) -> None:
+  """Raises CheckpointError naming the first parameter (dotted path) of
+  ``params`` (a pytree of arrays, sharded or not) that holds NaN or +-inf,
+  with the count of such entries; ``where`` names the checkpoint. One
+  reduction per parameter, read back together."""
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  bad = jax.device_get([jnp.sum(~jnp.isfinite(x)) for _, x in leaves])
+  for (path, x), count in zip(leaves, bad):
+    if count:
+      name = jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value")
+      raise CheckpointError(f"checkpoint {where}: parameter {name} {tuple(x.shape)} holds "
+                            f"{int(count)} non-finite value(s) (NaN or inf); the run diverged or "
+                            "the file was damaged or badly converted, so it cannot be decoded or "
+                            "resumed (use an earlier step)")
 
 
 def abstract_state(tree):

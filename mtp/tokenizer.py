@@ -2,8 +2,25 @@
 
 Ids 0..255 are the UTF-8 bytes, then ``PAD_ID = 256``, ``BOS_ID = 257`` and
 ``EOS_ID = 258``; ``VOCAB_SIZE = 259`` real tokens. Models may use a larger
-(padded) vocabulary; ids at or above ``VOCAB_SIZE`` are never produced (the
-model masks their logits, see ``mtp.model``).
+(padded) vocabulary.
+
+Ids that can never be a correct next token (``NEVER_EMITTED_IDS``, and the
+boolean form ``emittable_mask``) get probability exactly 0 on every decoding
+path: the model's head sets their logits to -inf (``mtp.model``), so the
+target's p, every drafter's q, the residual and the bonus token never hold
+them at any temperature, top-k or top-p. They are, from the tokenizer and the
+training targets (``train.losses.shifted_targets``):
+
+- vocabulary padding, ids >= ``VOCAB_SIZE``: no text encodes to them;
+- ``PAD_ID``: padding is never a training target (the loss masks it);
+- ``BOS_ID``: every document starts with BOS and no target crosses a
+  document boundary, so BOS is never the token that follows a position;
+- the 13 bytes that no UTF-8 text contains (RFC 3629: 0xC0 and 0xC1, which
+  could only start overlong forms, and 0xF5..0xFF, beyond U+10FFFF):
+  ``encode`` only takes ``str``, so every training byte sequence is valid
+  UTF-8 (lone surrogates, kept by ``surrogatepass``, encode to ED A0..BF xx).
+
+EOS is a target (it ends every document) and stays emittable.
 
 Every Unicode string round-trips exactly through ``encode``/``decode``.
 ``decode`` is lenient for display: special tokens are dropped and a split
@@ -25,6 +42,21 @@ BOS_ID = 257
 EOS_ID = 258
 VOCAB_SIZE = 259
 SPECIAL_NAMES = {PAD_ID: "<pad>", BOS_ID: "<bos>", EOS_ID: "<eos>"}
+INVALID_UTF8_BYTES = (0xC0, 0xC1) + tuple(range(0xF5, 0x100))
+NEVER_EMITTED_IDS = (PAD_ID, BOS_ID) + INVALID_UTF8_BYTES   # plus every id >= VOCAB_SIZE
+
+
+def emittable_mask(vocab_size: int) -> np.ndarray:
+  """bool [vocab_size]: True for ids a model may emit (valid UTF-8 bytes and
+  EOS); False for ``NEVER_EMITTED_IDS`` and vocabulary padding (>= VOCAB_SIZE).
+
+  Raises ValueError if ``vocab_size < VOCAB_SIZE``.
+  """
+  if vocab_size < VOCAB_SIZE:
+    raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {VOCAB_SIZE} ids")
+  mask = np.arange(vocab_size) < VOCAB_SIZE
+  mask[list(NEVER_EMITTED_IDS)] = False
+  return mask
 
 
 class ByteTokenizer:

@@ -30,10 +30,26 @@ def test_shapes_and_padding_mask(cfg, model):
   out = model(toks)
   assert out.logits.shape == (2, 12, cfg.model.vocab_size) and out.logits.dtype == jnp.float32
   assert len(out.mtp_logits) == cfg.mtp.depth and len(out.hidden) == cfg.mtp.depth + 1
-  # vocabulary padding has probability exactly zero
-  probs = jax.nn.softmax(out.logits, -1)
-  assert float(jnp.max(probs[..., tok.VOCAB_SIZE:])) == 0.0
-  assert bool(jnp.all(jnp.isfinite(out.logits[..., :tok.VOCAB_SIZE])))
+  # vocabulary padding, PAD, BOS and non-UTF-8 bytes have probability exactly
+  # zero at every head; everything else is finite
+  allowed = tok.emittable_mask(cfg.model.vocab_size)
+  for logits in (out.logits, *out.mtp_logits):
+    probs = jax.nn.softmax(logits, -1)
+    assert float(jnp.max(probs[..., ~allowed])) == 0.0
+    assert bool(jnp.all(jnp.isfinite(logits[..., allowed])))
+
+
+def test_never_emitted_ids():
+  allowed = tok.emittable_mask(264)
+  never = set(np.nonzero(~allowed)[0])
+  assert never == {tok.PAD_ID, tok.BOS_ID, 0xC0, 0xC1, *range(0xF5, 0x100), *range(259, 264)}
+  assert allowed[tok.EOS_ID] and allowed[ord("a")] and allowed[0x80] and allowed[0xF4]
+  # no UTF-8 text contains a never-emitted byte (every code point, surrogates included)
+  text = "".join(map(chr, range(0x110000)))
+  used = set(tok.ByteTokenizer().encode(text, add_bos=False).tolist())
+  assert used.isdisjoint(never) and used == set(range(256)) - set(tok.INVALID_UTF8_BYTES)
+  with pytest.raises(ValueError, match="vocab_size"):
+    tok.emittable_mask(100)
 
 
 def test_depth_zero_is_plain_lm(cfg):

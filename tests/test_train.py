@@ -124,6 +124,21 @@ def test_missing_and_corrupt_checkpoints(uninterrupted, tmp_path, data_dir):
     train(_cfg(data_dir, train=dict(num_steps=9)), corrupt)
 
 
+def test_non_finite_parameters_are_refused_at_load(uninterrupted, tmp_path):
+  """A checkpoint with one NaN entry (a diverged run saved by another tool, a
+  bad conversion) is an error naming the parameter, for decoding and resume."""
+  from flax import nnx
+  cfg, model, _ = ckpt_lib.load_model(uninterrupted[0])
+  params = nnx.state(model, nnx.Param)
+  kernel = params["mtp"][1]["block"]["mlp"]["up"]["kernel"]
+  kernel.set_value(kernel.get_value().at[3, 5].set(np.nan))
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path))
+  ckpt.save(7, params, {}, None, cfg)
+  ckpt.close()
+  with pytest.raises(ckpt_lib.CheckpointError, match=r"mtp\.1\.block\.mlp\.up\.kernel .*1 non-finite"):
+    ckpt_lib.load_model(str(tmp_path))
+
+
 def test_load_model_for_inference(uninterrupted):
   workdir, _ = uninterrupted
   cfg, model, step = ckpt_lib.load_model(workdir)

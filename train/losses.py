@@ -53,7 +53,9 @@ def head_sums(logits, targets, mask) -> dict[str, jax.Array]:
   """Sums over valid targets, for exact aggregation across batches:
   ``nll`` (nats), ``count``, ``correct`` (top-1 hits), and ``byte_nll`` /
   ``byte_count`` over targets that are UTF-8 bytes (for bits per byte)."""
-  ce = token_cross_entropy(logits, targets)
+  # Masked positions may hold targets the head gives -inf (PAD): their inf
+  # cross-entropy must not reach the sums (inf * 0 is NaN).
+  ce = jnp.where(mask, token_cross_entropy(logits, targets), 0.0)
   m = mask.astype(jnp.float32)
   byte = m * (targets < tok.NUM_BYTES)
   correct = (jnp.argmax(logits, -1) == targets) * m
