@@ -48,7 +48,8 @@ class MTPConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  name: str = "python_stdlib"     # python_stdlib | python_docs | any local TFDS text dataset
+  name: str = "python_stdlib"     # python_stdlib | python_docs | text_files | a local TFDS text dataset
+  files: str = ""                 # text_files: comma-separated glob patterns ('**' recursive)
   text_feature: str = "text"      # feature holding the text for other TFDS datasets
   data_dir: str = ""              # TFDS data dir; "" = $MTP_DATA_DIR or ~/.cache/mtp/tensorflow_datasets
   train_split: str = "train"
@@ -193,6 +194,14 @@ def validate(cfg: Config) -> Config:
   _check(0 <= cfg.mtp.depth <= 16, "mtp.depth", "an int in [0, 16]", cfg.mtp.depth)
   _check(cfg.mtp.loss_weight >= 0, "mtp.loss_weight", ">= 0", cfg.mtp.loss_weight)
   _check(bool(cfg.data.name), "data.name", "a non-empty dataset name", cfg.data.name)
+  if cfg.data.name == "text_files":
+    patterns = cfg.data.files.split(",")
+    _check(all(p.strip() for p in patterns), "data.files",
+           "a comma-separated list of non-empty glob patterns (data.name='text_files'), "
+           "e.g. 'src/**/*.py,docs/*.md'", cfg.data.files)
+  else:
+    _check(not cfg.data.files, "data.files", "empty unless data.name='text_files' "
+           f"(data.name={cfg.data.name!r} does not read files)", cfg.data.files)
   _check(cfg.data.num_workers >= 0, "data.num_workers", ">= 0", cfg.data.num_workers)
   for name in ("num_steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches"):
     _check(getattr(t, name) >= 1, f"train.{name}", ">= 1", getattr(t, name))

@@ -12,6 +12,26 @@ Datasets (``DataConfig.name``):
   relative to the stdlib directory, with ``/`` separators.
 - ``python_docs`` (prose): ``pydoc_data.topics.topics``, one document per
   help topic; ``name`` is the topic key.
+- ``text_files``: local files named by ``DataConfig.files``, comma-separated
+  glob patterns (``**`` matches any number of folders; ``~`` is expanded;
+  relative patterns are relative to the working directory; as with
+  ``glob``, names starting with ``.`` are matched only by a pattern that
+  spells the dot). One document per file, the whole file; ``name`` is the
+  path relative to the pattern's folder part (the components before the
+  first one with ``*``, ``?`` or ``[``), with ``/`` separators. Folders
+  matched by a pattern are ignored; a file matched by two patterns is read
+  once. Files that are not valid UTF-8 (binaries, Latin-1 text) and empty or
+  whitespace-only files are skipped, with their count and the first names
+  in a warning (a broad pattern such as ``src/**/*`` commonly catches
+  images or ``.pyc`` files: stopping at each would force listing
+  extensions); a ``DataError`` names the field and the pattern or file when
+  a pattern matches no file, a matched file cannot be read, or fewer than 2
+  usable documents remain. Built like the embedded corpora (below) into
+  ``DATA_DIR/text_files/files-<fingerprint>/1.0.0/``: the fingerprint hashes
+  every matched file's path, name, size and modification time, so editing,
+  adding or removing a file builds a new dataset on the next run (old
+  builds stay until deleted; resuming a run over changed files continues
+  with the new documents).
 - any other TFDS dataset with a scalar text feature (``DataConfig.text_feature``,
   e.g. ``tiny_shakespeare``/``text``, ``lm1b``/``text``) that is already
   prepared in the data dir in a random-access format (``array_record``). Its
@@ -36,7 +56,10 @@ integer mod 10 000, are below 500, i.e. 5% (``split_for_name``).
 Deterministic across runs, machines and Python versions; a validation document
 is never trained on. The corpus name salts the hash so the two corpora are
 split independently (salting also happens to give python_docs 3 validation
-topics instead of 1 with the bare name).
+topics instead of 1 with the bare name). ``text_files`` uses the same rule on
+its document names, with one exception for small folders: when the hash puts
+no document in ``validation`` (or every one), the document with the lowest
+(highest) bucket is moved, so both splits hold at least one document.
 
 Pipeline (grain): documents are tokenized as ``[BOS] + UTF-8 bytes + [EOS]``
 (``mtp.tokenizer.ByteTokenizer``) and packed by concat-then-split
@@ -56,9 +79,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import glob
 import hashlib
 import itertools
+import json
+import logging as py_logging
 import os
+import stat
 import sys
 import sysconfig
 import tempfile
@@ -68,6 +95,7 @@ from typing import Any
 import grain
 import numpy as np
 import tensorflow_datasets as tfds
+from absl import logging
 from tensorflow_datasets.core import read_only_builder
 from tensorflow_datasets.core import registered as tfds_registered
 
@@ -75,6 +103,7 @@ from mtp import tokenizer as tok
 from mtp.config import DataConfig
 
 EMBEDDED_DATASETS = ("python_stdlib", "python_docs")
+TEXT_FILES = "text_files"
 TRAIN_SPLIT = "train"
 VALIDATION_SPLIT = "validation"
 VALIDATION_PER_10K = 500          # 5% of documents go to validation
@@ -106,12 +135,15 @@ def interpreter_tag() -> str:
   return f"{sys.implementation.name}-{v.major}.{v.minor}.{v.micro}{suffix}"
 
 
+def _bucket(corpus: str, name: str) -> int:
+  digest = hashlib.sha256(f"{corpus}/{name}".encode("utf-8")).digest()
+  return int.from_bytes(digest[:8], "big") % 10_000
+
+
 def split_for_name(corpus: str, name: str) -> str:
   """``"validation"`` for 5% of document names (stable sha256 hash of
   ``"<corpus>/<name>"``), else ``"train"``."""
-  digest = hashlib.sha256(f"{corpus}/{name}".encode("utf-8")).digest()
-  bucket = int.from_bytes(digest[:8], "big") % 10_000
-  return VALIDATION_SPLIT if bucket < VALIDATION_PER_10K else TRAIN_SPLIT
+  return VALIDATION_SPLIT if _bucket(corpus, name) < VALIDATION_PER_10K else TRAIN_SPLIT
 
 
 def stdlib_documents() -> Iterator[tuple[str, str]]:
@@ -278,6 +310,244 @@ def prepare_embedded(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
 
 
 # ----------------------------------------------------------------------------
+# Local files (data.name = "text_files")
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TextFile:
+  """One file matched by ``DataConfig.files``.
+
+  name: path relative to its pattern's folder part, ``/`` separators (the
+    document name that decides the split); path: absolute path;
+    size: bytes; mtime_ns: modification time (ns since the epoch).
+  """
+  name: str
+  path: str
+  size: int
+  mtime_ns: int
+
+
+def _pattern_folder(pattern: str) -> str:
+  """The leading components of ``pattern`` without glob magic (``*?[``),
+  e.g. ``"src/pkg"`` for ``"src/pkg/**/*.py"``; ``"."`` if none."""
+  parts = pattern.split(os.sep)
+  keep = list(itertools.takewhile(lambda p: glob.escape(p) == p, parts[:-1]))
+  folder = os.sep.join(keep)
+  if not folder and pattern.startswith(os.sep):
+    folder = os.sep
+  return folder or "."
+
+
+def match_text_files(files: str) -> list[TextFile]:
+  """The files matched by ``files`` (``DataConfig.files``: comma-separated
+  glob patterns, ``**`` recursive, ``~`` expanded), sorted by path, each
+  once; folders are ignored.
+
+  Raises:
+    DataError: an empty pattern, a pattern that matches no file (the message
+      names ``data.files``, the pattern and the working directory), or a
+      matched path that cannot be stat'ed (e.g. a broken symlink) or is not a
+      regular file (names the path).
+  """
+  patterns = [p.strip() for p in files.split(",")]
+  if not files.strip() or not all(patterns):
+    raise DataError(f"data.files={files!r} must be a comma-separated list of non-empty glob "
+                    "patterns, e.g. 'src/**/*.py,docs/*.md'")
+  found: dict[str, TextFile] = {}
+  for pattern in patterns:
+    expanded = os.path.expanduser(pattern)
+    folder = os.path.abspath(_pattern_folder(expanded))
+    n_files = n_dirs = 0
+    for match in sorted(glob.glob(expanded, recursive=True)):
+      path = os.path.abspath(match)
+      if os.path.isdir(path):
+        n_dirs += 1
+        continue
+      try:
+        st = os.stat(path)
+      except OSError as e:
+        raise DataError(f"data.files: cannot read {match!r} (matched by {pattern!r}): "
+                        f"{e.strerror or e}") from e
+      if not stat.S_ISREG(st.st_mode):
+        raise DataError(f"data.files: {match!r} (matched by {pattern!r}) is not a regular file")
+      n_files += 1
+      if path not in found:
+        name = os.path.relpath(path, folder).replace(os.sep, "/")
+        found[path] = TextFile(name, path, int(st.st_size), int(st.st_mtime_ns))
+    if not n_files:
+      hint = (f"; it matches {n_dirs} folder(s) only: use '{pattern.rstrip('/')}/**/*' for the "
+              "files below" if n_dirs else "")
+      raise DataError(f"data.files pattern {pattern!r} matches no file (relative to "
+                      f"{os.getcwd()!r}; names starting with '.' need a pattern that spells the "
+                      f"dot){hint}")
+  return [found[p] for p in sorted(found)]
+
+
+def text_files_fingerprint(files: list[TextFile]) -> str:
+  """16 hex digits of sha256 over every file's (name, path, size, mtime_ns):
+  any change to the set of files, a name, a size or a modification time
+  gives a new fingerprint (and so a new build)."""
+  blob = json.dumps([[f.name, f.path, f.size, f.mtime_ns] for f in files], ensure_ascii=False)
+  return hashlib.sha256(f"{TEXT_FILES}/v1\n{blob}".encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def text_files_splits(names: list[str]) -> dict[str, str]:
+  """Split of each document name: ``split_for_name("text_files", name)``,
+  except that when that leaves ``validation`` (``train``) empty and there are
+  at least 2 names, the name with the lowest (highest) hash bucket moves
+  there, so both splits are non-empty. Deterministic in the set of names."""
+  out = {n: split_for_name(TEXT_FILES, n) for n in names}
+  if len(set(names)) >= 2:
+    ordered = sorted(set(names), key=lambda n: (_bucket(TEXT_FILES, n), n))
+    if VALIDATION_SPLIT not in out.values():
+      out[ordered[0]] = VALIDATION_SPLIT
+    if TRAIN_SPLIT not in out.values():
+      out[ordered[-1]] = TRAIN_SPLIT
+  return out
+
+
+def read_text_files(files: list[TextFile]) -> tuple[list[tuple[TextFile, str]], dict[str, Any]]:
+  """Reads and decodes ``files``. Files that are not valid UTF-8, and empty or
+  whitespace-only files, are skipped (not an error; see the module docstring).
+
+  Returns:
+    (documents, skipped): documents is a list of (file, text) for the usable
+    files in input order; skipped is ``{"not_utf8": [(name, byte_offset)],
+    "empty": [name]}``.
+
+  Raises:
+    DataError: a file cannot be read (names the file and the OS error).
+  """
+  docs, not_utf8, empty = [], [], []
+  for f in files:
+    try:
+      with open(f.path, "rb") as fh:
+        raw = fh.read()
+    except OSError as e:
+      raise DataError(f"data.files: cannot read {f.path!r}: {e.strerror or e}") from e
+    try:
+      text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      not_utf8.append((f.name, int(e.start)))
+      continue
+    if not text.strip():
+      empty.append(f.name)
+      continue
+    docs.append((f, text))
+  return docs, {"not_utf8": not_utf8, "empty": empty}
+
+
+class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """Local files as a corpus (``data.name="text_files"``). One builder config
+  per fingerprint of the matched files (``files-<16 hex>``); construct with
+  ``TextFiles(files=[TextFile...], config=BuilderConfig(name=...), ...)``."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "Initial release."}
+
+  @tfds.core.utils.classproperty
+  @classmethod
+  def code_path(cls):   # see _EmbeddedCorpus.code_path
+    return None
+
+  def __init__(self, *, files: list[TextFile] = (), **kwargs):
+    self._text_files = list(files)
+    super().__init__(**kwargs)
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description="Local text files, one document per file (mtp.data, data.name=text_files).",
+        features=tfds.features.FeaturesDict({"text": tfds.features.Text(),
+                                             "name": tfds.features.Text()}),
+        metadata=tfds.core.MetadataDict(validation_per_10k=VALIDATION_PER_10K),
+    )
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # nothing to download
+    docs, skipped = read_text_files(self._text_files)
+    n = len(self._text_files)
+    if skipped["not_utf8"]:
+      first = ", ".join(f"{name!r} (byte {at})" for name, at in skipped["not_utf8"][:3])
+      logging.warning("text_files: skipped %d of %d matched files that are not valid UTF-8: %s%s",
+                      len(skipped["not_utf8"]), n, first,
+                      ", ..." if len(skipped["not_utf8"]) > 3 else "")
+    if skipped["empty"]:
+      logging.warning("text_files: skipped %d empty or whitespace-only files: %s%s",
+                      len(skipped["empty"]), ", ".join(map(repr, skipped["empty"][:3])),
+                      ", ..." if len(skipped["empty"]) > 3 else "")
+    if len(docs) < 2:
+      detail = ""
+      if skipped["not_utf8"]:
+        detail += (f"; {len(skipped['not_utf8'])} not valid UTF-8 (first: "
+                   f"{skipped['not_utf8'][0][0]!r} at byte {skipped['not_utf8'][0][1]})")
+      if skipped["empty"]:
+        detail += f"; {len(skipped['empty'])} empty"
+      raise DataError(f"data.files: {len(docs)} of the {n} matched files are usable UTF-8 text "
+                      f"documents; need at least 2 (one is held out for validation){detail}")
+    splits = text_files_splits([f.name for f, _ in docs])
+    by_split = {TRAIN_SPLIT: [], VALIDATION_SPLIT: []}
+    for f, text in docs:
+      by_split[splits[f.name]].append((f, text))
+    return {split: self._generate_examples(d) for split, d in by_split.items()}
+
+  def _generate_examples(self, docs):
+    for f, text in docs:
+      yield f.path, {"text": text, "name": f.name}
+
+
+class _DropCustomConfigWarning(py_logging.Filter):
+  """TFDS warns "Using custom data configuration" for every builder made
+  from a BuilderConfig instance; for text_files that is the normal case."""
+
+  def filter(self, record):
+    return not str(record.msg).startswith("Using custom data configuration")
+
+
+def prepare_text_files(files: str, data_dir: str) -> tfds.core.DatasetBuilder:
+  """Builds the ``text_files`` dataset of ``files`` (``DataConfig.files``)
+  under ``data_dir`` unless a build with the same fingerprint is there;
+  returns its builder. Safe for concurrent callers (file lock).
+
+  Raises:
+    DataError: as ``match_text_files`` and ``read_text_files``; fewer than 2
+      usable documents; or the build failed.
+  """
+  matched = match_text_files(files)
+  config = tfds.core.BuilderConfig(name=f"files-{text_files_fingerprint(matched)}",
+                                   description=f"data.files={files!r}")
+  quiet = _DropCustomConfigWarning()
+  absl_logger = py_logging.getLogger("absl")
+  def make():
+    absl_logger.addFilter(quiet)
+    try:
+      return TextFiles(files=matched, config=config, data_dir=data_dir,
+                       file_format="array_record")
+    finally:
+      absl_logger.removeFilter(quiet)
+  builder = make()
+  if builder.is_prepared():
+    return builder
+  try:
+    os.makedirs(data_dir, exist_ok=True)
+    with _file_lock(os.path.join(data_dir, f".{TEXT_FILES}-{config.name}.lock")):
+      builder = make()
+      if not builder.is_prepared():
+        with tempfile.TemporaryDirectory(prefix="mtp_tfds_dl_") as dl_dir, _quiet_tfds():
+          builder.download_and_prepare(
+              download_dir=dl_dir, file_format="array_record",
+              download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+        builder = make()
+  except DataError:
+    raise
+  except Exception as e:  # noqa: BLE001 - report any build failure uniformly
+    raise DataError(f"building the text_files dataset of data.files={files!r} in data_dir "
+                    f"'{data_dir}' failed: {type(e).__name__}: {e}") from e
+  return builder
+
+
+# ----------------------------------------------------------------------------
 # Sources
 # ----------------------------------------------------------------------------
 
@@ -313,6 +583,8 @@ def _open_builder(cfg: DataConfig, data_dir: str) -> tfds.core.DatasetBuilder:
   name = cfg.name
   if name in _EMBEDDED_BUILDERS:
     return prepare_embedded(name, data_dir)
+  if name == TEXT_FILES:
+    return prepare_text_files(cfg.files, data_dir)
   try:
     # Reads only what is on disk (dataset_info.json, features.json); never
     # runs the dataset's generation code (which may need TensorFlow) and never

@@ -362,3 +362,164 @@ def test_batch_not_divisible_by_process_count(stdlib_cfg):
                             process_count=3)
   with pytest.raises(data.DataError, match="not divisible"):
     data.make_eval_batches(stdlib_cfg, seq_len=16, batch_size=8, num_batches=1, process_count=3)
+
+
+# --------------------------------------------------------------------------
+# Local files (data.name = "text_files")
+# --------------------------------------------------------------------------
+
+
+def _write_project(root) -> dict[str, str]:
+  """A small source tree; returns {name relative to root: text}."""
+  files = {f"pkg/mod{i}.py": f"def f{i}():\n  return {i}  # ünï 🚀\n" * (i + 1) for i in range(8)}
+  files.update({"pkg/sub/deep.py": "x = 1\n", "top.py": "import pkg\n", "notes.md": "# notes\n"})
+  for name, text in files.items():
+    (root / name).parent.mkdir(parents=True, exist_ok=True)
+    (root / name).write_text(text, encoding="utf-8")
+  return files
+
+
+def _text_files_docs(cfg) -> dict[str, dict[str, str]]:
+  out = {}
+  for split in ("train", "validation"):
+    src = data.load_source(cfg, split)
+    out[split] = {src[i]["name"].decode(): src[i]["text"].decode() for i in range(len(src))}
+  return out
+
+
+def _builds(data_dir) -> set[str]:
+  root = os.path.join(data_dir, "text_files")
+  return {d for d in os.listdir(root) if not d.startswith(".")} if os.path.isdir(root) else set()
+
+
+def test_text_files_build_split_and_rebuild_on_change(tmp_path, no_network):
+  proj = tmp_path / "proj"
+  files = _write_project(proj)
+  ddir = str(tmp_path / "tfds")
+  # Two overlapping patterns (top.py matched twice) and recursive '**'.
+  cfg = DataConfig(name="text_files", data_dir=ddir,
+                   files=f"{proj}/**/*.py, {proj}/top.py")
+  py = {n: t for n, t in files.items() if n.endswith(".py")}
+  docs = _text_files_docs(cfg)
+  assert {**docs["train"], **docs["validation"]} == py            # one document per file
+  assert not docs["train"].keys() & docs["validation"].keys()
+  assert data.text_files_splits(sorted(py)) == {n: s for s in docs for n in docs[s]}
+  assert docs["train"] and docs["validation"]
+  first = _builds(ddir)
+  assert len(first) == 1
+  # Unchanged files: the build is reused (no new folder, same documents).
+  assert _text_files_docs(cfg) == docs and _builds(ddir) == first
+  # Pipeline: packed training rows decode to file contents.
+  stream = _stream_tokens(_take(cfg, 4, seq_len=32, batch_size=4))
+  assert all(d.decode() in docs["train"].values() for d in _documents_in_stream(stream))
+  # An edited file (new size and mtime), a touched file (mtime only), an added
+  # file and a removed file each give a new build with the new contents.
+  changes = [
+      lambda: (proj / "pkg/mod1.py").write_text("edited = True\n"),
+      lambda: os.utime(proj / "top.py", ns=(1, 1)),
+      lambda: (proj / "pkg/new.py").write_text("new = 1\n"),
+      lambda: (proj / "pkg/mod2.py").unlink(),
+  ]
+  seen = set(first)
+  for change in changes:
+    change()
+    now = _text_files_docs(cfg)
+    builds = _builds(ddir)
+    assert len(builds - seen) == 1, change
+    seen = builds
+    expected = {str(p.relative_to(proj)): p.read_text() for p in proj.rglob("*.py")}
+    assert {**now["train"], **now["validation"]} == expected
+
+
+def test_text_files_names_and_splits(tmp_path, monkeypatch):
+  proj = tmp_path / "proj"
+  _write_project(proj)
+  monkeypatch.chdir(tmp_path)
+  # Names are relative to the pattern's folder part, so they (and the split)
+  # do not depend on the working directory or on where the folder lives.
+  rel = data.match_text_files("proj/pkg/**/*.py")
+  absolute = data.match_text_files(f"{proj}/pkg/**/*.py")
+  assert [f.name for f in rel] == [f.name for f in absolute]
+  assert "sub/deep.py" in {f.name for f in rel} and "mod0.py" in {f.name for f in rel}
+  assert [f.name for f in data.match_text_files("proj/*.md")] == ["notes.md"]
+  assert all(os.path.isabs(f.path) for f in rel)
+  # The split is the embedded corpora's hash rule, salted with "text_files" ...
+  names = [f"f{i}.py" for i in range(400)]
+  splits = data.text_files_splits(names)
+  assert splits == {n: data.split_for_name("text_files", n) for n in names}
+  assert 5 <= sum(s == "validation" for s in splits.values()) <= 40
+  # ... except that small folders get one document in each split.
+  for k in (2, 3, 5):
+    small = data.text_files_splits(names[:k])
+    assert sorted(set(small.values())) == ["train", "validation"]
+    assert data.text_files_splits(list(reversed(names[:k]))) == small
+
+
+def test_text_files_skips_non_utf8_and_empty_with_a_warning(tmp_path, caplog):
+  proj = tmp_path / "p"
+  proj.mkdir()
+  for i in range(3):
+    (proj / f"ok{i}.txt").write_text(f"text {i}\n")
+  (proj / "latin1.txt").write_bytes("café\n".encode("latin-1"))
+  (proj / "image.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
+  (proj / "blank.txt").write_text("  \n")
+  cfg = DataConfig(name="text_files", files=str(proj / "*.txt"), data_dir=str(tmp_path / "d"))
+  with caplog.at_level("WARNING"):
+    docs = _text_files_docs(cfg)
+  assert sorted({**docs["train"], **docs["validation"]}) == ["ok0.txt", "ok1.txt", "ok2.txt"]
+  log = caplog.text
+  assert "skipped 2 of 6 matched files that are not valid UTF-8" in log
+  assert "'latin1.txt' (byte 3)" in log and "'image.txt' (byte 0)" in log
+  assert "skipped 1 empty or whitespace-only files: 'blank.txt'" in log
+
+
+def test_text_files_errors_name_the_field_and_file(tmp_path, no_network):
+  proj = tmp_path / "p"
+  (proj / "sub").mkdir(parents=True)
+  (proj / "a.py").write_text("a = 1\n")
+  ddir = str(tmp_path / "d")
+
+  def load(files):
+    return data.load_source(DataConfig(name="text_files", files=files, data_dir=ddir), "train")
+
+  with pytest.raises(data.DataError, match=r"data\.files pattern '.*/nothing/\*\*/\*\.py' "
+                                           r"matches no file"):
+    load(f"{proj}/a.py,{proj}/nothing/**/*.py")       # the second pattern is named
+  with pytest.raises(data.DataError, match=r"matches no file.*folder\(s\) only: use "
+                                           r"'.*/sub/\*\*/\*'"):
+    load(f"{proj}/sub")
+  os.symlink(proj / "gone.py", proj / "broken.py")
+  with pytest.raises(data.DataError, match=r"data\.files: cannot read '.*broken\.py' .*No such "
+                                           r"file"):
+    load(f"{proj}/*.py")
+  os.unlink(proj / "broken.py")
+  (proj / "b.py").write_bytes(b"\xff\xfe")
+  with pytest.raises(data.DataError, match=r"data\.files: 1 of the 2 matched files are usable "
+                                           r"UTF-8 .* need at least 2 .*'b\.py' at byte 0"):
+    load(f"{proj}/*.py")
+  with pytest.raises(data.DataError, match="data.files"):
+    data.match_text_files("a.py,,b.py")
+  assert not [d for d in _builds(ddir) if "incomplete" in d]   # nothing half-built kept
+
+
+def test_text_files_config_and_cli(tmp_path):
+  from mtp.config import ConfigError
+  from tests.conftest import tiny_config
+  with pytest.raises(ConfigError, match=r"data\.files=''.*comma-separated list"):
+    tiny_config(data=dict(name="text_files"))
+  with pytest.raises(ConfigError, match=r"data\.files='x\.py'.*empty unless "
+                                        r"data\.name='text_files'"):
+    tiny_config(data=dict(name="python_docs", files="x.py"))
+  assert tiny_config(data=dict(name="text_files", files="a/*.py,b/**/*.md")).data.files
+  # The CLI passes a comma-separated override through as one string.
+  (tmp_path / "a.py").write_text("a = 1\n")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(data.__file__)))
+  r = subprocess.run(
+      [sys.executable, "-m", "train", "--config", "configs/tiny.py",
+       "--workdir", str(tmp_path / "w"), "--config.data.name=text_files",
+       f"--config.data.files={tmp_path}/*.py,{tmp_path}/missing/**/*.txt",
+       f"--config.data.data_dir={tmp_path / 'd'}"],
+      cwd=root, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+      timeout=300)
+  assert r.returncode == 2, r.stderr[-2000:]
+  assert f"data.files pattern '{tmp_path}/missing/**/*.txt' matches no file" in r.stderr
