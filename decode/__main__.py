@@ -9,7 +9,8 @@ import sys
 
 from absl import app, flags, logging
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Trained run directory (target model).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Trained run directory (target model), or a "
+                                "directory written by python -m mtp.export.")
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (use --prompt_file for a batch).")
 _PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "UTF-8 file, one prompt per line (batched).")
 _METHOD = flags.DEFINE_enum("method", "mtp", ["ar", "mtp", "draft"],

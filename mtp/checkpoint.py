@@ -155,12 +155,23 @@ def abstract_state(tree):
 
 
 def load_model(workdir: str, step: int | None = None):
-  """Loads a trained model for inference.
+  """Loads a trained model for inference, from a training workdir or from a
+  directory written by ``python -m mtp.export`` (one with config.json and
+  model.safetensors and no ``checkpoints/``; ``step`` must then be None).
 
   Returns (config, model, step). Raises CheckpointError when the workdir has
-  no readable checkpoint.
+  no readable checkpoint or the export cannot be read.
   """
   from mtp.model import build_model   # local: keeps this module light to import
+  from mtp import export as export_lib
+  if export_lib.is_exported(workdir) and not os.path.isdir(checkpoint_dir(workdir)):
+    if step is not None:
+      raise CheckpointError(f"{workdir!r} is an exported model (one set of weights); "
+                            f"step={step} cannot be chosen")
+    try:
+      return export_lib.load_exported(workdir)
+    except export_lib.ExportError as e:
+      raise CheckpointError(str(e)) from e
   ckpt = Checkpointer(workdir, read_only=True)
   try:       # closed on errors too: an open manager spews asyncio errors at exit
     step = ckpt._resolve(step)

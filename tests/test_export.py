@@ -1,0 +1,293 @@
+"""mtp.export without torch: the files, the mapping table (DeepSeek-V3 MTP
+naming and eh_proj order), bitwise import, refusals and bad input. The
+transformers parity tests are in tests/test_export_hf.py."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from mtp import checkpoint as ckpt_lib
+from mtp import export as ex
+from mtp import tokenizer as tok
+from mtp.model import build_model
+from tests.conftest import tiny_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CASES = {
+    # tied head, GQA, D = 2, non-default RoPE base and epsilon
+    "tied": dict(model=dict(tie_embeddings=True, rope_theta=5000.0, norm_eps=1e-5),
+                 mtp=dict(depth=2)),
+    # untied head, no GQA, D = 1, bfloat16 parameters
+    "untied_bf16": dict(model=dict(tie_embeddings=False, num_kv_heads=4, param_dtype="bfloat16",
+                                   dtype="bfloat16"), mtp=dict(depth=1)),
+    "plain": dict(mtp=dict(depth=0)),
+}
+
+
+def randomized_model(cfg, seed=0):
+  """``build_model(cfg)`` with every parameter perturbed (RMSNorm scales
+  1 + N(0, 0.2^2) instead of all ones), so that swapping any two tensors of
+  the same shape changes the model."""
+  model = build_model(cfg, seed=seed)
+  rng = np.random.default_rng(seed + 100)
+  state = nnx.state(model, nnx.Param)
+  for path, var in nnx.to_flat_state(state):
+    x = np.asarray(var[...], np.float32)
+    noise = rng.normal(size=x.shape).astype(np.float32)
+    x = x + (0.2 * noise if path[-1] == "scale" else 0.5 * x.std() * noise)
+    var[...] = jnp.asarray(x, var[...].dtype)
+  nnx.update(model, state)
+  return model
+
+
+def _save_workdir(path, cfg, seed=0, step=3):
+  model = randomized_model(cfg, seed=seed)
+  ckpt = ckpt_lib.Checkpointer(str(path))
+  ckpt.save(step, nnx.state(model, nnx.Param), {}, None, cfg)
+  ckpt.close()
+  return model
+
+
+def _params(model) -> dict:
+  return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+  """{case: (cfg, model, workdir, export dir)} for every CASE."""
+  root = tmp_path_factory.mktemp("export")
+  out = {}
+  for i, (name, sections) in enumerate(CASES.items()):
+    cfg = tiny_config(**sections)
+    model = _save_workdir(root / f"wd_{name}", cfg, seed=i)
+    path = ex.export(str(root / f"wd_{name}"), str(root / f"hf_{name}"))
+    out[name] = (cfg, model, str(root / f"wd_{name}"), path)
+  return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_import_round_trips_bitwise(exported, case):
+  cfg, model, _, path = exported[case]
+  cfg2, model2, step = ex.load_exported(path)
+  assert cfg2 == cfg and step == 3
+  want, got = _params(model), _params(model2)
+  assert want.keys() == got.keys()
+  for p in want:
+    assert got[p].dtype == want[p].dtype and np.array_equal(got[p], want[p]), p
+  # The decode path: load_model accepts the export in place of a workdir.
+  cfg3, model3, step3 = ckpt_lib.load_model(path)
+  assert cfg3 == cfg and step3 == 3
+  assert all(np.array_equal(v, want[p]) for p, v in _params(model3).items())
+  if case != "tied":
+    return
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 259, (2, 12)), jnp.int32)
+  a, b = model(tokens), model3(tokens)
+  assert np.array_equal(np.asarray(a.logits), np.asarray(b.logits))
+  for x, y in zip(a.mtp_logits, b.mtp_logits):
+    assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_files_config_and_tensor_names(exported):
+  cfg, model, _, path = exported["tied"]
+  assert sorted(os.listdir(path)) == sorted([
+      "config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
+      "tokenizer.json", "tokenizer_config.json"])
+  hf = json.load(open(os.path.join(path, "config.json")))
+  m = cfg.model
+  assert hf["architectures"] == ["LlamaForCausalLM"] and hf["model_type"] == "llama"
+  assert (hf["vocab_size"], hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"],
+          hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]) == (
+              m.vocab_size, m.d_model, m.mlp_dim, m.num_layers, m.num_heads, m.num_kv_heads,
+              m.head_dim)
+  assert hf["rope_parameters"] == {"rope_type": "default", "rope_theta": 5000.0}
+  assert hf["rms_norm_eps"] == 1e-5 and hf["tie_word_embeddings"] is True
+  assert (hf["bos_token_id"], hf["eos_token_id"], hf["pad_token_id"]) == (257, 258, 256)
+  assert hf["num_nextn_predict_layers"] == 2 and hf["mtp"]["step"] == 3
+  gen = json.load(open(os.path.join(path, "generation_config.json")))
+  assert gen["suppress_tokens"] == list(range(259, m.vocab_size))
+  tensors = load_file(os.path.join(path, "model.safetensors"))
+  L, D = m.num_layers, m.d_model
+  assert "lm_head.weight" not in tensors                      # tied
+  assert tensors["model.layers.0.self_attn.q_proj.weight"].shape == (m.num_heads * m.head_dim, D)
+  assert tensors["model.layers.0.self_attn.k_proj.weight"].shape == (m.num_kv_heads * m.head_dim, D)
+  assert tensors["model.layers.1.mlp.down_proj.weight"].shape == (D, m.mlp_dim)
+  # MTP module k is decoder layer L + k - 1 under DeepSeek-V3's names.
+  for k in (1, 2):
+    layer = f"model.layers.{L + k - 1}"
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+      assert tensors[f"{layer}.{name}.weight"].shape == (D,)
+    assert tensors[f"{layer}.eh_proj.weight"].shape == (D, 2 * D)
+    assert tensors[f"{layer}.self_attn.o_proj.weight"].shape == (D, m.num_heads * m.head_dim)
+    assert np.array_equal(tensors[f"{layer}.embed_tokens.weight"],
+                          tensors["model.embed_tokens.weight"])
+    assert np.array_equal(tensors[f"{layer}.shared_head.head.weight"],
+                          tensors["model.embed_tokens.weight"])
+    assert np.array_equal(tensors[f"{layer}.enorm.weight"], _params(model)[("mtp", k - 1,
+                                                                            "embed_norm", "scale")])
+  assert f"model.layers.{L + 2}.enorm.weight" not in tensors
+  assert set(tensors) == {r.hf_name for r in ex.hf_name_map(m, 2)}
+  # Untied: lm_head.weight is the head kernel transposed, and the MTP copy
+  # of the head is that tensor.
+  cfg_u, model_u, _, path_u = exported["untied_bf16"]
+  t_u = load_file(os.path.join(path_u, "model.safetensors"))
+  head = _params(model_u)[("lm_head", "kernel")]
+  assert t_u["lm_head.weight"].dtype == head.dtype and np.array_equal(t_u["lm_head.weight"], head.T)
+  assert np.array_equal(t_u[f"model.layers.{L}.shared_head.head.weight"], head.T)
+
+
+def _rms(x, w, eps):
+  x = x.astype(np.float64)
+  return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
+
+
+def test_eh_proj_follows_deepseek_input_order(exported):
+  """DeepSeek-V3's MTP layer computes eh_proj(cat[enorm(e), hnorm(h)]); ours
+  proj(cat[hidden_norm(h), embed_norm(e)]). Recompute DeepSeek's formula from
+  the exported tensors alone and compare with our module's projection."""
+  cfg, model, _, path = exported["tied"]
+  t = load_file(os.path.join(path, "model.safetensors"))
+  rng = np.random.default_rng(1)
+  h = rng.normal(size=(3, cfg.model.d_model)).astype(np.float32)
+  e = rng.normal(size=(3, cfg.model.d_model)).astype(np.float32) * 0.1
+  eps = cfg.model.norm_eps
+  for k in (1, 2):
+    layer = f"model.layers.{cfg.model.num_layers + k - 1}"
+    theirs = np.concatenate([_rms(e, t[f"{layer}.enorm.weight"], eps),
+                             _rms(h, t[f"{layer}.hnorm.weight"], eps)], -1) @ t[
+                                 f"{layer}.eh_proj.weight"].T.astype(np.float64)
+    mod = model.mtp[k - 1]
+    ours = mod.proj(jnp.concatenate([mod.hidden_norm(jnp.asarray(h)),
+                                     mod.embed_norm(jnp.asarray(e))], -1))
+    np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-4, atol=1e-5)
+    # Inputs and norm weights differ, so a swapped order or name would show.
+    assert not np.allclose(t[f"{layer}.enorm.weight"], t[f"{layer}.hnorm.weight"], atol=0.05)
+
+
+def test_tokenizer_vocab_maps_bytes_to_our_ids():
+  files = ex.tokenizer_files()
+  vocab = files["tokenizer.json"]["model"]["vocab"]
+  byte_chars = ex._bytes_to_unicode()
+  assert len(set(byte_chars.values())) == 256
+  assert all(vocab[byte_chars[b]] == b for b in range(256))
+  assert {vocab[n]: n for n in ("<pad>", "<bos>", "<eos>")} == tok.SPECIAL_NAMES
+  added = {a["id"]: a["content"] for a in files["tokenizer.json"]["added_tokens"]}
+  assert added == tok.SPECIAL_NAMES
+  assert files["special_tokens_map.json"] == {"bos_token": "<bos>", "eos_token": "<eos>",
+                                              "pad_token": "<pad>"}
+
+
+def test_unsupported_settings_are_refused_naming_the_field(exported, tmp_path):
+  import dataclasses
+  from mtp.config import Config, ModelConfig
+
+  @dataclasses.dataclass(frozen=True)
+  class WithQkNorm(ModelConfig):
+    qk_norm: bool = True
+
+  cfg = exported["tied"][0]
+  with pytest.raises(ex.ExportError, match=r"model\.qk_norm=True has no LlamaForCausalLM "
+                                           r"equivalent"):
+    ex.check_exportable(Config(model=WithQkNorm(), mtp=cfg.mtp))
+  # Import refuses Llama features mtp.model does not have, naming the field.
+  src = exported["plain"][3]
+  for key, value in (("attention_bias", True), ("hidden_act", "gelu"), ("bos_token_id", 1),
+                     ("rope_parameters", {"rope_type": "linear", "factor": 2.0,
+                                          "rope_theta": 1e4})):
+    bad = tmp_path / key
+    os.makedirs(bad)
+    for f in os.listdir(src):
+      os.symlink(os.path.join(src, f), bad / f)
+    hf = json.load(open(os.path.join(src, "config.json")))
+    os.unlink(bad / "config.json")
+    json.dump({**hf, key: value}, open(bad / "config.json", "w"))
+    with pytest.raises(ex.ExportError, match=key):
+      ex.load_exported(str(bad))
+
+
+def test_import_rejects_bad_tensors(exported, tmp_path):
+  cfg, _, _, src = exported["tied"]
+  tensors = load_file(os.path.join(src, "model.safetensors"))
+  L = cfg.model.num_layers
+
+  def load_with(tensors):
+    d = tmp_path / f"d{len(os.listdir(tmp_path))}"
+    os.makedirs(d)
+    for f in os.listdir(src):
+      if f != "model.safetensors":
+        os.symlink(os.path.join(src, f), d / f)
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return ex.load_exported(str(d))
+
+  name = f"model.layers.{L}.eh_proj.weight"
+  with pytest.raises(ex.ExportError, match=f"no tensor '{name}'"):
+    load_with({k: v for k, v in tensors.items() if k != name})
+  with pytest.raises(ex.ExportError, match=r"tensor 'model\.layers\.9\.enorm\.weight'"):
+    load_with({**tensors, "model.layers.9.enorm.weight": tensors[f"model.layers.{L}.enorm.weight"]})
+  with pytest.raises(ex.ExportError, match=f"'{name}' has shape \\(64, 32\\).*expected "
+                                           r"\(32, 64\)"):
+    load_with({**tensors, name: np.ascontiguousarray(tensors[name].T)})
+  copy = f"model.layers.{L}.shared_head.head.weight"
+  with pytest.raises(ex.ExportError, match=f"'{copy}' differs from 'model.embed_tokens.weight'"):
+    load_with({**tensors, copy: tensors[copy] + 1})
+  with pytest.raises(ckpt_lib.CheckpointError, match="not an exported model|no checkpoint"):
+    ckpt_lib.load_model(str(tmp_path / "nothing_here"))
+
+
+def _tmp_leftovers(parent) -> list[str]:
+  return [f for f in os.listdir(parent) if ".tmp-" in f or ".old-" in f]
+
+
+def test_output_directory_rules(exported, tmp_path, monkeypatch):
+  cfg, model, workdir, _ = exported["plain"]
+  out = tmp_path / "out"
+  ex.export(workdir, str(out))
+  before = {f: open(out / f, "rb").read() for f in os.listdir(out)}
+  with pytest.raises(ex.ExportError, match=r"--out=.*already exists; pass --overwrite"):
+    ex.export(workdir, str(out))
+  ex.export(workdir, str(out), overwrite=True)                 # replaces an earlier export
+  assert {f: open(out / f, "rb").read() for f in os.listdir(out)} == before
+  # --overwrite never deletes a folder the exporter did not write.
+  foreign = tmp_path / "mine"
+  foreign.mkdir()
+  (foreign / "notes.txt").write_text("keep me")
+  with pytest.raises(ex.ExportError, match="not written by mtp.export.*refusing"):
+    ex.export(workdir, str(foreign), overwrite=True)
+  assert (foreign / "notes.txt").read_text() == "keep me"
+  with pytest.raises(ex.ExportError, match="parent directory .* does not exist"):
+    ex.export(workdir, str(tmp_path / "no" / "such" / "out"))
+  with pytest.raises(ckpt_lib.CheckpointError, match="no checkpoint in workdir"):
+    ex.export(str(tmp_path / "empty_workdir"), str(tmp_path / "never"))
+  assert not (tmp_path / "never").exists()
+  # A failure while writing leaves nothing half-written: no new folder, and
+  # an existing export stays as it was.
+  def boom(*a, **k):
+    raise OSError(28, "No space left on device")
+  monkeypatch.setattr(ex, "_write_json", boom)
+  with pytest.raises(OSError, match="No space left"):
+    ex.export(workdir, str(tmp_path / "fresh"))
+  assert not (tmp_path / "fresh").exists()
+  with pytest.raises(OSError, match="No space left"):
+    ex.export(workdir, str(out), overwrite=True)
+  assert {f: open(out / f, "rb").read() for f in os.listdir(out)} == before
+  assert not _tmp_leftovers(tmp_path)
+
+
+def test_cli(exported, tmp_path):
+  _, _, workdir, _ = exported["tied"]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  run = lambda *args: subprocess.run([sys.executable, "-m", "mtp.export", *args], cwd=REPO,
+                                     env=env, capture_output=True, text=True, timeout=300)
+  r = run("--workdir", workdir, "--out", str(tmp_path / "hf"))
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert f"wrote {tmp_path / 'hf'}" in r.stdout and ex.is_exported(str(tmp_path / "hf"))
+  r = run("--workdir", str(tmp_path / "nope"), "--out", str(tmp_path / "hf2"))
+  assert r.returncode == 2 and "error: no checkpoint in workdir" in r.stderr, r.stderr[-2000:]
+  assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "hf2").exists()
