@@ -1,13 +1,16 @@
 # make demo: set up .venv (if missing), train the tiny config on the embedded
 #            python_stdlib corpus, then speculative-decode a code prompt with it.
 # make test: set up .venv (if missing) and run the test suite.
+# make test-hf: also install the [hf] extra (torch, transformers) and run the
+#            Hugging Face export parity tests (tests/test_export_hf.py).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= runs/tiny
 STAMP := $(VENV)/.installed
+HF_STAMP := $(VENV)/.installed-hf
 
-.PHONY: demo test install clean-demo
+.PHONY: demo test test-hf install install-hf clean-demo
 
 install: $(STAMP)
 
@@ -17,6 +20,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# torch is pinned in pyproject.toml to the release whose CPU wheel lies on
+# this machine's disk (a newer one would be a multi-GB CUDA download).
+install-hf: $(HF_STAMP)
+
+$(HF_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[dev,hf]'
+	touch $(HF_STAMP)
+
 demo: $(STAMP)
 	$(PY) -m train --config configs/tiny.py --workdir $(WORKDIR)
 	$(PY) -m decode --workdir $(WORKDIR) --method mtp --num_draft_tokens 2 --compare \
@@ -24,6 +35,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# MTP_REQUIRE_HF=1: a missing torch/transformers fails instead of skipping.
+test-hf: $(HF_STAMP)
+	MTP_REQUIRE_HF=1 $(PY) -m pytest -q tests/test_export_hf.py
 
 clean-demo:
 	rm -rf $(WORKDIR)
