@@ -112,7 +112,8 @@ def test_files_config_and_tensor_names(exported):
   assert (hf["bos_token_id"], hf["eos_token_id"], hf["pad_token_id"]) == (257, 258, 256)
   assert hf["num_nextn_predict_layers"] == 2 and hf["mtp"]["step"] == 3
   gen = json.load(open(os.path.join(path, "generation_config.json")))
-  assert gen["suppress_tokens"] == list(range(259, m.vocab_size))
+  never = sorted(set(tok.NEVER_EMITTED_IDS) | set(range(259, m.vocab_size)))
+  assert gen["suppress_tokens"] == never and 0xFF in never and tok.EOS_ID not in never
   tensors = load_file(os.path.join(path, "model.safetensors"))
   L, D = m.num_layers, m.d_model
   assert "lm_head.weight" not in tensors                      # tied
@@ -234,6 +235,10 @@ def test_import_rejects_bad_tensors(exported, tmp_path):
   with pytest.raises(ex.ExportError, match=f"'{name}' has shape \\(64, 32\\).*expected "
                                            r"\(32, 64\)"):
     load_with({**tensors, name: np.ascontiguousarray(tensors[name].T)})
+  nan = tensors["model.norm.weight"].copy()
+  nan[3] = np.nan
+  with pytest.raises(ex.ExportError, match=r"'model\.norm\.weight' \(32,\) holds 1 non-finite"):
+    load_with({**tensors, "model.norm.weight": nan})
   copy = f"model.layers.{L}.shared_head.head.weight"
   with pytest.raises(ex.ExportError, match=f"'{copy}' differs from 'model.embed_tokens.weight'"):
     load_with({**tensors, copy: tensors[copy] + 1})

@@ -1,6 +1,7 @@
 """Parity of the Hugging Face export with transformers' own implementation:
 ``LlamaForCausalLM.from_pretrained(export)`` gives our logits (float32, within
-1e-4 on the real ids < 259) and our greedy continuations; the tokenizer gives
+1e-4 on the ids our head can emit; the others are -inf in ours only) and our
+greedy continuations; the tokenizer gives
 our ids; and DeepSeek-V3's MTP-layer formula, run with transformers' Llama
 decoder layer on the ``model.layers.{L + k - 1}`` tensors, gives our MTP
 logits.
@@ -82,16 +83,17 @@ def test_logits_match_transformers(models, case):
     with torch.no_grad():
       theirs = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
     assert theirs.shape == ours.shape == (1, n, cfg.model.vocab_size)
-    assert np.all(np.isneginf(ours[..., tok.VOCAB_SIZE:]))      # padded ids: ours only
-    np.testing.assert_allclose(theirs[..., :tok.VOCAB_SIZE], ours[..., :tok.VOCAB_SIZE],
+    emittable = tok.emittable_mask(cfg.model.vocab_size)
+    assert np.all(np.isneginf(ours[..., ~emittable]))          # masked: ours only
+    np.testing.assert_allclose(theirs[..., emittable], ours[..., emittable],
                                atol=ATOL, rtol=0, err_msg=f"prompt length {n}")
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_continuations_match_transformers(models, case):
   cfg, model, _, hf = models[case]
-  assert list(hf.generation_config.suppress_tokens) == list(range(tok.VOCAB_SIZE,
-                                                                  cfg.model.vocab_size))
+  assert list(hf.generation_config.suppress_tokens) == np.flatnonzero(
+      ~tok.emittable_mask(cfg.model.vocab_size)).tolist()
   rng = np.random.default_rng(1)
   prompts = [_prompt(rng, n) for n in (2, 9, 50)]
   decoder = Decoder(model, "ar", 1)
@@ -144,8 +146,9 @@ def test_mtp_layers_follow_deepseek_v3(models):
                   position_embeddings=hf.model.rotary_emb(h_in, positions))
       h = out[0] if isinstance(out, tuple) else out
       logits = norm(p + "shared_head.norm.weight")(h) @ t[p + "shared_head.head.weight"].T
-      want = np.asarray(ours.mtp_logits[k - 1])[0, :T - k, :tok.VOCAB_SIZE]
-      np.testing.assert_allclose(logits[0, :T - k, :tok.VOCAB_SIZE].numpy(), want, atol=ATOL,
+      emittable = tok.emittable_mask(cfg.model.vocab_size)
+      want = np.asarray(ours.mtp_logits[k - 1])[0, :T - k][:, emittable]
+      np.testing.assert_allclose(logits[0, :T - k].numpy()[:, emittable], want, atol=ATOL,
                                  rtol=0, err_msg=f"MTP module {k}")
 
 

@@ -13,8 +13,9 @@ directory with the MTP modules under DeepSeek-V3 naming, and back.
   ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` (and copies of the
   shared ``embed_tokens`` / ``shared_head.head``, as in DeepSeek-V3's release);
 - ``generation_config.json``: BOS/EOS/PAD ids and ``suppress_tokens`` = the
-  padded ids ``259 .. V-1`` (our head gives them -inf; Llama cannot, so
-  ``generate`` is told never to pick them);
+  ids our head never emits (``mtp.tokenizer.emittable_mask``: PAD, BOS, the 13
+  bytes no UTF-8 text contains, vocabulary padding ``259 .. V-1``): our head
+  gives them -inf, Llama's cannot, so ``generate`` is told never to pick them;
 - ``tokenizer.json`` (+ ``tokenizer_config.json``, ``special_tokens_map.json``):
   a byte-level tokenizer giving the same ids as ``mtp.tokenizer``: byte b -> b,
   ``<pad>`` 256, ``<bos>`` 257, ``<eos>`` 258; BOS is prepended on encode.
@@ -221,8 +222,9 @@ def _hf_config(cfg: Config, step: int) -> dict[str, Any]:
 
 
 def _generation_config(cfg: Config) -> dict[str, Any]:
+  never = np.flatnonzero(~tok.emittable_mask(cfg.model.vocab_size))
   return {"bos_token_id": tok.BOS_ID, "eos_token_id": tok.EOS_ID, "pad_token_id": tok.PAD_ID,
-          "suppress_tokens": list(range(tok.VOCAB_SIZE, cfg.model.vocab_size))}
+          "suppress_tokens": [int(i) for i in never]}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -453,8 +455,9 @@ def load_exported(path: str):
 
   Raises:
     ExportError: missing or unreadable files, an unsupported Llama feature,
-      a missing, unexpected or wrongly shaped/typed tensor, or a DeepSeek-V3
-      copy of a shared tensor that differs from the original (names it).
+      a missing, unexpected, wrongly shaped/typed or non-finite tensor, or a
+      DeepSeek-V3 copy of a shared tensor that differs from the original
+      (names it).
   """
   from safetensors.numpy import load_file
   from mtp.model import build_model
@@ -479,6 +482,12 @@ def load_exported(path: str):
     raise ExportError(f"{path}/{WEIGHTS_FILE} has tensor '{unexpected[0]}', which this model "
                       f"(num_hidden_layers={cfg.model.num_layers}, num_nextn_predict_layers="
                       f"{cfg.mtp.depth}) does not have")
+  for name in sorted(tensors):
+    x = tensors[name]
+    bad = int(np.sum(~np.isfinite(x.astype(np.float32))))   # exact for f16/bf16/f32
+    if bad:
+      raise ExportError(f"{path}/{WEIGHTS_FILE}: tensor '{name}' {tuple(x.shape)} holds {bad} "
+                        "non-finite value(s) (NaN or inf)")
   for r in rows:
     if r.alias_of is not None and not np.array_equal(tensors[r.hf_name], tensors[r.alias_of]):
       raise ExportError(f"{path}/{WEIGHTS_FILE}: '{r.hf_name}' differs from '{r.alias_of}'; "
