@@ -30,8 +30,9 @@ Datasets (``DataConfig.name``):
   ``DATA_DIR/text_files/files-<fingerprint>/1.0.0/``: the fingerprint hashes
   every matched file's path, name, size and modification time, so editing,
   adding or removing a file builds a new dataset on the next run (old
-  builds stay until deleted; resuming a run over changed files continues
-  with the new documents).
+  builds stay until deleted; a run resumed after its files changed reads the
+  new build from its saved iterator position, so it does not reproduce an
+  uninterrupted run).
 - any other TFDS dataset with a scalar text feature (``DataConfig.text_feature``,
   e.g. ``tiny_shakespeare``/``text``, ``lm1b``/``text``) that is already
   prepared in the data dir in a random-access format (``array_record``). Its
