@@ -114,25 +114,37 @@ class MTPDrafter:
     h_last = None
     for k in range(1, self.used + 1):
       c = committed[k - 1]
-      pos = c[:, None] + jnp.arange(g + k, dtype=jnp.int32)[None, :]
-      h_in = gather_rows(hidden[k - 1], pos)
-      h, caches[k - 1] = target.mtp_forward(k, h_in, gather_rows(tokens, pos + k), pos,
-                                            cache=caches[k - 1])
-      if k < self.used:
-        hidden[k] = write_rows(hidden[k], h, c)
-      h_last = gather_rows(h, (n - 2 - c)[:, None])                # [B, 1, D] at position n-2
-      probs = warped_probs(target.mtp_head(k, h_last), warp)[:, 0]
-      d = sampling.sample(keys[k - 1], probs)
-      tokens = write_rows(tokens, d[:, None], n - 1 + k)
+      with jax.named_scope("buffers"):
+        pos = c[:, None] + jnp.arange(g + k, dtype=jnp.int32)[None, :]
+        h_in = gather_rows(hidden[k - 1], pos)
+        t_in = gather_rows(tokens, pos + k)
+      with jax.named_scope(f"module{k}"):
+        h, caches[k - 1] = target.mtp_forward(k, h_in, t_in, pos, cache=caches[k - 1])
+      with jax.named_scope("buffers"):
+        if k < self.used:
+          hidden[k] = write_rows(hidden[k], h, c)
+        h_last = gather_rows(h, (n - 2 - c)[:, None])              # [B, 1, D] at position n-2
+      with jax.named_scope("head"):
+        logits = target.mtp_head(k, h_last)
+      with jax.named_scope("sample"):
+        probs = warped_probs(logits, warp)[:, 0]
+        d = sampling.sample(keys[k - 1], probs)
+      with jax.named_scope("buffers"):
+        tokens = write_rows(tokens, d[:, None], n - 1 + k)
       drafts.append(d)
       qs.append(probs)
     for k in range(self.used + 1, g + 1):                          # reuse module D
       pos = (n - 2 + k - self.depth)[:, None]
-      h_last, caches[-1] = target.mtp_forward(self.depth, h_last, drafts[-1][:, None], pos,
-                                              cache=caches[-1])
-      probs = warped_probs(target.mtp_head(self.depth, h_last), warp)[:, 0]
-      d = sampling.sample(keys[k - 1], probs)
-      tokens = write_rows(tokens, d[:, None], n - 1 + k)
+      with jax.named_scope(f"module{self.depth}_reuse"):
+        h_last, caches[-1] = target.mtp_forward(self.depth, h_last, drafts[-1][:, None], pos,
+                                                cache=caches[-1])
+      with jax.named_scope("head"):
+        logits = target.mtp_head(self.depth, h_last)
+      with jax.named_scope("sample"):
+        probs = warped_probs(logits, warp)[:, 0]
+        d = sampling.sample(keys[k - 1], probs)
+      with jax.named_scope("buffers"):
+        tokens = write_rows(tokens, d[:, None], n - 1 + k)
       drafts.append(d)
       qs.append(probs)
     ks = jnp.arange(1, self.used + 1, dtype=jnp.int32)[:, None]

@@ -178,17 +178,24 @@ class Decoder:
     [B, G+1, V], h0 [B, G+1, D], accept key)."""
     g = self.G
     tokens, n = state["tokens"], state["length"]
-    key, k_draft, k_accept = jax.random.split(state["key"], 3)
+    with jax.named_scope("rng"):
+      key, k_draft, k_accept = jax.random.split(state["key"], 3)
     state = {**state, "key": key}
     d_tok = d_probs = None
     if g:
       model = target if self.method == "mtp" else draft
-      dstate, tokens, d_tok, d_probs = self.drafter.draft(model, state["drafter"], tokens, n,
-                                                          k_draft, warp)
+      with jax.named_scope("draft"):
+        dstate, tokens, d_tok, d_probs = self.drafter.draft(model, state["drafter"], tokens, n,
+                                                            k_draft, warp)
       state["drafter"] = dstate
-    block_pos = (n - 1)[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]
-    h0, cache = target.backbone(gather_rows(tokens, block_pos), block_pos, cache=state["cache"])
-    p = warped_probs(target.head(h0), warp)                        # [B, G+1, V]
+    with jax.named_scope("verify"):
+      block_pos = (n - 1)[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]
+      with jax.named_scope("forward"):
+        h0, cache = target.backbone(gather_rows(tokens, block_pos), block_pos, cache=state["cache"])
+      with jax.named_scope("head"):
+        logits = target.head(h0)
+      with jax.named_scope("warp"):
+        p = warped_probs(logits, warp)                              # [B, G+1, V]
     return {**state, "tokens": tokens, "cache": cache}, d_tok, d_probs, p, h0, k_accept
 
   def _commit(self, state, d_tok, a, nxt, h0):
@@ -222,14 +229,17 @@ class Decoder:
     """One draft-verify-accept-commit round for every row (no-op for done rows)."""
     target, draft = self._models(params, draft_params)
     state, d_tok, d_probs, p, h0, key = self._propose(target, draft, state, warp)
-    if self.G:
-      a, nxt = sampling.rejection_sample(key, p, d_probs, d_tok)
-    else:
-      a, nxt = jnp.zeros_like(state["length"]), sampling.sample(key, p[:, 0])
-    return self._commit(state, d_tok, a, nxt, h0)
+    with jax.named_scope("accept"):
+      if self.G:
+        a, nxt = sampling.rejection_sample(key, p, d_probs, d_tok)
+      else:
+        a, nxt = jnp.zeros_like(state["length"]), sampling.sample(key, p[:, 0])
+    with jax.named_scope("commit"):
+      return self._commit(state, d_tok, a, nxt, h0)
 
   def _generate(self, params, draft_params, state, warp, prefill_len: int):
-    state = self._prefill(params, draft_params, state, prefill_len)
+    with jax.named_scope("prefill"):
+      state = self._prefill(params, draft_params, state, prefill_len)
     max_rounds = jnp.max(state["max_new"])
     def cond(carry):
       s, i = carry
