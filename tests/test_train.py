@@ -163,6 +163,20 @@ def test_cli_rejects_bad_override_naming_the_field(tmp_path):
   assert not (tmp_path / "w").exists()
 
 
+def test_cli_missing_or_unloadable_config_file_is_one_line(tmp_path):
+  (tmp_path / "syntax.py").write_text("def get_config(:\n")
+  (tmp_path / "noget.py").write_text("x = 1\n")
+  for path, want in ((str(tmp_path / "nope.py"), "does not exist"),
+                     (str(tmp_path / "syntax.py"), "SyntaxError (line 1)"),
+                     (str(tmp_path / "noget.py"), "no get_config() function")):
+    r = _run_cli([f"--config={path}", "--workdir", str(tmp_path / "w")], timeout=120)
+    assert r.returncode == 2, r.stderr[-1000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: config file {path!r}"), r.stderr
+    assert want in lines[0]
+  assert not (tmp_path / "w").exists()
+
+
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_then_resume_finishes(tmp_path, data_dir):
   workdir = tmp_path / "sig"
