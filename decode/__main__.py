@@ -32,7 +32,7 @@ flags.mark_flag_as_required("workdir")
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  logging.set_verbosity(logging.ERROR)   # orbax warns about read-only managers
+  logging.set_verbosity(logging.WARNING)   # orbax logs every restore at INFO
   from decode.run import read_prompt_file, run
   from decode.speculative import DecodeError, SamplingParams
   from mtp.checkpoint import CheckpointError

@@ -100,6 +100,7 @@ from absl import logging
 from tensorflow_datasets.core import read_only_builder
 from tensorflow_datasets.core import registered as tfds_registered
 
+from mtp import quiet
 from mtp import tokenizer as tok
 from mtp.config import DataConfig
 
@@ -209,6 +210,18 @@ class _EmbeddedCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   def _documents(self) -> Iterator[tuple[str, str]]:
     raise NotImplementedError
 
+  _SOURCE = ""   # where the documents come from, for the build line
+
+  # TFDS prints "Downloading and preparing dataset Unknown size ..." and
+  # "... downloaded and prepared to ..." to stdout from these two hooks;
+  # nothing is downloaded here, so say instead (once, on stderr) what is built.
+  def _log_download_bytes(self):
+    print(f"building dataset {self.name} from {self._SOURCE} into {self.data_dir} (first use "
+          "with this interpreter; nothing is downloaded)", file=sys.stderr, flush=True)
+
+  def _log_download_done(self):
+    pass
+
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
         builder=self,
@@ -236,6 +249,7 @@ class PythonStdlib(_EmbeddedCorpus, skip_registration=_tfds_is_registered("pytho
 
   _DESCRIPTION = ("Standard-library .py files of the interpreter that built the dataset "
                   "(no site-packages, no test directories).")
+  _SOURCE = f"the standard library in {sysconfig.get_paths()['stdlib']}"
 
   def _documents(self):
     return stdlib_documents()
@@ -245,6 +259,7 @@ class PythonDocs(_EmbeddedCorpus, skip_registration=_tfds_is_registered("python_
   """The interpreter's ``pydoc_data.topics`` help texts (prose)."""
 
   _DESCRIPTION = "pydoc help topics (pydoc_data.topics.topics), one document per topic."
+  _SOURCE = "the pydoc_data.topics help texts"
 
   def _documents(self):
     return docs_documents()
@@ -276,6 +291,13 @@ def _quiet_tfds():
     tfds.display_progress_bar(previous)
 
 
+def _is_prepared(builder: tfds.core.DatasetBuilder) -> bool:
+  """``builder.is_prepared()`` without TFDS's warning that the version folder
+  has no dataset_info.json (true of every dataset not built yet)."""
+  with quiet.absl_messages_dropped(*quiet.TFDS_BUILDING):
+    return builder.is_prepared()
+
+
 def prepare_embedded(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
   """Builds embedded corpus ``name`` under ``data_dir`` unless present; returns
   its builder. Safe when several processes call it at once (file lock; TFDS
@@ -290,13 +312,13 @@ def prepare_embedded(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
   config = interpreter_tag()
   kwargs = dict(data_dir=data_dir, config=config, file_format="array_record")
   builder = cls(**kwargs)
-  if builder.is_prepared():
+  if _is_prepared(builder):
     return builder
   try:
     os.makedirs(data_dir, exist_ok=True)
     with _file_lock(os.path.join(data_dir, f".{name}-{config}.lock")):
       builder = cls(**kwargs)       # re-check: another process may have built it
-      if not builder.is_prepared():
+      if not _is_prepared(builder):
         with tempfile.TemporaryDirectory(prefix="mtp_tfds_dl_") as dl_dir, _quiet_tfds():
           builder.download_and_prepare(
               download_dir=dl_dir, file_format="array_record",
