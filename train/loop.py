@@ -474,7 +474,8 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
             timed = done_steps - warm_steps
             per_step = (now - warm_start) / timed if timed else elapsed / window_steps
             log(f"step {state.step}/{t.num_steps}: loss {last_train['loss']:.4f}, "
-                f"{last_train['tokens_per_s']:,.0f} tokens/s, elapsed {_duration(now - start)}, "
+                f"{last_train['tokens_per_s']:,.0f} tokens/s{'' if timed else ' (compiling)'}, "
+                f"elapsed {_duration(now - start)}, "
                 f"remaining ~{_duration(per_step * (t.num_steps - state.step))}")
           window_start, window_steps = time.perf_counter(), 0
         bar.update(1)
