@@ -463,6 +463,7 @@ def main(argv=None):
   }
   results["verdict"] = verdict(results["combined"]["correct"])
   meta = common.provenance(
+      command=common.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),
       prompt_source="--prompt" if args.prompt else "held_out_prompts", dataset=args.dataset,
       prompt_bytes=args.prompt_bytes, num_prompts=len(texts), temperatures=args.temperatures,

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from tests.conftest import md_command
 from tests.test_scripts import _script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,6 +110,8 @@ def test_quick_report_structure(quick):
   for acc in res["acceptance"]:
     assert sum(acc["accepted_length_histogram"][1:]) > 0 and acc["tau"] > 1
   md = open(out + ".md").read()
+  assert md_command(out + ".md") == " ".join(
+      ["python scripts/losslessness_study.py --workdir", markov_workdir, "--quick --out", out])
   assert "Holm" in md and md.count("| wrong_argmax | first") == len(wrong)
   assert 5_000 < os.path.getsize(out + "_pvalues.png") < 150_000
 
