@@ -289,7 +289,7 @@ class _StopFlag:
       signal.signal(s, h)
 
 
-def _any_process(flag: bool) -> bool:
+def _from_process_0(flag: bool) -> bool:
   """Process 0's ``flag`` on every process (multi-host: one decision)."""
   if jax.process_count() == 1:
     return flag
@@ -408,7 +408,7 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
       f.write(cfg.to_json())
   if resume_step is not None:
     log(resumed)
-    eval_pending = _any_process(eval_pending)
+    eval_pending = _from_process_0(eval_pending)
   counts = count_params(trainer.model(state.params))
   writer = MetricWriter(workdir, is_main)
   if resume_step is None:
