@@ -190,7 +190,25 @@ def _tfds_is_registered(name: str) -> bool:
   return name in registry
 
 
-class _EmbeddedCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+class _SaysWhatItBuilds:
+  """Mixin for our TFDS builders. TFDS prints "Downloading and preparing
+  dataset Unknown size ..." and "... downloaded and prepared to ..." to stdout
+  from these two hooks; nothing is downloaded here, so instead one line on
+  stderr says what is built from what, and where."""
+
+  def _source(self) -> str:
+    """Where the documents come from, for the build line."""
+    raise NotImplementedError
+
+  def _log_download_bytes(self):
+    print(f"building dataset {self.name} from {self._source()} into {self.data_dir} (once; "
+          "nothing is downloaded)", file=sys.stderr, flush=True)
+
+  def _log_download_done(self):
+    pass
+
+
+class _EmbeddedCorpus(_SaysWhatItBuilds, tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """Base for the corpora shipped with Python. One config: this interpreter."""
 
   VERSION = tfds.core.Version("1.0.0")
@@ -209,18 +227,6 @@ class _EmbeddedCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
   def _documents(self) -> Iterator[tuple[str, str]]:
     raise NotImplementedError
-
-  _SOURCE = ""   # where the documents come from, for the build line
-
-  # TFDS prints "Downloading and preparing dataset Unknown size ..." and
-  # "... downloaded and prepared to ..." to stdout from these two hooks;
-  # nothing is downloaded here, so say instead (once, on stderr) what is built.
-  def _log_download_bytes(self):
-    print(f"building dataset {self.name} from {self._SOURCE} into {self.data_dir} (first use "
-          "with this interpreter; nothing is downloaded)", file=sys.stderr, flush=True)
-
-  def _log_download_done(self):
-    pass
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
@@ -249,7 +255,9 @@ class PythonStdlib(_EmbeddedCorpus, skip_registration=_tfds_is_registered("pytho
 
   _DESCRIPTION = ("Standard-library .py files of the interpreter that built the dataset "
                   "(no site-packages, no test directories).")
-  _SOURCE = f"the standard library in {sysconfig.get_paths()['stdlib']}"
+
+  def _source(self):
+    return f"the standard library in {sysconfig.get_paths()['stdlib']}"
 
   def _documents(self):
     return stdlib_documents()
@@ -259,7 +267,9 @@ class PythonDocs(_EmbeddedCorpus, skip_registration=_tfds_is_registered("python_
   """The interpreter's ``pydoc_data.topics`` help texts (prose)."""
 
   _DESCRIPTION = "pydoc help topics (pydoc_data.topics.topics), one document per topic."
-  _SOURCE = "the pydoc_data.topics help texts"
+
+  def _source(self):
+    return "the pydoc_data.topics help texts"
 
   def _documents(self):
     return docs_documents()
@@ -461,7 +471,7 @@ def read_text_files(files: list[TextFile]) -> tuple[list[tuple[TextFile, str]], 
   return docs, {"not_utf8": not_utf8, "empty": empty}
 
 
-class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+class TextFiles(_SaysWhatItBuilds, tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """Local files as a corpus (``data.name="text_files"``). One builder config
   per fingerprint of the matched files (``files-<16 hex>``); construct with
   ``TextFiles(files=[TextFile...], config=BuilderConfig(name=...), ...)``."""
@@ -477,6 +487,9 @@ class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   def __init__(self, *, files: list[TextFile] = (), **kwargs):
     self._text_files = list(files)
     super().__init__(**kwargs)
+
+  def _source(self):
+    return f"{len(self._text_files)} local files ({self.builder_config.description})"
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
@@ -550,13 +563,13 @@ def prepare_text_files(files: str, data_dir: str) -> tfds.core.DatasetBuilder:
     finally:
       absl_logger.removeFilter(quiet)
   builder = make()
-  if builder.is_prepared():
+  if _is_prepared(builder):
     return builder
   try:
     os.makedirs(data_dir, exist_ok=True)
     with _file_lock(os.path.join(data_dir, f".{TEXT_FILES}-{config.name}.lock")):
       builder = make()
-      if not builder.is_prepared():
+      if not _is_prepared(builder):
         with tempfile.TemporaryDirectory(prefix="mtp_tfds_dl_") as dl_dir, _quiet_tfds():
           builder.download_and_prepare(
               download_dir=dl_dir, file_format="array_record",

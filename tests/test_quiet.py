@@ -29,13 +29,21 @@ def test_read_only_checkpoint_opens_silently(markov_workdir, caplog):
   assert _absl_messages(caplog) == [], caplog.text
 
 
+def _check_one_build_line(capsys, caplog, name: str, *words: str):
+  out, err = capsys.readouterr()
+  assert "Downloading and preparing" not in out + err and "downloaded and prepared" not in out + err
+  built = [l for l in err.splitlines() if l.startswith(f"building dataset {name} from")]
+  assert len(built) == 1 and all(w in built[0] for w in words), err
+  assert not [m for m in _absl_messages(caplog) if "Variant folder" in m], caplog.text
+
+
 def test_building_a_dataset_says_one_line_of_its_own(tmp_path, caplog, capsys):
   caplog.set_level(logging.WARNING)
   data_lib.prepare_embedded("python_docs", str(tmp_path))
-  out, err = capsys.readouterr()
-  assert "Downloading and preparing" not in out + err and "downloaded and prepared" not in out + err
-  built = [l for l in err.splitlines() if l.startswith("building dataset python_docs")]
-  assert len(built) == 1 and str(tmp_path) in built[0] and "pydoc_data" in built[0], err
-  assert not [m for m in _absl_messages(caplog) if "Variant folder" in m], caplog.text
+  _check_one_build_line(capsys, caplog, "python_docs", str(tmp_path), "pydoc_data")
   data_lib.prepare_embedded("python_docs", str(tmp_path))           # built: says nothing
   assert capsys.readouterr() == ("", "")
+  for i in range(2):
+    (tmp_path / f"doc{i}.txt").write_text(f"document {i}\n")
+  data_lib.prepare_text_files(str(tmp_path / "*.txt"), str(tmp_path / "tfds"))
+  _check_one_build_line(capsys, caplog, "text_files", "2 local files", str(tmp_path / "tfds"))
