@@ -1,6 +1,9 @@
 """python -m decode --workdir DIR --prompt "def main(" [--method mtp] [--compare] ...
 
 Parses flags and calls ``decode.run.run``. Flags are listed by --help.
+Generated text goes to stdout; statistics, the --compare result and notices
+(one line per flag that has no effect in the chosen mode) to stderr;
+``--json PATH`` writes the machine-readable report.
 """
 
 import json
@@ -12,7 +15,8 @@ from absl import app, flags, logging
 _WORKDIR = flags.DEFINE_string("workdir", None, "Trained run directory (target model), or a "
                                 "directory written by python -m mtp.export.")
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (use --prompt_file for a batch).")
-_PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "UTF-8 file, one prompt per line (batched).")
+_PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "UTF-8 file, one prompt per line, taken "
+                                   "literally (batched; prompt i is line i+1; no blank lines).")
 _METHOD = flags.DEFINE_enum("method", "mtp", ["ar", "mtp", "draft"],
                             "ar: autoregressive; mtp: drafts from the MTP modules; draft: "
                             "drafts from --draft_workdir.")
@@ -24,7 +28,9 @@ _TOP_P = flags.DEFINE_float("top_p", 1.0, "Top-p in (0, 1] (1 = off).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Generated tokens per sample (>= 1).")
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Independent samples per prompt (>= 1).")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
-_COMPARE = flags.DEFINE_bool("compare", False, "Also run AR on the same prompts; report speedup.")
+_COMPARE = flags.DEFINE_bool("compare", False, "Also run AR on the same prompts; report the "
+                             "median speedup over --repeats interleaved runs.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "--compare: interleaved AR / method runs (>= 1).")
 _JSON = flags.DEFINE_string("json", None, "Write the report (tokens, text, stats) to this path.")
 flags.mark_flag_as_required("workdir")
 
@@ -32,8 +38,8 @@ flags.mark_flag_as_required("workdir")
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  logging.set_verbosity(logging.ERROR)   # orbax warns about read-only managers
-  from decode.run import read_prompt_file, run
+  logging.set_verbosity(logging.WARNING)   # orbax logs every restore at INFO
+  from decode.run import flag_notices, read_prompt_file, run
   from decode.speculative import DecodeError, SamplingParams
   from mtp.checkpoint import CheckpointError
   try:
@@ -42,13 +48,16 @@ def main(argv):
     if _JSON.value and not os.path.isdir(os.path.dirname(os.path.abspath(_JSON.value))):
       raise DecodeError(f"--json={_JSON.value!r}: directory "
                         f"{os.path.dirname(os.path.abspath(_JSON.value))!r} does not exist")
-    if _COMPARE.value and _METHOD.value == "ar":
-      print("note: --compare has no effect with --method=ar", file=sys.stderr)
     prompts = [_PROMPT.value] if _PROMPT.value is not None else read_prompt_file(_PROMPT_FILE.value)
+    given = {name for name in flags.FLAGS if flags.FLAGS[name].present}
+    for note in flag_notices(method=_METHOD.value, given=given, temperature=_TEMPERATURE.value,
+                             compare=_COMPARE.value):
+      print(f"note: {note}", file=sys.stderr)
     report = run(_WORKDIR.value, prompts, method=_METHOD.value, num_draft_tokens=_G.value,
                  draft_workdir=_DRAFT_WORKDIR.value, max_new_tokens=_MAX_NEW.value,
                  sampling=SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value),
-                 num_samples=_NUM_SAMPLES.value, seed=_SEED.value, compare=_COMPARE.value)
+                 num_samples=_NUM_SAMPLES.value, seed=_SEED.value, compare=_COMPARE.value,
+                 repeats=_REPEATS.value)
   except (DecodeError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -1,9 +1,13 @@
 """Library side of ``python -m decode``: load checkpoints, encode prompts,
 decode (streaming when there is one prompt), compare with AR, report.
 
-``run(...)`` returns the report dict that ``--json`` writes:
-``{"config": {...}, "results": [{"prompt", "sample", "tokens", "text",
-"stats"}, ...], "stats": {...}, "ar_stats": {...}, "speedup": float}``.
+``run(...)`` writes the generated text to ``out`` (stdout) and statistics,
+comparisons and notices to ``err`` (stderr), and returns the report dict that
+``--json`` writes: ``{"config": {...}, "results": [{"prompt_index",
+"prompt", "sample", "tokens", "text", "stats"}, ...], "stats": {...},
+"ar_stats": {...}, "speedup": float, "speedup_per_repeat": [...],
+"wall_times_s": {"ar": [...], METHOD: [...]}}`` (the last four with
+``compare``).
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from mtp import tokenizer as tok
 
 
 def read_prompt_file(path: str) -> list[str]:
-  """One prompt per line, taken literally (a prompt cannot contain a newline;
-  use ``--prompt $'...'`` for one multi-line prompt). Blank lines are skipped.
+  """One prompt per line, every line taken literally (no escapes; a prompt
+  cannot contain a newline: use ``--prompt $'...'`` for one multi-line
+  prompt), so prompt i is line i+1. Line ends are ``\\n``, ``\\r\\n`` or
+  ``\\r``; a final line end is optional.
 
-  Raises DecodeError for a missing file, non-UTF-8 bytes (naming the line) or
-  a file with no prompts.
+  Raises DecodeError for a missing file, an empty line (naming it: an empty
+  prompt is an error), non-UTF-8 bytes (naming the line) or an empty file.
   """
   try:
     raw = open(path, "rb").read()
@@ -39,11 +45,36 @@ def read_prompt_file(path: str) -> list[str]:
     except UnicodeDecodeError as e:
       raise DecodeError(f"--prompt_file={path!r} line {i} is not valid UTF-8 "
                         f"(byte {e.start}: {line[e.start:e.start + 1]!r})") from e
-    if text.strip():
-      prompts.append(text)
+    if not text:
+      raise DecodeError(f"--prompt_file={path!r} line {i} is empty: every line is one prompt "
+                        "(prompt i is line i+1); remove blank lines")
+    prompts.append(text)
   if not prompts:
-    raise DecodeError(f"--prompt_file={path!r} holds no non-empty prompt line")
+    raise DecodeError(f"--prompt_file={path!r} is empty: give one prompt per line")
   return prompts
+
+
+def flag_notices(*, method: str, given: set[str], temperature: float, compare: bool) -> list[str]:
+  """One line per flag that has no effect in the chosen mode (``given``: the
+  flags set on the command line, without dashes). The mode-independent ones;
+  ``run`` adds the one that needs the checkpoint (G > D)."""
+  notes = []
+  if compare and method == "ar":
+    notes.append("--compare has no effect with --method=ar (nothing to compare AR against)")
+  if "repeats" in given and not (compare and method != "ar"):
+    notes.append("--repeats has no effect without --compare (and a method other than ar)")
+  if "num_draft_tokens" in given and method == "ar":
+    notes.append("--num_draft_tokens has no effect with --method=ar (nothing is drafted; the "
+                 "report records num_draft_tokens 0)")
+  if "draft_workdir" in given and method != "draft":
+    notes.append(f"--draft_workdir has no effect with --method={method} (only --method=draft "
+                 "uses a draft model)")
+  if temperature == 0:
+    unused = [f"--{f}" for f in ("top_k", "top_p", "seed") if f in given]
+    if unused:
+      notes.append(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect at "
+                   "--temperature=0 (greedy: every token is the argmax)")
+  return notes
 
 
 def encode_prompts(prompts: Sequence[str]) -> list[np.ndarray]:
@@ -100,26 +131,52 @@ def decode_texts(decoder: Decoder, prompts: Sequence[str], *, max_new_tokens: in
 def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp", num_draft_tokens: int = 2,
         draft_workdir: str | None = None, max_new_tokens: int = 128,
         sampling: SamplingParams = SamplingParams(), num_samples: int = 1, seed: int = 0,
-        compare: bool = False, out: TextIO | None = None) -> dict:
-  """Everything ``python -m decode`` does (printing to ``out``, default
-  stdout); returns the JSON report."""
+        compare: bool = False, repeats: int = 3, out: TextIO | None = None,
+        err: TextIO | None = None) -> dict:
+  """Everything ``python -m decode`` does; returns the JSON report.
+
+  Generated text goes to ``out`` (default stdout): with one prompt and one
+  sample the prompt and its continuation, streamed; otherwise per row a line
+  ``--- prompt I sample S: 'PROMPT'`` and then prompt + continuation (I is
+  the index in ``prompts``, recorded as ``prompt_index``). Statistics, the
+  comparison and notices go to ``err`` (default stderr).
+
+  ``compare``: after the reported (streamed) generation, ``repeats``
+  interleaved pairs of AR and ``method`` runs of the same prompts, seed and
+  budget (order alternating, all after compilation, not streamed); the
+  speedup is median AR wall time / median ``method`` wall time, with the
+  per-repeat ratios as the spread.
+
+  Raises DecodeError / CheckpointError for bad arguments or checkpoints.
+  """
   out = out or sys.stdout
+  err = err or sys.stderr
   sampling.validate()
+  if compare and not (isinstance(repeats, int) and repeats >= 1):
+    raise DecodeError(f"--repeats={repeats!r} must be an integer >= 1")
   decoder = load_decoder(workdir, method, num_draft_tokens, draft_workdir)
+  depth = decoder.target().mtp_depth
+  if method == "mtp" and decoder.G > depth:
+    extra = (f"drafts {depth + 1}..{decoder.G} reuse" if decoder.G > depth + 1 else
+             f"draft {decoder.G} reuses")
+    err.write(f"note: --num_draft_tokens={decoder.G} > the checkpoint's MTP depth D={depth}: "
+              f"{extra} module {depth}, which was never trained for that offset (acceptance "
+              "decays there)\n")
   gen = decode_texts(decoder, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                      num_samples=num_samples, seed=seed, out=out)
   tk = tok.ByteTokenizer()
   results = []
   for r, ids in enumerate(gen.tokens):
-    results.append({"prompt": prompts[r // num_samples], "sample": r % num_samples,
-                    "tokens": [int(t) for t in ids], "text": tk.decode(ids),
-                    "stats": stats_lib.summarize(gen, [r])})
+    results.append({"prompt_index": r // num_samples, "prompt": prompts[r // num_samples],
+                    "sample": r % num_samples, "tokens": [int(t) for t in ids],
+                    "text": tk.decode(ids), "stats": stats_lib.summarize(gen, [r])})
   summary = stats_lib.summarize(gen)
   if len(gen.tokens) > 1:
-    for r, res in enumerate(results):
-      out.write(f"--- prompt {r // num_samples} sample {res['sample']}: "
+    for res in results:
+      out.write(f"--- prompt {res['prompt_index']} sample {res['sample']}: "
                 f"{res['prompt']!r}\n{res['prompt']}{res['text']}\n")
-  out.write(stats_lib.format_summary(method, summary) + "\n")
+    out.flush()
+  err.write(stats_lib.format_summary(method, summary) + "\n")
   report = {"config": {"workdir": workdir, "method": method, "num_draft_tokens": decoder.G,
                        "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
                        "top_k": sampling.top_k, "top_p": sampling.top_p,
@@ -127,18 +184,36 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp", num_draft_
                        "device": jax.devices()[0].device_kind},
             "results": results, "stats": summary}
   if compare and method != "ar":
-    ar = Decoder(decoder.target(), "ar")
-    ar_gen = decode_texts(ar, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                          num_samples=num_samples, seed=seed, out=None)
-    ar_summary = stats_lib.summarize(ar_gen)
-    report["ar_stats"] = ar_summary
-    report["speedup"] = ar_gen.wall_time_s / gen.wall_time_s
-    same = all(np.array_equal(a, b) for a, b in zip(ar_gen.tokens, gen.tokens))
-    out.write(stats_lib.format_summary("ar", ar_summary) + "\n")
-    out.write(f"speedup over AR (wall time, same prompts and budget, after compilation): "
-              f"{report['speedup']:.2f}x"
-              + ("" if sampling.temperature else
-                 " (greedy outputs identical)" if same else
-                 " (WARNING: greedy outputs differ; a float near-tie or a bug)") + "\n")
+    report.update(_compare_with_ar(decoder, gen, prompts, method=method, repeats=repeats,
+                                   max_new_tokens=max_new_tokens, sampling=sampling,
+                                   num_samples=num_samples, seed=seed, err=err))
   return report
 
+
+def _compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: str, repeats: int,
+                     max_new_tokens: int, sampling: SamplingParams, num_samples: int, seed: int,
+                     err: TextIO) -> dict:
+  """``repeats`` interleaved AR / ``decoder`` runs (see ``run``); returns the
+  report keys ar_stats, speedup, speedup_per_repeat, repeats, wall_times_s."""
+  ar = Decoder(decoder.target(), "ar")
+  kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples, seed=seed)
+  ar_gen = decode_texts(ar, prompts, warmup=True, **kw)       # compiles AR; not timed below
+  times = {"ar": [], method: []}
+  for i in range(repeats):   # alternate the order so that drift hits both alike
+    for name in (("ar", method) if i % 2 == 0 else (method, "ar")):
+      g = decode_texts(ar if name == "ar" else decoder, prompts, warmup=False, **kw)
+      times[name].append(g.wall_time_s)
+  ratios = [a / b for a, b in zip(times["ar"], times[method])]
+  speedup = float(np.median(times["ar"]) / np.median(times[method]))
+  ar_summary = stats_lib.summarize(ar_gen)
+  same = all(np.array_equal(a, b) for a, b in zip(ar_gen.tokens, gen.tokens))
+  err.write(stats_lib.format_summary("ar", ar_summary) + "\n")
+  err.write(f"speedup over AR: {speedup:.2f}x (median wall time of "
+            f"{repeats} interleaved repeat{'s' if repeats != 1 else ''}, per repeat "
+            f"{min(ratios):.2f}x-{max(ratios):.2f}x; same prompts and budget, after compilation"
+            + ("; one repeat is noisy, see scripts/bench_decode.py" if repeats == 1 else "") + ")"
+            + ("" if sampling.temperature else
+               " (greedy outputs identical)" if same else
+               " (WARNING: greedy outputs differ; a float near-tie or a bug)") + "\n")
+  return {"ar_stats": ar_summary, "speedup": speedup, "speedup_per_repeat": ratios,
+          "repeats": repeats, "wall_times_s": times}

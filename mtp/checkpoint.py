@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from mtp import config as config_lib
+from mtp import quiet
 from mtp.config import Config
 
 
@@ -44,9 +45,10 @@ class Checkpointer:
     if read_only and not os.path.isdir(self.directory):
       raise CheckpointError(f"no checkpoint in workdir {workdir!r}: {self.directory} does not exist "
                             "(train first: python -m train --config configs/tiny.py --workdir ...)")
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
-                                           read_only=read_only, enable_async_checkpointing=False)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    with quiet.absl_messages_dropped(*quiet.ORBAX_READ_ONLY):   # we asked for read_only
+      options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
+                                             read_only=read_only, enable_async_checkpointing=False)
+      self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()

@@ -263,23 +263,69 @@ def from_dict(values: Mapping[str, Any] | Any) -> Config:
   return validate(_build(Config, "", values))
 
 
-def load_config_file(path: str) -> Config:
-  """Builds and validates the Config of a config file (a Python file with
-  ``get_config()``, as ``configs/tiny.py``) without absl flags.
+def config_file_arg(argv: list[str], flag: str = "config") -> str | None:
+  """The value of ``--FLAG PATH`` / ``--FLAG=PATH`` (or one dash, as absl
+  accepts) in ``argv``, the last one given; None when absent."""
+  value = None
+  for i, arg in enumerate(argv):
+    if arg == "--":
+      break
+    for dash in ("--", "-"):
+      if arg == f"{dash}{flag}" and i + 1 < len(argv):
+        value = argv[i + 1]
+      elif arg.startswith(f"{dash}{flag}="):
+        value = arg.split("=", 1)[1]
+  return value
+
+
+def read_config_file(path: str) -> Any:
+  """Runs config file ``path`` (a Python file with ``get_config()``, as
+  ``configs/tiny.py``; ``FILE:ARG`` calls ``get_config("ARG")``, as
+  ml_collections config flags do) and returns what ``get_config`` returned,
+  unvalidated.
 
   Raises:
-    ConfigError: missing file, no ``get_config``, or an invalid value.
+    ConfigError: one line naming the path, for a missing file, a file that
+      does not import (syntax error, exception), no ``get_config``, or a
+      ``get_config`` that raises or returns None.
   """
   import importlib.util
   import os
-  if not os.path.isfile(path):
-    raise ConfigError(f"config file {path!r} does not exist")
-  spec = importlib.util.spec_from_file_location("_mtp_config_file", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  if not hasattr(mod, "get_config"):
-    raise ConfigError(f"config file {path!r} has no get_config() function")
-  return from_dict(mod.get_config())
+  file, *args = path.split(":", 1)
+  if not os.path.isfile(file):
+    raise ConfigError(f"config file {file!r} does not exist"
+                      + ("" if os.path.isabs(file) else f" (relative to {os.getcwd()})"))
+  def failed(what, e):
+    where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
+    msg = (e.msg if isinstance(e, SyntaxError) else str(e)).strip().splitlines()
+    return ConfigError(f"config file {file!r} {what}: {type(e).__name__}{where}"
+                       + (f": {msg[0]}" if msg else ""))
+  try:
+    spec = importlib.util.spec_from_file_location("_mtp_config_file", file)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+  except Exception as e:  # noqa: BLE001 - any failure of user code is a bad config file
+    raise failed("cannot be loaded", e) from e
+  if not callable(getattr(mod, "get_config", None)):
+    raise ConfigError(f"config file {file!r} has no get_config() function")
+  try:
+    value = mod.get_config(*args)
+  except Exception as e:  # noqa: BLE001
+    raise failed("failed in get_config()", e) from e
+  if value is None:
+    raise ConfigError(f"config file {file!r}: get_config() returned None (missing return?)")
+  return value
+
+
+def load_config_file(path: str) -> Config:
+  """Builds and validates the Config of a config file (``read_config_file``)
+  without absl flags.
+
+  Raises:
+    ConfigError: missing or unloadable file (``read_config_file``), or an
+      invalid value.
+  """
+  return from_dict(read_config_file(path))
 
 
 def to_config_dict(cfg: Config):

@@ -100,6 +100,7 @@ from absl import logging
 from tensorflow_datasets.core import read_only_builder
 from tensorflow_datasets.core import registered as tfds_registered
 
+from mtp import quiet
 from mtp import tokenizer as tok
 from mtp.config import DataConfig
 
@@ -189,7 +190,25 @@ def _tfds_is_registered(name: str) -> bool:
   return name in registry
 
 
-class _EmbeddedCorpus(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+class _SaysWhatItBuilds:
+  """Mixin for our TFDS builders. TFDS prints "Downloading and preparing
+  dataset Unknown size ..." and "... downloaded and prepared to ..." to stdout
+  from these two hooks; nothing is downloaded here, so instead one line on
+  stderr says what is built from what, and where."""
+
+  def _source(self) -> str:
+    """Where the documents come from, for the build line."""
+    raise NotImplementedError
+
+  def _log_download_bytes(self):
+    print(f"building dataset {self.name} from {self._source()} into {self.data_dir} (once; "
+          "nothing is downloaded)", file=sys.stderr, flush=True)
+
+  def _log_download_done(self):
+    pass
+
+
+class _EmbeddedCorpus(_SaysWhatItBuilds, tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """Base for the corpora shipped with Python. One config: this interpreter."""
 
   VERSION = tfds.core.Version("1.0.0")
@@ -237,6 +256,9 @@ class PythonStdlib(_EmbeddedCorpus, skip_registration=_tfds_is_registered("pytho
   _DESCRIPTION = ("Standard-library .py files of the interpreter that built the dataset "
                   "(no site-packages, no test directories).")
 
+  def _source(self):
+    return f"the standard library in {sysconfig.get_paths()['stdlib']}"
+
   def _documents(self):
     return stdlib_documents()
 
@@ -245,6 +267,9 @@ class PythonDocs(_EmbeddedCorpus, skip_registration=_tfds_is_registered("python_
   """The interpreter's ``pydoc_data.topics`` help texts (prose)."""
 
   _DESCRIPTION = "pydoc help topics (pydoc_data.topics.topics), one document per topic."
+
+  def _source(self):
+    return "the pydoc_data.topics help texts"
 
   def _documents(self):
     return docs_documents()
@@ -276,6 +301,13 @@ def _quiet_tfds():
     tfds.display_progress_bar(previous)
 
 
+def _is_prepared(builder: tfds.core.DatasetBuilder) -> bool:
+  """``builder.is_prepared()`` without TFDS's warning that the version folder
+  has no dataset_info.json (true of every dataset not built yet)."""
+  with quiet.absl_messages_dropped(*quiet.TFDS_BUILDING):
+    return builder.is_prepared()
+
+
 def prepare_embedded(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
   """Builds embedded corpus ``name`` under ``data_dir`` unless present; returns
   its builder. Safe when several processes call it at once (file lock; TFDS
@@ -290,13 +322,13 @@ def prepare_embedded(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
   config = interpreter_tag()
   kwargs = dict(data_dir=data_dir, config=config, file_format="array_record")
   builder = cls(**kwargs)
-  if builder.is_prepared():
+  if _is_prepared(builder):
     return builder
   try:
     os.makedirs(data_dir, exist_ok=True)
     with _file_lock(os.path.join(data_dir, f".{name}-{config}.lock")):
       builder = cls(**kwargs)       # re-check: another process may have built it
-      if not builder.is_prepared():
+      if not _is_prepared(builder):
         with tempfile.TemporaryDirectory(prefix="mtp_tfds_dl_") as dl_dir, _quiet_tfds():
           builder.download_and_prepare(
               download_dir=dl_dir, file_format="array_record",
@@ -439,7 +471,7 @@ def read_text_files(files: list[TextFile]) -> tuple[list[tuple[TextFile, str]], 
   return docs, {"not_utf8": not_utf8, "empty": empty}
 
 
-class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+class TextFiles(_SaysWhatItBuilds, tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """Local files as a corpus (``data.name="text_files"``). One builder config
   per fingerprint of the matched files (``files-<16 hex>``); construct with
   ``TextFiles(files=[TextFile...], config=BuilderConfig(name=...), ...)``."""
@@ -455,6 +487,9 @@ class TextFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   def __init__(self, *, files: list[TextFile] = (), **kwargs):
     self._text_files = list(files)
     super().__init__(**kwargs)
+
+  def _source(self):
+    return f"{len(self._text_files)} local files ({self.builder_config.description})"
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
@@ -528,13 +563,13 @@ def prepare_text_files(files: str, data_dir: str) -> tfds.core.DatasetBuilder:
     finally:
       absl_logger.removeFilter(quiet)
   builder = make()
-  if builder.is_prepared():
+  if _is_prepared(builder):
     return builder
   try:
     os.makedirs(data_dir, exist_ok=True)
     with _file_lock(os.path.join(data_dir, f".{TEXT_FILES}-{config.name}.lock")):
       builder = make()
-      if not builder.is_prepared():
+      if not _is_prepared(builder):
         with tempfile.TemporaryDirectory(prefix="mtp_tfds_dl_") as dl_dir, _quiet_tfds():
           builder.download_and_prepare(
               download_dir=dl_dir, file_format="array_record",

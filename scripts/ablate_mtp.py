@@ -60,7 +60,6 @@ import gc
 import json
 import os
 import resource
-import shlex
 import sys
 import time
 
@@ -308,7 +307,6 @@ def markdown(meta: dict, ttable: list[dict], dtable: list[dict]) -> str:
       f"{b['num_steps']} steps x {b['batch_size']} x {b['seq_len']} tokens per cell "
       f"({b['tokens_per_cell']:,} tokens), dataset {meta['dataset']}; {common.machine(meta)}, JAX {meta['jax_version']}, commit {meta['commit']}, {meta['date']}. "
       f"Values: mean over seeds [min, max].", "",
-      "Command:", "", f"    {meta['command']}", "",
       f"## (a) Training benefit (validation after {b['num_steps']} steps, "
       f"{b['eval_batches']} batches of {b['batch_size']} x {b['seq_len']})", "",
       "Delta: cell - D=0 of the same seed (negative = MTP training helps the main head). "
@@ -589,7 +587,7 @@ def _run(args, argv, base, cells, cfgs, budget, prompts, depths, lams, seeds, te
   t_decode = time.perf_counter() - t_start - t_train
 
   ttable, dtable = train_table(cells), decode_table(cells)
-  cmd = "python scripts/ablate_mtp.py " + " ".join(shlex.quote(a) for a in argv)
+  cmd = common.command_line(__file__, argv)
   meta = common.provenance(
       command=cmd, full_command=FULL_COMMAND, quick=args.quick,
       config_file="--quick test model" if args.quick else args.config, dataset=base.data.name,

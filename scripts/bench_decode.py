@@ -371,6 +371,7 @@ def main(argv=None):
         print(f"T={t} B={b} {row['name']:16s} {row['tokens_per_s']:8.1f} tok/s  speedup "
               f"{row['speedup']:.2f}x  tau {row['tau']:.2f}", flush=True)
   meta = common.provenance(
+      command=common.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),
       draft_workdir=args.draft_workdir, dataset=args.dataset, prompt_bytes=args.prompt_bytes,
       max_new_tokens=args.max_new_tokens, repeats=args.repeats,

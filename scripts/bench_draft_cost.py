@@ -70,7 +70,6 @@ def markdown(rows: list[dict], meta: dict) -> str:
            f"(d_model {meta['d_model']}), batch 1, T=0; {common.machine(meta)}, "
            f"JAX {meta['jax_version']}, commit {meta['commit']}, {meta['date']}; median of "
            f"{common.plural(meta['repeats'], 'repeat')} of 20 in-loop steps.", "",
-           f"Command: `{meta['command']}`", "",
            "| L | G | target forward ms | drafting ms | c | c (FLOPs) | c / c (FLOPs) | "
            + " | ".join(f"ideal speedup alpha={a}" for a in ALPHAS) + " |",
            "|---|---|---|---|---|---|---|" + "---|" * len(ALPHAS)]
@@ -129,7 +128,7 @@ def main(argv=None):
   rows = [r for n in layers for r in measure(cfg, n, gs, args.repeats, args.max_new_tokens)]
   meta = common.provenance(config_file=args.config, d_model=cfg.model.d_model, layers=layers,
                            num_draft_tokens=gs, repeats=args.repeats,
-                           command="python scripts/bench_draft_cost.py " + " ".join(argv or sys.argv[1:]))
+                           command=common.command_line(__file__, argv))
   common.write_report(args.out, meta, rows, markdown(rows, meta))
   plot(rows, args.out + ".png")
   print(f"wrote {args.out}.json, {args.out}.md and {args.out}.png")

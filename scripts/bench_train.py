@@ -107,7 +107,8 @@ def main(argv=None):
                                         if rows[-1]["flop_ratio"] else None)
     print(f"D={d}: {med * 1e3:.1f} ms/step  {tokens / med:.0f} tok/s  time x{rows[-1]['time_ratio']:.2f}"
           f"  flops x{rows[-1]['flop_ratio'] or float('nan'):.2f}", flush=True)
-  meta = common.provenance(config_file=args.config, config=base.to_dict(), repeats=args.repeats,
+  meta = common.provenance(command=common.command_line(__file__, argv),
+                           config_file=args.config, config=base.to_dict(), repeats=args.repeats,
                            steps_per_repeat=args.steps, quick=args.quick)
   commit = meta["commit"]
   m = base.model

@@ -10,7 +10,9 @@ import json
 import math
 import os
 import platform
+import re
 import resource
+import shlex
 import subprocess
 import sys
 
@@ -192,11 +194,36 @@ def exit_if_interrupted(result: dict, num_steps: int, what: str, workdir: str) -
   sys.exit(128 + int(sig))
 
 
+def command_line(script_file: str, argv=None) -> str:
+  """The command that ran a script, as a user would retype it:
+  ``python scripts/NAME.py ARG ...`` (``script_file``: the script's
+  ``__file__``; ``argv``: its arguments, default ``sys.argv[1:]``; each
+  shell-quoted)."""
+  args = list(sys.argv[1:] if argv is None else argv)
+  rel = os.path.relpath(os.path.abspath(script_file), REPO)
+  return " ".join(["python", shlex.quote(rel), *(shlex.quote(str(a)) for a in args)])
+
+
+def _code_span(text: str) -> str:
+  """``text`` as a markdown code span (a fence longer than any backtick run inside)."""
+  longest = max((len(run) for run in re.findall("`+", text)), default=0)
+  fence = "`" * (longest + 1)
+  pad = " " if text.startswith("`") or text.endswith("`") else ""
+  return f"{fence}{pad}{text}{pad}{fence}"
+
+
 def write_report(out: str, meta: dict, results, markdown: str | None = None) -> None:
-  """Writes ``out.json`` ({"meta", "results"}) and, if given, ``out.md``."""
+  """Writes ``out.json`` ({"meta", "results"}) and, if given, ``out.md``,
+  whose first line is the command that produced it (``meta["command"]``,
+  from ``command_line``).
+
+  Raises ValueError when ``markdown`` is given and ``meta`` has no command.
+  """
+  if markdown is not None and not meta.get("command"):
+    raise ValueError("write_report: meta['command'] (common.command_line) is required with markdown")
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   with open(out + ".json", "w") as f:
     json.dump({"meta": meta, "results": results}, f, indent=2)
   if markdown is not None:
     with open(out + ".md", "w") as f:
-      f.write(markdown)
+      f.write(f"Command: {_code_span(meta['command'])}\n\n{markdown}")

@@ -64,7 +64,6 @@ import dataclasses
 import json
 import math
 import os
-import shlex
 import sys
 import time
 
@@ -355,7 +354,7 @@ def given_drafts(specs: list[str]) -> list[dict]:
 def markdown(drafters: list[dict], rows: list[dict], meta: dict) -> str:
   t = meta["target"]
   lines = [f"# MTP drafting vs independent draft models: {meta['workdir']} (step {meta['checkpoint_step']})",
-           "", f"Command: `{meta['command']}`", "",
+           "",
            f"{common.machine(meta)}, JAX {meta['jax_version']}, commit "
            f"{meta['commit']}, {meta['date']}. Target: {t['num_layers']} layers, d_model "
            f"{t['d_model']}, D = {t['depth']} MTP modules, backbone {t['params']['backbone']:,} "
@@ -593,7 +592,7 @@ def main(argv=None):
     rows += point
 
   meta = common.provenance(
-      command="python scripts/compare_drafters.py " + " ".join(shlex.quote(a) for a in argv),
+      command=common.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(), runs_dir=args.runs_dir,
       target={"num_layers": cfg.model.num_layers, "d_model": cfg.model.d_model, "depth": cfg.mtp.depth,
               "params": counts, "dataset": dataset, "val_bpb": val_bpb(target_final),

@@ -272,23 +272,36 @@ def _p(x):
   return "-" if x is None else (f"{x:.3g}" if x >= 1e-300 else "<1e-300")
 
 
-def verdict(correct: dict) -> str:
-  """The study's conclusion from the correct rule's ``combine`` summary:
-  inconclusive when no test had enough samples (every test degenerate),
-  else whether any test rejects at Holm-corrected level 0.01."""
+def power_check_passed(wrong: dict) -> bool:
+  """Whether the wrong rule was detected (Holm 0.001) in every one of its
+  tests (``combine`` summary of the wrong rule's tests; False with none)."""
+  return bool(wrong.get("num_tests")) and wrong.get("holm_rejections_0.001", 0) == wrong["num_tests"]
+
+
+def verdict(correct: dict, wrong: dict) -> str:
+  """The study's conclusion from the ``combine`` summaries of the correct and
+  the wrong rule's tests: a rejection of the correct rule at Holm 0.01 is
+  reported as such; without one, the result is "no evidence against
+  losslessness" only when the power check passed (``power_check_passed``),
+  and inconclusive when it failed or when no test had enough samples."""
   if not correct.get("num_tests"):
     return ("Inconclusive: no test had enough samples (all "
             f"{correct.get('num_degenerate', 0)} degenerate; raise --num_samples)")
-  if correct.get("holm_rejections_0.01", 0) == 0:
-    return "No evidence against losslessness (no Holm rejection at 0.01)"
-  return f"{correct['holm_rejections_0.01']} correct-rule tests REJECT at Holm 0.01"
+  if correct.get("holm_rejections_0.01", 0):
+    return f"{correct['holm_rejections_0.01']} correct-rule tests REJECT at Holm 0.01"
+  if not power_check_passed(wrong):
+    return ("Inconclusive: no Holm rejection at 0.01, but the power check failed (the wrong rule "
+            f"was detected in {wrong.get('holm_rejections_0.001', 0)} of {wrong.get('num_tests', 0)} "
+            "tests at Holm 0.001), so these tests may be too weak to see a fault; raise --num_samples")
+  return ("No evidence against losslessness (no Holm rejection at 0.01; the power check passed: "
+          "the wrong rule was detected in every test)")
 
 
 def markdown(results: dict, meta: dict) -> str:
   c, w = results["combined"]["correct"], results["combined"]["wrong"]
-  conclusion = results.get("verdict") or verdict(c)
-  power = ("detected in every test" if w["num_tests"] and w.get("holm_rejections_0.001", 0)
-           == w["num_tests"] else "NOT detected in every test (too few samples?)")
+  conclusion = results.get("verdict") or verdict(c, w)
+  power = ("detected in every test" if power_check_passed(w)
+           else "NOT detected in every test (too few samples?)")
   lines = [
       f"# Losslessness study: {meta['workdir']} (commit {meta['commit']}, {meta['date']})", "",
       f"{len(results['prompts'])} prompts x {len(results['settings'])} settings (temperature, top-p); "
@@ -461,8 +474,9 @@ def main(argv=None):
                          for t in tests if t["statistic"] == "first_token"],
       "tests": tests, "acceptance": acceptance, "seconds": time.perf_counter() - t0,
   }
-  results["verdict"] = verdict(results["combined"]["correct"])
+  results["verdict"] = verdict(results["combined"]["correct"], results["combined"]["wrong"])
   meta = common.provenance(
+      command=common.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),
       prompt_source="--prompt" if args.prompt else "held_out_prompts", dataset=args.dataset,
       prompt_bytes=args.prompt_bytes, num_prompts=len(texts), temperatures=args.temperatures,
@@ -473,8 +487,10 @@ def main(argv=None):
                [t["pvalue"] for t in wrong if t["pvalue"] is not None])
   c, w = results["combined"]["correct"], results["combined"]["wrong"]
   print(f"correct rule: {c['num_tests']} tests, min p {_p(c.get('min_pvalue'))}, Holm rejections "
-        f"at 0.01: {c.get('holm_rejections_0.01', 0)}; wrong rule: max p {_p(w.get('max_pvalue'))}")
-  print(results["verdict"])
+        f"at 0.01: {c.get('holm_rejections_0.01', 0)}; wrong rule: max p {_p(w.get('max_pvalue'))}, "
+        f"detected (Holm 0.001) in {w.get('holm_rejections_0.001', 0)} of {w['num_tests']} tests: "
+        f"power check {'passed' if power_check_passed(w) else 'FAILED'}")
+  print(f"verdict: {results['verdict']}")
   print(f"wrote {args.out}.json, {args.out}.md, {args.out}_pvalues.png")
   return results
 

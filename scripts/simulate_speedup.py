@@ -496,7 +496,8 @@ def main(argv=None):
                       "frac_within_3se": float(np.mean(np.asarray(zs_tau) <= 3)), "rows": mc_rows},
       "optimal": optimal, "measured": measured, "deepseek_v3": deepseek_v3_check(),
   }
-  meta = common.provenance(**{k: v for k, v in vars(args).items()})
+  meta = common.provenance(command=common.command_line(__file__, argv),
+                           **{k: v for k, v in vars(args).items()})
   common.write_report(args.out, meta, results, markdown(results, meta))
   fine = np.linspace(args.alpha_min, args.alpha_max, 61)
   plot_curves(args.out + "_curves.png", fine, [g for g in (1, 2, 3, 4, 8) if g <= args.g_max],

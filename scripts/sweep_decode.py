@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shlex
 import sys
 
 import matplotlib
@@ -103,7 +102,6 @@ def _f(x, spec=".2f"):
 
 def markdown(sweeps: dict, meta: dict) -> str:
   lines = [f"# Decode sweeps: {meta['workdir']} (step {meta['checkpoint_step']})", "",
-           f"Command: `{meta['command']}`", "",
            f"{common.machine(meta)}, JAX {meta['jax_version']}, commit "
            f"{meta['commit']}, {meta['date']}. MTP with G = {meta['num_draft_tokens']} (D = "
            f"{meta['depth']}), {meta['max_new_tokens']} new tokens per row, held-out prompts of "
@@ -260,7 +258,7 @@ def main(argv=None):
   sweeps = {name: [dict(r, sweep=name) for p in pts for r in measured[point_key(p)]]
             for name, pts in plan.items()}
   meta = common.provenance(
-      command="python scripts/sweep_decode.py " + " ".join(shlex.quote(a) for a in argv),
+      command=common.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(), depth=depth,
       num_draft_tokens=gs, domains=domains, temperatures=temps, top_ps=top_ps, batch_sizes=batches,
       batch_temperatures=batch_temps, base=base, forms=forms, prompt_bytes=args.prompt_bytes,

@@ -26,6 +26,13 @@ def tiny_config(**sections) -> config_lib.Config:
   return config_lib.from_dict(base)
 
 
+def md_command(md_path: str) -> str:
+  """The command on the first line of a script's OUT.md ("Command: `...`")."""
+  first = open(md_path).readline().rstrip("\n")
+  assert first.startswith("Command: `") and first.endswith("`"), first
+  return first[len("Command: `"):-1]
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
   """A TFDS data dir private to the test session (embedded corpora build here)."""

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from tests.conftest import md_command
 from tests.test_scripts import _script
 
 
@@ -32,6 +33,8 @@ def test_quick_grid_resumes_and_reports(ablate, data_dir, tmp_path, capsys):
   first = capsys.readouterr().out
   assert "[cell 1/1] D0_s0: trained" in first and "already finished" not in first
   assert "(no D >= 1 cell)" in open(out1 + ".md").read()
+  assert md_command(out1 + ".md") == " ".join(
+      ["python scripts/ablate_mtp.py", *common, "--depths", "0", "--out", out1])
   assert json.load(open(out1 + ".json"))["results"]["decode_table"] == []
   done = {n: (_final(runs, n), _ckpt_steps(runs, n)) for n in ("D0_s0",)}
   mtimes = {n: os.path.getmtime(os.path.join(runs, n, "final_metrics.json")) for n in done}

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from mtp.model import count_params
-from tests.conftest import tiny_config
+from tests.conftest import md_command, tiny_config
 from tests.test_scripts import REPO, _script
 
 
@@ -70,7 +70,10 @@ def test_compare_quick_with_given_draft(cd, markov_workdir, trained_markov, data
     if r["drafter"] == "self":
       assert r["tau"] == pytest.approx(g + 1) and r["acceptance_rate_per_position"] == [1.0] * g
   md = open(out + ".md").read()
-  assert meta["command"] in md and "## Drafters" in md and "## Decoding" in md
+  assert md_command(out + ".md") == meta["command"] == " ".join([
+      "python scripts/compare_drafters.py", "--workdir", markov_workdir, "--draft_workdir",
+      f"self={markov_workdir}", "--data_dir", data_dir, "--quick", "--out", out])
+  assert "## Drafters" in md and "## Decoding" in md
   assert len([l for l in md.splitlines() if l.startswith("| 0 |") or l.startswith("| 1 |")]) == len(rows)
   assert 5_000 < os.path.getsize(out + ".png") < 150_000
 

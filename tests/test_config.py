@@ -79,3 +79,23 @@ def test_load_config_file(tmp_path):
   bad.write_text("x = 1\n")
   with pytest.raises(ConfigError, match="get_config"):
     config_lib.load_config_file(str(bad))
+
+
+def test_config_file_errors_name_the_path(tmp_path):
+  cases = {"syntax.py": ("def get_config(:\n", r"syntax\.py' cannot be loaded: SyntaxError \(line 1\)"),
+           "raises.py": ("import nonexistent_module_xyz\n", "cannot be loaded: ModuleNotFoundError"),
+           "none.py": ("def get_config():\n  pass\n", "returned None"),
+           "boom.py": ("def get_config():\n  raise ValueError('boom')\n",
+                       r"failed in get_config\(\): ValueError: boom")}
+  for name, (text, msg) in cases.items():
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=msg):
+      config_lib.load_config_file(str(tmp_path / name))
+  assert config_lib.read_config_file("configs/tiny.py").mtp.depth == 2
+
+
+def test_config_file_arg():
+  assert config_lib.config_file_arg(["--config", "a.py", "--workdir", "w"]) == "a.py"
+  assert config_lib.config_file_arg(["-config=b.py:x", "--config.mtp.depth=1"]) == "b.py:x"
+  assert config_lib.config_file_arg(["--workdir", "w", "--configs=x"]) is None
+  assert config_lib.config_file_arg(["--", "--config=c.py"]) is None

@@ -5,9 +5,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from decode.run import read_prompt_file, run
+from decode.run import flag_notices, read_prompt_file, run
 from decode.speculative import DecodeError, SamplingParams
 from mtp.checkpoint import CheckpointError
 
@@ -24,45 +25,71 @@ def workdir(markov_workdir):
 def test_run_report_has_tokens_text_and_stats(workdir, capsys):
   report = run(workdir, ["abca", "fed"], method="mtp", num_draft_tokens=2, max_new_tokens=12,
                sampling=SamplingParams(temperature=1.0, top_p=0.9), num_samples=2, seed=1,
-               compare=True)
-  assert [(r["prompt"], r["sample"]) for r in report["results"]] == [
-      ("abca", 0), ("abca", 1), ("fed", 0), ("fed", 1)]
-  assert len(report["results"]) == 4
+               compare=True, repeats=2)
+  assert [(r["prompt_index"], r["prompt"], r["sample"]) for r in report["results"]] == [
+      (0, "abca", 0), (0, "abca", 1), (1, "fed", 0), (1, "fed", 1)]
   for r in report["results"]:
     assert set(r) >= {"prompt", "sample", "tokens", "text", "stats"}
     assert STATS_KEYS <= set(r["stats"]) and 1 <= len(r["tokens"]) <= 12
   assert STATS_KEYS <= set(report["stats"]) and STATS_KEYS <= set(report["ar_stats"])
-  assert report["speedup"] > 0
+  assert report["repeats"] == 2 and len(report["speedup_per_repeat"]) == 2
+  times = report["wall_times_s"]
+  assert set(times) == {"ar", "mtp"} and len(times["ar"]) == len(times["mtp"]) == 2
+  assert report["speedup"] == pytest.approx(float(np.median(times["ar"]) / np.median(times["mtp"])))
   s = report["stats"]
   assert sum(s["accepted_length_histogram"]) == s["target_calls"]
   assert len(s["acceptance_rate_per_position"]) == 2
   json.dumps(report)          # serialisable
-  out = capsys.readouterr().out
-  assert "tau" in out and "speedup over AR" in out
-  assert "--- prompt 1 sample 1: 'fed'" in out
+  out, err = capsys.readouterr()
+  # stdout: the texts only; stderr: statistics and the comparison
+  assert out == "".join(f"--- prompt {r['prompt_index']} sample {r['sample']}: {r['prompt']!r}\n"
+                        f"{r['prompt']}{r['text']}\n" for r in report["results"])
+  assert "tau" in err and "speedup over AR" in err and "2 interleaved repeats" in err
+  assert "tau" not in out and "note:" not in err    # G = D: nothing to note
 
 
 def test_stream_prints_the_continuation(workdir, capsys):
-  report = run(workdir, ["abc"], method="ar", max_new_tokens=5,
+  report = run(workdir, ["abc"], method="ar", num_draft_tokens=5, max_new_tokens=5,
                sampling=SamplingParams(temperature=0.0))
-  out = capsys.readouterr().out
-  assert out.startswith("abc" + report["results"][0]["text"])
+  out, err = capsys.readouterr()
+  assert out == "abc" + report["results"][0]["text"] + "\n"
+  assert "[ar] tokens" in err
+  assert report["config"]["num_draft_tokens"] == 0     # nothing is drafted with AR
 
 
-def test_prompt_file_errors(tmp_path):
+def test_flags_without_effect_get_one_notice_each():
+  assert flag_notices(method="mtp", given={"num_draft_tokens", "top_p"}, temperature=0.7,
+                      compare=True) == []
+  notes = flag_notices(method="ar", given={"num_draft_tokens", "draft_workdir", "repeats"},
+                       temperature=1.0, compare=True)
+  assert len(notes) == 4
+  for flag in ("--compare", "--num_draft_tokens", "--draft_workdir", "--repeats"):
+    assert sum(n.startswith(flag) for n in notes) == 1, (flag, notes)
+  assert "records num_draft_tokens 0" in next(n for n in notes if n.startswith("--num_draft"))
+  greedy = flag_notices(method="mtp", given={"top_k", "seed"}, temperature=0.0, compare=False)
+  assert greedy == ["--top_k, --seed have no effect at --temperature=0 (greedy: every token is "
+                    "the argmax)"]
+
+
+def test_prompt_file_lines_are_prompts(tmp_path):
   bad = tmp_path / "bad.txt"
   bad.write_bytes(b"fine\n\xff\xfe broken\n")
   with pytest.raises(DecodeError, match="line 2 is not valid UTF-8"):
     read_prompt_file(str(bad))
+  blank = tmp_path / "blank.txt"
+  blank.write_text("first\n\nthird\n")
+  with pytest.raises(DecodeError, match="line 2 is empty"):   # would shift prompt indices
+    read_prompt_file(str(blank))
   empty = tmp_path / "empty.txt"
-  empty.write_text("\n  \n")
-  with pytest.raises(DecodeError, match="no non-empty prompt"):
+  empty.write_text("")
+  with pytest.raises(DecodeError, match="is empty"):
     read_prompt_file(str(empty))
   with pytest.raises(DecodeError, match="prompt_file"):
     read_prompt_file(str(tmp_path / "missing.txt"))
   ok = tmp_path / "ok.txt"
-  ok.write_text("def f(x):\\n  return\nimport os\n")
-  assert read_prompt_file(str(ok)) == ["def f(x):\\n  return", "import os"]   # taken literally
+  ok.write_bytes(b"def f(x):\\n  return\r\n  \nimport os")
+  # taken literally: no escapes, a whitespace line is a prompt, CRLF and a missing final newline
+  assert read_prompt_file(str(ok)) == ["def f(x):\\n  return", "  ", "import os"]
 
 
 def test_run_errors(workdir, tmp_path):
@@ -85,9 +112,14 @@ def _cli(*args):
 def test_cli_end_to_end_and_errors(workdir, tmp_path):
   out = tmp_path / "r.json"
   r = _cli("--workdir", workdir, "--prompt", "abc", "--max_new_tokens", "6", "--method", "mtp",
-           "--temperature", "0", "--json", str(out))
+           "--temperature", "0", "--top_k", "3", "--num_draft_tokens", "3", "--json", str(out))
   assert r.returncode == 0, r.stderr[-2000:]
-  assert STATS_KEYS <= set(json.loads(out.read_text())["stats"])
+  report = json.loads(out.read_text())
+  assert STATS_KEYS <= set(report["stats"])
+  assert r.stdout == "abc" + report["results"][0]["text"] + "\n"     # `> out.txt` gets the text only
+  notes = [l for l in r.stderr.splitlines() if l.startswith("note: ")]
+  assert len(notes) == 2 and "--top_k has no effect" in notes[0] and "reuses module 2" in notes[1]
+  assert "[mtp] tokens" in r.stderr
   r = _cli("--workdir", workdir, "--prompt", "abc", "--temperature", "-1")
   assert r.returncode == 2 and "--temperature" in r.stderr
   r = _cli("--workdir", str(tmp_path / "nowhere"), "--prompt", "abc")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from tests.conftest import md_command
 from tests.test_scripts import _script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,13 +85,17 @@ def test_argmax_accept_rule(ls):
 
 @pytest.fixture(scope="module")
 def quick(ls, markov_workdir, tmp_path_factory):
+  import contextlib
+  import io
   out = str(tmp_path_factory.mktemp("lossless") / "ll")
-  ls.main(["--workdir", markov_workdir, "--quick", "--out", out])
-  return out, json.load(open(out + ".json"))
+  console = io.StringIO()
+  with contextlib.redirect_stdout(console):
+    ls.main(["--workdir", markov_workdir, "--quick", "--out", out])
+  return out, json.load(open(out + ".json")), console.getvalue()
 
 
-def test_quick_report_structure(quick):
-  out, report = quick
+def test_quick_report_structure(quick, markov_workdir):
+  out, report, _ = quick
   meta, res = report["meta"], report["results"]
   assert {"commit", "date", "config", "num_samples", "num_tokens", "temperatures", "top_ps",
           "num_draft_tokens"} <= set(meta)
@@ -109,12 +114,14 @@ def test_quick_report_structure(quick):
   for acc in res["acceptance"]:
     assert sum(acc["accepted_length_histogram"][1:]) > 0 and acc["tau"] > 1
   md = open(out + ".md").read()
+  assert md_command(out + ".md") == " ".join(
+      ["python scripts/losslessness_study.py --workdir", markov_workdir, "--quick --out", out])
   assert "Holm" in md and md.count("| wrong_argmax | first") == len(wrong)
   assert 5_000 < os.path.getsize(out + "_pvalues.png") < 150_000
 
 
 def test_quick_correct_rule_passes(quick):
-  _, report = quick
+  _, report, _ = quick
   c = report["results"]["combined"]["correct"]
   assert c["num_tests"] >= 12
   assert c["holm_rejections_0.001"] == 0                 # Holm-corrected: nothing rejected
@@ -123,7 +130,7 @@ def test_quick_correct_rule_passes(quick):
 
 
 def test_quick_wrong_rule_is_detected(quick):
-  _, report = quick
+  _, report, _ = quick
   res = report["results"]
   wrong = [t for t in res["tests"] if t["rule"] == "wrong_argmax"]
   assert all(t["pvalue"] is not None and t["pvalue"] < 1e-3 for t in wrong)
@@ -145,10 +152,29 @@ def test_cli_errors(ls, tmp_path, capsys):
   assert not os.path.exists(str(tmp_path / "o.json"))
 
 
-def test_verdict_inconclusive_without_live_tests(ls):
-  """0 non-degenerate tests: no conclusion either way (markdown and JSON share it)."""
+def test_verdict_inconclusive_without_live_tests_or_power(ls):
+  """0 non-degenerate tests, or a power check that failed: no conclusion
+  either way (markdown, JSON and console share the verdict)."""
   combined = ls.combine([{"pvalue": None}, {"pvalue": None}])
   assert combined["num_tests"] == 0
-  assert ls.verdict(combined).startswith("Inconclusive: no test had enough samples")
-  assert ls.verdict(ls.combine([{"pvalue": 0.5}, {"pvalue": 0.3}])).startswith("No evidence")
-  assert "REJECT" in ls.verdict(ls.combine([{"pvalue": 1e-9}, {"pvalue": 0.3}]))
+  caught = ls.combine([{"pvalue": 1e-12}, {"pvalue": 1e-9}])          # wrong rule: detected twice
+  missed = ls.combine([{"pvalue": 1e-12}, {"pvalue": 0.2}])           # ... once of twice
+  fine = ls.combine([{"pvalue": 0.5}, {"pvalue": 0.3}])
+  assert ls.power_check_passed(caught) and not ls.power_check_passed(missed)
+  assert not ls.power_check_passed(combined)
+  assert ls.verdict(combined, caught).startswith("Inconclusive: no test had enough samples")
+  assert ls.verdict(fine, caught).startswith("No evidence")
+  assert ls.verdict(fine, missed).startswith("Inconclusive: no Holm rejection at 0.01, but the "
+                                             "power check failed")
+  assert "1 of 2 tests" in ls.verdict(fine, missed)
+  assert "REJECT" in ls.verdict(ls.combine([{"pvalue": 1e-9}, {"pvalue": 0.3}]), missed)
+
+
+def test_quick_console_and_markdown_give_the_same_verdict(ls, quick):
+  out, report, console = quick
+  res = report["results"]
+  want = ls.verdict(res["combined"]["correct"], res["combined"]["wrong"])
+  assert res["verdict"] == want and f"verdict: {want}" in console.splitlines()
+  assert want in open(out + ".md").read()
+  passed = ls.power_check_passed(res["combined"]["wrong"])
+  assert f"power check {'passed' if passed else 'FAILED'}" in console

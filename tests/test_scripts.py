@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+from tests.conftest import md_command
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,8 +25,10 @@ def workdir(markov_workdir):
 
 def test_bench_decode_quick(workdir, data_dir, tmp_path):
   out = str(tmp_path / "bd")
-  _script("bench_decode").main(["--workdir", workdir, "--quick", "--data_dir", data_dir,
-                                "--draft_workdir", workdir, "--out", out])
+  argv = ["--workdir", workdir, "--quick", "--data_dir", data_dir, "--draft_workdir", workdir,
+          "--out", out]
+  _script("bench_decode").main(argv)
+  assert md_command(out + ".md") == "python scripts/bench_decode.py " + " ".join(argv)
   report = json.load(open(out + ".json"))
   assert {"commit", "jax_version", "device_kind", "cpu_count", "date", "config"} <= set(report["meta"])
   names = {(r["method"], r["form"], r["temperature"]) for r in report["results"]}
@@ -45,8 +49,10 @@ def test_bench_decode_quick(workdir, data_dir, tmp_path):
 
 def test_bench_train_quick(tmp_path):
   out = str(tmp_path / "bt")
-  _script("bench_train").main(["--config", os.path.join(REPO, "configs/tiny.py"), "--quick",
-                               "--depths", "0,1", "--out", out])
+  argv = ["--config", os.path.join(REPO, "configs/tiny.py"), "--quick", "--depths", "0,1",
+          "--out", out]
+  _script("bench_train").main(argv)
+  assert md_command(out + ".md") == "python scripts/bench_train.py " + " ".join(argv)
   rows = json.load(open(out + ".json"))["results"]
   assert [r["depth"] for r in rows] == [0, 1]
   assert rows[0]["time_ratio"] == 1.0 and rows[1]["flop_ratio"] > 1.0
@@ -54,8 +60,10 @@ def test_bench_train_quick(tmp_path):
 
 def test_bench_draft_cost_quick(tmp_path):
   out = str(tmp_path / "dc")
-  _script("bench_draft_cost").main(["--config", os.path.join(REPO, "configs/tiny.py"), "--quick",
-                                    "--layers", "1,4", "--out", out])
+  argv = ["--config", os.path.join(REPO, "configs/tiny.py"), "--quick", "--layers", "1,4",
+          "--out", out]
+  _script("bench_draft_cost").main(argv)
+  assert md_command(out + ".md") == "python scripts/bench_draft_cost.py " + " ".join(argv)
   rows = json.load(open(out + ".json"))["results"]
   assert [r["layers"] for r in rows] == [1, 4]
   # one module next to 1 layer costs more of a target step than next to 4 layers
@@ -162,3 +170,14 @@ def test_help_keeps_usage_lines_and_defaults(capsys):
   out = capsys.readouterr().out
   assert "[--draft_workdir DIR] \\\n" in out                  # raw docstring: the line break stays
   assert "(default: 5)" in out and "tensorflow_datasets" in out
+
+
+def test_markdown_starts_with_the_quoted_command(tmp_path):
+  script = os.path.join(REPO, "scripts", "bench_decode.py")
+  cmd = common.command_line(script, ["--prompt", "it's `x`", "--quick"])
+  assert cmd == "python scripts/bench_decode.py --prompt 'it'\"'\"'s `x`' --quick"
+  common.write_report(str(tmp_path / "r"), {"command": cmd}, [], "# Title\n")
+  text = open(tmp_path / "r.md").read()
+  assert text == f"Command: ``{cmd}``\n\n# Title\n"      # a fence longer than the backticks inside
+  with pytest.raises(ValueError, match="command"):
+    common.write_report(str(tmp_path / "s"), {}, [], "# Title\n")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from tests.conftest import md_command
 from tests.test_scripts import _script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,6 +106,8 @@ def test_cli_quick_with_two_bench_files(sim, tmp_path):
   assert mc["cells"] == len(r["alphas"]) * 8 * len(r["costs"]) and mc["frac_within_3se"] > 0.9
   assert res["deepseek_v3"]["ends"][0]["alpha"] == 0.85
   md = open(out + ".md").read()
+  assert md_command(out + ".md") == f"python scripts/simulate_speedup.py --quick --bench {BENCH} " \
+      f"--bench {BENCH} --out {out}"
   assert "DeepSeek-V3" in md and "does not reproduce 1.8x at c = 0" in md
   assert "0.0278" in md and "0.0556" in md               # the computed c range, not hard-coded
   for name in ("_curves.png", "_optimal_g.png"):

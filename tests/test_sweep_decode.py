@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from tests.conftest import md_command
 from tests.test_scripts import _script
 
 
@@ -66,7 +67,10 @@ def test_sweep_decode_quick(sweep, markov_workdir, data_dir, tmp_path):
   for r in sweeps["domain"]:
     assert r["wall_s_median"] == t_rows[key(r)]["wall_s_median"]
   md = open(out + ".md").read()
-  assert all(f"## {name}" in md for name in sweep.SWEEPS) and meta["command"] in md
+  assert all(f"## {name}" in md for name in sweep.SWEEPS)
+  assert md_command(out + ".md") == meta["command"] == " ".join([
+      "python scripts/sweep_decode.py --workdir", markov_workdir, "--data_dir", data_dir,
+      "--quick --out", out])
   table_rows = [l for l in md.splitlines() if l.startswith("| ") and not l.startswith("| domain")]
   assert len(table_rows) == sum(len(rows) for rows in sweeps.values())
   for what in ("temperature", "batch"):

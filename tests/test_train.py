@@ -163,6 +163,20 @@ def test_cli_rejects_bad_override_naming_the_field(tmp_path):
   assert not (tmp_path / "w").exists()
 
 
+def test_cli_missing_or_unloadable_config_file_is_one_line(tmp_path):
+  (tmp_path / "syntax.py").write_text("def get_config(:\n")
+  (tmp_path / "noget.py").write_text("x = 1\n")
+  for path, want in ((str(tmp_path / "nope.py"), "does not exist"),
+                     (str(tmp_path / "syntax.py"), "SyntaxError (line 1)"),
+                     (str(tmp_path / "noget.py"), "no get_config() function")):
+    r = _run_cli([f"--config={path}", "--workdir", str(tmp_path / "w")], timeout=120)
+    assert r.returncode == 2, r.stderr[-1000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: config file {path!r}"), r.stderr
+    assert want in lines[0]
+  assert not (tmp_path / "w").exists()
+
+
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_then_resume_finishes(tmp_path, data_dir):
   workdir = tmp_path / "sig"
@@ -193,3 +207,123 @@ def test_sigterm_saves_a_checkpoint_then_resume_finishes(tmp_path, data_dir):
                 "--config.train.log_every=1"], timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]
   assert ckpt_lib.Checkpointer(str(workdir), read_only=True).latest_step() == steps[0] + 2
+
+
+# -- a signal anywhere: re-running the same call finishes exactly what is left --------------
+
+class _SignalAt:
+  """Sends this process SIGTERM from inside train(): before the checkpoint save
+  of step ``save``, at the start of the next evaluation (``eval=True``), or
+  during the train step that produces step ``step``. One shot per arm()."""
+
+  def __init__(self, monkeypatch):
+    from train.loop import Trainer
+    self.armed = {}
+    orig_save, orig_eval, orig_step = ckpt_lib.Checkpointer.save, Trainer.eval_sums, Trainer.train_step
+
+    def save(ckpt, step, *a, **kw):
+      self._fire("save", step)
+      return orig_save(ckpt, step, *a, **kw)
+
+    def eval_sums(trainer, params, batches):
+      self._fire("eval", True)
+      return orig_eval(trainer, params, batches)
+
+    def train_step(trainer, state, batch):
+      self._fire("step", state.step + 1)
+      return orig_step(trainer, state, batch)
+
+    monkeypatch.setattr(ckpt_lib.Checkpointer, "save", save)
+    monkeypatch.setattr(Trainer, "eval_sums", eval_sums)
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+
+  def arm(self, **event):
+    self.armed = dict(event)
+
+  def _fire(self, kind, value):
+    if self.armed.get(kind) == value:
+      self.armed = {}
+      # train() must have installed its handler: the default one would end pytest
+      assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+      os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_signal_anywhere_then_rerun_ends_as_an_uninterrupted_run(uninterrupted, tmp_path, data_dir,
+                                                                  monkeypatch):
+  """Steps 1..6, eval at 4 and 6 (final), checkpoints every 3 steps. The same
+  command is re-run after each signal: during the save of step 3, during the
+  evaluation at step 4, during the last step (its final evaluation is then
+  abandoned), during the final evaluation of a resumed run; the fifth run
+  finishes and everything matches the uninterrupted run."""
+  import io
+  monkeypatch.setattr(sys, "stderr", io.StringIO())   # not a terminal: no progress bar
+  full_dir, full = uninterrupted
+  wd = str(tmp_path / "sig")
+  final = os.path.join(wd, "final_metrics.json")
+  hooks = _SignalAt(monkeypatch)
+
+  def run(cfg=None, **event):
+    hooks.arm(**event)
+    lines = []
+    res = train(cfg or _cfg(data_dir), wd, log=lines.append)
+    assert hooks.armed == {}, f"signal {event} never sent"
+    return res, lines
+
+  res, _ = run(save=3)                                  # 1: the save completes, then it stops
+  assert (res["step"], res["interrupted"], res["signal"]) == (3, True, signal.SIGTERM)
+  assert ckpt_lib.Checkpointer(wd, read_only=True).all_steps() == [3] and not os.path.exists(final)
+  # 2: resumed with a changed (non-architecture) field, stopped inside the evaluation at step 4
+  res, lines = run(_cfg(data_dir, checkpoint=dict(keep=6)), eval=True)
+  assert (res["step"], res["interrupted"], res["eval"]) == (4, True, {})
+  assert any("checkpoint.keep: 5 -> 6" in l and "config.until_step3.json" in l for l in lines), lines
+  assert os.path.exists(os.path.join(wd, "config.until_step3.json"))
+  assert ckpt_lib.Checkpointer(wd, read_only=True).all_steps() == [3, 4]
+  # 3: runs the abandoned evaluation at 4 first; stopped during the last step
+  res, lines = run(_cfg(data_dir, checkpoint=dict(keep=6)), step=6)
+  assert (res["step"], res["interrupted"], res["eval"]) == (6, True, {}) and not os.path.exists(final)
+  assert not any("config changed" in l for l in lines)
+  progress = [l for l in lines if l.startswith("step 6/6: loss ")]
+  assert len(progress) == 1 and "tokens/s" in progress[0] and ", elapsed " in progress[0]
+  assert progress[0].endswith(", remaining ~0s")
+  assert ckpt_lib.Checkpointer(wd, read_only=True).latest_step() == 6
+  res, _ = run(_cfg(data_dir, checkpoint=dict(keep=6)), eval=True)   # 4: final evaluation stopped
+  assert (res["step"], res["interrupted"], res["signal"]) == (6, True, signal.SIGTERM)
+  assert not os.path.exists(final)
+  res, _ = run(_cfg(data_dir, checkpoint=dict(keep=6)))             # 5: finishes
+  assert (res["step"], res["interrupted"], res["signal"]) == (6, False, None)
+  got, want = json.load(open(final)), json.load(open(os.path.join(full_dir, "final_metrics.json")))
+  assert got == res and got["step"] == want["step"] == 6
+  assert set(got["eval"]) == set(want["eval"])
+  np.testing.assert_allclose([got["eval"][k] for k in sorted(want["eval"])],
+                             [want["eval"][k] for k in sorted(want["eval"])], rtol=1e-6)
+  np.testing.assert_allclose(got["train"]["loss"], want["train"]["loss"], rtol=1e-6)
+  rows = [json.loads(l) for l in open(os.path.join(wd, "metrics.jsonl"))]
+  assert [r["step"] for r in rows if r["split"] == "eval"] == [4, 6]    # each once, in order
+  assert [r["step"] for r in rows if r["split"] == "train"] == [2, 4, 6]
+  full_losses = _train_losses(full_dir)
+  np.testing.assert_allclose([_train_losses(wd)[s] for s in (2, 4, 6)],
+                             [full_losses[s] for s in (2, 4, 6)], rtol=1e-6)
+  _, model_a, _ = ckpt_lib.load_model(wd)
+  _, model_b, _ = ckpt_lib.load_model(full_dir)
+  from flax import nnx
+  import jax
+  for a, b in zip(jax.tree.leaves(nnx.state(model_a, nnx.Param)),
+                  jax.tree.leaves(nnx.state(model_b, nnx.Param))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+  again, lines = run(_cfg(data_dir, checkpoint=dict(keep=6)))       # 6: nothing left to do
+  assert again == got and any("already finished" in l for l in lines)
+
+
+def test_only_a_complete_final_result_counts_as_finished(tmp_path):
+  from train.loop import _finished_result
+  path = str(tmp_path / "final_metrics.json")
+  assert _finished_result(path, 6) is None                       # missing
+  good = {"step": 6, "eval": {"main/loss": 1.0}, "interrupted": False, "signal": None}
+  for bad in ({**good, "interrupted": True, "signal": 15},       # left by an interrupted run
+              {**good, "step": 4}, {**good, "eval": {}}):
+    json.dump(bad, open(path, "w"))
+    assert _finished_result(path, 6) is None, bad
+  open(path, "w").write('{"step": 6, "ev')                        # torn write
+  assert _finished_result(path, 6) is None
+  json.dump(good, open(path, "w"))
+  assert _finished_result(path, 6) == good

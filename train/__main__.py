@@ -59,8 +59,10 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from mtp.config import ConfigError, check_override_keys
-  try:
+  from mtp.config import ConfigError, check_override_keys, config_file_arg, read_config_file
+  try:   # before absl parses flags: it would fail on these with a traceback
+    if config_file_arg(sys.argv[1:]) is not None:
+      read_config_file(config_file_arg(sys.argv[1:]))
     check_override_keys(sys.argv[1:])
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -201,6 +201,14 @@ class DivergedError(RuntimeError):
   """The training loss became NaN or infinite."""
 
 
+def _metric_rows(path: str) -> list[dict]:
+  """The rows of a metrics.jsonl file (empty when it does not exist)."""
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
 def _truncate_metrics(path: str, step: int):
   """Drops metric rows after ``step`` (left by a run killed after its last
   checkpoint), so a resumed run's rows are not duplicated."""
@@ -213,8 +221,48 @@ def _truncate_metrics(path: str, step: int):
   os.replace(path + ".tmp", path)
 
 
+def _finished_result(path: str, step: int) -> dict | None:
+  """The final_metrics.json at ``path`` if it is complete for ``step`` (written
+  after the final evaluation at that step), else None (missing, unreadable,
+  another step, no evaluation, or left by an interrupted run)."""
+  try:
+    with open(path) as f:
+      res = json.load(f)
+  except (OSError, ValueError):
+    return None
+  if isinstance(res, dict) and res.get("step") == step and res.get("eval") and not res.get("interrupted"):
+    return res
+  return None
+
+
+def _config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
+  """Dotted fields where two config dicts differ, as ``"field: old -> new"``
+  (sorted; a field missing on one side shows as ``<unset>``)."""
+  out = []
+  for k in sorted(set(old) | set(new)):
+    a, b = old.get(k, "<unset>"), new.get(k, "<unset>")
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += _config_changes(a, b, f"{prefix}{k}.")
+    elif a != b:
+      out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+  return out
+
+
+def _duration(seconds: float) -> str:
+  """``3h02m05s``, ``2m05s`` or ``12s``."""
+  s = int(round(max(seconds, 0.0)))
+  h, m, s = s // 3600, s // 60 % 60, s % 60
+  return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+class _Interrupted(Exception):
+  """Raised inside an evaluation when a stop signal arrived."""
+
+
 class _StopFlag:
-  """Turns SIGTERM/SIGINT into a flag checked at step boundaries."""
+  """Turns SIGTERM/SIGINT into a flag. ``train`` checks it at step
+  boundaries and between evaluation batches: a train step, an evaluation
+  batch or a checkpoint save in progress finishes first."""
 
   def __init__(self):
     self.signum = None
@@ -231,14 +279,52 @@ class _StopFlag:
   def _handle(self, signum, frame):
     self.signum = signum
 
+  def check(self):
+    """Raises ``_Interrupted`` once a signal has arrived."""
+    if self.signum is not None:
+      raise _Interrupted
+
   def __exit__(self, *exc):
     for s, h in self._old.items():
       signal.signal(s, h)
 
 
+def _from_process_0(flag: bool) -> bool:
+  """Process 0's ``flag`` on every process (multi-host: one decision)."""
+  if jax.process_count() == 1:
+    return flag
+  from jax.experimental import multihost_utils
+  return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
+
+
 def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None,
           stop_after: int | None = None) -> dict[str, Any]:
   """Trains (or resumes) ``cfg`` in ``workdir``.
+
+  Work per step s: the train step; a train-metrics row every
+  ``train.log_every`` steps; an evaluation when s is a multiple of
+  ``train.eval_every`` or s >= ``train.num_steps`` (the final one); a
+  checkpoint every ``checkpoint.every_steps`` steps and at the end.
+  ``final_metrics.json`` is written (atomically) only after the final
+  evaluation ran at ``num_steps``, and an evaluation is reported only under
+  the step it was computed at.
+
+  SIGTERM / SIGINT: the step, evaluation batch or save in progress finishes,
+  an evaluation in progress is abandoned (nothing written for it), a
+  checkpoint of the current step is saved, and ``train`` returns with
+  ``interrupted`` True and ``signal`` set. Re-running the same call resumes
+  and does exactly what is left (including an abandoned evaluation of the
+  checkpointed step), ending with the same checkpoint and
+  ``final_metrics.json`` as an uninterrupted run. A signal that arrives when
+  nothing is left (during the last checkpoint save) does not interrupt.
+
+  Re-running a finished run (a complete ``final_metrics.json`` for the
+  latest checkpoint's step >= ``num_steps``) changes nothing and returns it.
+
+  When stderr is not a terminal (the progress bar is off), a line with the
+  step, loss, tokens/s, elapsed and remaining time is logged every
+  ``log_every`` steps. Resuming with a changed config logs the changed
+  fields (the previous config is kept as ``config.until_stepN.json``).
 
   Args:
     cfg: validated config.
@@ -248,10 +334,14 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
       interrupted; used by resume tests.
   Returns:
     dict with ``step``, ``train`` (last logged train metrics), ``eval``
-    (final validation metrics), ``step_time_s`` (median seconds/step after
-    the first, compiling, log window; synchronised at log steps) and ``params`` counts.
+    (validation metrics computed at ``step``; empty when none was),
+    ``step_time_s`` (median seconds/step after the first, compiling, log
+    window; synchronised at log steps; None when no window was timed),
+    ``params`` counts, ``interrupted`` (a signal stopped the run with work
+    left) and ``signal`` (its number, else None).
   Raises:
-    ConfigError, DataError, CheckpointError before anything is written.
+    ConfigError, DataError, CheckpointError before anything is written;
+    DivergedError for a NaN/inf training loss (nothing saved for it).
   """
   is_main = jax.process_index() == 0
   log = log or (lambda s: tqdm.write(s, file=sys.stderr))
@@ -260,11 +350,12 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
   resume_step = check_workdir(cfg, workdir)
   t = cfg.train
   final_path = os.path.join(workdir, "final_metrics.json")
-  if resume_step is not None and resume_step >= t.num_steps and os.path.exists(final_path):
-    log(f"{workdir} already finished at step {resume_step} (train.num_steps={t.num_steps}); "
-        "nothing to do (raise train.num_steps to continue)")
-    with open(final_path) as f:
-      return json.load(f)
+  if resume_step is not None and resume_step >= t.num_steps:
+    done = _finished_result(final_path, resume_step)
+    if done is not None:
+      log(f"{workdir} already finished at step {resume_step} (train.num_steps={t.num_steps}); "
+          "nothing to do (raise train.num_steps to continue)")
+      return done
   # Open the data first: a bad dataset stops the run before anything is written.
   dataset = data_lib.make_train_dataset(
       cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed,
@@ -277,6 +368,8 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
   os.makedirs(workdir, exist_ok=True)
   ckpt = ckpt_lib.Checkpointer(workdir, keep=cfg.checkpoint.keep)
   data_iter = iter(dataset)
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  last_train, last_eval, eval_step, step_times = {}, {}, None, []
   if resume_step is not None:
     try:
       params, opt_state = ckpt.restore(resume_step, trainer.abstract_params,
@@ -285,17 +378,37 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
       ckpt.close()
       raise
     state = TrainState(params, opt_state, resume_step)
-    log(f"resumed from {ckpt.directory}/{resume_step}")
+    resumed = f"resumed from {ckpt.directory}/{resume_step}"
   else:
     state = trainer.init_state()
+  eval_due = lambda step: step >= t.num_steps or step % t.eval_every == 0
+  eval_pending = False   # the checkpointed step's evaluation was abandoned by a signal
   if is_main:
     config_path = os.path.join(workdir, "config.json")
     if resume_step is not None:
-      _truncate_metrics(os.path.join(workdir, "metrics.jsonl"), resume_step)
+      _truncate_metrics(metrics_path, resume_step)
+      rows = _metric_rows(metrics_path)
+      train_rows = [r for r in rows if r["split"] == "train"]
+      if train_rows:   # the result reports the last logged train metrics, as uninterrupted
+        last_train = {k: v for k, v in train_rows[-1].items() if k not in ("step", "split")}
+      logged = [r for r in rows if r["split"] == "eval" and r["step"] == resume_step]
+      if logged:   # e.g. a run stopped after its final evaluation, before final_metrics.json
+        last_eval = {k: v for k, v in logged[-1].items() if k not in ("step", "split")}
+        eval_step = resume_step
+      else:
+        eval_pending = eval_due(resume_step)
       if os.path.exists(config_path) and open(config_path).read() != cfg.to_json():
-        os.replace(config_path, os.path.join(workdir, f"config.until_step{resume_step}.json"))
+        kept = f"config.until_step{resume_step}.json"
+        with open(config_path) as f:
+          changes = _config_changes(json.load(f), cfg.to_dict())
+        os.replace(config_path, os.path.join(workdir, kept))
+        resumed += (f"; config changed since the last run ({'; '.join(changes)}); the previous "
+                    f"one is kept as {kept}")
     with open(config_path, "w") as f:
       f.write(cfg.to_json())
+  if resume_step is not None:
+    log(resumed)
+    eval_pending = _from_process_0(eval_pending)
   counts = count_params(trainer.model(state.params))
   writer = MetricWriter(workdir, is_main)
   if resume_step is None:
@@ -305,63 +418,90 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
   def save():
     ckpt.save(state.step, state.params, state.opt_state, data_iter, cfg)
 
-  def evaluate():
-    metrics = losses.summarize(trainer.eval_sums(state.params, eval_batches))
+  def evaluate(stop: _StopFlag):
+    """Evaluates ``state``; on a signal between batches, abandons (nothing written)."""
+    nonlocal last_eval, eval_step
+    def batches():
+      for b in eval_batches:
+        stop.check()
+        yield b
+    try:
+      metrics = losses.summarize(trainer.eval_sums(state.params, batches()))
+    except _Interrupted:
+      log(f"signal {stop.signum}: evaluation at step {state.step} abandoned (it runs when the "
+          "same command is re-run)")
+      return
     writer.write(state.step, "eval", metrics)
+    last_eval, eval_step = metrics, state.step
     depth_acc = " ".join(f"acc{k}={metrics[f'mtp_{k}/accuracy']:.3f}"
                          for k in range(1, cfg.mtp.depth + 1))
     log(f"step {state.step}: eval loss {metrics['main/loss']:.4f} "
         f"bpb {metrics['main/bits_per_byte']:.4f} acc {metrics['main/accuracy']:.3f} {depth_acc}")
-    return metrics
 
-  last_train, last_eval, step_times = {}, {}, []
   target = t.num_steps if stop_after is None else min(t.num_steps, stop_after)
-  interrupted = False
-  with _StopFlag() as stop, tqdm(total=t.num_steps, initial=state.step,
-                                  disable=None if is_main else True, dynamic_ncols=True,
-                                  file=sys.stderr) as bar:
-    window_start, window_steps, warm = time.perf_counter(), 0, False
-    while state.step < target:
-      state, metrics = trainer.train_step(state, next(data_iter))
-      window_steps += 1
-      if state.step % t.log_every == 0 or state.step == target:
-        host = jax.device_get(metrics)   # the only host sync in the loop
-        elapsed = time.perf_counter() - window_start
-        if warm:   # the first window includes compilation
-          step_times.append(elapsed / window_steps)
-        warm = True
-        last_train = {"loss": float(host["loss"]), "grad_norm": float(host["grad_norm"]),
-                      "learning_rate": float(learning_rate(t, state.step - 1)),
-                      "tokens_per_s": window_steps * t.batch_size * t.seq_len / elapsed,
-                      **losses.summarize(host["sums"])}
-        if not np.isfinite(last_train["loss"]):
-          raise DivergedError(f"training loss is {last_train['loss']} at step {state.step}; no "
-                              "checkpoint written for it (lower train.learning_rate or raise "
-                              "train.warmup_steps; the run resumes from the last checkpoint)")
-        writer.write(state.step, "train", last_train)
-        bar.set_postfix(loss=f"{last_train['loss']:.3f}")
-        window_start, window_steps = time.perf_counter(), 0
-      bar.update(1)
-      if state.step % t.eval_every == 0 and state.step < t.num_steps:
-        last_eval = evaluate()
-      if state.step % cfg.checkpoint.every_steps == 0:
+  try:
+    with _StopFlag() as stop, tqdm(total=t.num_steps, initial=state.step,
+                                    disable=None if is_main else True, dynamic_ncols=True,
+                                    file=sys.stderr) as bar:
+      if eval_pending:
+        evaluate(stop)
+      start = time.perf_counter()
+      warm_start = warm_steps = None   # timing after the first (compiling) log window
+      window_start, window_steps, done_steps = start, 0, 0
+      while state.step < target and stop.signum is None:
+        state, metrics = trainer.train_step(state, next(data_iter))
+        window_steps += 1
+        done_steps += 1
+        if state.step % t.log_every == 0 or state.step == target:
+          host = jax.device_get(metrics)   # the only host sync in the loop
+          now = time.perf_counter()
+          elapsed = now - window_start
+          if warm_start is not None:   # the first window includes compilation
+            step_times.append(elapsed / window_steps)
+          else:
+            warm_start, warm_steps = now, done_steps
+          last_train = {"loss": float(host["loss"]), "grad_norm": float(host["grad_norm"]),
+                        "learning_rate": float(learning_rate(t, state.step - 1)),
+                        "tokens_per_s": window_steps * t.batch_size * t.seq_len / elapsed,
+                        **losses.summarize(host["sums"])}
+          if not np.isfinite(last_train["loss"]):
+            raise DivergedError(f"training loss is {last_train['loss']} at step {state.step}; no "
+                                "checkpoint written for it (lower train.learning_rate or raise "
+                                "train.warmup_steps; the run resumes from the last checkpoint)")
+          writer.write(state.step, "train", last_train)
+          bar.set_postfix(loss=f"{last_train['loss']:.3f}")
+          if bar.disable:   # no bar (stderr is not a terminal): one line per log window
+            timed = done_steps - warm_steps
+            per_step = (now - warm_start) / timed if timed else elapsed / window_steps
+            log(f"step {state.step}/{t.num_steps}: loss {last_train['loss']:.4f}, "
+                f"{last_train['tokens_per_s']:,.0f} tokens/s{'' if timed else ' (compiling)'}, "
+                f"elapsed {_duration(now - start)}, "
+                f"remaining ~{_duration(per_step * (t.num_steps - state.step))}")
+          window_start, window_steps = time.perf_counter(), 0
+        bar.update(1)
+        if eval_due(state.step):
+          evaluate(stop)
+        if state.step % cfg.checkpoint.every_steps == 0:
+          save()
+        if window_steps == 0:   # eval/checkpoint time stays out of the step time
+          window_start = time.perf_counter()
+      if ckpt.latest_step() != state.step:
         save()
-      if window_steps == 0:   # eval/checkpoint time stays out of the step time
-        window_start = time.perf_counter()
-      if stop.signum is not None:
-        log(f"signal {stop.signum}: saving checkpoint at step {state.step} and exiting")
-        interrupted = True
-        break
-  if not interrupted and state.step >= t.num_steps:
-    last_eval = evaluate()
-  if ckpt.latest_step() != state.step:
-    save()
-  ckpt.close()
-  writer.close()
-  result = {"step": state.step, "train": last_train, "eval": last_eval,
-            "step_time_s": float(np.median(step_times)) if step_times else None, "params": counts,
-            "interrupted": interrupted, "signal": stop.signum}
-  if is_main and state.step >= t.num_steps:
-    with open(os.path.join(workdir, "final_metrics.json"), "w") as f:
-      json.dump(result, f, indent=2)
+      complete = state.step >= t.num_steps and eval_step == state.step
+      interrupted = stop.signum is not None and not complete
+      if interrupted:
+        log(f"signal {stop.signum}: checkpoint saved at step {state.step}; exiting (re-run the "
+            "same command to finish the run)")
+      result = {"step": state.step, "train": last_train,
+                "eval": last_eval if eval_step == state.step else {},
+                "step_time_s": float(np.median(step_times)) if step_times else None,
+                "params": counts, "interrupted": interrupted,
+                "signal": stop.signum if interrupted else None}
+      if is_main and complete:
+        with open(final_path + ".tmp", "w") as f:
+          json.dump(result, f, indent=2)
+        os.replace(final_path + ".tmp", final_path)
+  finally:
+    ckpt.close()
+    writer.close()
   return result
