@@ -4,10 +4,19 @@ independent small draft model.
 Conventions (docs/design.md sections 5-6). Each row has committed tokens
 x_0..x_{n-1} in a token buffer ``tokens`` [B, S] int32; the target has
 processed positions 0..n-2. A drafter proposes d_1..d_G for positions
-n..n+G-1 together with the distributions q_1..q_G [B, G, V] it really
-sampled them from (the warped draft distribution; one-hot argmax at
-temperature 0), and writes the drafts into ``tokens`` at n..n+G-1 so the
-verify block [x_{n-1}, d_1..d_G] can be read straight from the buffer.
+n..n+G-1 together with q_1..q_G [B, G, V] float32, and writes the drafts
+into ``tokens`` at n..n+G-1 so the verify block [x_{n-1}, d_1..d_G] can be
+read straight from the buffer. q is what verification needs:
+
+- sampling (``warp.greedy`` False): the warped distributions the drafts were
+  really sampled from (``sampling.warped_probs``), one uniform draw of shape
+  [B, G, V] per round feeding Gumbel-max sampling;
+- greedy (``warp.greedy`` True, temperature 0): the raw draft logits; each
+  draft is their argmax (ties to the lowest id, as ``warp_logits`` at
+  temperature 0), and no softmax, warp or random number is computed.
+
+Either way a non-finite entry of q at an emittable id means the drafter
+produced NaN/inf logits (``Decoder`` stops that row with an error).
 
 Drafters are stateless objects holding static settings; their state is a
 pytree (``init_state``) threaded through jitted functions. Both keep their
@@ -39,8 +48,29 @@ def write_rows(buf: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
 
 
 def warped_probs(logits: jax.Array, warp) -> jax.Array:
-  """probs [..., V] float32 after ``sampling.warp_logits`` with warp = (temperature, top_k, top_p)."""
-  return sampling.probs_from_logits(sampling.warp_logits(logits, *warp))
+  """probs [..., V] float32 after ``sampling.warp_logits`` with warp = (temperature, top_k, top_p)
+  (a ``sampling.Warp`` or a plain tuple)."""
+  return sampling.warped_probs(logits, warp)
+
+
+def draft_uniforms(key, batch: int, num_draft_tokens: int, vocab: int, warp):
+  """The round's uniforms for drafting, [B, G, V] float32 (one draw), or
+  None when ``warp`` is greedy (no randomness)."""
+  if getattr(warp, "greedy", False):
+    return None
+  return sampling.uniform_open(key, (batch, num_draft_tokens, vocab))
+
+
+def pick(logits: jax.Array, u, warp):
+  """One draft per row from logits [B, V] float32: (token [B] int32, q [B, V]).
+
+  Greedy ``warp``: the argmax and the logits themselves. Otherwise a
+  Gumbel-max sample (uniforms u [B, V]) from q = the warped probabilities,
+  the distribution the token was really drawn from."""
+  if getattr(warp, "greedy", False):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
+  q = warped_probs(logits, warp)
+  return sampling.sample_from_uniform(q, u), q
 
 
 class MTPDrafter:
@@ -106,9 +136,14 @@ class MTPDrafter:
     return {"caches": caches, "hidden": hidden, "committed": committed}
 
   def draft(self, target: Transformer, state, tokens, n, key, warp):
-    """Returns (state, tokens, draft_tokens [B, G] int32, draft_probs [B, G, V] float32)."""
+    """key: the round's drafting key (one [B, G, V] uniform draw when
+    sampling); warp: ``sampling.Warp``. Returns (state, tokens with the
+    drafts written at n..n+G-1, draft_tokens [B, G] int32, q [B, G, V]
+    float32: the warped draft distributions, or the draft logits when
+    greedy; see the module docstring)."""
     g = self.num_draft_tokens
-    keys = jax.random.split(key, g)
+    with jax.named_scope("sample"):
+      u = draft_uniforms(key, tokens.shape[0], g, target.cfg.vocab_size, warp)
     caches, hidden, committed = list(state["caches"]), list(state["hidden"]), state["committed"]
     drafts, qs = [], []
     h_last = None
@@ -125,28 +160,26 @@ class MTPDrafter:
           hidden[k] = write_rows(hidden[k], h, c)
         h_last = gather_rows(h, (n - 2 - c)[:, None])              # [B, 1, D] at position n-2
       with jax.named_scope("head"):
-        logits = target.mtp_head(k, h_last)
+        logits = target.mtp_head(k, h_last)[:, 0]
       with jax.named_scope("sample"):
-        probs = warped_probs(logits, warp)[:, 0]
-        d = sampling.sample(keys[k - 1], probs)
+        d, q = pick(logits, None if u is None else u[:, k - 1], warp)
       with jax.named_scope("buffers"):
         tokens = write_rows(tokens, d[:, None], n - 1 + k)
       drafts.append(d)
-      qs.append(probs)
+      qs.append(q)
     for k in range(self.used + 1, g + 1):                          # reuse module D
       pos = (n - 2 + k - self.depth)[:, None]
       with jax.named_scope(f"module{self.depth}_reuse"):
         h_last, caches[-1] = target.mtp_forward(self.depth, h_last, drafts[-1][:, None], pos,
                                                 cache=caches[-1])
       with jax.named_scope("head"):
-        logits = target.mtp_head(self.depth, h_last)
+        logits = target.mtp_head(self.depth, h_last)[:, 0]
       with jax.named_scope("sample"):
-        probs = warped_probs(logits, warp)[:, 0]
-        d = sampling.sample(keys[k - 1], probs)
+        d, q = pick(logits, None if u is None else u[:, k - 1], warp)
       with jax.named_scope("buffers"):
         tokens = write_rows(tokens, d[:, None], n - 1 + k)
       drafts.append(d)
-      qs.append(probs)
+      qs.append(q)
     ks = jnp.arange(1, self.used + 1, dtype=jnp.int32)[:, None]
     committed = jnp.maximum(n[None, :] - ks, 0)
     state = {"caches": caches, "hidden": hidden, "committed": committed}
@@ -185,17 +218,16 @@ class DraftModelDrafter:
 
   def draft(self, draft: Transformer, state, tokens, n, key, warp):
     g = self.num_draft_tokens
-    keys = jax.random.split(key, g)
+    u = draft_uniforms(key, tokens.shape[0], g, draft.cfg.vocab_size, warp)
     cache = state["cache"]
     pos = (n - 2)[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
     inp = gather_rows(tokens, pos)
     drafts, qs = [], []
     for j in range(1, g + 1):
       h, cache = draft.backbone(inp, pos, cache=cache)
-      probs = warped_probs(draft.head(h[:, -1:]), warp)[:, 0]
-      d = sampling.sample(keys[j - 1], probs)
+      d, q = pick(draft.head(h[:, -1:])[:, 0], None if u is None else u[:, j - 1], warp)
       tokens = write_rows(tokens, d[:, None], n - 1 + j)
       drafts.append(d)
-      qs.append(probs)
+      qs.append(q)
       inp, pos = d[:, None], (n - 1 + j)[:, None]
     return {"cache": cache}, tokens, jnp.stack(drafts, 1), jnp.stack(qs, 1)

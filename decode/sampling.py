@@ -31,9 +31,12 @@ import jax
 import jax.numpy as jnp
 
 __all__ = [
+  "Warp",
   "warp_logits",
+  "warped_probs",
   "probs_from_logits",
   "sample",
+  "sample_from_uniform",
   "rejection_sample",
   "greedy_verify",
 ]
@@ -156,6 +159,71 @@ def warp_logits(logits, temperature, top_k, top_p):
   return jnp.where(t > 0, z, greedy)
 
 
+@jax.tree_util.register_pytree_node_class
+class Warp:
+  """Sampling settings as decoding's jitted functions see them.
+
+  ``temperature``, ``top_k``, ``top_p`` are pytree children (traced scalars:
+  one compilation serves every value); ``greedy`` (temperature == 0) and
+  ``filtering`` (top-k or top-p active) are static, part of the tree
+  structure, so each of the three combinations compiles its own lean
+  program: greedy decoding takes argmaxes and never builds a softmax, a
+  residual or a random number; sampling without top-k/top-p never compiles
+  the vocabulary sort. ``Warp.of(t, k, p)`` derives the flags from Python
+  values; iterating gives ``(temperature, top_k, top_p)`` so that
+  ``warp_logits(x, *warp)`` works as with a plain tuple.
+  """
+
+  def __init__(self, temperature, top_k, top_p, greedy: bool = False, filtering: bool = True):
+    self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+    self.greedy, self.filtering = bool(greedy), bool(filtering)
+
+  @classmethod
+  def of(cls, temperature: float, top_k: int = 0, top_p: float = 1.0) -> "Warp":
+    """Traced float32/int32 scalars with the static flags of these values.
+    Raises ValueError for out-of-range values (as ``warp_logits``)."""
+    _check_python_params(temperature, top_k, top_p)
+    return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
+               greedy=temperature == 0, filtering=top_k > 0 or top_p < 1.0)
+
+  def tree_flatten(self):
+    return (self.temperature, self.top_k, self.top_p), (self.greedy, self.filtering)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(*children, *aux)
+
+  def __iter__(self):
+    return iter((self.temperature, self.top_k, self.top_p))
+
+  def __repr__(self):
+    return (f"Warp(temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, "
+            f"greedy={self.greedy}, filtering={self.filtering})")
+
+
+def warped_probs(logits, warp):
+  """Probabilities [..., V] float32 of ``logits`` under ``warp``: exactly
+  ``probs_from_logits(warp_logits(logits, *warp))``.
+
+  With a ``Warp`` that is not greedy, the temperature-0 branch is not built
+  and the top-k/top-p sort only when ``warp.filtering`` (same values, fewer
+  operations). ``warp`` may also be a plain (temperature, top_k, top_p)
+  tuple (the general, traced path).
+  """
+  if not isinstance(warp, Warp) or warp.greedy:
+    return probs_from_logits(warp_logits(logits, *warp))
+  x = jnp.asarray(logits, jnp.float32)
+  t = jnp.asarray(warp.temperature, jnp.float32)
+  valid = x > _NEG_INF
+  row_max = jnp.max(x, axis=-1, keepdims=True)
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  z = jnp.where(valid, (x - row_max) / t, _NEG_INF)
+  if warp.filtering:
+    z = _top_k_top_p(z, jnp.asarray(warp.top_k).astype(jnp.int32),
+                     jnp.asarray(warp.top_p, jnp.float32))
+  return probs_from_logits(z)
+
+
 def probs_from_logits(warped_logits):
   """Softmax of (warped) logits in float32.
 
@@ -187,6 +255,20 @@ def _categorical_from_uniform(probs, u):
   """
   logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), _NEG_INF)
   return jnp.argmax(logp - jnp.log(-jnp.log(u)), axis=-1).astype(jnp.int32)
+
+
+def sample_from_uniform(probs, u):
+  """``sample`` with the uniforms given: probs [..., V] float >= 0 (at least
+  one positive entry per row), u [..., V] float32 in (0, 1) (e.g. one
+  ``jax.random.uniform`` draw for several samples). Returns [...] int32.
+  A 0-probability token is never returned."""
+  return _categorical_from_uniform(jnp.asarray(probs, jnp.float32), u)
+
+
+def uniform_open(key, shape):
+  """float32 uniforms in [tiny, 1) of ``shape``, the draws ``sample`` and
+  ``rejection_sample`` use."""
+  return _uniform_open(key, shape)
 
 
 def sample(key, probs):

@@ -21,6 +21,18 @@ cache valid for 0..n-2; docs/design.md section 5):
 
 The AR baseline is the same round with G = 0: one target call per token.
 Caches and buffers are donated, so writes happen in place.
+
+Sampling settings reach the jitted functions as a ``sampling.Warp``: values
+traced, "greedy" (temperature 0) and "filtering" (top-k/top-p on) static, so
+the greedy program is argmaxes only (drafts, verification, next token: no
+softmax, no residual, no random numbers) and sampling without top-k/top-p
+never compiles the vocabulary sort. Outputs are those of the general rule:
+greedy verification is the acceptance rule with one-hot p and q.
+
+Non-finite logits (target or drafter, at any emittable id) stop the row in
+the round that produced them: a flag in the state, set inside the jitted
+round (no host sync), so nothing computed from them is emitted; the host
+then raises ``NonFiniteLogitsError`` naming the row and the position.
 """
 
 from __future__ import annotations
@@ -49,6 +61,23 @@ class DecodeError(ValueError):
   """Bad decoding input (the message names the flag or field)."""
 
 
+class NonFiniteLogitsError(RuntimeError):
+  """The target or the drafter produced NaN/inf logits during a generation
+  (diverged or damaged weights, overflow in low precision).
+
+  Attributes: ``rows`` (per row, the tokens emitted before it stopped),
+  ``row`` and ``position`` (the first failing row and the position whose
+  logits were non-finite), ``source`` ("target" or "drafter").
+  """
+
+  def __init__(self, message: str, *, rows=None, row=None, position=None, source=None):
+    super().__init__(message)
+    self.rows, self.row, self.position, self.source = rows, row, position, source
+
+
+ERROR_NONE, ERROR_TARGET, ERROR_DRAFTER = 0, 1, 2
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """temperature >= 0 (0 = greedy), top_k >= 0 (0 = off), top_p in (0, 1] (1 = off)."""
@@ -66,8 +95,10 @@ class SamplingParams:
       raise DecodeError(f"--top_p={self.top_p!r} must be in (0, 1] (1 disables top-p)")
     return self
 
-  def as_arrays(self):
-    return (jnp.float32(self.temperature), jnp.int32(self.top_k), jnp.float32(self.top_p))
+  def as_arrays(self) -> sampling.Warp:
+    """The ``sampling.Warp`` of these settings (traced values, static
+    greedy / filtering flags) that jitted decoding functions take."""
+    return sampling.Warp.of(self.temperature, self.top_k, self.top_p)
 
 
 @dataclasses.dataclass
@@ -81,6 +112,8 @@ class Generation:
   emit_times: per row, seconds from the start of the request to each emitted
     token (stream form only; tokens of one round share a time).
   wall_time_s: seconds for the whole call (prefill included), after compilation.
+  prefill_time_s: seconds of the prefill alone (target and drafter over the
+    prompt bucket); wall_time_s - prefill_time_s is the decoding phase.
   """
   tokens: list[np.ndarray]
   prompt_lengths: np.ndarray
@@ -89,6 +122,7 @@ class Generation:
   emit_times: list[list[float]] | None
   wall_time_s: float
   num_draft_tokens: int
+  prefill_time_s: float = 0.0
 
 
 class Decoder:
@@ -145,7 +179,7 @@ class Decoder:
       fns = tuple(decode_mesh.constrain_state(f, mesh) for f in fns)
     self._prefill_fn = jax.jit(fns[0], donate_argnums=(2,), static_argnums=(3,))
     self._round_fn = jax.jit(fns[1], donate_argnums=(2,))
-    self._generate_fn = jax.jit(fns[2], donate_argnums=(2,), static_argnums=(4,))
+    self._generate_fn = jax.jit(fns[2], donate_argnums=(2,))
 
   def target(self) -> Transformer:
     """The target model."""
@@ -163,40 +197,56 @@ class Decoder:
     target, draft = self._models(params, draft_params)
     tokens, n = state["tokens"], state["length"]
     b = tokens.shape[0]
-    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    h0, cache = target.backbone(tokens[:, :p], pos, cache=state["cache"])
-    state = {**state, "cache": cache}
-    if self.method == "mtp":
-      state["drafter"] = self.drafter.prefill(target, state["drafter"], tokens, n, h0, p)
-    elif self.method == "draft":
-      state["drafter"] = self.drafter.prefill(draft, state["drafter"], tokens, n, p)
+    with jax.named_scope("prefill"):
+      pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+      h0, cache = target.backbone(tokens[:, :p], pos, cache=state["cache"])
+      state = {**state, "cache": cache}
+      if self.method == "mtp":
+        state["drafter"] = self.drafter.prefill(target, state["drafter"], tokens, n, h0, p)
+      elif self.method == "draft":
+        state["drafter"] = self.drafter.prefill(draft, state["drafter"], tokens, n, p)
     return state
 
   def _propose(self, target, draft, state, warp):
     """Draft and verify: returns (state with drafts written and the target
-    cache extended, draft_tokens [B, G], draft_probs [B, G, V], target_probs
-    [B, G+1, V], h0 [B, G+1, D], accept key)."""
+    cache extended, draft_tokens [B, G], q [B, G, V], p [B, G+1, V], h0
+    [B, G+1, D], accept key or None).
+
+    Sampling: q the warped draft distributions, p the warped target
+    distributions. Greedy ``warp``: q and p are the raw draft and target
+    logits (only their argmaxes matter) and no key is split (a drafter gets
+    the state's key unchanged: the built-in ones draw nothing). Rows whose
+    target or draft logits are non-finite at an emittable id get
+    ``state["error"]`` (ERROR_TARGET / ERROR_DRAFTER) and
+    ``state["error_pos"]`` (the position whose logits were bad) set here;
+    ``_commit`` then emits nothing for them and stops them.
+    """
     g = self.G
     tokens, n = state["tokens"], state["length"]
-    with jax.named_scope("rng"):
-      key, k_draft, k_accept = jax.random.split(state["key"], 3)
-    state = {**state, "key": key}
-    d_tok = d_probs = None
+    greedy = getattr(warp, "greedy", False)
+    k_draft, k_accept = state["key"], None        # greedy: nothing random (key not advanced)
+    if not greedy:
+      with jax.named_scope("rng"):
+        key, k_draft, k_accept = jax.random.split(state["key"], 3)
+      state = {**state, "key": key}
+    d_tok = d_q = None
     if g:
       model = target if self.method == "mtp" else draft
       with jax.named_scope("draft"):
-        dstate, tokens, d_tok, d_probs = self.drafter.draft(model, state["drafter"], tokens, n,
-                                                            k_draft, warp)
+        dstate, tokens, d_tok, d_q = self.drafter.draft(model, state["drafter"], tokens, n,
+                                                        k_draft, warp)
       state["drafter"] = dstate
     with jax.named_scope("verify"):
       block_pos = (n - 1)[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]
       with jax.named_scope("forward"):
         h0, cache = target.backbone(gather_rows(tokens, block_pos), block_pos, cache=state["cache"])
       with jax.named_scope("head"):
-        logits = target.head(h0)
+        logits = target.head(h0)                                    # [B, G+1, V]
       with jax.named_scope("warp"):
-        p = warped_probs(logits, warp)                              # [B, G+1, V]
-    return {**state, "tokens": tokens, "cache": cache}, d_tok, d_probs, p, h0, k_accept
+        p = logits if greedy else warped_probs(logits, warp)
+    with jax.named_scope("check"):
+      state = _flag_non_finite(state, logits, d_q, n)
+    return {**state, "tokens": tokens, "cache": cache}, d_tok, d_q, p, h0, k_accept
 
   def _commit(self, state, d_tok, a, nxt, h0):
     """Emits d_1..d_a then ``nxt`` per row, cut after an EOS and at the token
@@ -213,9 +263,11 @@ class Decoder:
     remaining = state["max_new"] - (n - state["prompt_len"])
     e = jnp.minimum(jnp.minimum(a + 1, remaining), first_eos + 1)
     active = ~done
-    e = jnp.where(active, e, 0)
+    failed = state["error"] != ERROR_NONE if "error" in state else jnp.zeros_like(done)
+    e = jnp.where(active & ~failed, e, 0)                           # nothing from bad logits
     new_n = n + e
-    done = done | (first_eos < e) | (new_n - state["prompt_len"] >= state["max_new"])
+    done = (done | failed | (first_eos < e)
+            | (new_n - state["prompt_len"] >= state["max_new"]))
     # A done row's writes land past its length and are never read.
     state = {**state, "tokens": write_rows(state["tokens"], cand, n), "length": new_n,
              "done": done, "target_calls": state["target_calls"] + active,
@@ -228,18 +280,26 @@ class Decoder:
   def _round(self, params, draft_params, state, warp):
     """One draft-verify-accept-commit round for every row (no-op for done rows)."""
     target, draft = self._models(params, draft_params)
-    state, d_tok, d_probs, p, h0, key = self._propose(target, draft, state, warp)
+    state, d_tok, d_q, p, h0, key = self._propose(target, draft, state, warp)
     with jax.named_scope("accept"):
-      if self.G:
-        a, nxt = sampling.rejection_sample(key, p, d_probs, d_tok)
-      else:
-        a, nxt = jnp.zeros_like(state["length"]), sampling.sample(key, p[:, 0])
+      a, nxt = self._accept(key, p, d_q, d_tok, warp)
     with jax.named_scope("commit"):
       return self._commit(state, d_tok, a, nxt, h0)
 
-  def _generate(self, params, draft_params, state, warp, prefill_len: int):
-    with jax.named_scope("prefill"):
-      state = self._prefill(params, draft_params, state, prefill_len)
+  def _accept(self, key, p, d_q, d_tok, warp):
+    """(num_accepted [B], next_token [B]): greedy verification on logits, or
+    the rejection rule of Leviathan et al. 2023 (Algorithm 1) on warped
+    probabilities; for AR (G = 0) the next token alone."""
+    if getattr(warp, "greedy", False):
+      if self.G:
+        return sampling.greedy_verify(p, d_tok)
+      return jnp.zeros(p.shape[0], jnp.int32), jnp.argmax(p[:, 0], -1).astype(jnp.int32)
+    if self.G:
+      return sampling.rejection_sample(key, p, d_q, d_tok)
+    return jnp.zeros(p.shape[0], jnp.int32), sampling.sample(key, p[:, 0])
+
+  def _generate(self, params, draft_params, state, warp):
+    """Every round inside one ``lax.while_loop`` (after ``_prefill``)."""
     max_rounds = jnp.max(state["max_new"])
     def cond(carry):
       s, i = carry
@@ -297,6 +357,8 @@ class Decoder:
         "cache": init_layer_caches(self.target_cfg, self.target_cfg.num_layers, b, cache_len),
         "target_calls": jnp.zeros((b,), jnp.int32),
         "accepted_histogram": jnp.zeros((b, self.G + 1), jnp.int32),
+        "error": jnp.zeros((b,), jnp.int32),
+        "error_pos": jnp.zeros((b,), jnp.int32),
     }
     if self.method == "mtp":
       state["drafter"] = self.drafter.init_state(target, b, cache_len)
@@ -307,23 +369,33 @@ class Decoder:
       state = decode_mesh.shard_state(self.mesh, state)
     return state, p_len - 1
 
-  def _result(self, state, emit_times, wall):
+  def _result(self, state, emit_times, wall, prefill):
     host = jax.device_get({k: state[k] for k in ("tokens", "length", "prompt_len",
-                                                  "target_calls", "accepted_histogram")})
+                                                  "target_calls", "accepted_histogram",
+                                                  "error", "error_pos")})
+    _raise_on_error(host)
     rows = [host["tokens"][i, host["prompt_len"][i]:host["length"][i]].copy()
             for i in range(host["tokens"].shape[0])]
     return Generation(rows, host["prompt_len"], host["accepted_histogram"].astype(np.int64),
-                      host["target_calls"].astype(np.int64), emit_times, wall, self.G)
+                      host["target_calls"].astype(np.int64), emit_times, wall, self.G, prefill)
 
   def generate(self, prompts, max_new_tokens: int, sampling_params: SamplingParams, seed: int = 0):
-    """Whole generation in one jitted ``while_loop`` (throughput form)."""
+    """Whole generation in two jitted calls, the prefill, then every round in
+    one ``while_loop`` (throughput form; the prefill is timed apart).
+
+    Raises DecodeError for bad input (``prepare``) and NonFiniteLogitsError
+    when the target or drafter produced NaN/inf logits (``_raise_on_error``).
+    """
     warp = sampling_params.validate().as_arrays()
     state, prefill_len = self.prepare(prompts, max_new_tokens, seed)
     jax.block_until_ready(state)
     t0 = time.perf_counter()
-    state = self._generate_fn(self.target_params, self.draft_params, state, warp, prefill_len)
+    state = self._prefill_fn(self.target_params, self.draft_params, state, prefill_len)
+    jax.block_until_ready(state)
+    t1 = time.perf_counter()
+    state = self._generate_fn(self.target_params, self.draft_params, state, warp)
     jax.block_until_ready(state["length"])
-    return self._result(state, None, time.perf_counter() - t0)
+    return self._result(state, None, time.perf_counter() - t0, t1 - t0)
 
   def stream(self, prompts, max_new_tokens: int, sampling_params: SamplingParams, seed: int = 0,
              on_tokens: Callable[[int, np.ndarray], None] | None = None):
@@ -340,9 +412,12 @@ class Decoder:
     t0 = time.perf_counter()
     state = self._prefill_fn(self.target_params, self.draft_params, state, prefill_len)
     prev = np.asarray(state["length"])
+    prefill = time.perf_counter() - t0
     for _ in range(max_new_tokens):
       state = self._round_fn(self.target_params, self.draft_params, state, warp)
-      length, done = jax.device_get((state["length"], state["done"]))
+      length, done, error = jax.device_get((state["length"], state["done"], state["error"]))
+      if error.any():
+        break
       now = time.perf_counter() - t0
       if on_tokens is not None and np.any(length > prev):
         toks = np.asarray(state["tokens"])
@@ -354,4 +429,44 @@ class Decoder:
       if done.all():
         break
     wall = time.perf_counter() - t0
-    return self._result(state, emit_times, wall)
+    return self._result(state, emit_times, wall, prefill)
+
+
+def _flag_non_finite(state, target_logits, draft_q, n):
+  """Sets ``error``/``error_pos`` of rows (still active and not yet failed)
+  whose target logits [B, G+1, V] or draft q [B, G, V] (probabilities or
+  logits) hold NaN or +-inf at an emittable id (``tok.emittable_mask``;
+  the head's -inf at never-emitted ids is by design). error_pos is the
+  position whose logits were bad: n-1+j for target block row j, n-1 for
+  the drafter (its drafts for the round starting at n)."""
+  allowed = tok.emittable_mask(target_logits.shape[-1])
+  bad_t = jnp.any(~jnp.isfinite(target_logits) & allowed, -1)          # [B, G+1]
+  code = jnp.where(jnp.any(bad_t, -1), ERROR_TARGET, ERROR_NONE)
+  pos = n - 1 + jnp.argmax(bad_t, -1).astype(jnp.int32)
+  if draft_q is not None:        # the target is named when both are bad (the drafter reads it)
+    bad_d = jnp.any(~jnp.isfinite(draft_q) & allowed, (-1, -2)) & (code == ERROR_NONE)
+    code = jnp.where(bad_d, ERROR_DRAFTER, code)
+    pos = jnp.where(bad_d, n - 1, pos)
+  fresh = (state["error"] == ERROR_NONE) & ~state["done"] & (code != ERROR_NONE)
+  return {**state, "error": jnp.where(fresh, code, state["error"]),
+          "error_pos": jnp.where(fresh, pos, state["error_pos"])}
+
+
+def _raise_on_error(host: dict) -> None:
+  """Raises NonFiniteLogitsError for the first row whose ``error`` is set
+  (host copies of the state's error, error_pos, prompt_len, length)."""
+  bad = np.nonzero(host["error"])[0]
+  if not len(bad):
+    return
+  r = int(bad[0])
+  rows = [host["tokens"][i, host["prompt_len"][i]:host["length"][i]].copy()
+          for i in range(host["tokens"].shape[0])]
+  who = "target" if host["error"][r] == ERROR_TARGET else "drafter"
+  pos = int(host["error_pos"][r])
+  emitted = int(host["length"][r] - host["prompt_len"][r])
+  more = f" ({len(bad) - 1} other row(s) too)" if len(bad) > 1 else ""
+  raise NonFiniteLogitsError(
+      f"the {who} produced non-finite logits (NaN or inf) for row {r} at position {pos} "
+      f"(predicting token {pos + 1}, after {emitted} generated token(s)){more}; the row was "
+      "stopped and nothing computed from those logits was emitted. The weights are damaged, "
+      "diverged or overflow in this dtype", rows=rows, row=r, position=pos, source=who)

@@ -15,6 +15,9 @@
   them; tokens emitted by the same round arrive together (gap 0), which is
   what makes speculative decoding's ITL distribution bimodal.
 - tokens_per_s: emitted tokens over the whole batch / wall time.
+- prefill_s: the prefill alone (target and drafter over the prompt bucket);
+  decode_tokens_per_s: emitted tokens / (wall time - prefill), the rate of
+  the decoding phase that speculative decoding accelerates.
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ def summarize(gen: Generation, rows: Sequence[int] | None = None) -> dict:
       "ttft_s": None, "itl_p50_s": None, "itl_p90_s": None,
       "tokens_per_s": num_tokens / gen.wall_time_s if gen.wall_time_s > 0 else None,
       "wall_time_s": gen.wall_time_s,
+      "prefill_s": gen.prefill_time_s,
+      "decode_tokens_per_s": (num_tokens / (gen.wall_time_s - gen.prefill_time_s)
+                              if gen.wall_time_s > gen.prefill_time_s else None),
   }
   if gen.emit_times is not None:
     firsts = [gen.emit_times[i][0] for i in rows if gen.emit_times[i]]
@@ -79,7 +85,8 @@ def format_summary(name: str, s: dict) -> str:
       f"  acceptance per position: {alphas}",
       f"  accepted-length histogram (a = 0..G): {s['accepted_length_histogram']}",
       f"  TTFT {ms(s['ttft_s'])}  ITL p50 {ms(s['itl_p50_s'])}  p90 {ms(s['itl_p90_s'])}  "
-      f"throughput {num(s['tokens_per_s'], '.1f')} tok/s  wall {s['wall_time_s']:.3f} s",
+      f"throughput {num(s['tokens_per_s'], '.1f')} tok/s  wall {s['wall_time_s']:.3f} s "
+      f"(prefill {ms(s.get('prefill_s'))}, decoding {num(s.get('decode_tokens_per_s'), '.1f')} tok/s)",
   ])
 
 

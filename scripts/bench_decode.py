@@ -8,16 +8,19 @@ side in one process, on held-out prompts.
 For every (temperature, batch size) it runs, after compiling each cell once,
 ``repeats`` rounds that interleave all cells (so machine noise hits them
 alike) with identical prompts, budgets and sampling settings. Per cell:
-median / min / max wall time, tokens/s, speedup over AR in the same form
-(same batch, same temperature), tau, alpha per position, the measured draft
-cost ratio c (drafting time per draft token, both measured inside a
-fori_loop, over one AR while_loop step) next to the FLOP share c (FLOPs) it
-would have if time followed XLA-counted FLOPs, the ideal speedup of
-Leviathan et al. 2023 (Theorem 3.8) with
-the measured alpha and c, efficiency = measured / ideal, TTFT and ITL
-(stream form). Also the bare cost of one jitted target forward over 1 and
-over G+1 tokens. Writes ``OUT.json`` (with config, commit, JAX version,
-device, CPU count and date) and ``OUT.md``.
+median / min / max wall time, tokens/s, two speedups over AR in the same
+form (same batch, same temperature): end to end (prefill included, the
+definition of docs/design.md section 7) and of the decoding phase (prefill
+excluded: what speculative decoding accelerates, and what Theorem 3.8
+models), tau, alpha per position, the measured draft cost ratio c (drafting
+time per draft token, measured inside a fori_loop, over one AR step of the
+decoding phase) next to the FLOP share c (FLOPs) it would have if time
+followed XLA-counted FLOPs, the ideal speedup of Leviathan et al. 2023
+(Theorem 3.8) with the measured alpha and c, efficiency = decoding-phase
+speedup / ideal, the prefill time, TTFT and ITL (stream form). Also the
+bare cost of one jitted target forward over 1 and over G+1 tokens. Writes
+``OUT.json`` (with config, commit, JAX version, device, CPU count and date)
+and ``OUT.md``.
 """
 
 from __future__ import annotations
@@ -149,6 +152,7 @@ class Cell:
   form: str              # "while" or "stream"
   decoder: Decoder
   walls: list = dataclasses.field(default_factory=list)
+  decode_walls: list = dataclasses.field(default_factory=list)   # wall - prefill
   gens: list = dataclasses.field(default_factory=list)
 
 
@@ -170,31 +174,39 @@ def run_cells(cells, prompts, batch, max_new, sp, repeats):
     for c in cells:
       gen = call(c, r)
       c.walls.append(gen.wall_time_s)
+      c.decode_walls.append(gen.wall_time_s - gen.prefill_time_s)
       c.gens.append(gen)
 
 
-def summarize_cell(c: Cell, ar_wall: float, ar_step_s: float, draft_s: float | None) -> dict:
-  """Row of the table; ``ar_step_s``: one AR step (one target call) in the
+def summarize_cell(c: Cell, ar_wall: float, ar_decode_wall: float, ar_step_s: float,
+                   draft_s: float | None) -> dict:
+  """Row of the table. ``ar_wall`` / ``ar_decode_wall``: the AR cell's
+  median seconds end to end / of the decoding phase (same form);
+  ``ar_step_s``: one AR step of the decoding phase (one target call) in the
   while_loop form, the "target step" of the cost ratio c."""
   hist = sum(g.accepted_histogram.sum(0) for g in c.gens)
   calls = int(sum(g.target_calls.sum() for g in c.gens))
   tokens = sum(sum(len(t) for t in g.tokens) for g in c.gens) / len(c.gens)
   wall = float(np.median(c.walls))
+  decode = float(np.median(c.decode_walls))
   tau = float((hist * (np.arange(len(hist)) + 1)).sum() / calls)
   row = {"name": c.name, "method": c.method, "num_draft_tokens": c.g, "form": c.form,
          "wall_s_median": wall, "wall_s_min": float(min(c.walls)), "wall_s_max": float(max(c.walls)),
-         "tokens_per_s": tokens / wall, "speedup": ar_wall / wall, "tau": tau,
+         "decode_s_median": decode,
+         "prefill_s_median": float(np.median([g.prefill_time_s for g in c.gens])),
+         "tokens_per_s": tokens / wall, "decode_tokens_per_s": tokens / decode,
+         "speedup": ar_wall / wall, "speedup_decode": ar_decode_wall / decode, "tau": tau,
          "acceptance_rate_per_position": stats_lib.acceptance_rates(hist),
          "accepted_length_histogram": [int(x) for x in hist]}
-  # time per round (one target call for the whole batch) and the draft cost ratio c
-  rounds_per_gen = max(int(g.target_calls.max()) for g in c.gens)
-  row["round_s"] = wall / rounds_per_gen
+  # time per round of the decoding phase (one target call for the whole batch)
+  row["round_s"] = float(np.median([d / int(g.target_calls.max())
+                                    for d, g in zip(c.decode_walls, c.gens)]))
   if c.g:
     cost = draft_s / (c.g * ar_step_s)
     alpha = stats_lib.alpha_from_tau(tau, c.g)
     ideal = stats_lib.ideal_speedup(alpha, c.g, cost)
     row.update({"draft_cost_ratio_c": cost, "alpha_iid": alpha, "ideal_speedup": ideal,
-                "efficiency": row["speedup"] / ideal})
+                "efficiency": row["speedup_decode"] / ideal})
   if c.form == "stream":
     s = [stats_lib.summarize(g) for g in c.gens]
     for k in ("ttft_s", "itl_p50_s", "itl_p90_s"):
@@ -244,8 +256,10 @@ def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens
   run_cells(cells, prompts, batch, max_new_tokens, sp, repeats)
   ar_cells = {c.form: c for c in cells if c.method == "ar"}
   ar_wall = {form: float(np.median(c.walls)) for form, c in ar_cells.items()}
+  ar_decode = {form: float(np.median(c.decode_walls)) for form, c in ar_cells.items()}
   ar_any = ar_cells.get("while", next(iter(ar_cells.values())))
-  ar_step = float(np.median(ar_any.walls)) / int(ar_any.gens[0].target_calls.max())
+  ar_step = float(np.median([d / int(g.target_calls.max())
+                             for d, g in zip(ar_any.decode_walls, ar_any.gens)]))
   probe = prompts[:batch] if len(prompts) >= batch else [prompts[i % len(prompts)] for i in range(batch)]
   draft_s = {}
   for label, dec in decoders.items():
@@ -263,7 +277,7 @@ def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens
       flops_cache[label, batch] = draft_flop_share(dec, probe, max_new_tokens, sp)
   rows = []
   for label, c in pairs:
-    row = summarize_cell(c, ar_wall[c.form], ar_step, draft_s.get(label))
+    row = summarize_cell(c, ar_wall[c.form], ar_decode[c.form], ar_step, draft_s.get(label))
     row.update({"label": label, "temperature": sp.temperature, "top_p": sp.top_p,
                 "batch_size": batch, "draft_s": draft_s.get(label), "ar_step_s": ar_step,
                 "draft_cost_ratio_c_flops": flops_cache.get((label, batch))})
@@ -279,7 +293,7 @@ def markdown(results, meta) -> str:
            "Bare target forward (backbone + head with KV cache) per batch size, over 1 and over G+1 "
            "tokens: one jitted call per forward (host dispatch included) / inside a fori_loop "
            "(device time; compare with the while_loop form). AR step = AR while_loop time per token "
-           "(prefill included).", "",
+           "of the decoding phase (prefill excluded).", "",
            "| B | " + " | ".join(f"{k} tok call / loop ms" for k in meta["bare_forward_s"]) +
            " | AR step ms | AR step / loop forward |",
            "|---|" + "---|" * (len(meta["bare_forward_s"]) + 2)]
@@ -290,18 +304,24 @@ def markdown(results, meta) -> str:
     lines.append(f"| {bsz} | " + " | ".join(f"{per_call[k] * 1e3:.3f} / {loop[k] * 1e3:.3f}" for k in per_call)
                  + (f" | {ar_s * 1e3:.3f} | {ar_s / loop['1']:.2f} |" if ar_s else " | - | - |"))
   lines += ["",
-           "| T | B | method | G | form | tok/s | speedup | tau | alpha_k | c | c (FLOPs) | ideal | eff. | "
-           "ms/round | TTFT ms | ITL p50/p90 ms |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "speedup: end to end, AR wall / method wall (prefill included); decode: the decoding "
+           "phase alone (prefill excluded), the speedup Theorem 3.8 models (ideal) and that eff. "
+           "divides; ms/round: decoding phase per target call; prefill: target (and drafter) over "
+           "the prompt bucket.", "",
+           "| T | B | method | G | form | tok/s | speedup | decode | tau | alpha_k | c | c (FLOPs) | ideal "
+           "| eff. | ms/round | prefill ms | TTFT ms | ITL p50/p90 ms |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   f = lambda x, s=".2f": "-" if x is None else format(x, s)
   for r in results:
     alphas = "/".join(f(a) for a in r["acceptance_rate_per_position"]) or "-"
     itl = "-" if r.get("itl_p50_s") is None else f"{r['itl_p50_s'] * 1e3:.2f}/{r['itl_p90_s'] * 1e3:.2f}"
     lines.append(
         f"| {r['temperature']} | {r['batch_size']} | {r['method']} | {r['num_draft_tokens'] or '-'} | "
-        f"{r['form']} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['tau']:.2f} | {alphas} | "
+        f"{r['form']} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['speedup_decode']:.2f}x | "
+        f"{r['tau']:.2f} | {alphas} | "
         f"{f(r.get('draft_cost_ratio_c'))} | {f(r.get('draft_cost_ratio_c_flops'))} | {f(r.get('ideal_speedup'))} | {f(r.get('efficiency'))} | "
-        f"{r['round_s'] * 1e3:.2f} | {f(r.get('ttft_s') and r['ttft_s'] * 1e3, '.1f')} | {itl} |")
+        f"{r['round_s'] * 1e3:.2f} | {r['prefill_s_median'] * 1e3:.1f} | "
+        f"{f(r.get('ttft_s') and r['ttft_s'] * 1e3, '.1f')} | {itl} |")
   return "\n".join(lines) + "\n"
 
 
@@ -369,7 +389,8 @@ def main(argv=None):
       for row in rows:
         results.append(row)
         print(f"T={t} B={b} {row['name']:16s} {row['tokens_per_s']:8.1f} tok/s  speedup "
-              f"{row['speedup']:.2f}x  tau {row['tau']:.2f}", flush=True)
+              f"{row['speedup']:.2f}x (decoding phase {row['speedup_decode']:.2f}x)  "
+              f"tau {row['tau']:.2f}", flush=True)
   meta = common.provenance(
       command=common.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),

@@ -405,7 +405,7 @@ def markdown(drafters: list[dict], rows: list[dict], meta: dict) -> str:
             + ("at every temperature" if meta["draft_cost_probe"] == "point" else "once, at the first "
                "temperature") + "); c (FLOPs): the c drafting would have if time followed "
             "XLA-counted FLOPs; ideal: Leviathan et al. 2023 Thm 3.8 "
-            "with the measured alpha (i.i.d. fit of tau) and c; eff. = speedup / ideal.", "",
+            "with the measured alpha (i.i.d. fit of tau) and c; eff. = decoding-phase speedup (prefill excluded) / ideal.", "",
             "| T | drafter | G | tau | alpha_k | c | c (FLOPs) | speedup | ideal | eff. | tok/s |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:

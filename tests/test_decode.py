@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from decode import drafters as drafters_lib
-from decode.speculative import DecodeError, Decoder, SamplingParams
+from decode.speculative import DecodeError, Decoder, NonFiniteLogitsError, SamplingParams
 from mtp import model as model_lib
 from mtp import tokenizer as tok
 from tests.conftest import ALPHABET, tiny_config
@@ -256,3 +256,73 @@ def test_prompt_at_maximum_length_generates_to_the_limit(target):
   gen = Decoder(target, "mtp", 3).generate(prompts, 5, GREEDY)
   ref = Decoder(target, "ar").generate(prompts, 5, GREEDY)
   np.testing.assert_array_equal(gen.tokens[0], ref.tokens[0])
+
+
+# -- non-finite logits ------------------------------------------------------------------
+
+def _with_nan(model, where: str):
+  """A copy of ``model`` with one NaN entry in the first parameter whose
+  path contains ``where`` ("blocks": the target; "mtp": a drafter module)."""
+  graphdef, params = nnx.split(model, nnx.Param)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  done = False
+  out = []
+  for path, x in leaves:
+    if not done and where in jax.tree_util.keystr(path):
+      x = jnp.asarray(x).at[(0,) * x.ndim].set(jnp.nan)
+      done = True
+    out.append(x)
+  return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, out))
+
+
+@pytest.mark.parametrize("where,source", [("blocks", "target"), ("mtp", "drafter")])
+def test_non_finite_logits_stop_with_an_error_and_emit_nothing(target, where, source):
+  """Issue 10: one NaN weight used to decode as a valid-looking byte 0.
+  Both forms, greedy and sampled, AR and MTP: an error naming the row and
+  the position, and no token emitted from the bad logits."""
+  bad = _with_nan(target, where)
+  prompts = _prompts([5, 9])
+  methods = [("mtp", 2)] + ([("ar", 0)] if source == "target" else [])
+  for method, g in methods:
+    dec = Decoder(bad, method, max(g, 1))
+    for sp in (SamplingParams(1.0), GREEDY):
+      for form in (dec.generate, dec.stream):
+        # row 0: BOS + 5 bytes, so the first round's logits are those at position 5
+        with pytest.raises(NonFiniteLogitsError, match=rf"{source} produced non-finite.*row 0 at position 5") as e:
+          form(prompts, 20, sp)
+        assert e.value.source == source and e.value.row == 0 and e.value.position == 5
+        assert [len(r) for r in e.value.rows] == [0, 0], (method, sp, form)
+
+
+def test_a_row_failing_mid_generation_keeps_what_came_before(target):
+  """The flag set inside the round stops exactly the failing row: its
+  earlier tokens stay, the round's tokens are not emitted, other rows go on."""
+  from decode.speculative import ERROR_TARGET, _flag_non_finite
+  dec = Decoder(target, "ar")
+  state, _ = dec.prepare(_prompts([4, 6]), 10, 0)
+  logits = jnp.zeros((2, 1, target.cfg.vocab_size)).at[1, 0, 5].set(jnp.inf)
+  state = {**state, "length": jnp.asarray([7, 9], jnp.int32)}
+  state = _flag_non_finite(state, logits, None, state["length"])
+  np.testing.assert_array_equal(state["error"], [0, ERROR_TARGET])
+  np.testing.assert_array_equal(state["error_pos"][1], 8)
+  out = dec._commit(state, None, jnp.zeros(2, jnp.int32), jnp.asarray([97, 98], jnp.int32), None)
+  np.testing.assert_array_equal(out["length"], [8, 9])          # row 1 emits nothing
+  np.testing.assert_array_equal(out["done"], [False, True])
+  # -inf at a never-emitted id (the head's own mask) is not an error
+  masked = jnp.zeros((2, 1, target.cfg.vocab_size)).at[:, 0, tok.BOS_ID].set(-jnp.inf)
+  state, _ = dec.prepare(_prompts([4, 6]), 10, 0)
+  assert not _flag_non_finite(state, masked, None, state["length"])["error"].any()
+
+
+def test_high_temperature_never_emits_never_emitted_ids(target):
+  """Issue 10: BOS (and PAD, vocabulary padding, non-UTF-8 bytes) were
+  sampled at T = 1.3 by AR and MTP decoding; their probability is now
+  exactly 0 on every path (target p, draft q, residual, bonus)."""
+  never = ~tok.emittable_mask(target.cfg.vocab_size)
+  prompts = _prompts([3, 7, 11, 5] * 4)
+  for method, g in (("ar", 0), ("mtp", 2), ("mtp", 3), ("draft", 2)):
+    dec = Decoder(target, method, max(g, 1), target if method == "draft" else None)
+    for sp in (SamplingParams(3.0), SamplingParams(8.0, top_p=0.99)):
+      gen = dec.generate(prompts, 48, sp, seed=1)
+      emitted = np.concatenate(gen.tokens)
+      assert not never[emitted].any(), (method, sp, sorted(set(emitted[never[emitted]])))

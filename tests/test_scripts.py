@@ -58,6 +58,31 @@ def test_bench_train_quick(tmp_path):
   assert rows[0]["time_ratio"] == 1.0 and rows[1]["flop_ratio"] > 1.0
 
 
+def test_bench_round_quick(workdir, data_dir, tmp_path):
+  """The round-cost breakdown attributes profiled operations to the named
+  scopes of the round (module, head, sample, verify, accept, commit)."""
+  out = str(tmp_path / "br")
+  argv = ["--workdir", workdir, "--quick", "--data_dir", data_dir, "--num_draft_tokens", "2",
+          "--out", out]
+  _script("bench_round").main(argv)
+  assert md_command(out + ".md") == "python scripts/bench_round.py " + " ".join(argv)
+  rows = json.load(open(out + ".json"))["results"]
+  assert [(r["temperature"], r["num_draft_tokens"]) for r in rows] == [(0, 0), (0, 2), (1, 0), (1, 2)]
+  for r in rows:
+    pieces = r["pieces"]
+    assert pieces["verify/forward"]["ops_per_round"] > 0 and r["round_us"] > 0
+    if r["num_draft_tokens"]:
+      assert {"draft/module1", "draft/module2", "draft/head", "accept", "commit"} <= set(pieces)
+      assert 0 < r["draft_share"] < 1
+    if r["temperature"] == 0:       # greedy: no softmax, no sampling, no random numbers
+      assert "rng" not in pieces and "verify/warp" not in pieces and "draft/sample" not in pieces or \
+          pieces["draft/sample"]["ops_per_round"] <= r["num_draft_tokens"]
+    else:
+      assert pieces["draft/sample"]["ops_per_round"] > 0 if r["num_draft_tokens"] else True
+  md = open(out + ".md").read()
+  assert "| verify/forward |" in md and "round, unprofiled" in md
+
+
 def test_bench_draft_cost_quick(tmp_path):
   out = str(tmp_path / "dc")
   argv = ["--config", os.path.join(REPO, "configs/tiny.py"), "--quick", "--layers", "1,4",

@@ -1,0 +1,259 @@
+r"""Round-cost breakdown: where the time of one decoding round goes.
+
+    python scripts/bench_round.py --workdir runs/reference [--num_draft_tokens 1,2,3] \
+        [--temperatures 0,1] [--batch_size 1] [--repeats 5] [--out results/bench_round]
+
+For AR and each draft length G, at each temperature, held-out prompts are
+decoded in the while_loop form (``Decoder.generate``): first timed without a
+profiler (median wall time per round over ``repeats`` generations, the
+number to trust), then once under ``jax.profiler``. Every XLA operation the
+CPU runtime executed (one trace event per thunk: a fusion, a dot, a gather,
+a dynamic-update-slice, ...) is attributed, through the op_name metadata of
+the compiled program, to the named scope of the decoding code it came from:
+
+    draft/module<k>        MTP module k (embedding, norms, projection, block)
+    draft/module<D>_reuse  module D reused for steps past D
+    draft/head             the shared output head on the drafting position
+    draft/sample           warping, softmax and sampling of a draft
+    draft/buffers          gathers and writes of hidden states and tokens
+    verify/forward         the target forward over the verify block
+    verify/head            the target's head over the block
+    verify/warp            warping and softmax of the target's logits
+    accept                 the acceptance rule (or sampling, for AR)
+    commit                 emission, EOS / budget cuts, statistics
+    rng                    key splitting
+    loop                   operations of the loop body outside every scope
+
+and reported as microseconds and operations per round. The profiler adds a
+small cost per operation, so the profiled total exceeds the unprofiled
+round time; the shares are what the table is for. Prefill is reported
+apart (once per generation). Writes ``OUT.json`` (with provenance) and
+``OUT.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts import common  # noqa: E402
+from decode.speculative import Decoder, SamplingParams  # noqa: E402
+from mtp import checkpoint as ckpt_lib  # noqa: E402
+from mtp import config as config_lib  # noqa: E402
+from mtp import data as data_lib  # noqa: E402
+from mtp import tokenizer as tok  # noqa: E402
+from mtp.model import build_model  # noqa: E402
+
+_OP = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name="([^"]*)"')
+_SCOPES = ("draft", "verify", "accept", "commit", "rng", "prefill")
+_CONTAINERS = ("while", "conditional", "call")
+
+
+def op_scopes(hlo_text: str) -> dict[str, str]:
+  """{HLO instruction name: op_name metadata} for every instruction of a
+  compiled program's text (``compiled.as_text()``)."""
+  out = {}
+  for line in hlo_text.splitlines():
+    m = _OP.match(line)
+    if m:
+      out[m.group(1)] = m.group(2)
+  return out
+
+
+def piece_of(op_name: str) -> str:
+  """The breakdown row of an op_name: the first scope of ``_SCOPES`` in its
+  path, with the sub-scope for draft/ and verify/ (``draft/module1``);
+  "loop" when it carries none."""
+  parts = op_name.split("/")
+  for i, part in enumerate(parts):
+    if part in _SCOPES:
+      if part in ("draft", "verify") and i + 1 < len(parts):
+        return f"{part}/{parts[i + 1]}"
+      return part
+  return "loop"
+
+
+def trace_events(trace_dir: str) -> list[dict]:
+  """Complete ('X') events of the newest trace under ``trace_dir``."""
+  files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
+                 key=os.path.getmtime)
+  if not files:
+    raise RuntimeError(f"jax.profiler wrote no trace under {trace_dir}")
+  with gzip.open(files[-1]) as f:
+    return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+
+
+def breakdown(events: list[dict], scopes: dict[str, str]) -> dict:
+  """Aggregates thunk events by piece. Returns {"pieces": {piece: {"us": total
+  microseconds, "ops": count}}, "prefill": {...}}: an operation belongs to
+  the round when its op_name lies in the while_loop body, to "prefill" when
+  it carries that scope; container thunks (while, conditional, call) are
+  not counted themselves, only what runs inside them."""
+  pieces: dict[str, dict] = collections.defaultdict(lambda: {"us": 0.0, "ops": 0})
+  prefill = {"us": 0.0, "ops": 0}
+  for e in events:
+    name = e["name"]
+    if name not in scopes or name.split(".")[0] in _CONTAINERS:
+      continue
+    op_name = scopes[name]
+    if "prefill" in op_name.split("/"):
+      prefill["us"] += e["dur"]
+      prefill["ops"] += 1
+    elif "/while/body/" in op_name:
+      piece = piece_of(op_name.split("/while/body/", 1)[1])
+      pieces[piece]["us"] += e["dur"]
+      pieces[piece]["ops"] += 1
+  return {"pieces": dict(pieces), "prefill": prefill}
+
+
+def profile_generation(decoder: Decoder, prompts, max_new: int, sp: SamplingParams, seed: int,
+                       trace_dir: str) -> tuple[dict, int]:
+  """Runs one (already compiled) ``generate`` under the profiler; returns
+  (breakdown, rounds) with rounds = target calls of the longest row."""
+  state, prefill_len = decoder.prepare(prompts, max_new, seed)
+  warp = sp.as_arrays()
+  scopes = op_scopes(decoder._prefill_fn.lower(decoder.target_params, decoder.draft_params, state,
+                                               prefill_len).compile().as_text())
+  scopes.update(op_scopes(decoder._generate_fn.lower(decoder.target_params, decoder.draft_params,
+                                                     state, warp).compile().as_text()))
+  decoder.generate(prompts, max_new, sp, seed)        # warm (same shapes)
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 0                    # device (thunk) events only
+  jax.profiler.start_trace(trace_dir, profiler_options=options)
+  try:
+    gen = decoder.generate(prompts, max_new, sp, seed)
+  finally:
+    jax.profiler.stop_trace()
+  return breakdown(trace_events(trace_dir), scopes), int(gen.target_calls.max())
+
+
+def round_time_s(decoder: Decoder, prompts, max_new: int, sp: SamplingParams, repeats: int):
+  """Median seconds per round (wall / rounds, prefill included) and per
+  generation, without the profiler."""
+  decoder.generate(prompts, max_new, sp, 0)
+  walls, rounds = [], []
+  for r in range(repeats):
+    gen = decoder.generate(prompts, max_new, sp, r)
+    walls.append(gen.wall_time_s)
+    rounds.append(int(gen.target_calls.max()))
+  return float(np.median([w / n for w, n in zip(walls, rounds)])), float(np.median(walls))
+
+
+PIECE_ORDER = ["draft/module1", "draft/module2", "draft/module3", "draft/module4", "draft/head",
+               "draft/sample", "draft/buffers", "verify/forward", "verify/head", "verify/warp",
+               "accept", "commit", "rng", "loop"]
+
+
+def markdown(results, meta) -> str:
+  cols = [(r["temperature"], r["num_draft_tokens"]) for r in results]
+  head = " | ".join(f"T={t:g} {'AR' if g == 0 else f'G={g}'}" for t, g in cols)
+  pieces = [p for p in PIECE_ORDER if any(p in r["pieces"] for r in results)]
+  pieces += sorted({p for r in results for p in r["pieces"]} - set(pieces))
+  lines = [f"Round-cost breakdown: {meta['model']} on {common.machine(meta)}, JAX {meta['jax_version']}, "
+           f"commit {meta['commit']}, {meta['date']}; batch {meta['batch_size']}, "
+           f"{meta['max_new_tokens']} new tokens, prompts of ~{meta['prompt_bytes']} bytes; "
+           f"while_loop form.", "",
+           "Microseconds per round (operations per round) by piece, from one profiled generation; "
+           "`loop`: operations of the loop body outside every named scope. The profiler adds a "
+           "little per operation, so the profiled total exceeds the unprofiled round.", "",
+           f"| piece | {head} |", "|---|" + "---|" * len(cols)]
+  for p in pieces:
+    cells = []
+    for r in results:
+      v = r["pieces"].get(p)
+      cells.append("-" if v is None else f"{v['us_per_round']:.1f} ({v['ops_per_round']:.0f})")
+    lines.append(f"| {p} | " + " | ".join(cells) + " |")
+  lines.append("| profiled total | " + " | ".join(f"{r['profiled_us_per_round']:.1f}" for r in results) + " |")
+  lines.append("| **round, unprofiled** | " + " | ".join(f"**{r['round_us']:.1f}**" for r in results) + " |")
+  lines.append("| round / AR step | " + " | ".join(f"{r['round_over_ar']:.2f}" for r in results) + " |")
+  lines.append("| drafting share of round | " + " | ".join(
+      f"{r['draft_share']:.2f}" for r in results) + " |")
+  lines.append("| prefill ms (per generation) | " + " | ".join(
+      f"{r['prefill_us'] / 1e3:.1f}" for r in results) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
+  src = ap.add_mutually_exclusive_group(required=True)
+  src.add_argument("--workdir", help="trained checkpoint to decode with")
+  src.add_argument("--config", help="config file: decode a randomly initialised model of it "
+                                    "(costs only; acceptance is meaningless)")
+  ap.add_argument("--dataset", default="python_stdlib", help="held-out prompt dataset")
+  ap.add_argument("--data_dir", default="", help=common.DATA_DIR_HELP)
+  ap.add_argument("--prompt_bytes", type=int, default=256, help="bytes per prompt, >= 1")
+  ap.add_argument("--max_new_tokens", type=int, default=128, help="new tokens per row, >= 1")
+  ap.add_argument("--batch_size", type=int, default=1, help="rows per generation, >= 1")
+  ap.add_argument("--temperatures", default="0,1", help="comma list of temperatures >= 0")
+  ap.add_argument("--num_draft_tokens", default=None, help="comma list of G >= 1 (default 1..D)")
+  ap.add_argument("--repeats", type=int, default=5, help="unprofiled timed generations, >= 1")
+  ap.add_argument("--out", default="results/bench_round", help="output prefix (OUT.json, OUT.md)")
+  ap.add_argument("--quick", action="store_true",
+                  help="tiny sizes for tests: --max_new_tokens 8 --prompt_bytes 32 --repeats 1 "
+                       "--temperatures 0,1 and G = 1 where not given")
+  args = ap.parse_args(argv)
+  if args.quick:
+    common.apply_quick(ap, args, max_new_tokens=8, prompt_bytes=32, repeats=1)
+  common.check_range(ap, args, prompt_bytes=1, max_new_tokens=1, batch_size=1, repeats=1)
+  temps = common.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
+  if args.workdir:
+    cfg, model, step = ckpt_lib.load_model(args.workdir)
+    name = f"{args.workdir} (step {step})"
+  else:
+    if not os.path.isfile(args.config):
+      ap.error(f"--config={args.config!r}: no such file")
+    cfg = config_lib.load_config_file(args.config)
+    model, step, name = build_model(cfg), None, f"{args.config} (random init)"
+  depth = cfg.mtp.depth
+  if depth < 1:
+    ap.error(f"the model has MTP depth D = 0: there is no MTP round to break down")
+  gs = (common.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1)
+        if args.num_draft_tokens is not None else ([1] if args.quick else list(range(1, depth + 1))))
+  texts = data_lib.held_out_prompts(args.dataset, args.batch_size, args.prompt_bytes,
+                                    data_dir=args.data_dir)
+  prompts = [tok.ByteTokenizer().encode(t, add_bos=True) for t in texts]
+  results = []
+  with tempfile.TemporaryDirectory() as trace_root:
+    for t in temps:
+      sp = SamplingParams(temperature=t)
+      ar_us = None
+      for g in [0] + gs:
+        dec = Decoder(model, "ar") if g == 0 else Decoder(model, "mtp", g)
+        round_s, wall_s = round_time_s(dec, prompts, args.max_new_tokens, sp, args.repeats)
+        bd, rounds = profile_generation(dec, prompts, args.max_new_tokens, sp, 0,
+                                        os.path.join(trace_root, f"t{t}_g{g}"))
+        pieces = {p: {"us_per_round": v["us"] / rounds, "ops_per_round": v["ops"] / rounds}
+                  for p, v in bd["pieces"].items()}
+        total = sum(v["us_per_round"] for v in pieces.values())
+        draft = sum(v["us_per_round"] for p, v in pieces.items() if p.startswith("draft/"))
+        ar_us = round_s * 1e6 if g == 0 else ar_us
+        results.append({"temperature": t, "num_draft_tokens": g, "pieces": pieces,
+                        "profiled_us_per_round": total, "round_us": round_s * 1e6,
+                        "round_over_ar": round_s * 1e6 / ar_us, "draft_share": draft / total,
+                        "generation_s": wall_s, "rounds": rounds,
+                        "prefill_us": bd["prefill"]["us"]})
+        print(f"T={t:g} {'AR' if g == 0 else f'G={g}'}: round {round_s * 1e6:.0f} us "
+              f"({round_s * 1e6 / ar_us:.2f} AR steps), drafting {draft / total:.0%} of the "
+              f"profiled round", flush=True)
+  meta = common.provenance(command=common.command_line(__file__, argv), model=name, checkpoint_step=step, config=cfg.to_dict(),
+                           batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                           prompt_bytes=args.prompt_bytes, dataset=args.dataset,
+                           repeats=args.repeats)
+  common.write_report(args.out, meta, results, markdown(results, meta))
+  print(f"wrote {args.out}.json and {args.out}.md")
+
+
+if __name__ == "__main__":
+  common.main_guard(main)
