@@ -30,7 +30,7 @@ $(HF_STAMP): $(STAMP) pyproject.toml
 
 demo: $(STAMP)
 	$(PY) -m train --config configs/tiny.py --workdir $(WORKDIR)
-	$(PY) -m decode --workdir $(WORKDIR) --method mtp --num_draft_tokens 2 --compare \
+	$(PY) -m decode --workdir $(WORKDIR) --method mtp --num_draft_tokens auto --compare \
 	  --prompt "$$(printf 'import os\nimport sys\n\n\ndef main(')" --max_new_tokens 200 --temperature 0.7
 
 test: $(STAMP)

@@ -3,7 +3,8 @@
 Parses flags and calls ``decode.run.run``. Flags are listed by --help.
 Generated text goes to stdout; statistics, the --compare result and notices
 (one line per flag that has no effect in the chosen mode) to stderr;
-``--json PATH`` writes the machine-readable report.
+``--json PATH`` writes the machine-readable report. Exit status: 0, 2 for
+bad input or checkpoints, 3 when the model produced NaN/inf logits.
 """
 
 import json
@@ -21,7 +22,11 @@ _METHOD = flags.DEFINE_enum("method", "mtp", ["ar", "mtp", "draft"],
                             "ar: autoregressive; mtp: drafts from the MTP modules; draft: "
                             "drafts from --draft_workdir.")
 _DRAFT_WORKDIR = flags.DEFINE_string("draft_workdir", None, "Draft model run directory (--method draft).")
-_G = flags.DEFINE_integer("num_draft_tokens", 2, "Draft length G per round (>= 1).")
+_G = flags.DEFINE_string("num_draft_tokens", "2", "Draft length G per round (an integer >= 1), "
+                         "or 'auto': G in 0..--max_draft_tokens chosen every round from measured "
+                         "acceptance and round costs (--method mtp; 0 = a plain AR step).")
+_G_MAX = flags.DEFINE_integer("max_draft_tokens", None, "Longest draft 'auto' considers "
+                              "(default: the checkpoint's MTP depth D).")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (>= 0; 0 = greedy).")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k (>= 0; 0 = off).")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Top-p in (0, 1] (1 = off).")
@@ -39,10 +44,11 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)   # orbax logs every restore at INFO
-  from decode.run import flag_notices, read_prompt_file, run
-  from decode.speculative import DecodeError, SamplingParams
+  from decode.run import flag_notices, parse_num_draft_tokens, read_prompt_file, run
+  from decode.speculative import DecodeError, NonFiniteLogitsError, SamplingParams
   from mtp.checkpoint import CheckpointError
   try:
+    num_draft_tokens = parse_num_draft_tokens(_G.value)
     if (_PROMPT.value is None) == (_PROMPT_FILE.value is None):
       raise DecodeError("give exactly one of --prompt or --prompt_file")
     if _JSON.value and not os.path.isdir(os.path.dirname(os.path.abspath(_JSON.value))):
@@ -51,9 +57,10 @@ def main(argv):
     prompts = [_PROMPT.value] if _PROMPT.value is not None else read_prompt_file(_PROMPT_FILE.value)
     given = {name for name in flags.FLAGS if flags.FLAGS[name].present}
     for note in flag_notices(method=_METHOD.value, given=given, temperature=_TEMPERATURE.value,
-                             compare=_COMPARE.value):
+                             compare=_COMPARE.value, num_draft_tokens=num_draft_tokens):
       print(f"note: {note}", file=sys.stderr)
-    report = run(_WORKDIR.value, prompts, method=_METHOD.value, num_draft_tokens=_G.value,
+    report = run(_WORKDIR.value, prompts, method=_METHOD.value, num_draft_tokens=num_draft_tokens,
+                 max_draft_tokens=_G_MAX.value,
                  draft_workdir=_DRAFT_WORKDIR.value, max_new_tokens=_MAX_NEW.value,
                  sampling=SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value),
                  num_samples=_NUM_SAMPLES.value, seed=_SEED.value, compare=_COMPARE.value,
@@ -61,6 +68,9 @@ def main(argv):
   except (DecodeError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except NonFiniteLogitsError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 3
   if _JSON.value:
     with open(_JSON.value, "w") as f:
       json.dump(report, f, indent=2)

@@ -95,19 +95,36 @@ class MTPDrafter:
   previous draft one position further on. Those steps were never trained,
   so expect acceptance to decay there.
 
+  Variable draft length (``max_draft_tokens``, for ``num_draft_tokens="auto"``):
+  ``draft(..., num_draft_tokens=g)`` drafts g <= G_max tokens with modules
+  1..min(g, D); modules past g do not run and their committed lengths fall
+  behind (after an AR round, g = 0, all of them). Windows are G_max + k
+  positions, which covers the gap a + k left by any round in which module k
+  ran; a module that is further behind first catches up over committed
+  positions only, in chunks of its window inside a ``lax.while_loop`` (zero
+  iterations in the common case), after module k-1 has run in the same
+  round, so the hidden states it reads are those of teacher forcing. The
+  drafts therefore stay exactly those of a cache-free forward, whatever the
+  sequence of draft lengths.
+
   Args:
-    num_draft_tokens: G >= 1.
+    num_draft_tokens: G >= 1, the default draft length of ``draft``.
     depth: D >= 1 of the target model.
+    max_draft_tokens: G_max >= G for variable draft lengths (None: fixed G).
   """
 
-  def __init__(self, num_draft_tokens: int, depth: int):
+  def __init__(self, num_draft_tokens: int, depth: int, max_draft_tokens: int | None = None):
     if depth < 1:
       raise ValueError("the MTP drafter needs a checkpoint with mtp.depth >= 1 (this one has D = 0)")
     if num_draft_tokens < 1:
       raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    if max_draft_tokens is not None and max_draft_tokens < num_draft_tokens:
+      raise ValueError(f"max_draft_tokens={max_draft_tokens} < num_draft_tokens={num_draft_tokens}")
     self.num_draft_tokens = num_draft_tokens
     self.depth = depth
-    self.used = min(num_draft_tokens, depth)          # modules run in the exact chain
+    self.variable = max_draft_tokens is not None
+    self.max_draft_tokens = max_draft_tokens or num_draft_tokens
+    self.used = min(self.max_draft_tokens, depth)     # modules run in the exact chain
 
   def init_state(self, target: Transformer, batch: int, cache_len: int):
     cfg = target.cfg
@@ -135,22 +152,52 @@ class MTPDrafter:
     committed = jnp.maximum(lengths[None, :] - 1 - ks, 0)
     return {"caches": caches, "hidden": hidden, "committed": committed}
 
-  def draft(self, target: Transformer, state, tokens, n, key, warp):
+  def _catch_up(self, target: Transformer, k: int, caches, hidden, tokens, c, n):
+    """Module k over committed positions only, in chunks of its window,
+    until every row's gap n-1-c_k fits the window (variable G). Returns
+    (caches, hidden, c)."""
+    w = self.max_draft_tokens + k
+
+    def cond(carry):
+      return jnp.any(n - 1 - carry[2] > w)
+
+    def body(carry):
+      cache_k, hid, c = carry
+      pos = c[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
+      h, cache_k = target.mtp_forward(k, gather_rows(hidden[k - 1], pos), gather_rows(tokens, pos + k),
+                                      pos, cache=cache_k)
+      if hid is not None:
+        hid = write_rows(hid, h, c)
+      return cache_k, hid, jnp.minimum(c + w, n - k)      # entries < n-k have true inputs
+
+    hid = hidden[k] if k < self.used else None
+    cache_k, hid, c = jax.lax.while_loop(cond, body, (caches[k - 1], hid, c))
+    caches[k - 1] = cache_k
+    if hid is not None:
+      hidden[k] = hid
+    return caches, hidden, c
+
+  def draft(self, target: Transformer, state, tokens, n, key, warp, num_draft_tokens=None):
     """key: the round's drafting key (one [B, G, V] uniform draw when
     sampling); warp: ``sampling.Warp``. Returns (state, tokens with the
     drafts written at n..n+G-1, draft_tokens [B, G] int32, q [B, G, V]
     float32: the warped draft distributions, or the draft logits when
     greedy; see the module docstring)."""
-    g = self.num_draft_tokens
+    g = num_draft_tokens or self.num_draft_tokens
+    run = min(g, self.used)                                        # modules of the exact chain
+    width = self.max_draft_tokens if self.variable else g          # window of module k: width + k
     with jax.named_scope("sample"):
       u = draft_uniforms(key, tokens.shape[0], g, target.cfg.vocab_size, warp)
     caches, hidden, committed = list(state["caches"]), list(state["hidden"]), state["committed"]
     drafts, qs = [], []
     h_last = None
-    for k in range(1, self.used + 1):
+    for k in range(1, run + 1):
       c = committed[k - 1]
+      if self.variable:
+        with jax.named_scope(f"catch_up{k}"):
+          caches, hidden, c = self._catch_up(target, k, caches, hidden, tokens, c, n)
       with jax.named_scope("buffers"):
-        pos = c[:, None] + jnp.arange(g + k, dtype=jnp.int32)[None, :]
+        pos = c[:, None] + jnp.arange(width + k, dtype=jnp.int32)[None, :]
         h_in = gather_rows(hidden[k - 1], pos)
         t_in = gather_rows(tokens, pos + k)
       with jax.named_scope(f"module{k}"):
@@ -168,6 +215,7 @@ class MTPDrafter:
       drafts.append(d)
       qs.append(q)
     for k in range(self.used + 1, g + 1):                          # reuse module D
+      # (only when g > D: then every module ran, so h_last is module D's output)
       pos = (n - 2 + k - self.depth)[:, None]
       with jax.named_scope(f"module{self.depth}_reuse"):
         h_last, caches[-1] = target.mtp_forward(self.depth, h_last, drafts[-1][:, None], pos,
@@ -181,7 +229,8 @@ class MTPDrafter:
       drafts.append(d)
       qs.append(q)
     ks = jnp.arange(1, self.used + 1, dtype=jnp.int32)[:, None]
-    committed = jnp.maximum(n[None, :] - ks, 0)
+    ran = jnp.arange(1, self.used + 1)[:, None] <= run               # modules past g keep c_k
+    committed = jnp.where(ran, jnp.maximum(n[None, :] - ks, 0), committed)
     state = {"caches": caches, "hidden": hidden, "committed": committed}
     return state, tokens, jnp.stack(drafts, 1), jnp.stack(qs, 1)
 

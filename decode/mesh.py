@@ -13,7 +13,8 @@ State layout (``decode.speculative.Decoder.prepare``): every array has the
 batch B as its leading dimension (the MTP drafter's per-depth ``hidden``
 buffers are a list of [B, S, D]), except the drafter's ``committed``
 [used, B] (B second);
-0-d leaves (the PRNG key) are replicated.
+0-d leaves (the PRNG key, schedule counters) and the "auto" schedule's
+round costs are replicated.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mtp import sharding as shard_lib
 
 _BATCH_SECOND = ("drafter/committed",)
+_REPLICATED = ("schedule/costs",)            # not per row ("auto" draft length)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  """The sharding of a leaf every device holds whole."""
+  return NamedSharding(mesh, P())
 
 
 def place_params(mesh: Mesh, params, model_cfg):
@@ -46,6 +53,8 @@ def state_shardings(mesh: Mesh, state):
     if x.ndim == 0:
       return NamedSharding(mesh, P())
     p = jax.tree_util.keystr(path, simple=True, separator="/")
+    if p in _REPLICATED:
+      return NamedSharding(mesh, P())
     axis = 1 if p in _BATCH_SECOND else 0
     return NamedSharding(mesh, P(*([None] * axis + ["data"])))
   return jax.tree_util.tree_map_with_path(one, state)

@@ -54,11 +54,30 @@ def read_prompt_file(path: str) -> list[str]:
   return prompts
 
 
-def flag_notices(*, method: str, given: set[str], temperature: float, compare: bool) -> list[str]:
+def parse_num_draft_tokens(text) -> int | str:
+  """``--num_draft_tokens``: an integer >= 1 or "auto". Raises DecodeError."""
+  if isinstance(text, int) and not isinstance(text, bool):
+    value = text
+  elif str(text).strip().lower() == "auto":
+    return "auto"
+  else:
+    try:
+      value = int(str(text).strip())
+    except ValueError:
+      value = None
+  if value is None or value < 1:
+    raise DecodeError(f"--num_draft_tokens={text!r} must be an integer >= 1 or 'auto'")
+  return value
+
+
+def flag_notices(*, method: str, given: set[str], temperature: float, compare: bool,
+                 num_draft_tokens: int | str = 2) -> list[str]:
   """One line per flag that has no effect in the chosen mode (``given``: the
   flags set on the command line, without dashes). The mode-independent ones;
   ``run`` adds the one that needs the checkpoint (G > D)."""
   notes = []
+  if "max_draft_tokens" in given and num_draft_tokens != "auto":
+    notes.append("--max_draft_tokens has no effect without --num_draft_tokens=auto")
   if compare and method == "ar":
     notes.append("--compare has no effect with --method=ar (nothing to compare AR against)")
   if "repeats" in given and not (compare and method != "ar"):
@@ -88,9 +107,10 @@ def encode_prompts(prompts: Sequence[str]) -> list[np.ndarray]:
   return out
 
 
-def load_decoder(workdir: str, method: str, num_draft_tokens: int,
-                 draft_workdir: str | None = None) -> Decoder:
-  """A Decoder for the checkpoint in ``workdir`` (and ``draft_workdir``).
+def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
+                 draft_workdir: str | None = None, max_draft_tokens: int | None = None) -> Decoder:
+  """A Decoder for the checkpoint in ``workdir`` (and ``draft_workdir``);
+  ``num_draft_tokens`` an integer or "auto" (then ``max_draft_tokens``).
   Raises CheckpointError / DecodeError."""
   _, target, _ = ckpt_lib.load_model(workdir)
   draft = None
@@ -98,7 +118,8 @@ def load_decoder(workdir: str, method: str, num_draft_tokens: int,
     if not draft_workdir:
       raise DecodeError("--method=draft needs --draft_workdir (a trained draft-model workdir)")
     _, draft, _ = ckpt_lib.load_model(draft_workdir)
-  return Decoder(target, method, num_draft_tokens, draft)
+  kw = {"max_draft_tokens": max_draft_tokens} if num_draft_tokens == "auto" else {}
+  return Decoder(target, method, num_draft_tokens if method != "ar" else 1, draft, **kw)
 
 
 def decode_texts(decoder: Decoder, prompts: Sequence[str], *, max_new_tokens: int,
@@ -128,7 +149,8 @@ def decode_texts(decoder: Decoder, prompts: Sequence[str], *, max_new_tokens: in
   return gen
 
 
-def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp", num_draft_tokens: int = 2,
+def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
+        num_draft_tokens: int | str = 2, max_draft_tokens: int | None = None,
         draft_workdir: str | None = None, max_new_tokens: int = 128,
         sampling: SamplingParams = SamplingParams(), num_samples: int = 1, seed: int = 0,
         compare: bool = False, repeats: int = 3, out: TextIO | None = None,
@@ -154,12 +176,13 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp", num_draft_
   sampling.validate()
   if compare and not (isinstance(repeats, int) and repeats >= 1):
     raise DecodeError(f"--repeats={repeats!r} must be an integer >= 1")
-  decoder = load_decoder(workdir, method, num_draft_tokens, draft_workdir)
+  decoder = load_decoder(workdir, method, num_draft_tokens, draft_workdir, max_draft_tokens)
   depth = decoder.target().mtp_depth
   if method == "mtp" and decoder.G > depth:
     extra = (f"drafts {depth + 1}..{decoder.G} reuse" if decoder.G > depth + 1 else
              f"draft {decoder.G} reuses")
-    err.write(f"note: --num_draft_tokens={decoder.G} > the checkpoint's MTP depth D={depth}: "
+    flag = ("--max_draft_tokens" if decoder.num_draft_tokens == "auto" else "--num_draft_tokens")
+    err.write(f"note: {flag}={decoder.G} > the checkpoint's MTP depth D={depth}: "
               f"{extra} module {depth}, which was never trained for that offset (acceptance "
               "decays there)\n")
   gen = decode_texts(decoder, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
@@ -177,7 +200,10 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp", num_draft_
                 f"{res['prompt']!r}\n{res['prompt']}{res['text']}\n")
     out.flush()
   err.write(stats_lib.format_summary(method, summary) + "\n")
-  report = {"config": {"workdir": workdir, "method": method, "num_draft_tokens": decoder.G,
+  report = {"config": {"workdir": workdir, "method": method,
+                       "num_draft_tokens": decoder.num_draft_tokens,
+                       **({"max_draft_tokens": decoder.G} if decoder.num_draft_tokens == "auto"
+                          else {}),
                        "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
                        "top_k": sampling.top_k, "top_p": sampling.top_p,
                        "num_samples": num_samples, "seed": seed, "batch_size": len(gen.tokens),

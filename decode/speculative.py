@@ -38,6 +38,7 @@ then raises ``NonFiniteLogitsError`` naming the row and the position.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -49,11 +50,13 @@ from flax import nnx
 
 from decode import mesh as decode_mesh
 from decode import sampling
+from decode.schedule import AutoSchedule
 from decode.drafters import DraftModelDrafter, MTPDrafter, gather_rows, warped_probs, write_rows
 from mtp import tokenizer as tok
 from mtp.model import Transformer, init_layer_caches
 
 METHODS = ("ar", "mtp", "draft")
+_CALIBRATION_ROUNDS = 8     # rounds per timed call when measuring "auto" round costs
 PROMPT_BUCKET = 64      # prompt lengths are padded to a multiple: no recompile per length
 
 
@@ -114,6 +117,13 @@ class Generation:
   wall_time_s: seconds for the whole call (prefill included), after compilation.
   prefill_time_s: seconds of the prefill alone (target and drafter over the
     prompt bucket); wall_time_s - prefill_time_s is the decoding phase.
+  num_draft_tokens: G, or G_max with ``num_draft_tokens="auto"``.
+  draft_length_histogram: [B, G_max+1] int64, rounds per chosen draft length
+    (0 = AR step) while the row was active (``"auto"`` only, else None).
+  position_tested / position_accepted: [B, G_max] int64, rounds in which
+    draft position k was tested (the round drafted >= k tokens and d_1..d_{k-1}
+    were accepted) / accepted (``"auto"`` only: with a varying G the
+    accepted-length histogram alone cannot give alpha_k).
   """
   tokens: list[np.ndarray]
   prompt_lengths: np.ndarray
@@ -123,6 +133,9 @@ class Generation:
   wall_time_s: float
   num_draft_tokens: int
   prefill_time_s: float = 0.0
+  draft_length_histogram: np.ndarray | None = None
+  position_tested: np.ndarray | None = None
+  position_accepted: np.ndarray | None = None
 
 
 class Decoder:
@@ -132,30 +145,64 @@ class Decoder:
     target: trained ``Transformer``.
     method: "ar" (one target call per token), "mtp" (drafts from the
       target's MTP modules) or "draft" (independent ``draft`` model).
-    num_draft_tokens: G >= 1 for "mtp"/"draft" (ignored for "ar").
+    num_draft_tokens: G >= 1 for "mtp"/"draft" (ignored for "ar"), or "auto"
+      ("mtp" only): G in 0..G_max chosen every round from running acceptance
+      estimates and measured round costs (``decode.schedule``).
     draft: draft model for method "draft" (same tokenizer / vocabulary).
     mesh: optional ``jax.sharding.Mesh`` (``mtp.sharding.make_mesh``):
       parameters tensor-parallel (and FSDP) sharded as in training, batch
       rows over ``data`` (``decode.mesh``); None = one device, unchanged.
+    max_draft_tokens: G_max for "auto" (default D, the trained modules).
+    schedule: an ``AutoSchedule`` for "auto" (default ``AutoSchedule(G_max)``).
+    auto_costs: seconds per round for g = 0..G_max (skips the measurement
+      made before the first generation of each batch size).
   Raises:
-    DecodeError: unknown method, G < 1, "mtp" with D = 0, or a draft model
-      with another vocabulary.
+    DecodeError: unknown method, G < 1, "mtp" with D = 0, "auto" with
+      another method or a bad G_max / costs, or a draft model with another
+      vocabulary.
     ConfigError: mesh axes that do not divide the model dimensions.
   """
 
-  def __init__(self, target: Transformer, method: str = "mtp", num_draft_tokens: int = 2,
-               draft: Transformer | None = None, mesh=None):
+  def __init__(self, target: Transformer, method: str = "mtp", num_draft_tokens: int | str = 2,
+               draft: Transformer | None = None, mesh=None, *, max_draft_tokens: int | None = None,
+               schedule: AutoSchedule | None = None, auto_costs=None):
     if method not in METHODS:
       raise DecodeError(f"--method={method!r} must be one of {METHODS}")
     self.method = method
     self.target_graphdef, self.target_params = nnx.split(target, nnx.Param)
     self.target_cfg = target.cfg
     self.draft_graphdef = self.draft_params = None
+    self.schedule = None
+    self._costs: dict = {}
     if method == "ar":
       self.G, self.drafter = 0, None
+    elif num_draft_tokens == "auto":
+      if method != "mtp":
+        raise DecodeError(f"--num_draft_tokens=auto needs --method=mtp (got --method={method})")
+      if target.mtp_depth < 1:
+        raise DecodeError("--method=mtp needs a checkpoint trained with mtp.depth >= 1; this one "
+                          "has D = 0 (use --method=ar or --method=draft)")
+      g_max = target.mtp_depth if max_draft_tokens is None else max_draft_tokens
+      if not (isinstance(g_max, int) and 1 <= g_max <= 16):
+        raise DecodeError(f"--max_draft_tokens={g_max!r} must be an integer in [1, 16]")
+      self.schedule = schedule or AutoSchedule(g_max)
+      if self.schedule.max_draft_tokens != g_max:
+        raise DecodeError(f"schedule.max_draft_tokens={self.schedule.max_draft_tokens} differs "
+                          f"from --max_draft_tokens={g_max}")
+      self.G = g_max
+      self.drafter = MTPDrafter(g_max, target.mtp_depth, max_draft_tokens=g_max)
+      if auto_costs is not None:
+        costs = np.asarray(auto_costs, np.float64)
+        if costs.shape != (g_max + 1,) or not np.all(costs > 0):
+          raise DecodeError(f"auto_costs must be {g_max + 1} positive seconds per round "
+                            f"(g = 0..{g_max}), got {auto_costs!r}")
+        self._fixed_costs = costs
+      else:
+        self._fixed_costs = None
     else:
       if not (isinstance(num_draft_tokens, int) and num_draft_tokens >= 1):
-        raise DecodeError(f"--num_draft_tokens={num_draft_tokens!r} must be an integer >= 1")
+        raise DecodeError(f"--num_draft_tokens={num_draft_tokens!r} must be an integer >= 1 "
+                          "or 'auto'")
       self.G = num_draft_tokens
       if method == "mtp":
         if target.mtp_depth < 1:
@@ -180,6 +227,14 @@ class Decoder:
     self._prefill_fn = jax.jit(fns[0], donate_argnums=(2,), static_argnums=(3,))
     self._round_fn = jax.jit(fns[1], donate_argnums=(2,))
     self._generate_fn = jax.jit(fns[2], donate_argnums=(2,))
+    if self.schedule is not None:        # timing of forced draft lengths, state not donated
+      self._calibrate_fn = jax.jit(lambda p, dp, st, w: jax.lax.fori_loop(
+          0, _CALIBRATION_ROUNDS, lambda i, x: fns[1](p, dp, x, w), st))
+
+  @property
+  def num_draft_tokens(self) -> int | str:
+    """G, or "auto"."""
+    return "auto" if self.schedule is not None else self.G
 
   def target(self) -> Transformer:
     """The target model."""
@@ -207,7 +262,7 @@ class Decoder:
         state["drafter"] = self.drafter.prefill(draft, state["drafter"], tokens, n, p)
     return state
 
-  def _propose(self, target, draft, state, warp):
+  def _propose(self, target, draft, state, warp, g: int | None = None):
     """Draft and verify: returns (state with drafts written and the target
     cache extended, draft_tokens [B, G], q [B, G, V], p [B, G+1, V], h0
     [B, G+1, D], accept key or None).
@@ -219,9 +274,10 @@ class Decoder:
     target or draft logits are non-finite at an emittable id get
     ``state["error"]`` (ERROR_TARGET / ERROR_DRAFTER) and
     ``state["error_pos"]`` (the position whose logits were bad) set here;
-    ``_commit`` then emits nothing for them and stops them.
+    ``_commit`` then emits nothing for them and stops them. ``g``: the
+    draft length of this round (default G; 0..G_max with "auto").
     """
-    g = self.G
+    g = self.G if g is None else g
     tokens, n = state["tokens"], state["length"]
     greedy = getattr(warp, "greedy", False)
     k_draft, k_accept = state["key"], None        # greedy: nothing random (key not advanced)
@@ -232,9 +288,10 @@ class Decoder:
     d_tok = d_q = None
     if g:
       model = target if self.method == "mtp" else draft
+      extra = {"num_draft_tokens": g} if self.schedule is not None else {}
       with jax.named_scope("draft"):
         dstate, tokens, d_tok, d_q = self.drafter.draft(model, state["drafter"], tokens, n,
-                                                        k_draft, warp)
+                                                        k_draft, warp, **extra)
       state["drafter"] = dstate
     with jax.named_scope("verify"):
       block_pos = (n - 1)[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]
@@ -250,8 +307,9 @@ class Decoder:
 
   def _commit(self, state, d_tok, a, nxt, h0):
     """Emits d_1..d_a then ``nxt`` per row, cut after an EOS and at the token
-    budget; updates lengths, done flags, statistics and drafter state."""
-    g = self.G
+    budget; updates lengths, done flags, statistics and drafter state.
+    The round's draft length is that of ``d_tok`` (None: an AR step)."""
+    g = 0 if d_tok is None else d_tok.shape[1]
     n, done = state["length"], state["done"]
     b = n.shape[0]
     cand = (jnp.concatenate([d_tok, jnp.zeros((b, 1), jnp.int32)], 1) if g
@@ -272,29 +330,59 @@ class Decoder:
     state = {**state, "tokens": write_rows(state["tokens"], cand, n), "length": new_n,
              "done": done, "target_calls": state["target_calls"] + active,
              "accepted_histogram": state["accepted_histogram"]
-             + jax.nn.one_hot(a, g + 1, dtype=jnp.int32) * active[:, None]}
+             + jax.nn.one_hot(a, state["accepted_histogram"].shape[1], dtype=jnp.int32)
+             * active[:, None]}
     if self.method == "mtp":
       state["drafter"] = self.drafter.after_verify(state["drafter"], h0, n)
     return state
 
   def _round(self, params, draft_params, state, warp):
-    """One draft-verify-accept-commit round for every row (no-op for done rows)."""
+    """One draft-verify-accept-commit round for every row (no-op for done rows);
+    with "auto", the draft length of the round is chosen first."""
+    if self.schedule is not None:
+      return self._auto_round(params, draft_params, state, warp)
+    return self._round_g(params, draft_params, state, warp, self.G)
+
+  def _round_g(self, params, draft_params, state, warp, g: int):
+    """A round with draft length g (static; 0 = AR step)."""
     target, draft = self._models(params, draft_params)
-    state, d_tok, d_q, p, h0, key = self._propose(target, draft, state, warp)
+    active = ~state["done"]
+    state, d_tok, d_q, p, h0, key = self._propose(target, draft, state, warp, g)
     with jax.named_scope("accept"):
       a, nxt = self._accept(key, p, d_q, d_tok, warp)
     with jax.named_scope("commit"):
-      return self._commit(state, d_tok, a, nxt, h0)
+      state = self._commit(state, d_tok, a, nxt, h0)
+    if self.schedule is not None and g:
+      with jax.named_scope("schedule"):
+        ok = active & (state["error"] == ERROR_NONE)
+        j = jnp.arange(1, self.G + 1)[None, :]
+        tested = (j <= g) & (a[:, None] >= j - 1) & ok[:, None]
+        state = {**state, "schedule": self.schedule.update(state["schedule"], g, a, ok),
+                 "position_tested": state["position_tested"] + tested,
+                 "position_accepted": state["position_accepted"] + (tested & (a[:, None] >= j))}
+    return state
+
+  def _auto_round(self, params, draft_params, state, warp):
+    """Chooses g from the past (``AutoSchedule.choose``) and runs the round
+    compiled for it: one ``lax.switch`` branch per g = 0..G_max."""
+    active = ~state["done"]
+    with jax.named_scope("schedule"):
+      g, sched = self.schedule.choose(state["schedule"], active)
+      hist = state["draft_length_histogram"] + (
+          jax.nn.one_hot(g, self.G + 1, dtype=jnp.int32)[None, :] * active[:, None])
+    state = {**state, "schedule": sched, "draft_length_histogram": hist}
+    branches = [functools.partial(self._round_g, g=i) for i in range(self.G + 1)]
+    return jax.lax.switch(g, branches, params, draft_params, state, warp)
 
   def _accept(self, key, p, d_q, d_tok, warp):
     """(num_accepted [B], next_token [B]): greedy verification on logits, or
     the rejection rule of Leviathan et al. 2023 (Algorithm 1) on warped
-    probabilities; for AR (G = 0) the next token alone."""
+    probabilities; for an AR step (no drafts) the next token alone."""
     if getattr(warp, "greedy", False):
-      if self.G:
+      if d_tok is not None:
         return sampling.greedy_verify(p, d_tok)
       return jnp.zeros(p.shape[0], jnp.int32), jnp.argmax(p[:, 0], -1).astype(jnp.int32)
-    if self.G:
+    if d_tok is not None:
       return sampling.rejection_sample(key, p, d_q, d_tok)
     return jnp.zeros(p.shape[0], jnp.int32), sampling.sample(key, p[:, 0])
 
@@ -360,6 +448,11 @@ class Decoder:
         "error": jnp.zeros((b,), jnp.int32),
         "error_pos": jnp.zeros((b,), jnp.int32),
     }
+    if self.schedule is not None:
+      state["schedule"] = self.schedule.init_state(b, np.ones(self.G + 1, np.float32))
+      state["draft_length_histogram"] = jnp.zeros((b, self.G + 1), jnp.int32)
+      state["position_tested"] = jnp.zeros((b, self.G), jnp.int32)     # rounds testing d_k
+      state["position_accepted"] = jnp.zeros((b, self.G), jnp.int32)
     if self.method == "mtp":
       state["drafter"] = self.drafter.init_state(target, b, cache_len)
     elif self.method == "draft":
@@ -370,14 +463,56 @@ class Decoder:
     return state, p_len - 1
 
   def _result(self, state, emit_times, wall, prefill):
-    host = jax.device_get({k: state[k] for k in ("tokens", "length", "prompt_len",
-                                                  "target_calls", "accepted_histogram",
-                                                  "error", "error_pos")})
+    auto = ("draft_length_histogram", "position_tested", "position_accepted")
+    keys = ("tokens", "length", "prompt_len", "target_calls", "accepted_histogram", "error",
+            "error_pos") + (auto if self.schedule is not None else ())
+    host = jax.device_get({k: state[k] for k in keys})
     _raise_on_error(host)
     rows = [host["tokens"][i, host["prompt_len"][i]:host["length"][i]].copy()
             for i in range(host["tokens"].shape[0])]
+    extra = {k: host[k].astype(np.int64) for k in auto if k in host}
     return Generation(rows, host["prompt_len"], host["accepted_histogram"].astype(np.int64),
-                      host["target_calls"].astype(np.int64), emit_times, wall, self.G, prefill)
+                      host["target_calls"].astype(np.int64), emit_times, wall, self.G, prefill,
+                      **extra)
+
+  def _with_costs(self, state, warp, prompts, max_new_tokens: int):
+    """"auto": ``state`` with the schedule's round costs for this batch size,
+    cache length and sampling mode (``_auto_costs``); otherwise unchanged."""
+    if self.schedule is None:
+      return state
+    costs = self._auto_costs(prompts, max_new_tokens, warp)
+    sched = {**state["schedule"], "costs": jnp.asarray(costs, jnp.float32)}
+    if self.mesh is not None:
+      sched["costs"] = jax.device_put(sched["costs"], decode_mesh.replicated(self.mesh))
+    return {**state, "schedule": sched}
+
+  def _auto_costs(self, prompts, max_new_tokens: int, warp) -> np.ndarray:
+    """Seconds per round for g = 0..G_max, measured once per (batch size,
+    cache length, sampling mode) on this device: after a prefill of these
+    prompts, ``_CALIBRATION_ROUNDS`` rounds with g forced, inside one
+    jitted fori_loop (no host dispatch), the fastest of 5, made
+    non-decreasing in g (the compile and this measurement happen before any
+    timed generation). ``auto_costs`` given
+    to the constructor replaces the measurement."""
+    if self._fixed_costs is not None:
+      return self._fixed_costs
+    state, prefill_len = self.prepare(prompts, max_new_tokens, 0)
+    key = (len(prompts), state["tokens"].shape[1], warp.greedy, warp.filtering)
+    if key not in self._costs:
+      state = self._prefill_fn(self.target_params, self.draft_params, state, prefill_len)
+      costs = []
+      for g in range(self.G + 1):
+        forced = {**state, "schedule": {**state["schedule"], "force": jnp.int32(g)}}
+        jax.block_until_ready(self._calibrate_fn(self.target_params, self.draft_params, forced, warp))
+        times = []
+        for _ in range(5):
+          t0 = time.perf_counter()
+          jax.block_until_ready(self._calibrate_fn(self.target_params, self.draft_params, forced, warp))
+          times.append((time.perf_counter() - t0) / _CALIBRATION_ROUNDS)
+        costs.append(float(np.min(times)))       # the least disturbed of 5
+      # a longer draft never costs less: keep noise from inverting the order
+      self._costs[key] = np.maximum.accumulate(np.asarray(costs))
+    return self._costs[key]
 
   def generate(self, prompts, max_new_tokens: int, sampling_params: SamplingParams, seed: int = 0):
     """Whole generation in two jitted calls, the prefill, then every round in
@@ -388,6 +523,7 @@ class Decoder:
     """
     warp = sampling_params.validate().as_arrays()
     state, prefill_len = self.prepare(prompts, max_new_tokens, seed)
+    state = self._with_costs(state, warp, prompts, max_new_tokens)
     jax.block_until_ready(state)
     t0 = time.perf_counter()
     state = self._prefill_fn(self.target_params, self.draft_params, state, prefill_len)
@@ -406,6 +542,7 @@ class Decoder:
     """
     warp = sampling_params.validate().as_arrays()
     state, prefill_len = self.prepare(prompts, max_new_tokens, seed)
+    state = self._with_costs(state, warp, prompts, max_new_tokens)
     jax.block_until_ready(state)
     b = len(prompts)
     emit_times: list[list[float]] = [[] for _ in range(b)]

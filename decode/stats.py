@@ -9,7 +9,10 @@
   in one round counts B); the number of batched forward passes is the
   maximum over rows.
 - acceptance rate alpha_k: P(d_k accepted | d_1..d_{k-1} accepted), from the
-  histogram of a: rounds with a >= k over rounds with a >= k-1.
+  histogram of a: rounds with a >= k over rounds with a >= k-1; with
+  ``num_draft_tokens="auto"`` (G varies by round) from per-position counts of
+  the rounds that tested d_k.
+- draft_length_histogram ("auto"): rounds per chosen G (0 = AR step).
 - TTFT: seconds from the request (before prefill) to the first emitted token.
 - ITL: seconds between successive emitted tokens of a row as a client sees
   them; tokens emitted by the same round arrive together (gap 0), which is
@@ -46,12 +49,17 @@ def summarize(gen: Generation, rows: Sequence[int] | None = None) -> dict:
   None for the while_loop form, which has no per-token times."""
   rows = list(range(len(gen.tokens))) if rows is None else list(rows)
   hist = gen.accepted_histogram[rows].sum(0)
+  if gen.position_tested is not None:            # "auto": rounds had different G
+    tested, passed = gen.position_tested[rows].sum(0), gen.position_accepted[rows].sum(0)
+    alphas = [float(p / t) if t else None for p, t in zip(passed, tested)]
+  else:
+    alphas = acceptance_rates(hist)
   calls = int(gen.target_calls[rows].sum())
   num_tokens = int(sum(len(gen.tokens[i]) for i in rows))
   verified = float((hist * (np.arange(len(hist)) + 1)).sum())
   out = {
       "mean_accepted_length": verified / calls if calls else None,
-      "acceptance_rate_per_position": acceptance_rates(hist),
+      "acceptance_rate_per_position": alphas,
       "accepted_length_histogram": [int(x) for x in hist],
       "target_calls": calls,
       "num_tokens": num_tokens,
@@ -61,6 +69,8 @@ def summarize(gen: Generation, rows: Sequence[int] | None = None) -> dict:
       "prefill_s": gen.prefill_time_s,
       "decode_tokens_per_s": (num_tokens / (gen.wall_time_s - gen.prefill_time_s)
                               if gen.wall_time_s > gen.prefill_time_s else None),
+      "draft_length_histogram": (None if gen.draft_length_histogram is None else
+                                 [int(x) for x in gen.draft_length_histogram[rows].sum(0)]),
   }
   if gen.emit_times is not None:
     firsts = [gen.emit_times[i][0] for i in rows if gen.emit_times[i]]
@@ -84,6 +94,8 @@ def format_summary(name: str, s: dict) -> str:
       f"tau {num(s['mean_accepted_length'], '.3f')}",
       f"  acceptance per position: {alphas}",
       f"  accepted-length histogram (a = 0..G): {s['accepted_length_histogram']}",
+      *([f"  chosen draft length histogram (G = 0..G_max, 0 = AR step): "
+         f"{s['draft_length_histogram']}"] if s.get("draft_length_histogram") else []),
       f"  TTFT {ms(s['ttft_s'])}  ITL p50 {ms(s['itl_p50_s'])}  p90 {ms(s['itl_p90_s'])}  "
       f"throughput {num(s['tokens_per_s'], '.1f')} tok/s  wall {s['wall_time_s']:.3f} s "
       f"(prefill {ms(s.get('prefill_s'))}, decoding {num(s.get('decode_tokens_per_s'), '.1f')} tok/s)",

@@ -186,6 +186,7 @@ def summarize_cell(c: Cell, ar_wall: float, ar_decode_wall: float, ar_step_s: fl
   while_loop form, the "target step" of the cost ratio c."""
   hist = sum(g.accepted_histogram.sum(0) for g in c.gens)
   calls = int(sum(g.target_calls.sum() for g in c.gens))
+  auto = c.g == "auto"
   tokens = sum(sum(len(t) for t in g.tokens) for g in c.gens) / len(c.gens)
   wall = float(np.median(c.walls))
   decode = float(np.median(c.decode_walls))
@@ -198,10 +199,16 @@ def summarize_cell(c: Cell, ar_wall: float, ar_decode_wall: float, ar_step_s: fl
          "speedup": ar_wall / wall, "speedup_decode": ar_decode_wall / decode, "tau": tau,
          "acceptance_rate_per_position": stats_lib.acceptance_rates(hist),
          "accepted_length_histogram": [int(x) for x in hist]}
+  if auto:      # G varies by round: alpha_k from the rounds that tested d_k
+    tested = sum(g.position_tested.sum(0) for g in c.gens)
+    passed = sum(g.position_accepted.sum(0) for g in c.gens)
+    row["acceptance_rate_per_position"] = [float(p / t) if t else None for p, t in zip(passed, tested)]
+    row["draft_length_histogram"] = [int(x) for x in sum(g.draft_length_histogram.sum(0)
+                                                         for g in c.gens)]
   # time per round of the decoding phase (one target call for the whole batch)
   row["round_s"] = float(np.median([d / int(g.target_calls.max())
                                     for d, g in zip(c.decode_walls, c.gens)]))
-  if c.g:
+  if c.g and not auto:
     cost = draft_s / (c.g * ar_step_s)
     alpha = stats_lib.alpha_from_tau(tau, c.g)
     ideal = stats_lib.ideal_speedup(alpha, c.g, cost)
@@ -250,7 +257,7 @@ def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens
   ar_labels = [k for k, d in decoders.items() if d.method == "ar"]
   if len(ar_labels) != 1:
     raise ValueError(f"measure_point needs exactly one AR decoder, got {len(ar_labels)}")
-  pairs = [(label, Cell(f"{label}_{form}", dec.method, dec.G, form, dec))
+  pairs = [(label, Cell(f"{label}_{form}", dec.method, dec.num_draft_tokens, form, dec))
            for label, dec in decoders.items() for form in forms]
   cells = [c for _, c in pairs]
   run_cells(cells, prompts, batch, max_new_tokens, sp, repeats)
@@ -263,7 +270,7 @@ def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens
   probe = prompts[:batch] if len(prompts) >= batch else [prompts[i % len(prompts)] for i in range(batch)]
   draft_s = {}
   for label, dec in decoders.items():
-    if dec.method == "ar":
+    if dec.method == "ar" or dec.num_draft_tokens == "auto":   # auto: G varies, no single c
       continue
     if draft_cache is not None and (label, batch) in draft_cache:
       draft_s[label] = draft_cache[label, batch]
@@ -273,7 +280,7 @@ def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens
         draft_cache[label, batch] = draft_s[label]
   flops_cache = {} if flops_cache is None else flops_cache
   for label, dec in decoders.items():
-    if dec.method != "ar" and (label, batch) not in flops_cache:
+    if dec.method != "ar" and dec.num_draft_tokens != "auto" and (label, batch) not in flops_cache:
       flops_cache[label, batch] = draft_flop_share(dec, probe, max_new_tokens, sp)
   rows = []
   for label, c in pairs:
@@ -322,6 +329,12 @@ def markdown(results, meta) -> str:
         f"{f(r.get('draft_cost_ratio_c'))} | {f(r.get('draft_cost_ratio_c_flops'))} | {f(r.get('ideal_speedup'))} | {f(r.get('efficiency'))} | "
         f"{r['round_s'] * 1e3:.2f} | {r['prefill_s_median'] * 1e3:.1f} | "
         f"{f(r.get('ttft_s') and r['ttft_s'] * 1e3, '.1f')} | {itl} |")
+  auto = [r for r in results if r.get("draft_length_histogram")]
+  if auto:
+    lines += ["", "Draft lengths chosen by `auto` (rounds per G = 0..G_max, 0 = AR step; summed over "
+              "repeats and rows):", ""]
+    lines += [f"- T = {r['temperature']}, B = {r['batch_size']}, {r['form']}: "
+              f"{r['draft_length_histogram']}" for r in auto]
   return "\n".join(lines) + "\n"
 
 
@@ -340,7 +353,8 @@ def main(argv=None):
   ap.add_argument("--batch_sizes", default="1,4,16", help="comma list of batch sizes B >= 1")
   ap.add_argument("--temperatures", default="0,1", help="comma list of temperatures >= 0 (0: greedy)")
   ap.add_argument("--num_draft_tokens", default=None,
-                  help="comma list of G >= 1 (default: 1..D+2; --quick: 1)")
+                  help="comma list of G >= 1 and/or 'auto' (draft length chosen every round; "
+                       "default: 1..D+2 and auto; --quick: 1)")
   ap.add_argument("--forms", default="while,stream", help="comma list of 'while' and/or 'stream'")
   ap.add_argument("--repeats", type=int, default=5, help="interleaved timed repeats, >= 1")
   ap.add_argument("--out", default="results/bench_decode", help="output prefix (OUT.json, OUT.md)")
@@ -355,8 +369,15 @@ def main(argv=None):
   batch_sizes = common.parse_list(ap, "batch_sizes", args.batch_sizes, int, 1)
   temps = common.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
   forms = common.parse_list(ap, "forms", args.forms, str, choices=("while", "stream"))
-  gs_given = (common.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1)
-              if args.num_draft_tokens is not None else None)
+  gs_given = None
+  if args.num_draft_tokens is not None:
+    items = [x.strip() for x in args.num_draft_tokens.split(",") if x.strip()]
+    auto_given = "auto" in items
+    rest = ",".join(x for x in items if x != "auto")
+    gs_given = (common.parse_list(ap, "num_draft_tokens", rest, int, 1) if rest else []) + (
+        ["auto"] if auto_given else [])
+    if not gs_given:
+      ap.error(f"--num_draft_tokens={args.num_draft_tokens!r}: give G >= 1 values and/or 'auto'")
   cfg, target, step = ckpt_lib.load_model(args.workdir)
   draft = ckpt_lib.load_model(args.draft_workdir)[1] if args.draft_workdir else None
   depth = cfg.mtp.depth
@@ -365,22 +386,26 @@ def main(argv=None):
              "was given: there is no drafter to compare with AR (give --draft_workdir DIR, or "
              "--ar_only to time AR alone)")
   gs = [] if args.ar_only else (gs_given if gs_given is not None
-                                else list(range(1, depth + 3)) if depth or draft is not None else [])
+                                else list(range(1, depth + 3)) + (["auto"] if depth else [])
+                                if depth or draft is not None else [])
   if args.quick and gs_given is None:
     gs = gs[:1]
+  if "auto" in gs and not depth:
+    ap.error("--num_draft_tokens=auto drafts with the MTP modules: --workdir has D = 0")
   prompts_all = data_lib.held_out_prompts(args.dataset, args.num_prompts or max(batch_sizes) * args.repeats,
                                  args.prompt_bytes, data_dir=args.data_dir)
   cache_len = 64 * int(np.ceil((args.prompt_bytes + args.max_new_tokens + 64) / 64))
   results, bare, bare_loop = [], {}, {}
   for b in batch_sizes:
-    lengths = [1] + [g + 1 for g in gs]
+    lengths = [1] + [g + 1 for g in gs if g != "auto"]
     bare[str(b)] = {str(k): bare_forward_s(target, b, k, cache_len, args.repeats) for k in lengths}
     bare_loop[str(b)] = {str(k): bare_forward_s(target, b, k, cache_len, args.repeats, in_loop=True)
                          for k in lengths}
     decoders = {"ar": Decoder(target, "ar")}
-    decoders.update({f"mtp_G{g}": Decoder(target, "mtp", g) for g in gs if depth})
+    decoders.update({("mtp_auto" if g == "auto" else f"mtp_G{g}"): Decoder(target, "mtp", g)
+                     for g in gs if depth})
     if draft is not None:
-      decoders.update({f"draft_G{g}": Decoder(target, "draft", g, draft) for g in gs})
+      decoders.update({f"draft_G{g}": Decoder(target, "draft", g, draft) for g in gs if g != "auto"})
     flops_cache = {}
     for t in temps:
       sp = SamplingParams(temperature=t)

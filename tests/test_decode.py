@@ -81,6 +81,35 @@ def test_mtp_draft_and_verify_logits_equal_cache_free_forward(target, num_draft_
     state = commit(state, d_tok, a, nxt, h0)
 
 
+def test_auto_draft_lengths_keep_every_module_cache_exact(target):
+  """With a variable draft length (G_max = 3 > D = 2), rounds at g = 0 (AR
+  steps) let the module caches fall behind by more than a window, so the
+  modules catch up over committed positions before drafting: q_k must still
+  equal the cache-free forward at every round, whatever the g sequence."""
+  dec = Decoder(target, "mtp", "auto", max_draft_tokens=3, auto_costs=[1.0, 1.0, 1.0, 1.0])
+  warp = SamplingParams(temperature=1.0).as_arrays()
+  prompts = _prompts([2, 7, 12], seed=4)
+  state, prefill_len = dec.prepare(prompts, 60, seed=0)
+  state = dec._prefill_fn(dec.target_params, None, state, prefill_len)
+  props = {g: jax.jit(lambda params, s, g=g: dec._propose(*dec._models(params, None), s, warp, g))
+           for g in range(4)}
+  commit = jax.jit(dec._commit)
+  full = jax.jit(lambda params, x: dec._models(params, None)[0](x).mtp_logits)
+  rng = np.random.default_rng(5)
+  for g in [0, 0, 0, 0, 0, 0, 2, 1, 0, 3, 0, 0, 0, 0, 0, 0, 0, 1, 2, 3]:
+    state, d_tok, d_q, p, h0, _ = props[g](dec.target_params, state)
+    tokens, n = np.asarray(state["tokens"]), np.asarray(state["length"])
+    for b in range(len(prompts)):
+      if g:
+        mtp_logits = full(dec.target_params, jnp.asarray(tokens[b:b + 1, :n[b] + g]))
+        for k in range(1, min(g, target.mtp_depth) + 1):
+          np.testing.assert_allclose(d_q[b, k - 1], jax.nn.softmax(mtp_logits[k - 1][0, n[b] - 2]),
+                                     atol=2e-5, err_msg=f"g={g} row {b} depth {k}")
+    a = jnp.asarray(rng.integers(0, g + 1, len(prompts)), jnp.int32)
+    nxt = jnp.asarray(rng.choice(ALPHABET, len(prompts)), jnp.int32)
+    state = commit(state, d_tok, a, nxt, h0)
+
+
 def test_draft_model_drafts_equal_cache_free_forward(target):
   draft = model_lib.build_model(tiny_config(mtp=dict(depth=0), model=dict(num_layers=1)), seed=7)
   g = 3
@@ -104,6 +133,22 @@ def test_draft_model_drafts_equal_cache_free_forward(target):
 
 
 # -- greedy equality ----------------------------------------------------------------
+
+def test_auto_greedy_equals_ar(target, ar_greedy):
+  """Draft length chosen every round (measured costs, and a schedule that
+  switches every round through g = 0..3): output identical to AR."""
+  from decode.schedule import CyclingSchedule
+  prompts, ref = ar_greedy
+  for dec in (Decoder(target, "mtp", "auto"),
+              Decoder(target, "mtp", "auto", max_draft_tokens=3, schedule=CyclingSchedule(3))):
+    for gen in (dec.generate(prompts, 24, GREEDY), dec.stream(prompts, 24, GREEDY)):
+      for b in range(len(prompts)):
+        np.testing.assert_array_equal(gen.tokens[b], ref.tokens[b], err_msg=f"{dec.schedule} row {b}")
+      hist = gen.draft_length_histogram
+      assert hist.shape == (len(prompts), dec.G + 1)
+      np.testing.assert_array_equal(hist.sum(1), gen.target_calls)   # one chosen g per round
+  assert (hist > 0).all(axis=0).sum() == dec.G + 1       # the cycle visited every g
+
 
 @pytest.mark.parametrize("g", [1, 2, 3])
 def test_mtp_greedy_equals_ar(target, ar_greedy, g):

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from decode.run import flag_notices, read_prompt_file, run
+from decode.run import flag_notices, parse_num_draft_tokens, read_prompt_file, run
 from decode.speculative import DecodeError, SamplingParams
 from mtp.checkpoint import CheckpointError
 
@@ -46,6 +46,28 @@ def test_run_report_has_tokens_text_and_stats(workdir, capsys):
                         f"{r['prompt']}{r['text']}\n" for r in report["results"])
   assert "tau" in err and "speedup over AR" in err and "2 interleaved repeats" in err
   assert "tau" not in out and "note:" not in err    # G = D: nothing to note
+
+
+def test_auto_draft_length_report(workdir, capsys):
+  """--num_draft_tokens auto: the report records "auto" and G_max, the
+  summary the histogram of chosen draft lengths (one entry per round)."""
+  report = run(workdir, ["abca", "fed"], method="mtp", num_draft_tokens="auto", max_draft_tokens=3,
+               max_new_tokens=16, sampling=SamplingParams(temperature=0.0))
+  cfg, s = report["config"], report["stats"]
+  assert cfg["num_draft_tokens"] == "auto" and cfg["max_draft_tokens"] == 3
+  assert len(s["draft_length_histogram"]) == 4 and sum(s["draft_length_histogram"]) == s["target_calls"]
+  assert len(s["acceptance_rate_per_position"]) == 3
+  err = capsys.readouterr().err
+  assert "chosen draft length histogram" in err
+  assert "--max_draft_tokens=3 > the checkpoint's MTP depth D=2" in err
+  assert parse_num_draft_tokens("auto") == "auto" and parse_num_draft_tokens("3") == 3
+  for bad in ("0", "x", "-2", "1.5"):
+    with pytest.raises(DecodeError, match="num_draft_tokens.*integer >= 1 or 'auto'"):
+      parse_num_draft_tokens(bad)
+  with pytest.raises(DecodeError, match="auto needs --method=mtp"):
+    run(workdir, ["abc"], method="draft", draft_workdir=workdir, num_draft_tokens="auto")
+  assert flag_notices(method="mtp", given={"max_draft_tokens"}, temperature=1.0, compare=False) == [
+      "--max_draft_tokens has no effect without --num_draft_tokens=auto"]
 
 
 def test_stream_prints_the_continuation(workdir, capsys):

@@ -93,6 +93,39 @@ def test_first_two_tokens_follow_the_target_law(model, laws, method, g):
     assert accepted_any, "the test should exercise accepted drafts, not only residuals"
 
 
+AUTO_SETTING = SamplingParams(temperature=1.0, top_k=4, top_p=0.9)
+
+
+@pytest.mark.parametrize("schedule", ["cycling", "adaptive"])
+def test_auto_draft_length_keeps_the_target_law(model, schedule):
+  """Issue 13: the draft length may depend on past rounds only. A schedule
+  that switches every round (g = 0, 1, 2, 3, 0, ... from four offsets, so
+  both tokens come from every g) and the adaptive schedule (running
+  acceptance estimates; costs fixed so it drafts) both leave the joint law
+  of the first two tokens equal to the target's at T = 1 with top-k and
+  top-p."""
+  from decode.schedule import AutoSchedule, CyclingSchedule
+  law = exact_pair_law(model, AUTO_SETTING)
+  g_max = 3
+  if schedule == "cycling":
+    runs = [(CyclingSchedule(g_max, offset=o), NUM_SAMPLES // 4, 200 + o) for o in range(g_max + 1)]
+  else:
+    runs = [(AutoSchedule(g_max, prior=0.6), NUM_SAMPLES, 210)]
+  pairs, seen = [], np.zeros(g_max + 1, np.int64)
+  dec = Decoder(model, "mtp", "auto", max_draft_tokens=g_max, schedule=runs[0][0],
+                auto_costs=[1.0, 1.1, 1.2, 1.3])
+  for sched, n, seed in runs:
+    dec.schedule = sched            # the offset lives in the state: one compilation serves all
+    gen = dec.generate([PROMPT] * n, 2, AUTO_SETTING, seed=seed)
+    pairs.append(np.stack([t[:2] for t in gen.tokens]))
+    seen += gen.draft_length_histogram.sum(0)
+  pvalue = chi_square_pvalue(np.concatenate(pairs), law)
+  assert pvalue > ALPHA, f"auto ({schedule}): chi-square p={pvalue:.2e}"
+  assert seen[1:].sum() > 0
+  if schedule == "cycling":
+    assert (seen > 0).all(), seen
+
+
 def _perturbed(model):
   """A copy of ``model`` with noise on every parameter (a plausible, imperfect drafter)."""
   from flax import nnx

@@ -26,16 +26,23 @@ def workdir(markov_workdir):
 def test_bench_decode_quick(workdir, data_dir, tmp_path):
   out = str(tmp_path / "bd")
   argv = ["--workdir", workdir, "--quick", "--data_dir", data_dir, "--draft_workdir", workdir,
-          "--out", out]
+          "--num_draft_tokens", "1,auto", "--out", out]
   _script("bench_decode").main(argv)
   assert md_command(out + ".md") == "python scripts/bench_decode.py " + " ".join(argv)
   report = json.load(open(out + ".json"))
   assert {"commit", "jax_version", "device_kind", "cpu_count", "date", "config"} <= set(report["meta"])
-  names = {(r["method"], r["form"], r["temperature"]) for r in report["results"]}
-  assert ("ar", "while", 0.0) in names and ("mtp", "stream", 1.0) in names and ("draft", "while", 1.0) in names
+  names = {(r["method"], r["form"], r["temperature"], r["num_draft_tokens"]) for r in report["results"]}
+  assert {("ar", "while", 0.0, 0), ("mtp", "stream", 1.0, 1), ("draft", "while", 1.0, 1),
+          ("mtp", "while", 0.0, "auto")} <= names
+  assert ("draft", "while", 1.0, "auto") not in names       # auto drafts with MTP modules only
   for r in report["results"]:
-    assert r["tokens_per_s"] > 0 and r["tau"] >= 1
-    if r["method"] != "ar":
+    assert r["tokens_per_s"] > 0 and r["tau"] >= 1 and r["speedup_decode"] > 0
+    assert 0 < r["prefill_s_median"] < r["wall_s_median"]
+    if r["num_draft_tokens"] == "auto":
+      hist = r["draft_length_histogram"]
+      assert len(hist) == 3 and sum(hist) > 0              # G_max = D = 2
+      assert "ideal_speedup" not in r
+    elif r["method"] != "ar":
       assert r["ideal_speedup"] > 0 and r["efficiency"] > 0
       assert 0 < r["draft_cost_ratio_c_flops"] < 5
   md = open(out + ".md").read().splitlines()

@@ -1,0 +1,133 @@
+"""Adaptive draft length: choose G every round from measured acceptance and cost.
+
+``Decoder(..., num_draft_tokens="auto")`` compiles one round function per
+draft length g = 0 (a plain AR step), 1, ..., G_max and picks one per round
+inside the ``lax.while_loop`` with ``lax.switch``: no recompilation and no
+host round trip when the choice changes. The choice maximises the expected
+tokens per second of the batch,
+
+    g* = argmax_g  sum_{b active} E_b[tokens | g] / cost(g),
+    E_b[tokens | g] = 1 + sum_{j=1..g} prod_{i<=j} alpha_{b,i},
+
+the expected accepted length of Leviathan et al. 2023 (section 3.1, eq. 1,
+with per-position rather than i.i.d. acceptance), where alpha_{b,i} is a
+running estimate of row b's acceptance rate at draft position i (an
+exponential moving average of "d_i accepted" over the rounds that tested
+d_i) and cost(g) the measured wall time of one round at g (timed on the
+device for the decoder's batch size and cache length before the first
+generation; ``Decoder._auto_costs``).
+
+Exploration: while g* = 0 the estimates cannot change, so after
+``probe_interval`` AR rounds one round drafts with the best g >= 1; the
+interval doubles after every probe that leaves the choice at AR (up to
+``max_probe_interval``) and resets when drafting wins again.
+
+Lossless whatever the schedule: the choice is a function of the state left
+by earlier rounds only (estimates, counters, costs), never of the current
+round's random draws, so given the past, the round is an ordinary
+speculative round with a fixed G and emits tokens with the target's law
+(docs/speculative_sampling.md, "Adaptive draft length").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoSchedule:
+  """Per-round choice of the draft length (module docstring).
+
+  Attributes:
+    max_draft_tokens: G_max >= 1, the longest draft considered.
+    prior: initial acceptance estimate for every position, in (0, 1).
+    ema: weight of the newest round in the estimates, in (0, 1].
+    probe_interval: AR rounds before a probe round with g >= 1, >= 1.
+    max_probe_interval: cap of the doubling interval.
+  """
+  max_draft_tokens: int
+  prior: float = 0.8
+  ema: float = 0.2
+  probe_interval: int = 8
+  max_probe_interval: int = 256
+
+  def __post_init__(self):
+    if not (isinstance(self.max_draft_tokens, int) and self.max_draft_tokens >= 1):
+      raise ValueError(f"max_draft_tokens={self.max_draft_tokens!r} must be an integer >= 1")
+    if not 0 < self.prior < 1:
+      raise ValueError(f"prior={self.prior!r} must be in (0, 1)")
+    if not 0 < self.ema <= 1:
+      raise ValueError(f"ema={self.ema!r} must be in (0, 1]")
+    if not 1 <= self.probe_interval <= self.max_probe_interval:
+      raise ValueError(f"probe_interval={self.probe_interval!r} must be in [1, max_probe_interval]")
+
+  def init_state(self, batch: int, costs) -> dict:
+    """Schedule state for ``batch`` rows: alpha [B, G_max] float32 estimates,
+    costs [G_max+1] float32 seconds per round, round / probe_wait /
+    probe_interval int32 scalars, force int32 (-1; >= 0 forces that g, for
+    cost calibration)."""
+    g = self.max_draft_tokens
+    costs = jnp.asarray(costs, jnp.float32)
+    if costs.shape != (g + 1,):
+      raise ValueError(f"costs must have shape ({g + 1},), got {costs.shape}")
+    return {"alpha": jnp.full((batch, g), self.prior, jnp.float32), "costs": costs,
+            "round": jnp.int32(0), "probe_wait": jnp.int32(0),
+            "probe_interval": jnp.int32(self.probe_interval), "force": jnp.int32(-1)}
+
+  def expected_tokens(self, alpha) -> jax.Array:
+    """[B, G_max+1] float32: E[tokens per round | g] per row from alpha [B, G_max]."""
+    reach = jnp.cumprod(alpha, axis=1)
+    zero = jnp.zeros(alpha.shape[:1] + (1,), alpha.dtype)
+    return 1.0 + jnp.cumsum(jnp.concatenate([zero, reach], axis=1), axis=1)
+
+  def choose(self, sched: dict, active) -> tuple[jax.Array, dict]:
+    """(g int32 scalar, updated schedule state) for this round, from the
+    past only. active: [B] bool, rows still generating."""
+    tokens = self.expected_tokens(sched["alpha"])                        # [B, G+1]
+    value = jnp.sum(tokens * active[:, None], axis=0) / sched["costs"]
+    best = jnp.argmax(value).astype(jnp.int32)
+    best_draft = (jnp.argmax(value[1:]) + 1).astype(jnp.int32)
+    probe = (best == 0) & (sched["probe_wait"] >= sched["probe_interval"])
+    wait = jnp.where(best == 0, jnp.where(probe, 0, sched["probe_wait"] + 1), 0)
+    g = jnp.where(probe, best_draft, best)
+    interval = jnp.where(best > 0, self.probe_interval,
+                         jnp.where(probe, jnp.minimum(2 * sched["probe_interval"],
+                                                      self.max_probe_interval),
+                                   sched["probe_interval"]))
+    g = jnp.where(sched["force"] >= 0, sched["force"], g)
+    return g, {**sched, "probe_wait": wait.astype(jnp.int32),
+               "probe_interval": interval.astype(jnp.int32), "round": sched["round"] + 1}
+
+  def update(self, sched: dict, g: int, accepted, active) -> dict:
+    """Folds a round with static draft length g into the estimates:
+    position j = 1..g was tested in rows with accepted >= j-1 (and active),
+    and passed when accepted >= j. accepted: [B] int32; active: [B] bool."""
+    if g == 0:
+      return sched
+    j = jnp.arange(1, g + 1)[None, :]
+    tested = (accepted[:, None] >= j - 1) & active[:, None]
+    passed = (accepted[:, None] >= j).astype(jnp.float32)
+    alpha = sched["alpha"]
+    head = alpha[:, :g]
+    head = jnp.where(tested, head + self.ema * (passed - head), head)
+    return {**sched, "alpha": alpha.at[:, :g].set(head)}
+
+
+@dataclasses.dataclass(frozen=True)
+class CyclingSchedule(AutoSchedule):
+  """Test schedule: g = (round + offset) mod (G_max + 1), switching every
+  round whatever happens (a past-only schedule, for losslessness tests).
+  The offset enters through the state's round counter, so decoders compiled
+  with one offset serve every offset."""
+  offset: int = 0
+
+  def init_state(self, batch: int, costs) -> dict:
+    return {**super().init_state(batch, costs), "round": jnp.int32(self.offset)}
+
+  def choose(self, sched, active):
+    g = (sched["round"] % (self.max_draft_tokens + 1)).astype(jnp.int32)
+    g = jnp.where(sched["force"] >= 0, sched["force"], g)
+    return g, {**sched, "round": sched["round"] + 1}

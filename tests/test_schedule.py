@@ -1,0 +1,80 @@
+"""The adaptive draft-length schedule (decode.schedule): its expected-token
+formula, its choice, exploration and estimate updates, on hand-made states."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from decode.schedule import AutoSchedule, CyclingSchedule
+
+
+def test_expected_tokens_is_leviathan_eq1_per_position():
+  s = AutoSchedule(3)
+  alpha = jnp.asarray([[0.5, 0.5, 0.5], [1.0, 0.0, 1.0]])
+  want = [[1, 1.5, 1.75, 1.875], [1, 2, 2, 2]]
+  np.testing.assert_allclose(s.expected_tokens(alpha), want)
+
+
+def test_choice_maximises_expected_tokens_per_second():
+  s = AutoSchedule(3, prior=0.9)
+  active = jnp.asarray([True, True])
+  # cheap drafting: the longest draft wins
+  st = s.init_state(2, [1.0, 1.05, 1.1, 1.15])
+  g, _ = s.choose(st, active)
+  assert int(g) == 3
+  # a drafting round as expensive as 4 target steps: even tau 3.44 loses, AR wins
+  st = s.init_state(2, [1.0, 4.0, 4.0, 4.0])
+  g, _ = s.choose(st, active)
+  assert int(g) == 0
+  # by hand: alpha 0.9, costs 1, 1.5, 2.2, 3.0 -> tokens 1, 1.9, 2.71, 3.439 -> per cost
+  # 1, 1.267, 1.232, 1.146: G = 1
+  st = s.init_state(2, [1.0, 1.5, 2.2, 3.0])
+  g, _ = s.choose(st, active)
+  assert int(g) == 1
+  # only active rows count: a done row with perfect acceptance does not pull G up
+  st = {**s.init_state(2, [1.0, 1.2, 1.4, 1.6]), "alpha": jnp.asarray([[0.1] * 3, [1.0] * 3])}
+  assert int(s.choose(st, jnp.asarray([True, False]))[0]) == 0
+  assert int(s.choose(st, jnp.asarray([False, True]))[0]) == 3
+
+
+def test_probe_after_ar_rounds_with_doubling_interval():
+  s = AutoSchedule(2, prior=0.1, probe_interval=2, max_probe_interval=4)
+  st = s.init_state(1, [1.0, 2.0, 3.0])
+  active = jnp.asarray([True])
+  chosen = []
+  for _ in range(16):
+    g, st = s.choose(st, active)
+    chosen.append(int(g))
+  # 2 AR rounds, a probe, then the interval doubles to 4 (the cap): 4 AR rounds per probe
+  assert chosen[:4] == [0, 0, 1, 0] and chosen.count(0) > 10
+  probes = [i for i, g in enumerate(chosen) if g]
+  assert np.diff(probes).tolist() == [5, 5]
+  forced = {**st, "force": jnp.int32(2)}
+  assert int(s.choose(forced, active)[0]) == 2
+
+
+def test_update_is_an_ema_over_tested_positions_only():
+  s = AutoSchedule(3, prior=0.5, ema=0.5)
+  st = s.init_state(3, [1, 1, 1, 1])
+  accepted = jnp.asarray([0, 1, 2])
+  out = s.update(st, 2, accepted, jnp.asarray([True, True, False]))["alpha"]
+  # row 0: d_1 tested and rejected, d_2 not tested; row 1: d_1 passed, d_2 failed;
+  # row 2 inactive; position 3 beyond g = 2 untouched
+  np.testing.assert_allclose(out, [[0.25, 0.5, 0.5], [0.75, 0.25, 0.5], [0.5, 0.5, 0.5]])
+  assert s.update(st, 0, accepted, jnp.asarray([True] * 3)) is st
+
+
+def test_cycling_schedule_and_bad_settings():
+  s = CyclingSchedule(2, offset=1)
+  st = s.init_state(1, [1, 1, 1])
+  seq = []
+  for _ in range(5):
+    g, st = s.choose(st, jnp.asarray([True]))
+    seq.append(int(g))
+  assert seq == [1, 2, 0, 1, 2]
+  for bad in (dict(max_draft_tokens=0), dict(max_draft_tokens=2, prior=1.0),
+              dict(max_draft_tokens=2, ema=0.0), dict(max_draft_tokens=2, probe_interval=0)):
+    with pytest.raises(ValueError):
+      AutoSchedule(**bad)
+  with pytest.raises(ValueError, match="costs"):
+    AutoSchedule(2).init_state(1, [1.0, 2.0])
