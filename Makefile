@@ -1,16 +1,20 @@
 # make demo: set up .venv (if missing), train the tiny config on the embedded
 #            python_stdlib corpus, then speculative-decode a code prompt with it.
 # make test: set up .venv (if missing) and run the test suite.
+# make reference: train the reference target (configs/reference.py, 16 layers,
+#            D = 3) into runs/reference, about an hour on 2 CPU cores;
+#            re-running resumes an interrupted run and leaves a finished one alone.
 # make test-hf: also install the [hf] extra (torch, transformers) and run the
 #            Hugging Face export parity tests (tests/test_export_hf.py).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= runs/tiny
+REF_WORKDIR ?= runs/reference
 STAMP := $(VENV)/.installed
 HF_STAMP := $(VENV)/.installed-hf
 
-.PHONY: demo test test-hf install install-hf clean-demo
+.PHONY: demo test test-hf install install-hf clean-demo reference
 
 install: $(STAMP)
 
@@ -32,6 +36,9 @@ demo: $(STAMP)
 	$(PY) -m train --config configs/tiny.py --workdir $(WORKDIR)
 	$(PY) -m decode --workdir $(WORKDIR) --method mtp --num_draft_tokens auto --compare \
 	  --prompt "$$(printf 'import os\nimport sys\n\n\ndef main(')" --max_new_tokens 200 --temperature 0.7
+
+reference: $(STAMP)
+	$(PY) -m train --config configs/reference.py --workdir $(REF_WORKDIR)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

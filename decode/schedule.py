@@ -1,10 +1,18 @@
 """Adaptive draft length: choose G every round from measured acceptance and cost.
 
 ``Decoder(..., num_draft_tokens="auto")`` compiles one round function per
-draft length g = 0 (a plain AR step), 1, ..., G_max and picks one per round
-inside the ``lax.while_loop`` with ``lax.switch``: no recompilation and no
-host round trip when the choice changes. The choice maximises the expected
-tokens per second of the batch,
+draft length g = 0 (a plain AR step), 1, ..., G_max. Every choice covers a
+segment of ``rounds_per_choice`` rounds: in the while_loop form an outer
+``lax.while_loop`` picks g and ``lax.switch``es to an inner while_loop of
+rounds at that g (XLA copies the KV caches on entering a switch branch, so
+switching every round would cost a copy of every cache per round; per
+segment it is a few percent of one round), and the stream form picks g on
+the host between rounds and calls the round compiled for it; both run the
+same sequence of draft lengths, so they emit the same tokens for a seed. No
+recompilation and, in the while_loop form, no host round trip when the
+choice changes. The first segment and probe segments are
+``probe_rounds`` long. The choice maximises the expected tokens per second
+of the batch,
 
     g* = argmax_g  sum_{b active} E_b[tokens | g] / cost(g),
     E_b[tokens | g] = 1 + sum_{j=1..g} prod_{i<=j} alpha_{b,i},
@@ -18,9 +26,9 @@ device for the decoder's batch size and cache length before the first
 generation; ``Decoder._auto_costs``).
 
 Exploration: while g* = 0 the estimates cannot change, so after
-``probe_interval`` AR rounds one round drafts with the best g >= 1; the
-interval doubles after every probe that leaves the choice at AR (up to
-``max_probe_interval``) and resets when drafting wins again.
+``probe_interval`` AR segments one short segment drafts with the best
+g >= 1; the interval doubles after every probe that leaves the choice at AR
+(up to ``max_probe_interval``) and resets when drafting wins again.
 
 Lossless whatever the schedule: the choice is a function of the state left
 by earlier rounds only (estimates, counters, costs), never of the current
@@ -45,13 +53,17 @@ class AutoSchedule:
     max_draft_tokens: G_max >= 1, the longest draft considered.
     prior: initial acceptance estimate for every position, in (0, 1).
     ema: weight of the newest round in the estimates, in (0, 1].
-    probe_interval: AR rounds before a probe round with g >= 1, >= 1.
+    rounds_per_choice: rounds of one segment (one choice of g), >= 1.
+    probe_rounds: rounds of the first segment and of probe segments, >= 1.
+    probe_interval: AR segments before a probe segment with g >= 1, >= 1.
     max_probe_interval: cap of the doubling interval.
   """
   max_draft_tokens: int
   prior: float = 0.8
   ema: float = 0.2
-  probe_interval: int = 8
+  rounds_per_choice: int = 16
+  probe_rounds: int = 2
+  probe_interval: int = 4
   max_probe_interval: int = 256
 
   def __post_init__(self):
@@ -63,12 +75,15 @@ class AutoSchedule:
       raise ValueError(f"ema={self.ema!r} must be in (0, 1]")
     if not 1 <= self.probe_interval <= self.max_probe_interval:
       raise ValueError(f"probe_interval={self.probe_interval!r} must be in [1, max_probe_interval]")
+    for name in ("rounds_per_choice", "probe_rounds"):
+      if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+        raise ValueError(f"{name}={getattr(self, name)!r} must be an integer >= 1")
 
   def init_state(self, batch: int, costs) -> dict:
     """Schedule state for ``batch`` rows: alpha [B, G_max] float32 estimates,
-    costs [G_max+1] float32 seconds per round, round / probe_wait /
-    probe_interval int32 scalars, force int32 (-1; >= 0 forces that g, for
-    cost calibration)."""
+    costs [G_max+1] float32 seconds per round, round (choices made) /
+    probe_wait / probe_interval int32 scalars, force int32 (-1; >= 0 forces
+    that g)."""
     g = self.max_draft_tokens
     costs = jnp.asarray(costs, jnp.float32)
     if costs.shape != (g + 1,):
@@ -83,9 +98,10 @@ class AutoSchedule:
     zero = jnp.zeros(alpha.shape[:1] + (1,), alpha.dtype)
     return 1.0 + jnp.cumsum(jnp.concatenate([zero, reach], axis=1), axis=1)
 
-  def choose(self, sched: dict, active) -> tuple[jax.Array, dict]:
-    """(g int32 scalar, updated schedule state) for this round, from the
-    past only. active: [B] bool, rows still generating."""
+  def choose(self, sched: dict, active) -> tuple[jax.Array, jax.Array, dict]:
+    """(g, rounds, updated schedule state) for the next segment, from the
+    past only: draft length g and number of rounds (int32 scalars).
+    active: [B] bool, rows still generating."""
     tokens = self.expected_tokens(sched["alpha"])                        # [B, G+1]
     value = jnp.sum(tokens * active[:, None], axis=0) / sched["costs"]
     best = jnp.argmax(value).astype(jnp.int32)
@@ -97,9 +113,11 @@ class AutoSchedule:
                          jnp.where(probe, jnp.minimum(2 * sched["probe_interval"],
                                                       self.max_probe_interval),
                                    sched["probe_interval"]))
+    rounds = jnp.where(probe | (sched["round"] == 0), self.probe_rounds, self.rounds_per_choice)
     g = jnp.where(sched["force"] >= 0, sched["force"], g)
-    return g, {**sched, "probe_wait": wait.astype(jnp.int32),
-               "probe_interval": interval.astype(jnp.int32), "round": sched["round"] + 1}
+    return g, rounds.astype(jnp.int32), {
+        **sched, "probe_wait": wait.astype(jnp.int32),
+        "probe_interval": interval.astype(jnp.int32), "round": sched["round"] + 1}
 
   def update(self, sched: dict, g: int, accepted, active) -> dict:
     """Folds a round with static draft length g into the estimates:
@@ -118,8 +136,9 @@ class AutoSchedule:
 
 @dataclasses.dataclass(frozen=True)
 class CyclingSchedule(AutoSchedule):
-  """Test schedule: g = (round + offset) mod (G_max + 1), switching every
-  round whatever happens (a past-only schedule, for losslessness tests).
+  """Test schedule: g = (round + offset) mod (G_max + 1), one round per
+  segment, switching every round whatever happens (a past-only schedule,
+  for losslessness tests).
   The offset enters through the state's round counter, so decoders compiled
   with one offset serve every offset."""
   offset: int = 0
@@ -130,4 +149,4 @@ class CyclingSchedule(AutoSchedule):
   def choose(self, sched, active):
     g = (sched["round"] % (self.max_draft_tokens + 1)).astype(jnp.int32)
     g = jnp.where(sched["force"] >= 0, sched["force"], g)
-    return g, {**sched, "round": sched["round"] + 1}
+    return g, jnp.int32(1), {**sched, "round": sched["round"] + 1}

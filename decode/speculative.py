@@ -227,9 +227,16 @@ class Decoder:
     self._prefill_fn = jax.jit(fns[0], donate_argnums=(2,), static_argnums=(3,))
     self._round_fn = jax.jit(fns[1], donate_argnums=(2,))
     self._generate_fn = jax.jit(fns[2], donate_argnums=(2,))
-    if self.schedule is not None:        # timing of forced draft lengths, state not donated
-      self._calibrate_fn = jax.jit(lambda p, dp, st, w: jax.lax.fori_loop(
-          0, _CALIBRATION_ROUNDS, lambda i, x: fns[1](p, dp, x, w), st))
+    if self.schedule is not None:
+      wrap = (lambda f: f) if mesh is None else (lambda f: decode_mesh.constrain_state(f, mesh))
+      # stream form: the choice, then the round compiled for the chosen g
+      self._choose_fn = jax.jit(wrap(self._choose), donate_argnums=(0,))
+      self._round_g_fns = [jax.jit(wrap(functools.partial(self._round_g, g=g)), donate_argnums=(2,))
+                           for g in range(self.G + 1)]
+      # cost measurement: rounds at a fixed g inside one fori_loop, state not donated
+      self._calibrate_fns = [jax.jit(lambda p, dp, st, w, g=g: jax.lax.fori_loop(
+          0, _CALIBRATION_ROUNDS, lambda i, x: self._round_g(p, dp, x, w, g), st))
+          for g in range(self.G + 1)]
 
   @property
   def num_draft_tokens(self) -> int | str:
@@ -337,10 +344,12 @@ class Decoder:
     return state
 
   def _round(self, params, draft_params, state, warp):
-    """One draft-verify-accept-commit round for every row (no-op for done rows);
-    with "auto", the draft length of the round is chosen first."""
+    """One draft-verify-accept-commit round for every row (no-op for done
+    rows). With "auto" the round of the draft length the current segment
+    uses (``_choose`` sets it; the stream form calls ``_round_g`` directly)."""
     if self.schedule is not None:
-      return self._auto_round(params, draft_params, state, warp)
+      branches = [functools.partial(self._round_g, g=i) for i in range(self.G + 1)]
+      return jax.lax.switch(state["schedule"]["g"], branches, params, draft_params, state, warp)
     return self._round_g(params, draft_params, state, warp, self.G)
 
   def _round_g(self, params, draft_params, state, warp, g: int):
@@ -352,27 +361,36 @@ class Decoder:
       a, nxt = self._accept(key, p, d_q, d_tok, warp)
     with jax.named_scope("commit"):
       state = self._commit(state, d_tok, a, nxt, h0)
-    if self.schedule is not None and g:
+    if self.schedule is not None:
       with jax.named_scope("schedule"):
         ok = active & (state["error"] == ERROR_NONE)
-        j = jnp.arange(1, self.G + 1)[None, :]
-        tested = (j <= g) & (a[:, None] >= j - 1) & ok[:, None]
-        state = {**state, "schedule": self.schedule.update(state["schedule"], g, a, ok),
-                 "position_tested": state["position_tested"] + tested,
-                 "position_accepted": state["position_accepted"] + (tested & (a[:, None] >= j))}
+        hist = state["draft_length_histogram"].at[:, g].add(active.astype(jnp.int32))
+        state = {**state, "draft_length_histogram": hist}
+        if g:
+          j = jnp.arange(1, self.G + 1)[None, :]
+          tested = (j <= g) & (a[:, None] >= j - 1) & ok[:, None]
+          state = {**state, "schedule": self.schedule.update(state["schedule"], g, a, ok),
+                   "position_tested": state["position_tested"] + tested,
+                   "position_accepted": state["position_accepted"] + (tested & (a[:, None] >= j))}
     return state
 
-  def _auto_round(self, params, draft_params, state, warp):
-    """Chooses g from the past (``AutoSchedule.choose``) and runs the round
-    compiled for it: one ``lax.switch`` branch per g = 0..G_max."""
-    active = ~state["done"]
+  def _choose(self, state):
+    """"auto": picks (g, rounds) of the next segment from the past
+    (``AutoSchedule.choose``); both go into the schedule state."""
     with jax.named_scope("schedule"):
-      g, sched = self.schedule.choose(state["schedule"], active)
-      hist = state["draft_length_histogram"] + (
-          jax.nn.one_hot(g, self.G + 1, dtype=jnp.int32)[None, :] * active[:, None])
-    state = {**state, "schedule": sched, "draft_length_histogram": hist}
-    branches = [functools.partial(self._round_g, g=i) for i in range(self.G + 1)]
-    return jax.lax.switch(g, branches, params, draft_params, state, warp)
+      g, rounds, sched = self.schedule.choose(state["schedule"], ~state["done"])
+    return {**state, "schedule": {**sched, "g": g, "left": rounds}}
+
+  def _segment(self, params, draft_params, state, warp, g: int):
+    """"auto", while_loop form: the segment's rounds at draft length g
+    (static), until its round count is used up or every row is done."""
+    def cond(s):
+      return (s["schedule"]["left"] > 0) & ~jnp.all(s["done"])
+    def body(s):
+      s = self._round_g(params, draft_params, s, warp, g)
+      return {**s, "schedule": {**s["schedule"], "left": s["schedule"]["left"] - 1,
+                                "rounds": s["schedule"]["rounds"] + 1}}
+    return jax.lax.while_loop(cond, body, state)
 
   def _accept(self, key, p, d_q, d_tok, warp):
     """(num_accepted [B], next_token [B]): greedy verification on logits, or
@@ -387,8 +405,20 @@ class Decoder:
     return jnp.zeros(p.shape[0], jnp.int32), sampling.sample(key, p[:, 0])
 
   def _generate(self, params, draft_params, state, warp):
-    """Every round inside one ``lax.while_loop`` (after ``_prefill``)."""
+    """Every round inside one ``lax.while_loop`` (after ``_prefill``); with
+    "auto", an outer loop over segments, each a ``lax.switch`` to the inner
+    loop compiled for its draft length (``_segment``)."""
     max_rounds = jnp.max(state["max_new"])
+    if self.schedule is not None:
+      segments = [functools.partial(self._segment, g=i) for i in range(self.G + 1)]
+      def seg_cond(s):
+        return ~jnp.all(s["done"]) & (s["schedule"]["rounds"] < max_rounds)
+      def seg_body(s):
+        s = self._choose(s)
+        s = {**s, "schedule": {**s["schedule"], "left": jnp.minimum(
+            s["schedule"]["left"], max_rounds - s["schedule"]["rounds"])}}
+        return jax.lax.switch(s["schedule"]["g"], segments, params, draft_params, s, warp)
+      return jax.lax.while_loop(seg_cond, seg_body, state)
     def cond(carry):
       s, i = carry
       return jnp.logical_and(~jnp.all(s["done"]), i < max_rounds)
@@ -449,7 +479,8 @@ class Decoder:
         "error_pos": jnp.zeros((b,), jnp.int32),
     }
     if self.schedule is not None:
-      state["schedule"] = self.schedule.init_state(b, np.ones(self.G + 1, np.float32))
+      state["schedule"] = {**self.schedule.init_state(b, np.ones(self.G + 1, np.float32)),
+                           "g": jnp.int32(0), "left": jnp.int32(0), "rounds": jnp.int32(0)}
       state["draft_length_histogram"] = jnp.zeros((b, self.G + 1), jnp.int32)
       state["position_tested"] = jnp.zeros((b, self.G), jnp.int32)     # rounds testing d_k
       state["position_accepted"] = jnp.zeros((b, self.G), jnp.int32)
@@ -502,12 +533,12 @@ class Decoder:
       state = self._prefill_fn(self.target_params, self.draft_params, state, prefill_len)
       costs = []
       for g in range(self.G + 1):
-        forced = {**state, "schedule": {**state["schedule"], "force": jnp.int32(g)}}
-        jax.block_until_ready(self._calibrate_fn(self.target_params, self.draft_params, forced, warp))
+        fn = self._calibrate_fns[g]
+        jax.block_until_ready(fn(self.target_params, self.draft_params, state, warp))
         times = []
         for _ in range(5):
           t0 = time.perf_counter()
-          jax.block_until_ready(self._calibrate_fn(self.target_params, self.draft_params, forced, warp))
+          jax.block_until_ready(fn(self.target_params, self.draft_params, state, warp))
           times.append((time.perf_counter() - t0) / _CALIBRATION_ROUNDS)
         costs.append(float(np.min(times)))       # the least disturbed of 5
       # a longer draft never costs less: keep noise from inverting the order
@@ -550,8 +581,17 @@ class Decoder:
     state = self._prefill_fn(self.target_params, self.draft_params, state, prefill_len)
     prev = np.asarray(state["length"])
     prefill = time.perf_counter() - t0
+    left = 0
     for _ in range(max_new_tokens):
-      state = self._round_fn(self.target_params, self.draft_params, state, warp)
+      if self.schedule is None:
+        state = self._round_fn(self.target_params, self.draft_params, state, warp)
+      else:          # the same segments as the while_loop form, g chosen between rounds
+        if left == 0:
+          state = self._choose_fn(state)
+          g, left = (int(x) for x in jax.device_get((state["schedule"]["g"],
+                                                      state["schedule"]["left"])))
+        state = self._round_g_fns[g](self.target_params, self.draft_params, state, warp)
+        left -= 1
       length, done, error = jax.device_get((state["length"], state["done"], state["error"]))
       if error.any():
         break

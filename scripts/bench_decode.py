@@ -67,7 +67,8 @@ def bare_forward_s(model, batch: int, length: int, cache_len: int, repeats: int,
   new tokens with a KV cache (donated), batch ``batch``. ``in_loop=False``:
   one jitted call per forward (includes the host dispatch, ~0.1-0.2 ms on
   CPU); ``in_loop=True``: ``iters`` forwards inside one ``lax.fori_loop``
-  (device time only, comparable with the while_loop decoding form)."""
+  (device time only, comparable with the while_loop decoding form).
+  Positions advance by one per iteration, as they do in decoding."""
   graphdef, params = nnx.split(model, nnx.Param)
 
   def forward(params, cache, toks, pos):
@@ -79,7 +80,9 @@ def bare_forward_s(model, batch: int, length: int, cache_len: int, repeats: int,
     params, cache, toks, pos = carry
     logits, cache = forward(params, cache, toks, pos)
     toks = jnp.argmax(logits, -1).astype(jnp.int32)      # data dependence: no hoisting
-    return params, cache, toks, pos
+    # positions move on as in decoding (fixed ones would let XLA hoist the
+    # RoPE angles and the attention mask out of the loop)
+    return params, cache, toks, jnp.where(pos[:, -1:] + 1 < cache_len, pos + 1, pos - 16)
   if in_loop:
     fn = jax.jit(lambda *c: jax.lax.fori_loop(0, iters, body, c), donate_argnums=(1,))
   else:

@@ -5,8 +5,9 @@ r"""Round-cost breakdown: where the time of one decoding round goes.
 
 For AR and each draft length G, at each temperature, held-out prompts are
 decoded in the while_loop form (``Decoder.generate``): first timed without a
-profiler (median wall time per round over ``repeats`` generations, the
-number to trust), then once under ``jax.profiler``. Every XLA operation the
+profiler (median wall time per round of the decoding phase, prefill
+excluded, over ``repeats`` generations: the number to trust), then once
+under ``jax.profiler``. Every XLA operation the
 CPU runtime executed (one trace event per thunk: a fusion, a dot, a gather,
 a dynamic-update-slice, ...) is attributed, through the op_name metadata of
 the compiled program, to the named scope of the decoding code it came from:
@@ -140,15 +141,15 @@ def profile_generation(decoder: Decoder, prompts, max_new: int, sp: SamplingPara
 
 
 def round_time_s(decoder: Decoder, prompts, max_new: int, sp: SamplingParams, repeats: int):
-  """Median seconds per round (wall / rounds, prefill included) and per
-  generation, without the profiler."""
+  """Median seconds per round of the decoding phase ((wall - prefill) /
+  rounds) and median seconds per generation, without the profiler."""
   decoder.generate(prompts, max_new, sp, 0)
-  walls, rounds = [], []
+  walls, per_round = [], []
   for r in range(repeats):
     gen = decoder.generate(prompts, max_new, sp, r)
     walls.append(gen.wall_time_s)
-    rounds.append(int(gen.target_calls.max()))
-  return float(np.median([w / n for w, n in zip(walls, rounds)])), float(np.median(walls))
+    per_round.append((gen.wall_time_s - gen.prefill_time_s) / int(gen.target_calls.max()))
+  return float(np.median(per_round)), float(np.median(walls))
 
 
 PIECE_ORDER = ["draft/module1", "draft/module2", "draft/module3", "draft/module4", "draft/head",

@@ -148,6 +148,13 @@ def test_auto_greedy_equals_ar(target, ar_greedy):
       assert hist.shape == (len(prompts), dec.G + 1)
       np.testing.assert_array_equal(hist.sum(1), gen.target_calls)   # one chosen g per round
   assert (hist > 0).all(axis=0).sum() == dec.G + 1       # the cycle visited every g
+  # sampling: both forms run the same segments, so they emit the same tokens for a seed
+  dec = Decoder(target, "mtp", "auto", auto_costs=[1.0, 1.05, 1.1])
+  one = dec.generate(prompts, 40, SamplingParams(1.0), seed=3)
+  two = dec.stream(prompts, 40, SamplingParams(1.0), seed=3)
+  for b in range(len(prompts)):
+    np.testing.assert_array_equal(one.tokens[b], two.tokens[b])
+  np.testing.assert_array_equal(one.draft_length_histogram, two.draft_length_histogram)
 
 
 @pytest.mark.parametrize("g", [1, 2, 3])

@@ -20,16 +20,16 @@ def test_choice_maximises_expected_tokens_per_second():
   active = jnp.asarray([True, True])
   # cheap drafting: the longest draft wins
   st = s.init_state(2, [1.0, 1.05, 1.1, 1.15])
-  g, _ = s.choose(st, active)
+  g, _, _ = s.choose(st, active)
   assert int(g) == 3
   # a drafting round as expensive as 4 target steps: even tau 3.44 loses, AR wins
   st = s.init_state(2, [1.0, 4.0, 4.0, 4.0])
-  g, _ = s.choose(st, active)
+  g, _, _ = s.choose(st, active)
   assert int(g) == 0
   # by hand: alpha 0.9, costs 1, 1.5, 2.2, 3.0 -> tokens 1, 1.9, 2.71, 3.439 -> per cost
   # 1, 1.267, 1.232, 1.146: G = 1
   st = s.init_state(2, [1.0, 1.5, 2.2, 3.0])
-  g, _ = s.choose(st, active)
+  g, _, _ = s.choose(st, active)
   assert int(g) == 1
   # only active rows count: a done row with perfect acceptance does not pull G up
   st = {**s.init_state(2, [1.0, 1.2, 1.4, 1.6]), "alpha": jnp.asarray([[0.1] * 3, [1.0] * 3])}
@@ -37,18 +37,22 @@ def test_choice_maximises_expected_tokens_per_second():
   assert int(s.choose(st, jnp.asarray([False, True]))[0]) == 3
 
 
-def test_probe_after_ar_rounds_with_doubling_interval():
-  s = AutoSchedule(2, prior=0.1, probe_interval=2, max_probe_interval=4)
+def test_probe_after_ar_segments_with_doubling_interval():
+  s = AutoSchedule(2, prior=0.1, probe_interval=2, max_probe_interval=4, rounds_per_choice=16,
+                   probe_rounds=3)
   st = s.init_state(1, [1.0, 2.0, 3.0])
   active = jnp.asarray([True])
-  chosen = []
+  chosen, lengths = [], []
   for _ in range(16):
-    g, st = s.choose(st, active)
+    g, rounds, st = s.choose(st, active)
     chosen.append(int(g))
+    lengths.append(int(rounds))
   # 2 AR rounds, a probe, then the interval doubles to 4 (the cap): 4 AR rounds per probe
   assert chosen[:4] == [0, 0, 1, 0] and chosen.count(0) > 10
   probes = [i for i, g in enumerate(chosen) if g]
   assert np.diff(probes).tolist() == [5, 5]
+  # the first segment and probes are short, the others rounds_per_choice long
+  assert lengths[0] == 3 and all(lengths[i] == (3 if chosen[i] else 16) for i in range(1, 16))
   forced = {**st, "force": jnp.int32(2)}
   assert int(s.choose(forced, active)[0]) == 2
 
@@ -69,7 +73,7 @@ def test_cycling_schedule_and_bad_settings():
   st = s.init_state(1, [1, 1, 1])
   seq = []
   for _ in range(5):
-    g, st = s.choose(st, jnp.asarray([True]))
+    g, _, st = s.choose(st, jnp.asarray([True]))
     seq.append(int(g))
   assert seq == [1, 2, 0, 1, 2]
   for bad in (dict(max_draft_tokens=0), dict(max_draft_tokens=2, prior=1.0),
