@@ -56,7 +56,8 @@ from mtp import tokenizer as tok
 from mtp.model import Transformer, init_layer_caches
 
 METHODS = ("ar", "mtp", "draft")
-_CALIBRATION_ROUNDS = 8     # rounds per timed call when measuring "auto" round costs
+_CALIBRATION_ROUNDS = 16    # rounds per timed call when measuring "auto" round costs
+_CALIBRATION_REPEATS = 7    # interleaved timed calls per draft length
 PROMPT_BUCKET = 64      # prompt lengths are padded to a multiple: no recompile per length
 
 
@@ -520,10 +521,13 @@ class Decoder:
   def _auto_costs(self, prompts, max_new_tokens: int, warp) -> np.ndarray:
     """Seconds per round for g = 0..G_max, measured once per (batch size,
     cache length, sampling mode) on this device: after a prefill of these
-    prompts, ``_CALIBRATION_ROUNDS`` rounds with g forced, inside one
-    jitted fori_loop (no host dispatch), the fastest of 5, made
-    non-decreasing in g (the compile and this measurement happen before any
-    timed generation). ``auto_costs`` given
+    prompts, ``_CALIBRATION_ROUNDS`` rounds at each g inside one jitted
+    fori_loop (no host dispatch), ``_CALIBRATION_REPEATS`` times with the g
+    interleaved; each g's cost is its median ratio to the AR step timed in
+    the same repeat times the fastest AR step, made non-decreasing in g (the
+    compile and this measurement happen before any timed generation; a
+    busy machine can still skew them, which only costs speed, never
+    correctness). ``auto_costs`` given
     to the constructor replaces the measurement."""
     if self._fixed_costs is not None:
       return self._fixed_costs
@@ -531,18 +535,20 @@ class Decoder:
     key = (len(prompts), state["tokens"].shape[1], warp.greedy, warp.filtering)
     if key not in self._costs:
       state = self._prefill_fn(self.target_params, self.draft_params, state, prefill_len)
-      costs = []
-      for g in range(self.G + 1):
-        fn = self._calibrate_fns[g]
+      for fn in self._calibrate_fns:            # compile
         jax.block_until_ready(fn(self.target_params, self.draft_params, state, warp))
-        times = []
-        for _ in range(5):
+      times = [[] for _ in self._calibrate_fns]
+      for _ in range(_CALIBRATION_REPEATS):      # interleaved, so noise hits every g alike
+        for g, fn in enumerate(self._calibrate_fns):
           t0 = time.perf_counter()
           jax.block_until_ready(fn(self.target_params, self.draft_params, state, warp))
-          times.append((time.perf_counter() - t0) / _CALIBRATION_ROUNDS)
-        costs.append(float(np.min(times)))       # the least disturbed of 5
+          times[g].append((time.perf_counter() - t0) / _CALIBRATION_ROUNDS)
+      # each g relative to the AR step timed just before it (the median ratio over
+      # repeats), scaled by the fastest AR step: robust to slow drift and bursts
+      t = np.asarray(times)                           # [G+1, repeats]
+      costs = np.median(t / t[:1], axis=1) * t[0].min()
       # a longer draft never costs less: keep noise from inverting the order
-      self._costs[key] = np.maximum.accumulate(np.asarray(costs))
+      self._costs[key] = np.maximum.accumulate(costs)
     return self._costs[key]
 
   def generate(self, prompts, max_new_tokens: int, sampling_params: SamplingParams, seed: int = 0):
