@@ -7,8 +7,10 @@ segment of ``rounds_per_choice`` rounds: in the while_loop form an outer
 rounds at that g (XLA copies the KV caches on entering a switch branch, so
 switching every round would cost a copy of every cache per round; per
 segment it is a few percent of one round), and the stream form picks g on
-the host between rounds and calls the round compiled for it; both run the
-same sequence of draft lengths, so they emit the same tokens for a seed. No
+the host between rounds and calls the round compiled for it; given the
+same costs both run the same sequence of draft lengths, so they emit the
+same tokens for a seed (each form measures its own costs: the stream form's
+include the host round trip of every round, which favours longer drafts). No
 recompilation and, in the while_loop form, no host round trip when the
 choice changes. The first segment and probe segments are
 ``probe_rounds`` long. The choice maximises the expected tokens per second

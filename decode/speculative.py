@@ -507,41 +507,55 @@ class Decoder:
                       host["target_calls"].astype(np.int64), emit_times, wall, self.G, prefill,
                       **extra)
 
-  def _with_costs(self, state, warp, prompts, max_new_tokens: int):
+  def _with_costs(self, state, warp, prompts, max_new_tokens: int, form: str = "while"):
     """"auto": ``state`` with the schedule's round costs for this batch size,
-    cache length and sampling mode (``_auto_costs``); otherwise unchanged."""
+    cache length, sampling mode and form (``_auto_costs``); otherwise
+    unchanged."""
     if self.schedule is None:
       return state
-    costs = self._auto_costs(prompts, max_new_tokens, warp)
+    costs = self._auto_costs(prompts, max_new_tokens, warp, form)
     sched = {**state["schedule"], "costs": jnp.asarray(costs, jnp.float32)}
     if self.mesh is not None:
       sched["costs"] = jax.device_put(sched["costs"], decode_mesh.replicated(self.mesh))
     return {**state, "schedule": sched}
 
-  def _auto_costs(self, prompts, max_new_tokens: int, warp) -> np.ndarray:
+  def _auto_costs(self, prompts, max_new_tokens: int, warp, form: str = "while") -> np.ndarray:
     """Seconds per round for g = 0..G_max, measured once per (batch size,
-    cache length, sampling mode) on this device: after a prefill of these
-    prompts, ``_CALIBRATION_ROUNDS`` rounds at each g inside one jitted
-    fori_loop (no host dispatch), ``_CALIBRATION_REPEATS`` times with the g
+    cache length, sampling mode, form) on this device, after a prefill of
+    these prompts. While_loop form: ``_CALIBRATION_ROUNDS`` rounds at each g
+    inside one jitted fori_loop (no host dispatch). Stream form: as many
+    rounds called one by one from Python with the host sync the stream loop
+    makes (a round's host overhead is part of its cost there, which favours
+    longer drafts). Both ``_CALIBRATION_REPEATS`` times with the g
     interleaved; each g's cost is its median ratio to the AR step timed in
     the same repeat times the fastest AR step, made non-decreasing in g (the
-    compile and this measurement happen before any timed generation; a
-    busy machine can still skew them, which only costs speed, never
-    correctness). ``auto_costs`` given
-    to the constructor replaces the measurement."""
+    compile and this measurement happen before any timed generation; a busy
+    machine can still skew them, which only costs speed, never
+    correctness). ``auto_costs`` given to the constructor replaces the
+    measurement."""
     if self._fixed_costs is not None:
       return self._fixed_costs
     state, prefill_len = self.prepare(prompts, max_new_tokens, 0)
-    key = (len(prompts), state["tokens"].shape[1], warp.greedy, warp.filtering)
+    key = (len(prompts), state["tokens"].shape[1], warp.greedy, warp.filtering, form)
     if key not in self._costs:
       state = self._prefill_fn(self.target_params, self.draft_params, state, prefill_len)
-      for fn in self._calibrate_fns:            # compile
-        jax.block_until_ready(fn(self.target_params, self.draft_params, state, warp))
-      times = [[] for _ in self._calibrate_fns]
+      p, dp = self.target_params, self.draft_params
+      if form == "while":
+        def timed(g):
+          jax.block_until_ready(self._calibrate_fns[g](p, dp, state, warp))
+      else:
+        def timed(g):
+          s = jax.tree.map(jnp.copy, state)
+          for _ in range(_CALIBRATION_ROUNDS):
+            s = self._round_g_fns[g](p, dp, s, warp)
+            jax.device_get((s["length"], s["done"], s["error"]))
+      for g in range(self.G + 1):                 # compile
+        timed(g)
+      times = [[] for _ in range(self.G + 1)]
       for _ in range(_CALIBRATION_REPEATS):      # interleaved, so noise hits every g alike
-        for g, fn in enumerate(self._calibrate_fns):
+        for g in range(self.G + 1):
           t0 = time.perf_counter()
-          jax.block_until_ready(fn(self.target_params, self.draft_params, state, warp))
+          timed(g)
           times[g].append((time.perf_counter() - t0) / _CALIBRATION_ROUNDS)
       # each g relative to the AR step timed just before it (the median ratio over
       # repeats), scaled by the fastest AR step: robust to slow drift and bursts
@@ -579,7 +593,7 @@ class Decoder:
     """
     warp = sampling_params.validate().as_arrays()
     state, prefill_len = self.prepare(prompts, max_new_tokens, seed)
-    state = self._with_costs(state, warp, prompts, max_new_tokens)
+    state = self._with_costs(state, warp, prompts, max_new_tokens, form="stream")
     jax.block_until_ready(state)
     b = len(prompts)
     emit_times: list[list[float]] = [[] for _ in range(b)]
