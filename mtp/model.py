@@ -29,6 +29,14 @@ in place when the caller donates the cache) and attends to slots
 invisible until it is overwritten: rolling back is choosing the next
 ``positions``, never copying. Without a cache (training) attention is causal
 within a packed sequence and restricted to equal ``segment_ids``.
+
+Token trees (decode/tree.py) need two overrides of that rule, both optional
+(``None`` keeps the behaviour above exactly): ``write_offsets`` [B] int32
+writes the T new entries at slots ``write_offsets[b] + arange(T)`` while
+RoPE still uses ``positions`` (which then need not be contiguous: the nodes
+of a tree share positions), and ``mask`` [B, T, S] bool replaces the
+positional mask (query t sees slot s iff ``mask[b, t, s]``; every query must
+see at least one slot). The cache layout is unchanged.
 """
 
 from __future__ import annotations
@@ -108,9 +116,13 @@ class Attention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
     self.rope_theta = cfg.rope_theta
 
-  def __call__(self, x, positions, segment_ids=None, cache: LayerCache | None = None):
+  def __call__(self, x, positions, segment_ids=None, cache: LayerCache | None = None,
+               write_offsets=None, mask=None):
     """x: [B, T, D]; positions: [B, T] int32; segment_ids: [B, T] int32 or
-    None. Returns (y [B, T, D], updated cache or None)."""
+    None. With a cache, optionally ``write_offsets`` [B] int32 (slot of the
+    first new entry; default ``positions[:, 0]``) and ``mask`` [B, T, S] bool
+    (default: slot s visible iff s <= position); see the module docstring.
+    Returns (y [B, T, D], updated cache or None)."""
     b, t, _ = x.shape
     q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -124,12 +136,15 @@ class Attention(nnx.Module):
         mask &= (idx[None, :] <= idx[:, None])[None, None]
       keys, values, new_cache = k, v, None
     else:
-      offsets = positions[:, 0]
+      offsets = positions[:, 0] if write_offsets is None else write_offsets
       keys = write_cache(cache["k"], k, offsets)
       values = write_cache(cache["v"], v, offsets)
       new_cache = {"k": keys, "v": values}
       s = keys.shape[1]
-      mask = attention_mask(positions, jnp.broadcast_to(jnp.arange(s), (b, s)))
+      if mask is None:
+        mask = attention_mask(positions, jnp.broadcast_to(jnp.arange(s), (b, s)))
+      else:
+        mask = mask[:, None]
     y = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=mask)
     return self.o_proj(y.reshape(b, t, self.num_heads * self.head_dim)), new_cache
 
@@ -161,8 +176,8 @@ class Block(nnx.Module):
     self.mlp_norm = norm()
     self.mlp = MLP(cfg, out_scale=out_scale, rngs=rngs)
 
-  def __call__(self, x, positions, segment_ids=None, cache=None):
-    a, cache = self.attn(self.attn_norm(x), positions, segment_ids, cache)
+  def __call__(self, x, positions, segment_ids=None, cache=None, write_offsets=None, mask=None):
+    a, cache = self.attn(self.attn_norm(x), positions, segment_ids, cache, write_offsets, mask)
     x = x + a
     return x + self.mlp(self.mlp_norm(x)), cache
 
@@ -183,9 +198,10 @@ class MTPModule(nnx.Module):
     self.block = Block(cfg, out_scale=out_scale, rngs=rngs)
     self.out_norm = norm()
 
-  def __call__(self, h_prev, next_embeds, positions, segment_ids=None, cache=None):
+  def __call__(self, h_prev, next_embeds, positions, segment_ids=None, cache=None,
+               write_offsets=None, mask=None):
     x = self.proj(jnp.concatenate([self.hidden_norm(h_prev), self.embed_norm(next_embeds)], -1))
-    return self.block(x, positions, segment_ids, cache)
+    return self.block(x, positions, segment_ids, cache, write_offsets, mask)
 
 
 class Transformer(nnx.Module):
@@ -218,13 +234,17 @@ class Transformer(nnx.Module):
 
   # -- pieces (used by decoding) ---------------------------------------------
 
-  def backbone(self, tokens, positions, segment_ids=None, cache: list[LayerCache] | None = None):
-    """tokens, positions: [B, T] int32. Returns (h^0 [B, T, D], new per-layer
+  def backbone(self, tokens, positions, segment_ids=None, cache: list[LayerCache] | None = None,
+               write_offsets=None, mask=None):
+    """tokens, positions: [B, T] int32; with a cache, optional
+    ``write_offsets`` [B] int32 and ``mask`` [B, T, S] bool (same for every
+    layer; see the module docstring). Returns (h^0 [B, T, D], new per-layer
     caches or None)."""
     x = self.embed(tokens)
     new_cache = [] if cache is not None else None
     for i, block in enumerate(self.blocks):
-      x, c = block(x, positions, segment_ids, None if cache is None else cache[i])
+      x, c = block(x, positions, segment_ids, None if cache is None else cache[i],
+                   write_offsets, mask)
       if cache is not None:
         new_cache.append(c)
     return x, new_cache
@@ -244,12 +264,14 @@ class Transformer(nnx.Module):
     return jnp.where(tok.emittable_mask(self.cfg.vocab_size), logits, -jnp.inf)
 
   def mtp_forward(self, k: int, h_prev, next_tokens, positions, segment_ids=None,
-                  cache: LayerCache | None = None):
+                  cache: LayerCache | None = None, write_offsets=None, mask=None):
     """Runs MTP module k (1-based) at positions i: inputs h^{k-1}_i [B,T,D]
-    and t_{i+k} (``next_tokens`` [B,T] int32). Returns (h^k [B,T,D], cache)."""
+    and t_{i+k} (``next_tokens`` [B,T] int32); optional ``write_offsets`` [B]
+    and ``mask`` [B, T, S] as in ``backbone``. Returns (h^k [B,T,D], cache)."""
     if not 1 <= k <= self.mtp_depth:
       raise ValueError(f"MTP module index k={k} out of range [1, {self.mtp_depth}]")
-    return self.mtp[k - 1](h_prev, self.embed(next_tokens), positions, segment_ids, cache)
+    return self.mtp[k - 1](h_prev, self.embed(next_tokens), positions, segment_ids, cache,
+                           write_offsets, mask)
 
   def mtp_head(self, k: int, h_k) -> jax.Array:
     """Logits [B, T, V] float32 of MTP depth k from h^k (eq. 23)."""

@@ -171,3 +171,48 @@ def test_gqa_equals_repeated_kv_heads(cfg):
   nnx.update(mha, dst)
   toks = _rand_tokens(np.random.default_rng(5), 1, 9)
   np.testing.assert_allclose(m(toks).logits, mha(toks).logits, atol=1e-5)
+
+
+def test_tree_block_with_write_offsets_and_mask(cfg, model):
+  """A token tree in one call (decode/tree.py): the nodes of several branches
+  share positions, are written at contiguous scratch slots (``write_offsets``)
+  and see the cached prefix, their ancestors and themselves (``mask``); each
+  node's output equals the cache-free forward of prefix + its branch. Rows
+  have different prefix lengths."""
+  rng = np.random.default_rng(6)
+  b, s = 2, 32
+  lens = np.array([5, 8])
+  toks = _rand_tokens(rng, b, 12)
+  # tree: root r (the last prefix token), children c0, c1, grandchild g under c1
+  kids = _rand_tokens(rng, b, 3)                 # tokens of c0, c1, g
+  parent = [-1, 0, 0, 2]                         # block index of each node's parent
+  depth = np.array([0, 1, 1, 2])
+  anc = np.zeros((4, 4), bool)
+  for i in range(4):
+    j = i
+    while j >= 0:
+      anc[i, j] = True
+      j = parent[j]
+  caches = model_lib.init_layer_caches(cfg.model, cfg.model.num_layers, b, s)
+  pre = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (b, 8))
+  _, caches = model.backbone(toks[:, :8], pre, cache=caches)   # row 0: only 0..3 valid
+  root = jnp.stack([toks[0, lens[0] - 1], toks[1, lens[1] - 1]])
+  block = jnp.concatenate([root[:, None], kids], 1)
+  offs = jnp.asarray(lens - 1, jnp.int32)
+  pos = offs[:, None] + jnp.asarray(depth, jnp.int32)[None]
+  slot = jnp.arange(s)[None, None, :]
+  tree_vis = np.zeros((b, 4, s), bool)
+  for r in range(b):
+    tree_vis[r, :, lens[r] - 1:lens[r] + 3] = anc
+  mask = (slot < offs[:, None, None]) | jnp.asarray(tree_vis)
+  h, _ = model.backbone(block, pos, cache=caches, write_offsets=offs, mask=mask)
+  for r in range(b):
+    prefix = np.asarray(toks[r, :lens[r]])
+    for i in range(4):
+      path = [i]
+      while parent[path[-1]] > 0:
+        path.append(parent[path[-1]])
+      branch = [int(block[r, j]) for j in reversed(path) if j > 0]
+      seq = jnp.asarray(np.concatenate([prefix, branch])[None], jnp.int32)
+      ref = model(seq).hidden[0][0, -1]
+      np.testing.assert_allclose(h[r, i], ref, atol=2e-5, err_msg=f"row {r} node {i}")
