@@ -51,6 +51,7 @@ from flax import nnx
 from decode import mesh as decode_mesh
 from decode import sampling
 from decode.schedule import AutoSchedule
+from decode import tree as tree_lib
 from decode.drafters import DraftModelDrafter, MTPDrafter, gather_rows, warped_probs, write_rows
 from mtp import tokenizer as tok
 from mtp.model import Transformer, init_layer_caches
@@ -125,6 +126,9 @@ class Generation:
     draft position k was tested (the round drafted >= k tokens and d_1..d_{k-1}
     were accepted) / accepted (``"auto"`` only: with a varying G the
     accepted-length histogram alone cannot give alpha_k).
+  tree: the token tree's branching per depth (``Decoder(tree=...)``), else
+    None; then accepted_histogram counts accepted path lengths a = 0..m and
+    num_draft_tokens is the depth m.
   """
   tokens: list[np.ndarray]
   prompt_lengths: np.ndarray
@@ -137,6 +141,7 @@ class Generation:
   draft_length_histogram: np.ndarray | None = None
   position_tested: np.ndarray | None = None
   position_accepted: np.ndarray | None = None
+  tree: tuple[int, ...] | None = None
 
 
 class Decoder:
@@ -157,19 +162,40 @@ class Decoder:
     schedule: an ``AutoSchedule`` for "auto" (default ``AutoSchedule(G_max)``).
     auto_costs: seconds per round for g = 0..G_max (skips the measurement
       made before the first generation of each batch size).
+    tree: token tree for method "mtp", branching per depth (e.g. (3, 2, 1)
+      or "3,2,1"; depth m in [1, D]): every round drafts the tree with the
+      MTP modules and verifies all its nodes in one target call
+      (``decode.tree``); ``num_draft_tokens`` is then not used (the depth m
+      plays G's role in the statistics). None: the chain.
   Raises:
     DecodeError: unknown method, G < 1, "mtp" with D = 0, "auto" with
-      another method or a bad G_max / costs, or a draft model with another
-      vocabulary.
+      another method or a bad G_max / costs, a draft model with another
+      vocabulary, or a bad tree (one line naming --tree and the allowed
+      range; a tree with a method other than "mtp" or with "auto").
     ConfigError: mesh axes that do not divide the model dimensions.
   """
 
   def __init__(self, target: Transformer, method: str = "mtp", num_draft_tokens: int | str = 2,
                draft: Transformer | None = None, mesh=None, *, max_draft_tokens: int | None = None,
-               schedule: AutoSchedule | None = None, auto_costs=None):
+               schedule: AutoSchedule | None = None, auto_costs=None, tree=None):
     if method not in METHODS:
       raise DecodeError(f"--method={method!r} must be one of {METHODS}")
     self.method = method
+    self.tree = None
+    if tree is not None:                # token trees: decode/tree.py
+      if method != "mtp":
+        raise DecodeError(f"--tree needs --method=mtp (the MTP modules draft the tree); got "
+                          f"--method={method}")
+      if target.mtp_depth < 1:
+        raise DecodeError("--tree needs a checkpoint trained with mtp.depth >= 1; this one has D = 0")
+      if num_draft_tokens == "auto":
+        raise DecodeError("--tree and --num_draft_tokens=auto exclude each other: a tree has a "
+                          "fixed shape (its depth takes the place of the draft length)")
+      try:
+        self.tree = tree_lib.parse_tree(tree, target.mtp_depth)
+      except ValueError as e:
+        raise DecodeError(str(e)) from None
+      num_draft_tokens = self.tree.depth
     self.target_graphdef, self.target_params = nnx.split(target, nnx.Param)
     self.target_cfg = target.cfg
     self.draft_graphdef = self.draft_params = None
@@ -209,7 +235,8 @@ class Decoder:
         if target.mtp_depth < 1:
           raise DecodeError("--method=mtp needs a checkpoint trained with mtp.depth >= 1; this one "
                             "has D = 0 (use --method=ar or --method=draft)")
-        self.drafter = MTPDrafter(num_draft_tokens, target.mtp_depth)
+        self.drafter = (MTPDrafter(num_draft_tokens, target.mtp_depth) if self.tree is None
+                        else tree_lib.TreeMTPDrafter(self.tree, target.mtp_depth))
       else:
         if draft is None:
           raise DecodeError("--method=draft needs a draft model (--draft_workdir)")
@@ -348,6 +375,10 @@ class Decoder:
     """One draft-verify-accept-commit round for every row (no-op for done
     rows). With "auto" the round of the draft length the current segment
     uses (``_choose`` sets it; the stream form calls ``_round_g`` directly)."""
+    if self.tree is not None:           # token trees: decode/tree.py
+      target, _ = self._models(params, draft_params)
+      return tree_lib.tree_round(self.drafter, target, state, warp,
+                                 flag_non_finite=_flag_non_finite, commit=self._commit)
     if self.schedule is not None:
       branches = [functools.partial(self._round_g, g=i) for i in range(self.G + 1)]
       return jax.lax.switch(state["schedule"]["g"], branches, params, draft_params, state, warp)
@@ -461,6 +492,8 @@ class Decoder:
     p_len = PROMPT_BUCKET * math.ceil(int(lengths.max()) / PROMPT_BUCKET)
     # scratch room past the budget for verify blocks and drafter windows
     headroom = 2 * self.G + 4 + (self.drafter.depth if isinstance(self.drafter, MTPDrafter) else 0)
+    if self.tree is not None:           # the verify block and module calls of a tree
+      headroom += self.drafter.scratch_slots
     cache_len = PROMPT_BUCKET * math.ceil((p_len + max_new_tokens + headroom) / PROMPT_BUCKET)
     tokens = np.full((b, cache_len), tok.PAD_ID, np.int32)
     for i, p in enumerate(prompts):
@@ -505,7 +538,7 @@ class Decoder:
     extra = {k: host[k].astype(np.int64) for k in auto if k in host}
     return Generation(rows, host["prompt_len"], host["accepted_histogram"].astype(np.int64),
                       host["target_calls"].astype(np.int64), emit_times, wall, self.G, prefill,
-                      **extra)
+                      tree=None if self.tree is None else self.tree.branching, **extra)
 
   def _with_costs(self, state, warp, prompts, max_new_tokens: int, form: str = "while"):
     """"auto": ``state`` with the schedule's round costs for this batch size,
@@ -629,17 +662,20 @@ class Decoder:
     return self._result(state, emit_times, wall, prefill)
 
 
-def _flag_non_finite(state, target_logits, draft_q, n):
+def _flag_non_finite(state, target_logits, draft_q, n, positions=None):
   """Sets ``error``/``error_pos`` of rows (still active and not yet failed)
   whose target logits [B, G+1, V] or draft q [B, G, V] (probabilities or
   logits) hold NaN or +-inf at an emittable id (``tok.emittable_mask``;
   the head's -inf at never-emitted ids is by design). error_pos is the
-  position whose logits were bad: n-1+j for target block row j, n-1 for
+  position whose logits were bad: n-1+j for target block row j (or
+  ``positions[:, j]``, [B, T] int32, for a token tree's block), n-1 for
   the drafter (its drafts for the round starting at n)."""
   allowed = tok.emittable_mask(target_logits.shape[-1])
   bad_t = jnp.any(~jnp.isfinite(target_logits) & allowed, -1)          # [B, G+1]
   code = jnp.where(jnp.any(bad_t, -1), ERROR_TARGET, ERROR_NONE)
-  pos = n - 1 + jnp.argmax(bad_t, -1).astype(jnp.int32)
+  row = jnp.argmax(bad_t, -1).astype(jnp.int32)
+  pos = (n - 1 + row if positions is None
+         else jnp.take_along_axis(positions, row[:, None], 1)[:, 0])
   if draft_q is not None:        # the target is named when both are bad (the drafter reads it)
     bad_d = jnp.any(~jnp.isfinite(draft_q) & allowed, (-1, -2)) & (code == ERROR_NONE)
     code = jnp.where(bad_d, ERROR_DRAFTER, code)
