@@ -27,6 +27,9 @@ _G = flags.DEFINE_string("num_draft_tokens", "2", "Draft length G per round (an 
                          "acceptance and round costs (--method mtp; 0 = a plain AR step).")
 _G_MAX = flags.DEFINE_integer("max_draft_tokens", None, "Longest draft 'auto' considers "
                               "(default: the checkpoint's MTP depth D).")
+_TREE = flags.DEFINE_string("tree", None, "Token tree instead of a chain (--method mtp): "
+                            "branching per depth, e.g. 3,2,1 (each in [1, 64], depth 1..D); "
+                            "all nodes verified in one target call. Not with --num_draft_tokens.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (>= 0; 0 = greedy).")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k (>= 0; 0 = off).")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Top-p in (0, 1] (1 = off).")
@@ -56,6 +59,9 @@ def main(argv):
                         f"{os.path.dirname(os.path.abspath(_JSON.value))!r} does not exist")
     prompts = [_PROMPT.value] if _PROMPT.value is not None else read_prompt_file(_PROMPT_FILE.value)
     given = {name for name in flags.FLAGS if flags.FLAGS[name].present}
+    if _TREE.value is not None and "num_draft_tokens" in given:
+      raise DecodeError("--tree and --num_draft_tokens exclude each other: a tree's depth (its "
+                        "number of levels) takes the place of the draft length")
     for note in flag_notices(method=_METHOD.value, given=given, temperature=_TEMPERATURE.value,
                              compare=_COMPARE.value, num_draft_tokens=num_draft_tokens):
       print(f"note: {note}", file=sys.stderr)
@@ -64,7 +70,7 @@ def main(argv):
                  draft_workdir=_DRAFT_WORKDIR.value, max_new_tokens=_MAX_NEW.value,
                  sampling=SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value),
                  num_samples=_NUM_SAMPLES.value, seed=_SEED.value, compare=_COMPARE.value,
-                 repeats=_REPEATS.value)
+                 repeats=_REPEATS.value, tree=_TREE.value)
   except (DecodeError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -108,10 +108,15 @@ def encode_prompts(prompts: Sequence[str]) -> list[np.ndarray]:
 
 
 def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
-                 draft_workdir: str | None = None, max_draft_tokens: int | None = None) -> Decoder:
+                 draft_workdir: str | None = None, max_draft_tokens: int | None = None,
+                 tree=None) -> Decoder:
   """A Decoder for the checkpoint in ``workdir`` (and ``draft_workdir``);
-  ``num_draft_tokens`` an integer or "auto" (then ``max_draft_tokens``).
+  ``num_draft_tokens`` an integer or "auto" (then ``max_draft_tokens``);
+  ``tree``: a token tree such as "3,2,1" (method "mtp").
   Raises CheckpointError / DecodeError."""
+  if tree is not None and method != "mtp":
+    raise DecodeError(f"--tree needs --method=mtp (the MTP modules draft the tree); got "
+                      f"--method={method}")
   _, target, _ = ckpt_lib.load_model(workdir)
   draft = None
   if method == "draft":
@@ -119,6 +124,8 @@ def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
       raise DecodeError("--method=draft needs --draft_workdir (a trained draft-model workdir)")
     _, draft, _ = ckpt_lib.load_model(draft_workdir)
   kw = {"max_draft_tokens": max_draft_tokens} if num_draft_tokens == "auto" else {}
+  if tree is not None:
+    kw["tree"] = tree
   return Decoder(target, method, num_draft_tokens if method != "ar" else 1, draft, **kw)
 
 
@@ -154,7 +161,7 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
         draft_workdir: str | None = None, max_new_tokens: int = 128,
         sampling: SamplingParams = SamplingParams(), num_samples: int = 1, seed: int = 0,
         compare: bool = False, repeats: int = 3, out: TextIO | None = None,
-        err: TextIO | None = None) -> dict:
+        err: TextIO | None = None, tree=None) -> dict:
   """Everything ``python -m decode`` does; returns the JSON report.
 
   Generated text goes to ``out`` (default stdout): with one prompt and one
@@ -169,6 +176,11 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   speedup is median AR wall time / median ``method`` wall time, with the
   per-repeat ratios as the spread.
 
+  ``tree`` ("3,2,1" or a tuple; method "mtp"): draft a token tree instead
+  of a chain (``Decoder(tree=...)``); the statistics then give acceptance
+  per depth, the histogram of accepted path lengths and the nodes per
+  round, and ``config`` records the tree.
+
   Raises DecodeError / CheckpointError for bad arguments or checkpoints.
   """
   out = out or sys.stdout
@@ -176,9 +188,9 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   sampling.validate()
   if compare and not (isinstance(repeats, int) and repeats >= 1):
     raise DecodeError(f"--repeats={repeats!r} must be an integer >= 1")
-  decoder = load_decoder(workdir, method, num_draft_tokens, draft_workdir, max_draft_tokens)
+  decoder = load_decoder(workdir, method, num_draft_tokens, draft_workdir, max_draft_tokens, tree)
   depth = decoder.target().mtp_depth
-  if method == "mtp" and decoder.G > depth:
+  if method == "mtp" and decoder.tree is None and decoder.G > depth:
     extra = (f"drafts {depth + 1}..{decoder.G} reuse" if decoder.G > depth + 1 else
              f"draft {decoder.G} reuses")
     flag = ("--max_draft_tokens" if decoder.num_draft_tokens == "auto" else "--num_draft_tokens")
@@ -204,6 +216,7 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
                        "num_draft_tokens": decoder.num_draft_tokens,
                        **({"max_draft_tokens": decoder.G} if decoder.num_draft_tokens == "auto"
                           else {}),
+                       "tree": None if decoder.tree is None else list(decoder.tree.branching),
                        "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
                        "top_k": sampling.top_k, "top_p": sampling.top_p,
                        "num_samples": num_samples, "seed": seed, "batch_size": len(gen.tokens),

@@ -21,6 +21,10 @@
 - prefill_s: the prefill alone (target and drafter over the prompt bucket);
   decode_tokens_per_s: emitted tokens / (wall time - prefill), the rate of
   the decoding phase that speculative decoding accelerates.
+- token trees (``Generation.tree``): a is the accepted path length (0..m),
+  so the histogram is that of accepted path lengths and alpha_k is the
+  acceptance at depth k, P(a >= k | a >= k-1); nodes_per_round is N, the
+  drafted nodes the target verifies per call (1 + N tokens).
 """
 
 from __future__ import annotations
@@ -45,8 +49,10 @@ def summarize(gen: Generation, rows: Sequence[int] | None = None) -> dict:
   """Statistics over ``rows`` (default: all) of a generation. Keys:
   mean_accepted_length, acceptance_rate_per_position,
   accepted_length_histogram, target_calls, num_tokens, ttft_s, itl_p50_s,
-  itl_p90_s, tokens_per_s, wall_time_s. Times are in seconds; timing keys are
-  None for the while_loop form, which has no per-token times."""
+  itl_p90_s, tokens_per_s, wall_time_s, prefill_s, decode_tokens_per_s,
+  tree (branching list or None) and nodes_per_round (N for a tree, G for
+  a chain, 0 for AR, None with "auto"). Times are in seconds; timing keys are None for the
+  while_loop form, which has no per-token times."""
   rows = list(range(len(gen.tokens))) if rows is None else list(rows)
   hist = gen.accepted_histogram[rows].sum(0)
   if gen.position_tested is not None:            # "auto": rounds had different G
@@ -71,6 +77,10 @@ def summarize(gen: Generation, rows: Sequence[int] | None = None) -> dict:
                               if gen.wall_time_s > gen.prefill_time_s else None),
       "draft_length_histogram": (None if gen.draft_length_histogram is None else
                                  [int(x) for x in gen.draft_length_histogram[rows].sum(0)]),
+      "tree": None if gen.tree is None else list(gen.tree),
+      "nodes_per_round": (tree_num_nodes(gen.tree) if gen.tree is not None
+                          else None if gen.draft_length_histogram is not None
+                          else gen.num_draft_tokens),
   }
   if gen.emit_times is not None:
     firsts = [gen.emit_times[i][0] for i in rows if gen.emit_times[i]]
@@ -83,17 +93,31 @@ def summarize(gen: Generation, rows: Sequence[int] | None = None) -> dict:
   return out
 
 
+def tree_num_nodes(branching) -> int:
+  """N, the nodes of a tree with this branching per depth (root excluded)."""
+  n, total = 1, 0
+  for b in branching:
+    n *= b
+    total += n
+  return total
+
+
 def format_summary(name: str, s: dict) -> str:
   """Human-readable block for the CLI."""
   num = lambda x, spec: "n/a" if x is None else format(x, spec)
   ms = lambda x: "n/a" if x is None else f"{x * 1e3:.2f} ms"
   alphas = ", ".join(f"alpha_{k}={num(a, '.3f')}" for k, a in
                      enumerate(s["acceptance_rate_per_position"], 1)) or "n/a (AR)"
+  tree = s.get("tree")
+  head = f"[{name}] tokens {s['num_tokens']}  target calls {s['target_calls']}  " \
+         f"tau {num(s['mean_accepted_length'], '.3f')}"
+  if tree:
+    head += f"  tree {','.join(map(str, tree))}: {s['nodes_per_round']} nodes per round"
   return "\n".join([
-      f"[{name}] tokens {s['num_tokens']}  target calls {s['target_calls']}  "
-      f"tau {num(s['mean_accepted_length'], '.3f')}",
-      f"  acceptance per position: {alphas}",
-      f"  accepted-length histogram (a = 0..G): {s['accepted_length_histogram']}",
+      head,
+      f"  acceptance per {'depth' if tree else 'position'}: {alphas}",
+      (f"  accepted path-length histogram (a = 0..m): {s['accepted_length_histogram']}" if tree else
+       f"  accepted-length histogram (a = 0..G): {s['accepted_length_histogram']}"),
       *([f"  chosen draft length histogram (G = 0..G_max, 0 = AR step): "
          f"{s['draft_length_histogram']}"] if s.get("draft_length_histogram") else []),
       f"  TTFT {ms(s['ttft_s'])}  ITL p50 {ms(s['itl_p50_s'])}  p90 {ms(s['itl_p90_s'])}  "

@@ -235,3 +235,30 @@ def test_bad_tree_input(target):
   d0 = model_lib.build_model(tiny_config(mtp=dict(depth=0)), seed=0)
   with pytest.raises(DecodeError, match="mtp.depth"):
     Decoder(d0, "mtp", tree=(2,))
+
+
+def test_run_and_cli_with_a_tree(markov_workdir, capsys):
+  from decode.run import run
+  report = run(markov_workdir, ["abca"], method="mtp", tree="2,2", max_new_tokens=8,
+               sampling=GREEDY)
+  s = report["stats"]
+  assert report["config"]["tree"] == [2, 2] and report["config"]["num_draft_tokens"] == 2
+  assert s["tree"] == [2, 2] and s["nodes_per_round"] == 6
+  assert len(s["accepted_length_histogram"]) == 3 and len(s["acceptance_rate_per_position"]) == 2
+  err = capsys.readouterr().err
+  assert "tree 2,2: 6 nodes per round" in err and "acceptance per depth" in err
+  assert "accepted path-length histogram (a = 0..m)" in err
+  with pytest.raises(DecodeError, match="--tree needs --method=mtp"):
+    run(markov_workdir, ["abca"], method="ar", tree="2")
+  import os
+  import subprocess
+  import sys
+  r = subprocess.run([sys.executable, "-m", "decode", "--workdir", markov_workdir, "--prompt", "ab",
+                      "--tree", "2,2", "--num_draft_tokens", "2"],
+                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+                     timeout=300)
+  assert r.returncode == 2
+  assert r.stderr.strip().splitlines()[-1] == (
+      "error: --tree and --num_draft_tokens exclude each other: a tree's depth (its number of "
+      "levels) takes the place of the draft length")
