@@ -3,7 +3,8 @@ side in one process, on held-out prompts.
 
     python scripts/bench_decode.py --workdir runs/tiny [--draft_workdir DIR] \
         [--dataset python_stdlib] [--batch_sizes 1,4] [--temperatures 0,1] \
-        [--num_draft_tokens 1,2,3,4] [--repeats 5] [--out results/bench_decode]
+        [--num_draft_tokens 1,2,3,4] [--trees "3,2,1;2,2,1"] [--repeats 5] \
+        [--out results/bench_decode]
 
 For every (temperature, batch size) it runs, after compiling each cell once,
 ``repeats`` rounds that interleave all cells (so machine noise hits them
@@ -21,6 +22,17 @@ speedup / ideal, the prefill time, TTFT and ITL (stream form). Also the
 bare cost of one jitted target forward over 1 and over G+1 tokens. Writes
 ``OUT.json`` (with config, commit, JAX version, device, CPU count and date)
 and ``OUT.md``.
+
+``--trees`` adds token-tree rows (``Decoder(tree=...)``, decode/tree.py)
+next to the chains, in the same interleaved repeats: tau is tokens per
+target call, alpha_k the acceptance at depth k, c the drafting time per
+tree level over one AR step (the chain formula's ideal speedup does not
+apply to trees and is left out), and a second table sets each tree beside
+the chain of its depth (G = m, when measured): tau ratio, ms per round, the
+round's extra cost per extra node ((round_tree - round_chain) / (N - m)),
+split into the bare target forward's share (forward over 1+N vs 1+m
+tokens) and the rest (drafting the extra nodes, tree masks, acceptance and
+the K/V move of the accepted path).
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from decode import stats as stats_lib  # noqa: E402
+from decode import tree as tree_lib  # noqa: E402
 from scripts import common  # noqa: E402
 from decode.speculative import Decoder, SamplingParams  # noqa: E402
 from mtp import checkpoint as ckpt_lib  # noqa: E402
@@ -154,6 +167,7 @@ class Cell:
   g: int
   form: str              # "while" or "stream"
   decoder: Decoder
+  tree: tuple | None = None
   walls: list = dataclasses.field(default_factory=list)
   decode_walls: list = dataclasses.field(default_factory=list)   # wall - prefill
   gens: list = dataclasses.field(default_factory=list)
@@ -211,7 +225,10 @@ def summarize_cell(c: Cell, ar_wall: float, ar_decode_wall: float, ar_step_s: fl
   # time per round of the decoding phase (one target call for the whole batch)
   row["round_s"] = float(np.median([d / int(g.target_calls.max())
                                     for d, g in zip(c.decode_walls, c.gens)]))
-  if c.g and not auto:
+  if c.tree is not None:
+    row.update({"tree": ",".join(map(str, c.tree)), "nodes_per_round": stats_lib.tree_num_nodes(c.tree),
+                "draft_cost_ratio_c": draft_s / (c.g * ar_step_s)})
+  elif c.g and not auto:
     cost = draft_s / (c.g * ar_step_s)
     alpha = stats_lib.alpha_from_tau(tau, c.g)
     ideal = stats_lib.ideal_speedup(alpha, c.g, cost)
@@ -260,7 +277,8 @@ def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens
   ar_labels = [k for k, d in decoders.items() if d.method == "ar"]
   if len(ar_labels) != 1:
     raise ValueError(f"measure_point needs exactly one AR decoder, got {len(ar_labels)}")
-  pairs = [(label, Cell(f"{label}_{form}", dec.method, dec.num_draft_tokens, form, dec))
+  pairs = [(label, Cell(f"{label}_{form}", dec.method, dec.num_draft_tokens, form, dec,
+                        None if dec.tree is None else dec.tree.branching))
            for label, dec in decoders.items() for form in forms]
   cells = [c for _, c in pairs]
   run_cells(cells, prompts, batch, max_new_tokens, sp, repeats)
@@ -326,7 +344,8 @@ def markdown(results, meta) -> str:
     alphas = "/".join(f(a) for a in r["acceptance_rate_per_position"]) or "-"
     itl = "-" if r.get("itl_p50_s") is None else f"{r['itl_p50_s'] * 1e3:.2f}/{r['itl_p90_s'] * 1e3:.2f}"
     lines.append(
-        f"| {r['temperature']} | {r['batch_size']} | {r['method']} | {r['num_draft_tokens'] or '-'} | "
+        f"| {r['temperature']} | {r['batch_size']} | {r['method']} | "
+        f"{('tree ' + r['tree']) if r.get('tree') else (r['num_draft_tokens'] or '-')} | "
         f"{r['form']} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['speedup_decode']:.2f}x | "
         f"{r['tau']:.2f} | {alphas} | "
         f"{f(r.get('draft_cost_ratio_c'))} | {f(r.get('draft_cost_ratio_c_flops'))} | {f(r.get('ideal_speedup'))} | {f(r.get('efficiency'))} | "
@@ -338,7 +357,50 @@ def markdown(results, meta) -> str:
               "repeats and rows):", ""]
     lines += [f"- T = {r['temperature']}, B = {r['batch_size']}, {r['form']}: "
               f"{r['draft_length_histogram']}" for r in auto]
+  comp = tree_comparison(results, meta)
+  if comp:
+    lines += ["", "Trees beside the chain of their depth (G = m), same temperature, batch and form: "
+              "tau ratio; ms per round; extra ms per extra node = (round_tree - round_chain) / "
+              "(N - m), of which the bare target forward accounts for (forward over 1+N tokens - "
+              "over 1+m tokens) / (N - m) (inside a fori_loop); speedup ratio tree / chain.", "",
+              "| T | B | form | tree | N | tau tree / chain | ratio | ms/round tree / chain | "
+              "extra ms per node | of which target forward | speedup tree / chain |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in comp:
+      lines.append(
+          f"| {c['temperature']} | {c['batch_size']} | {c['form']} | {c['tree']} | {c['nodes']} | "
+          f"{c['tau_tree']:.2f} / {c['tau_chain']:.2f} | {c['tau_ratio']:.2f} | "
+          f"{c['round_ms_tree']:.2f} / {c['round_ms_chain']:.2f} | {c['extra_ms_per_node']:.3f} | "
+          f"{f(c['forward_ms_per_node'], '.3f')} | {c['speedup_tree']:.2f}x / {c['speedup_chain']:.2f}x |")
   return "\n".join(lines) + "\n"
+
+
+def tree_comparison(results, meta) -> list[dict]:
+  """Each tree row beside the chain row of its depth (same temperature,
+  batch and form), as the second table of ``markdown`` describes."""
+  out = []
+  for r in results:
+    if not r.get("tree"):
+      continue
+    m = r["num_draft_tokens"]
+    chain = next((c for c in results if c["method"] == "mtp" and not c.get("tree")
+                  and c["num_draft_tokens"] == m and c["temperature"] == r["temperature"]
+                  and c["batch_size"] == r["batch_size"] and c["form"] == r["form"]), None)
+    if chain is None:
+      continue
+    extra = r["nodes_per_round"] - m
+    loop = meta["bare_forward_in_loop_s_by_batch"].get(str(r["batch_size"]), {})
+    fwd = ((loop[str(1 + r["nodes_per_round"])] - loop[str(1 + m)]) * 1e3 / extra
+           if extra > 0 and str(1 + r["nodes_per_round"]) in loop and str(1 + m) in loop else None)
+    out.append({"temperature": r["temperature"], "batch_size": r["batch_size"], "form": r["form"],
+                "tree": r["tree"], "nodes": r["nodes_per_round"], "tau_tree": r["tau"],
+                "tau_chain": chain["tau"], "tau_ratio": r["tau"] / chain["tau"],
+                "round_ms_tree": r["round_s"] * 1e3, "round_ms_chain": chain["round_s"] * 1e3,
+                "extra_ms_per_node": ((r["round_s"] - chain["round_s"]) * 1e3 / extra
+                                      if extra > 0 else 0.0),
+                "forward_ms_per_node": fwd, "speedup_tree": r["speedup_decode"],
+                "speedup_chain": chain["speedup_decode"]})
+  return out
 
 
 def main(argv=None):
@@ -358,6 +420,9 @@ def main(argv=None):
   ap.add_argument("--num_draft_tokens", default=None,
                   help="comma list of G >= 1 and/or 'auto' (draft length chosen every round; "
                        "default: 1..D+2 and auto; --quick: 1)")
+  ap.add_argument("--trees", default=None,
+                  help="semicolon list of token trees, each a comma list of branching per depth "
+                       "(depth 1..D), e.g. \"3,2,1;2,2,1\": tree rows beside the chains")
   ap.add_argument("--forms", default="while,stream", help="comma list of 'while' and/or 'stream'")
   ap.add_argument("--repeats", type=int, default=5, help="interleaved timed repeats, >= 1")
   ap.add_argument("--out", default="results/bench_decode", help="output prefix (OUT.json, OUT.md)")
@@ -388,6 +453,16 @@ def main(argv=None):
     ap.error(f"--workdir={args.workdir} holds a model with MTP depth D = 0 and no --draft_workdir "
              "was given: there is no drafter to compare with AR (give --draft_workdir DIR, or "
              "--ar_only to time AR alone)")
+  trees = []
+  for text in ([] if args.ar_only or args.trees is None else args.trees.split(";")):
+    if not depth:
+      ap.error(f"--trees needs a checkpoint with MTP depth D >= 1 (--workdir={args.workdir} has D = 0)")
+    try:
+      trees.append(tree_lib.parse_tree(text.strip(), depth).branching)
+    except ValueError as e:
+      ap.error(str(e).replace("--tree=", "--trees: tree "))
+  if args.trees is not None and not trees and not args.ar_only:
+    ap.error(f"--trees={args.trees!r}: give at least one tree, e.g. \"3,2,1;2,2,1\"")
   gs = [] if args.ar_only else (gs_given if gs_given is not None
                                 else list(range(1, depth + 3)) + (["auto"] if depth else [])
                                 if depth or draft is not None else [])
@@ -400,13 +475,16 @@ def main(argv=None):
   cache_len = 64 * int(np.ceil((args.prompt_bytes + args.max_new_tokens + 64) / 64))
   results, bare, bare_loop = [], {}, {}
   for b in batch_sizes:
-    lengths = [1] + [g + 1 for g in gs if g != "auto"]
+    lengths = sorted({1} | {g + 1 for g in gs if g != "auto"} | {len(t) + 1 for t in trees}
+                     | {1 + stats_lib.tree_num_nodes(t) for t in trees})
     bare[str(b)] = {str(k): bare_forward_s(target, b, k, cache_len, args.repeats) for k in lengths}
     bare_loop[str(b)] = {str(k): bare_forward_s(target, b, k, cache_len, args.repeats, in_loop=True)
                          for k in lengths}
     decoders = {"ar": Decoder(target, "ar")}
     decoders.update({("mtp_auto" if g == "auto" else f"mtp_G{g}"): Decoder(target, "mtp", g)
                      for g in gs if depth})
+    decoders.update({f"mtp_tree{'-'.join(map(str, t))}": Decoder(target, "mtp", tree=t)
+                     for t in trees})
     if draft is not None:
       decoders.update({f"draft_G{g}": Decoder(target, "draft", g, draft) for g in gs if g != "auto"})
     flops_cache = {}
@@ -423,7 +501,7 @@ def main(argv=None):
       command=common.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),
       draft_workdir=args.draft_workdir, dataset=args.dataset, prompt_bytes=args.prompt_bytes,
-      max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+      max_new_tokens=args.max_new_tokens, repeats=args.repeats, trees=[list(t) for t in trees],
       bare_forward_s=bare[str(batch_sizes[0])], bare_forward_s_by_batch=bare,
       bare_forward_in_loop_s=bare_loop[str(batch_sizes[0])], bare_forward_in_loop_s_by_batch=bare_loop)
   common.write_report(args.out, meta, results, markdown(results, meta))
