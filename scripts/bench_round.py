@@ -1,7 +1,8 @@
 r"""Round-cost breakdown: where the time of one decoding round goes.
 
     python scripts/bench_round.py --workdir runs/reference [--num_draft_tokens 1,2,3] \
-        [--temperatures 0,1] [--batch_size 1] [--repeats 5] [--out results/bench_round]
+        [--trees "3,2,1;2,2,1"] [--temperatures 0,1] [--batch_size 1] [--repeats 5] \
+        [--out results/bench_round]
 
 For AR and each draft length G, at each temperature, held-out prompts are
 decoded in the while_loop form (``Decoder.generate``): first timed without a
@@ -25,7 +26,9 @@ the compiled program, to the named scope of the decoding code it came from:
     rng                    key splitting
     loop                   operations of the loop body outside every scope
 
-and reported as microseconds and operations per round. The profiler adds a
+and reported as microseconds and operations per round. ``--trees`` adds
+token-tree columns (decode/tree.py; its commit includes the K/V move of the
+accepted path, its verify/forward the tree-masked target call). The profiler adds a
 small cost per operation, so the profiled total exceeds the unprofiled
 round time; the shares are what the table is for. Prefill is reported
 apart (once per generation). Writes ``OUT.json`` (with provenance) and
@@ -50,6 +53,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts import common  # noqa: E402
+from decode import tree as tree_lib  # noqa: E402
 from decode.speculative import Decoder, SamplingParams  # noqa: E402
 from mtp import checkpoint as ckpt_lib  # noqa: E402
 from mtp import config as config_lib  # noqa: E402
@@ -158,8 +162,9 @@ PIECE_ORDER = ["draft/module1", "draft/module2", "draft/module3", "draft/module4
 
 
 def markdown(results, meta) -> str:
-  cols = [(r["temperature"], r["num_draft_tokens"]) for r in results]
-  head = " | ".join(f"T={t:g} {'AR' if g == 0 else f'G={g}'}" for t, g in cols)
+  cols = [(r["temperature"], r["num_draft_tokens"], r.get("tree")) for r in results]
+  head = " | ".join(f"T={t:g} {'AR' if g == 0 else f'tree {tr}' if tr else f'G={g}'}"
+                    for t, g, tr in cols)
   pieces = [p for p in PIECE_ORDER if any(p in r["pieces"] for r in results)]
   pieces += sorted({p for r in results for p in r["pieces"]} - set(pieces))
   lines = [f"Round-cost breakdown: {meta['model']} on {common.machine(meta)}, JAX {meta['jax_version']}, "
@@ -199,6 +204,9 @@ def main(argv=None):
   ap.add_argument("--batch_size", type=int, default=1, help="rows per generation, >= 1")
   ap.add_argument("--temperatures", default="0,1", help="comma list of temperatures >= 0")
   ap.add_argument("--num_draft_tokens", default=None, help="comma list of G >= 1 (default 1..D)")
+  ap.add_argument("--trees", default=None,
+                  help="semicolon list of token trees (branching per depth, depth 1..D), e.g. "
+                       "\"3,2,1;2,2,1\"")
   ap.add_argument("--repeats", type=int, default=5, help="unprofiled timed generations, >= 1")
   ap.add_argument("--out", default="results/bench_round", help="output prefix (OUT.json, OUT.md)")
   ap.add_argument("--quick", action="store_true",
@@ -222,6 +230,12 @@ def main(argv=None):
     ap.error(f"the model has MTP depth D = 0: there is no MTP round to break down")
   gs = (common.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1)
         if args.num_draft_tokens is not None else ([1] if args.quick else list(range(1, depth + 1))))
+  trees = []
+  for text in ([] if args.trees is None else args.trees.split(";")):
+    try:
+      trees.append(tree_lib.parse_tree(text.strip(), depth).branching)
+    except ValueError as e:
+      ap.error(str(e).replace("--tree=", "--trees: tree "))
   texts = data_lib.held_out_prompts(args.dataset, args.batch_size, args.prompt_bytes,
                                     data_dir=args.data_dir)
   prompts = [tok.ByteTokenizer().encode(t, add_bos=True) for t in texts]
@@ -230,22 +244,25 @@ def main(argv=None):
     for t in temps:
       sp = SamplingParams(temperature=t)
       ar_us = None
-      for g in [0] + gs:
-        dec = Decoder(model, "ar") if g == 0 else Decoder(model, "mtp", g)
+      for g, tree in [(0, None)] + [(g, None) for g in gs] + [(len(t), t) for t in trees]:
+        dec = (Decoder(model, "ar") if g == 0 else Decoder(model, "mtp", g) if tree is None
+               else Decoder(model, "mtp", tree=tree))
+        label = "AR" if g == 0 else f"G={g}" if tree is None else f"tree {','.join(map(str, tree))}"
         round_s, wall_s = round_time_s(dec, prompts, args.max_new_tokens, sp, args.repeats)
         bd, rounds = profile_generation(dec, prompts, args.max_new_tokens, sp, 0,
-                                        os.path.join(trace_root, f"t{t}_g{g}"))
+                                        os.path.join(trace_root, f"t{t}_{label.replace(' ', '_')}"))
         pieces = {p: {"us_per_round": v["us"] / rounds, "ops_per_round": v["ops"] / rounds}
                   for p, v in bd["pieces"].items()}
         total = sum(v["us_per_round"] for v in pieces.values())
         draft = sum(v["us_per_round"] for p, v in pieces.items() if p.startswith("draft/"))
         ar_us = round_s * 1e6 if g == 0 else ar_us
-        results.append({"temperature": t, "num_draft_tokens": g, "pieces": pieces,
+        results.append({"temperature": t, "num_draft_tokens": g,
+                        "tree": None if tree is None else ",".join(map(str, tree)), "pieces": pieces,
                         "profiled_us_per_round": total, "round_us": round_s * 1e6,
                         "round_over_ar": round_s * 1e6 / ar_us, "draft_share": draft / total,
                         "generation_s": wall_s, "rounds": rounds,
                         "prefill_us": bd["prefill"]["us"]})
-        print(f"T={t:g} {'AR' if g == 0 else f'G={g}'}: round {round_s * 1e6:.0f} us "
+        print(f"T={t:g} {label}: round {round_s * 1e6:.0f} us "
               f"({round_s * 1e6 / ar_us:.2f} AR steps), drafting {draft / total:.0%} of the "
               f"profiled round", flush=True)
   meta = common.provenance(command=common.command_line(__file__, argv), model=name, checkpoint_step=step, config=cfg.to_dict(),

@@ -66,13 +66,23 @@ def _branch(spec, node):
   return out[::-1]
 
 
-def test_tree_draft_and_verify_equal_cache_free_forward(target, tree_decoder):
+@pytest.fixture(scope="module")
+def depth3_model():
+  """A randomly initialised D = 3 model: exactness needs no training, and
+  module 3 is the first to read its nodes' hidden states from module 2's
+  node entries (depth >= 2)."""
+  return model_lib.build_model(tiny_config(mtp=dict(depth=3)), seed=3)
+
+
+@pytest.mark.parametrize("which", ["trained_d2", "random_d3"])
+def test_tree_draft_and_verify_equal_cache_free_forward(target, tree_decoder, depth3_model, which):
   """Over rounds with random accepted paths (forced, different per row),
   after prefill from prompts as short as one byte: q at every internal node
   equals module d+1 of a cache-free forward over the committed tokens and
   the branch to that node (at position n-2), and the target's p at every
-  node equals the cache-free target over committed tokens + branch."""
-  dec = tree_decoder
+  node equals the cache-free target over committed tokens + branch. Trees
+  (2, 2) on the trained D = 2 model and (2, 1, 2) on a random D = 3 one."""
+  dec = tree_decoder if which == "trained_d2" else Decoder(depth3_model, "mtp", tree=(2, 1, 2))
   spec = dec.tree
   warp = SamplingParams(temperature=1.0).as_arrays()
   prompts = _prompts([1, 6, 11], seed=4)
