@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import functools
 import itertools
+import pathlib
+import re
 from collections import defaultdict
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -343,3 +346,63 @@ def test_tree_kernels_check_shapes():
     _tree_greedy(p, toks[:, :3], spec)
   with pytest.raises(ValueError, match="draft_probs"):
     _tree_rs(jax.random.key(0), p, q[:, :2], toks, spec)
+
+
+# -- the example in docs/speculative_sampling.md ("Token trees") --------------------
+
+def _accept_prob(p, q, b, without_replacement):
+  """Exact P(some child accepted) at one node, b children (Fractions)."""
+  def residual(r, qi):
+    raw = [max(Fraction(0), x - y) for x, y in zip(r, qi)]
+    return [x / sum(raw) for x in raw]
+  if not without_replacement:                 # SpecInfer: i.i.d. children, q_i = q
+    total, reach, r = Fraction(0), Fraction(1), list(p)
+    for _ in range(b):
+      a = sum(min(x, y) for x, y in zip(r, q))
+      total, reach = total + reach * a, reach * (1 - a)
+      if reach == 0:
+        break
+      r = residual(r, q)
+    return total
+  total = Fraction(0)
+  support = [x for x in range(len(q)) if q[x] > 0]
+  for tup in itertools.permutations(support, min(b, len(support))):
+    prob, left = Fraction(1), Fraction(1)
+    for c in tup:
+      prob, left = prob * q[c] / left, left - q[c]
+    r, qrem, reach = list(p), list(q), Fraction(1)
+    for c in tup:
+      qi = [x / sum(qrem) for x in qrem]
+      a = min(Fraction(1), r[c] / qi[c]) if r[c] > 0 else Fraction(0)
+      total, reach = total + prob * reach * a, reach * (1 - a)
+      if reach == 0:
+        break
+      r, qrem[c] = residual(r, qi), Fraction(0)
+  return total
+
+
+def test_doc_tree_example_numbers():
+  doc = pathlib.Path(__file__).resolve().parents[1] / "docs" / "speculative_sampling.md"
+  text = doc.read_text()
+  block = re.search(r"<!-- tree-example:begin -->(.*?)<!-- tree-example:end -->", text, re.S)
+  assert block, "tree-example block missing from the doc"
+  got = {}
+  for line in block.group(1).splitlines():
+    m = re.match(r"^\s*(.*\S)\s+=\s+([-0-9/. ]+)$", line)
+    if m:
+      got[m.group(1).strip()] = [Fraction(v) for v in m.group(2).split()]
+  p = [Fraction(2, 5), Fraction(7, 20), Fraction(1, 4)]        # the worked example's p, q
+  q = [Fraction(1, 5), Fraction(1, 5), Fraction(3, 5)]
+  assert got["accept without replacement"] == [_accept_prob(p, q, b, True) for b in (1, 2, 3)]
+  assert got["accept iid (SpecInfer)"] == [_accept_prob(p, q, b, False) for b in (1, 2, 3)]
+  # and the kernel agrees: one node, two children drawn without replacement
+  spec = TreeSpec((2,))
+  n = 100_000
+  pf, qf = np.array([float(x) for x in p], np.float32), np.array([float(x) for x in q], np.float32)
+  k1, k2 = jax.random.split(jax.random.key(5, impl="rbg"))
+  kids, _ = sampling.sample_without_replacement(jnp.broadcast_to(qf, (n, 3)),
+                                                sampling.uniform_open(k1, (n, 3)), 2)
+  a, _, _ = _tree_rs(k2, jnp.broadcast_to(pf, (n, 3, 3)), jnp.broadcast_to(qf, (n, 1, 3)), kids,
+                     spec)
+  accepted = int(np.asarray(a).sum())
+  assert _chisq_pvalue([accepted, n - accepted], [39 / 40, 1 / 40]) > SIG
