@@ -44,6 +44,11 @@ class ModelConfig:
 class MTPConfig:
   depth: int = 1                  # D, number of sequential MTP modules (0 = plain LM)
   loss_weight: float = 0.3        # lambda in L = L_main + lambda/D * sum_k L^k
+  # Distillation from the main head (train/losses.py): per depth k the loss is
+  # (1 - w) * CE(t_{i+k+1}) + w * tau^2 * KL(p_main(.|x_<=i+k) || q_k(.|i)) at temperature tau.
+  distill_weight: float = 0.0     # w in [0, 1]: 0 = data only (default), 1 = teacher only
+  distill_temperature: float = 1.0  # tau > 0, applied to teacher and module logits (Hinton et al.)
+  recursive_steps: int = 0        # R: also train module D on its own outputs for steps D+1..D+R
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +78,8 @@ class TrainConfig:
   log_every: int = 10
   eval_every: int = 250
   eval_batches: int = 8
+  init_from: str = ""             # workdir whose latest checkpoint's params start a fresh run
+  freeze_backbone: bool = False   # train only the MTP modules (embedding, blocks, head frozen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +200,19 @@ def validate(cfg: Config) -> Config:
   _check(m.param_dtype in _DTYPES, "model.param_dtype", f"one of {_DTYPES}", m.param_dtype)
   _check(0 <= cfg.mtp.depth <= 16, "mtp.depth", "an int in [0, 16]", cfg.mtp.depth)
   _check(cfg.mtp.loss_weight >= 0, "mtp.loss_weight", ">= 0", cfg.mtp.loss_weight)
+  _check(0 <= cfg.mtp.distill_weight <= 1, "mtp.distill_weight",
+         "in [0, 1] (0 = data cross-entropy only, 1 = main-head teacher only)",
+         cfg.mtp.distill_weight)
+  _check(cfg.mtp.distill_weight == 0 or cfg.mtp.depth >= 1, "mtp.distill_weight",
+         "0 when mtp.depth = 0 (there are no MTP modules to distill)", cfg.mtp.distill_weight)
+  _check(0 < cfg.mtp.distill_temperature <= 100, "mtp.distill_temperature", "in (0, 100]",
+         cfg.mtp.distill_temperature)
+  _check(0 <= cfg.mtp.recursive_steps <= 16, "mtp.recursive_steps", "an int in [0, 16]",
+         cfg.mtp.recursive_steps)
+  _check(cfg.mtp.recursive_steps == 0 or cfg.mtp.depth >= 1, "mtp.recursive_steps",
+         "0 when mtp.depth = 0 (there is no module D to reuse)", cfg.mtp.recursive_steps)
+  _check(not t.freeze_backbone or cfg.mtp.depth >= 1, "train.freeze_backbone",
+         "False when mtp.depth = 0 (nothing would be trained)", t.freeze_backbone)
   _check(bool(cfg.data.name), "data.name", "a non-empty dataset name", cfg.data.name)
   if cfg.data.name == "text_files":
     patterns = cfg.data.files.split(",")
@@ -207,8 +227,9 @@ def validate(cfg: Config) -> Config:
     _check(getattr(t, name) >= 1, f"train.{name}", ">= 1", getattr(t, name))
   _check(t.seq_len <= m.max_seq_len, "train.seq_len", f"<= model.max_seq_len={m.max_seq_len}",
          t.seq_len)
-  _check(t.seq_len > cfg.mtp.depth + 1, "train.seq_len", f"> mtp.depth + 1 = {cfg.mtp.depth + 1}",
-         t.seq_len)
+  horizon = cfg.mtp.depth + cfg.mtp.recursive_steps + 1
+  _check(t.seq_len > horizon, "train.seq_len",
+         f"> mtp.depth + mtp.recursive_steps + 1 = {horizon}", t.seq_len)
   _check(t.learning_rate > 0, "train.learning_rate", "> 0", t.learning_rate)
   _check(t.warmup_steps >= 0, "train.warmup_steps", ">= 0", t.warmup_steps)
   _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", "in [0, 1]", t.min_lr_ratio)

@@ -116,6 +116,39 @@ class Attention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
     self.rope_theta = cfg.rope_theta
 
+  def project(self, x, positions):
+    """Rotated queries and keys and the values of x [B, T, D] at positions
+    [B, T]: (q [B, T, N, H], k [B, T, K, H], v [B, T, K, H])."""
+    b, t, _ = x.shape
+    q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+    k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
+
+  def attend_chain(self, q, ctx_k, ctx_v, ctx_mask, chain_k, chain_v):
+    """Attention of per-position chains (training of module D's steps past
+    D, ``Transformer.mtp_recursive``): query t attends to the context keys
+    ``ctx_k[s]`` where ``ctx_mask[b, 0, t, s]`` and to its own chain's keys
+    ``chain_k[j][t]`` (j = 0..C-1), always visible.
+
+    q: [B, T, N, H]; ctx_k, ctx_v: [B, S, K, H]; ctx_mask: [B, 1, T, S] bool;
+    chain_k, chain_v: lists of C arrays [B, T, K, H]. Returns [B, T, D]
+    (after the output projection). Same scaling (1/sqrt(H)) and softmax as
+    ``jax.nn.dot_product_attention``, computed in float32.
+    """
+    b, t, n, h = q.shape
+    kv = self.num_kv_heads
+    qg = q.reshape(b, t, kv, n // kv, h).astype(jnp.float32) / math.sqrt(h)
+    ck, cv = jnp.stack(chain_k, 2), jnp.stack(chain_v, 2)                  # [B, T, C, K, H]
+    s_ctx = jnp.einsum("btkgh,bskh->bkgts", qg, ctx_k.astype(jnp.float32))
+    s_ctx = jnp.where(ctx_mask[:, :, None], s_ctx, -jnp.inf)
+    s_chain = jnp.einsum("btkgh,btckh->bkgtc", qg, ck.astype(jnp.float32))
+    w = jax.nn.softmax(jnp.concatenate([s_ctx, s_chain], -1), axis=-1)
+    s = ctx_k.shape[1]
+    y = (jnp.einsum("bkgts,bskh->btkgh", w[..., :s], ctx_v.astype(jnp.float32))
+         + jnp.einsum("bkgtc,btckh->btkgh", w[..., s:], cv.astype(jnp.float32)))
+    return self.o_proj(y.reshape(b, t, n * h).astype(q.dtype))
+
   def __call__(self, x, positions, segment_ids=None, cache: LayerCache | None = None,
                write_offsets=None, mask=None):
     """x: [B, T, D]; positions: [B, T] int32; segment_ids: [B, T] int32 or
@@ -124,11 +157,7 @@ class Attention(nnx.Module):
     (default: slot s visible iff s <= position); see the module docstring.
     Returns (y [B, T, D], updated cache or None)."""
     b, t, _ = x.shape
-    q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-    k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-    v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-    q = rope(q, positions, self.rope_theta)
-    k = rope(k, positions, self.rope_theta)
+    q, k, v = self.project(x, positions)
     if cache is None:
       mask = attention_mask(positions, positions, segment_ids, segment_ids)
       if segment_ids is None:   # positions alone: also require key index <= query index
@@ -198,10 +227,14 @@ class MTPModule(nnx.Module):
     self.block = Block(cfg, out_scale=out_scale, rngs=rngs)
     self.out_norm = norm()
 
+  def block_input(self, h_prev, next_embeds):
+    """h'^k = M_k[RMSNorm(h^{k-1}); RMSNorm(E(t_{i+k}))] (eq. 21), [B, T, D]."""
+    return self.proj(jnp.concatenate([self.hidden_norm(h_prev), self.embed_norm(next_embeds)], -1))
+
   def __call__(self, h_prev, next_embeds, positions, segment_ids=None, cache=None,
                write_offsets=None, mask=None):
-    x = self.proj(jnp.concatenate([self.hidden_norm(h_prev), self.embed_norm(next_embeds)], -1))
-    return self.block(x, positions, segment_ids, cache, write_offsets, mask)
+    return self.block(self.block_input(h_prev, next_embeds), positions, segment_ids, cache,
+                      write_offsets, mask)
 
 
 class Transformer(nnx.Module):
@@ -277,13 +310,72 @@ class Transformer(nnx.Module):
     """Logits [B, T, V] float32 of MTP depth k from h^k (eq. 23)."""
     return self.head(h_k, self.mtp[k - 1].out_norm)
 
+  def mtp_recursive(self, tokens, positions, segment_ids, h_prev, h_last, steps: int):
+    """Module D reused for the steps past D, as the decoder drafts G > D
+    tokens (``decode.drafters.MTPDrafter.draft``), computed for every chain
+    start i at once.
+
+    Chain from i: step 0 is module D's ordinary output h_0(i) = h^D_i; step
+    r = 1..R runs module D at position i+r on (h_{r-1}(i), t_{i+D+r}) and
+    predicts t_{i+D+r+1}:
+
+        h_r(i) = TRM_D(M_D[RMSNorm(h_{r-1}(i)); RMSNorm(E(t_{i+D+r}))])   at position i+r
+        logits_r(i) = W_out(RMSNorm_D(h_r(i)))
+
+    Attention context of step r at chain i, exactly as module D's KV cache
+    holds it in that draft round: module D's ordinary (teacher-forced) keys
+    and values at positions p <= i of the same document, plus the chain's own
+    entries of steps 1..r (the decoder writes them at positions i+1..i+r over
+    scratch slots). Teacher forcing uses the true tokens where the decoder
+    feeds its drafts d_{D+r-1}; they agree exactly when the earlier drafts
+    were accepted, the only case in which draft D+r is looked at.
+
+    Args:
+      tokens, positions: [B, T] int32; segment_ids: [B, T] int32 or None.
+      h_prev: h^{D-1} [B, T, D] (module D's input in the ordinary pass).
+      h_last: h^D [B, T, D] (module D's ordinary output).
+      steps: R >= 0.
+    Returns:
+      tuple of R logits [B, T, V] float32; entry r-1 at chain i predicts
+      t_{i+D+r+1} (positions whose token inputs run past T read PAD; the loss
+      masks them).
+    Raises ValueError when D = 0.
+    """
+    d = self.mtp_depth
+    if d < 1:
+      raise ValueError("mtp_recursive needs mtp_depth >= 1")
+    b, t = tokens.shape
+    module = self.mtp[d - 1]
+    attn = module.block.attn
+    padded = jnp.concatenate([tokens, jnp.full((b, d + steps), tok.PAD_ID, tokens.dtype)], 1)
+    shift = lambda k: padded[:, k:k + t]                                  # t_{i+k} at i
+    x0 = module.block_input(h_prev, self.embed(shift(d)))
+    _, ctx_k, ctx_v = attn.project(module.block.attn_norm(x0), positions)
+    ctx_mask = attention_mask(positions, positions, segment_ids, segment_ids)
+    idx = jnp.arange(t)
+    ctx_mask &= (idx[None, :] <= idx[:, None])[None, None]
+    chain_k, chain_v, out, h = [], [], [], h_last
+    for r in range(1, steps + 1):
+      x = module.block_input(h, self.embed(shift(d + r)))
+      q, k, v = attn.project(module.block.attn_norm(x), positions + r)
+      chain_k.append(k)
+      chain_v.append(v)
+      x = x + attn.attend_chain(q, ctx_k, ctx_v, ctx_mask, chain_k, chain_v)
+      h = x + module.block.mlp(module.block.mlp_norm(x))
+      out.append(self.mtp_head(d, h))
+    return tuple(out)
+
   # -- full forward (training, cache-free reference) ---------------------------
 
-  def __call__(self, tokens, positions=None, segment_ids=None) -> ModelOutput:
+  def __call__(self, tokens, positions=None, segment_ids=None,
+               recursive_steps: int = 0) -> ModelOutput:
     """Cache-free forward over packed sequences.
 
     tokens: [B, T] int32; positions: [B, T] int32 (defaults to arange(T));
-    segment_ids: [B, T] int32 document ids (0 = padding) or None.
+    segment_ids: [B, T] int32 document ids (0 = padding) or None;
+    recursive_steps: R >= 0 extra steps of module D (``mtp_recursive``),
+    appended to ``mtp_logits`` (D + R entries; entry k-1 at i predicts
+    t_{i+k+1}).
     Module k at i reads t_{i+k}; the last k positions read PAD (their targets
     do not exist and the loss masks them).
     """
@@ -297,6 +389,9 @@ class Transformer(nnx.Module):
       h, _ = self.mtp_forward(k, h, shifted, positions, segment_ids)
       hidden.append(h)
       mtp_logits.append(self.mtp_head(k, h))
+    if recursive_steps:
+      mtp_logits += self.mtp_recursive(tokens, positions, segment_ids, hidden[-2], hidden[-1],
+                                       recursive_steps)
     return ModelOutput(self.head(hidden[0]), tuple(mtp_logits), tuple(hidden))
 
 

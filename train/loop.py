@@ -30,7 +30,7 @@ from mtp import checkpoint as ckpt_lib
 from mtp import config as config_lib
 from mtp import data as data_lib
 from mtp import sharding as shard_lib
-from mtp.config import Config, ConfigError, TrainConfig
+from mtp.config import Config, ConfigError, MTPConfig, TrainConfig
 from mtp.model import build_model, count_params
 from train import losses
 
@@ -56,14 +56,35 @@ def learning_rate(t: TrainConfig, step: int) -> float:
   return end + (t.learning_rate - end) * 0.5 * (1 + np.cos(np.pi * frac))
 
 
-def make_loss_fn(graphdef, loss_weight: float):
+def make_loss_fn(graphdef, loss_weight: float, mtp_cfg: MTPConfig | None = None):
   """(params, batch) -> (loss, head sums); batch holds tokens, positions,
-  segment_ids [B, T] int32."""
+  segment_ids [B, T] int32. ``mtp_cfg`` adds distillation from the main head
+  and the recursive steps past D (``train.losses.mtp_loss``); None = the
+  data-only objective over the model's D depths."""
+  m = mtp_cfg or MTPConfig(loss_weight=loss_weight)
+
   def loss_fn(params, batch):
     model = nnx.merge(graphdef, params)
-    out = model(batch["tokens"], batch["positions"], batch["segment_ids"])
-    return losses.mtp_loss(out, batch["tokens"], batch["segment_ids"], loss_weight)
+    out = model(batch["tokens"], batch["positions"], batch["segment_ids"],
+                recursive_steps=m.recursive_steps if model.mtp_depth else 0)
+    return losses.mtp_loss(out, batch["tokens"], batch["segment_ids"], loss_weight,
+                           depth=model.mtp_depth, distill_weight=m.distill_weight,
+                           distill_temperature=m.distill_temperature)
   return loss_fn
+
+
+# Parameters trained with train.freeze_backbone: the MTP modules' own (nnx paths
+# mtp/<k>/...); the embedding E and the head W_out they share stay frozen.
+MTP_PARAMS = nnx.PathContains("mtp")
+
+
+def split_trainable(cfg: Config, params):
+  """(trainable, frozen) nnx States of a full parameter State: with
+  ``train.freeze_backbone`` the MTP modules' parameters and the rest;
+  otherwise (params, None)."""
+  if not cfg.train.freeze_backbone:
+    return params, None
+  return nnx.split_state(params, MTP_PARAMS, ...)
 
 
 @dataclasses.dataclass
@@ -76,9 +97,17 @@ class TrainState:
 class Trainer:
   """Holds the compiled steps for one config on one mesh.
 
-  Build with ``Trainer(cfg)``; ``init_state()`` makes fresh sharded state;
-  ``train_step(state, batch)`` and ``eval_sums(params, batches)`` run the
-  jitted computations. Tests and scripts use it directly.
+  Build with ``Trainer(cfg)``; ``init_state()`` makes fresh sharded state
+  (``init_state(params)`` starts from given parameters, e.g. another
+  workdir's); ``train_step(state, batch)`` and ``eval_sums(params, batches)``
+  run the jitted computations. Tests and scripts use it directly.
+
+  With ``train.freeze_backbone`` only the MTP modules' parameters
+  (``MTP_PARAMS``) are differentiated and have optimizer state; the backbone,
+  the embedding and the head enter the step as constants and leave it
+  bitwise unchanged. ``TrainState.params`` is always the full parameter
+  State and ``opt_state`` covers only the trained part, so checkpoints of a
+  frozen run hold the full model and a small optimizer state.
   """
 
   def __init__(self, cfg: Config, mesh=None):
@@ -90,17 +119,23 @@ class Trainer:
     abstract_model = nnx.eval_shape(lambda: build_model(cfg, cfg.train.seed))
     self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     self.param_shardings = shard_lib.param_shardings(self.mesh, abstract_params)
-    abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
+    abstract_opt = jax.eval_shape(self.tx.init, split_trainable(cfg, abstract_params)[0])
     self.opt_shardings = shard_lib.state_shardings(self.mesh, abstract_opt)   # mu/nu like params
     batch_sharding = shard_lib.batch_sharding(self.mesh)
     replicated = shard_lib.replicated(self.mesh)
-    loss_fn = make_loss_fn(self.graphdef, cfg.mtp.loss_weight)
+    loss_fn = make_loss_fn(self.graphdef, cfg.mtp.loss_weight, cfg.mtp)
     tx = self.tx
 
     def step_fn(params, opt_state, batch):
-      (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      params = optax.apply_updates(params, updates)
+      trainable, frozen = split_trainable(cfg, params)
+      if frozen is None:
+        f = loss_fn
+      else:   # gradients of the MTP modules only; the rest is a constant of the step
+        f = lambda p, b: loss_fn(nnx.merge_state(p, frozen), b)
+      (loss, sums), grads = jax.value_and_grad(f, has_aux=True)(trainable, batch)
+      updates, opt_state = tx.update(grads, opt_state, trainable)
+      trainable = optax.apply_updates(trainable, updates)
+      params = trainable if frozen is None else nnx.merge_state(trainable, frozen)
       return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "sums": sums}
 
     def eval_fn(params, batch):
@@ -108,7 +143,10 @@ class Trainer:
 
     def init_fn():
       params = nnx.state(build_model(cfg, cfg.train.seed), nnx.Param)
-      return params, tx.init(params)
+      return params, tx.init(split_trainable(cfg, params)[0])
+
+    def init_from_fn(params):
+      return params, tx.init(split_trainable(cfg, params)[0])
 
     self._step = jax.jit(step_fn, in_shardings=(self.param_shardings, self.opt_shardings, batch_sharding),
                          out_shardings=(self.param_shardings, self.opt_shardings, replicated),
@@ -116,6 +154,8 @@ class Trainer:
     self._eval = jax.jit(eval_fn, in_shardings=(self.param_shardings, batch_sharding),
                          out_shardings=replicated)
     self._init = jax.jit(init_fn, out_shardings=(self.param_shardings, self.opt_shardings))
+    self._init_from = jax.jit(init_from_fn, in_shardings=(self.param_shardings,),
+                              out_shardings=(self.param_shardings, self.opt_shardings))
     self.abstract_params = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params,
         self.param_shardings)
@@ -123,8 +163,11 @@ class Trainer:
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_opt,
         self.opt_shardings)
 
-  def init_state(self) -> TrainState:
-    params, opt_state = self._init()
+  def init_state(self, params=None) -> TrainState:
+    """Step-0 state: fresh parameters from ``train.seed``, or a copy of
+    ``params`` (a full parameter State of this architecture, e.g. restored
+    with ``init_from_workdir``); the optimizer state is always fresh."""
+    params, opt_state = self._init() if params is None else self._init_from(params)
     return TrainState(params, opt_state, 0)
 
   def train_step(self, state: TrainState, local_batch: dict[str, np.ndarray]):
@@ -178,7 +221,11 @@ class MetricWriter:
 def check_workdir(cfg: Config, workdir: str) -> int | None:
   """Refuses a workdir whose latest checkpoint was made by an incompatible
   config (before anything is written). Returns the step to resume from, or
-  None for a fresh run. Raises ConfigError / CheckpointError."""
+  None for a fresh run. Raises ConfigError / CheckpointError (also when
+  ``train.init_from`` names the workdir itself: a stage writes elsewhere)."""
+  if cfg.train.init_from and os.path.abspath(cfg.train.init_from) == os.path.abspath(workdir):
+    raise ConfigError(f"train.init_from={cfg.train.init_from!r} is the run's own --workdir: a "
+                      "stage started from a trained workdir writes into a new one")
   if not os.path.isdir(ckpt_lib.checkpoint_dir(workdir)):
     return None
   ckpt = ckpt_lib.Checkpointer(workdir, read_only=True)
@@ -190,11 +237,55 @@ def check_workdir(cfg: Config, workdir: str) -> int | None:
   finally:
     ckpt.close()
   diffs = config_lib.architecture_mismatches(saved, cfg)
+  if saved.train.freeze_backbone != cfg.train.freeze_backbone:   # optimizer state differs
+    diffs.append(f"train.freeze_backbone: {saved.train.freeze_backbone!r} != "
+                 f"{cfg.train.freeze_backbone!r}")
   if diffs:
     raise ConfigError(f"workdir {workdir!r} holds a checkpoint (step {step}) from an incompatible "
                       f"config (saved != requested): {'; '.join(diffs)}. Use a new --workdir or "
                       "the saved config.")
   return step
+
+
+def check_init_from(cfg: Config) -> int | None:
+  """Checks ``train.init_from`` (a trained workdir whose parameters start
+  this run) before anything is written. Returns its latest checkpoint step,
+  or None when ``init_from`` is empty.
+
+  Raises:
+    CheckpointError: it has no checkpoint, or one from another architecture
+      (``config.architecture_mismatches``, listed in the message).
+  """
+  src = cfg.train.init_from
+  if not src:
+    return None
+  ckpt = ckpt_lib.Checkpointer(src, read_only=True)
+  try:
+    step = ckpt.latest_step()
+    if step is None:
+      raise ckpt_lib.CheckpointError(f"train.init_from={src!r} has no checkpoint in "
+                                     f"{ckpt.directory} (train it first)")
+    saved = ckpt.restore_config(step)
+  finally:
+    ckpt.close()
+  diffs = config_lib.architecture_mismatches(saved, cfg)
+  if diffs:
+    raise ckpt_lib.CheckpointError(
+        f"train.init_from={src!r}: its checkpoint (step {step}) has another architecture than "
+        f"this config (saved != requested): {'; '.join(diffs)}")
+  return step
+
+
+def restore_init_params(trainer: Trainer, src: str, step: int):
+  """The parameters of checkpoint ``step`` of workdir ``src``, restored
+  straight into the trainer's shardings (optimizer state, step and data
+  position are not read). Raises CheckpointError."""
+  ckpt = ckpt_lib.Checkpointer(src, read_only=True)
+  try:
+    params, _ = ckpt.restore(step, trainer.abstract_params)
+  finally:
+    ckpt.close()
+  return params
 
 
 class DivergedError(RuntimeError):
@@ -348,6 +439,7 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
   if not is_main:   # multi-host: one process prints and writes files
     log = lambda s: None
   resume_step = check_workdir(cfg, workdir)
+  init_step = check_init_from(cfg) if resume_step is None else None
   t = cfg.train
   final_path = os.path.join(workdir, "final_metrics.json")
   if resume_step is not None and resume_step >= t.num_steps:
@@ -379,6 +471,9 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
       raise
     state = TrainState(params, opt_state, resume_step)
     resumed = f"resumed from {ckpt.directory}/{resume_step}"
+  elif init_step is not None:
+    state = trainer.init_state(restore_init_params(trainer, t.init_from, init_step))
+    log(f"initialised parameters from {t.init_from} (step {init_step})")
   else:
     state = trainer.init_state()
   eval_due = lambda step: step >= t.num_steps or step % t.eval_every == 0
@@ -434,7 +529,9 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
     writer.write(state.step, "eval", metrics)
     last_eval, eval_step = metrics, state.step
     depth_acc = " ".join(f"acc{k}={metrics[f'mtp_{k}/accuracy']:.3f}"
-                         for k in range(1, cfg.mtp.depth + 1))
+                         f" agree{k}={metrics[f'mtp_{k}/teacher_agreement']:.3f}"
+                         f" kl{k}={metrics[f'mtp_{k}/teacher_kl']:.3f}"
+                         for k in range(1, cfg.mtp.depth + cfg.mtp.recursive_steps + 1))
     log(f"step {state.step}: eval loss {metrics['main/loss']:.4f} "
         f"bpb {metrics['main/bits_per_byte']:.4f} acc {metrics['main/accuracy']:.3f} {depth_acc}")
 

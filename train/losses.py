@@ -10,6 +10,21 @@ only when it exists (i + offset < T), is not padding, and lies in the same
 document as position i (equal, non-zero segment id): in packed sequences no
 target crosses a document boundary, for the main head or any depth. Each
 L^k is the mean over its own valid targets.
+
+Distillation from the main head (``mtp.distill_weight`` w,
+``mtp.distill_temperature`` tau): module k at i and the main head at i+k
+predict the same token t_{i+k+1}, so the main head is a teacher for it:
+
+    L^k = (1 - w) * CE_k + w * tau^2 * KL( softmax(z^main_{i+k} / tau) || softmax(z^k_i / tau) )
+
+averaged over the same positions as CE_k (target in the same document), with
+a stop-gradient on the teacher (Hinton et al. 2015: the tau^2 keeps the
+gradient scale independent of tau). w = 0 is the data-only objective
+above. Steps past D (``mtp.recursive_steps``, module D reused) are depths
+D+1..D+R with the same rule and the same per-term weight lambda / D.
+Whatever w is, every depth also reports (sums) its KL to the teacher at
+tau = 1 (``kl``, nats) and its argmax agreement with the teacher
+(``agree``): the quantities that decide acceptance at T = 1 and T = 0.
 """
 
 from __future__ import annotations
@@ -18,6 +33,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from mtp import tokenizer as tok
 from mtp.model import ModelOutput
@@ -63,39 +79,83 @@ def head_sums(logits, targets, mask) -> dict[str, jax.Array]:
           "byte_nll": jnp.sum(ce * byte), "byte_count": jnp.sum(byte)}
 
 
+def shift_left(x: jax.Array, offset: int) -> jax.Array:
+  """x [B, T, ...] shifted so that out[:, i] = x[:, i + offset] (zeros past T)."""
+  pad = jnp.zeros((x.shape[0], offset) + x.shape[2:], x.dtype)
+  return jnp.concatenate([x[:, offset:], pad], 1)[:, :x.shape[1]]
+
+
+def teacher_kl(teacher_logits: jax.Array, student_logits: jax.Array,
+               temperature: float = 1.0) -> jax.Array:
+  """Per-position KL(softmax(teacher / tau) || softmax(student / tau)) [B, T]
+  float32 (nats) of logits [B, T, V], with a stop-gradient on the teacher
+  (``optax.losses.kl_divergence_with_log_targets``). Vocabulary entries the
+  teacher gives probability 0 (logit -inf: padding) are left out."""
+  t = jax.lax.stop_gradient(teacher_logits.astype(jnp.float32)) / temperature
+  log_p = jax.nn.log_softmax(t, axis=-1)
+  log_q = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature, axis=-1)
+  return optax.losses.kl_divergence_with_log_targets(log_q, log_p, where=jnp.isfinite(log_p))
+
+
 def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | None,
-             loss_weight: float):
-  """Training objective and per-head sums.
+             loss_weight: float, *, depth: int | None = None, distill_weight: float = 0.0,
+             distill_temperature: float = 1.0):
+  """Training objective and per-head sums (module docstring: eq. 24-25 plus
+  distillation from the main head).
 
   Args:
-    output: model output with D = len(output.mtp_logits) depths.
+    output: model output; ``output.mtp_logits`` holds D + R depths (R steps
+      of module D past D, ``Transformer.mtp_recursive``).
     tokens: [B, T] int32; segment_ids: [B, T] int32 or None.
     loss_weight: lambda >= 0.
+    depth: D, the lambda / D normaliser (default len(output.mtp_logits)).
+    distill_weight: w in [0, 1]; distill_temperature: tau > 0.
   Returns:
     (loss scalar float32, sums) where sums["main"] and sums["mtp_k"]
-    (k = 1..D) are ``head_sums`` dicts.
+    (k = 1..D+R) are ``head_sums`` dicts; the mtp ones also hold ``kl``
+    (sum of KL to the main head at tau = 1, nats) and ``agree`` (positions
+    where the module's argmax equals the main head's).
   """
-  depth = len(output.mtp_logits)
+  n_heads = len(output.mtp_logits)
+  depth = n_heads if depth is None else depth
   sums = {"main": head_sums(output.logits, *shifted_targets(tokens, segment_ids, 1))}
   loss = sums["main"]["nll"] / jnp.maximum(sums["main"]["count"], 1.0)
-  if depth:
+  if n_heads:
     mtp_total = 0.0
     for k, logits in enumerate(output.mtp_logits, start=1):
-      s = head_sums(logits, *shifted_targets(tokens, segment_ids, k + 1))
+      targets, mask = shifted_targets(tokens, segment_ids, k + 1)
+      s = head_sums(logits, targets, mask)
+      m = mask.astype(jnp.float32)
+      teacher = shift_left(output.logits, k)         # the main head at i+k predicts t_{i+k+1} too
+      kl = teacher_kl(teacher, logits)
+      s["kl"] = jnp.sum(jnp.where(mask, kl, 0.0))     # not kl * m: kl is inf past the end
+      s["agree"] = jnp.sum((jnp.argmax(logits, -1) == jnp.argmax(teacher, -1)) * m)
       sums[f"mtp_{k}"] = s
-      mtp_total = mtp_total + s["nll"] / jnp.maximum(s["count"], 1.0)
-    loss = loss + (loss_weight / depth) * mtp_total
+      count = jnp.maximum(s["count"], 1.0)
+      term = s["nll"] / count
+      if distill_weight:
+        kl_t = kl if distill_temperature == 1.0 else teacher_kl(teacher, logits, distill_temperature)
+        distill = distill_temperature ** 2 * jnp.sum(jnp.where(mask, kl_t, 0.0)) / count
+        term = (1.0 - distill_weight) * term + distill_weight * distill
+      mtp_total = mtp_total + term
+    loss = loss + (loss_weight / max(depth, 1)) * mtp_total
   return loss, sums
 
 
 def summarize(sums: dict[str, dict[str, jax.Array]]) -> dict[str, float]:
   """Turns (possibly accumulated) head sums into metrics: ``{head}/loss``
-  (nats per token), ``{head}/accuracy`` (top-1) and ``main/bits_per_byte``."""
+  (nats per token), ``{head}/accuracy`` (top-1), ``main/bits_per_byte`` and,
+  for MTP depths, ``mtp_k/teacher_kl`` (mean KL to the main head at tau = 1,
+  nats) and ``mtp_k/teacher_agreement`` (fraction of positions whose argmax
+  equals the main head's)."""
   out = {}
   for head, s in sums.items():
     count = max(float(s["count"]), 1.0)
     out[f"{head}/loss"] = float(s["nll"]) / count
     out[f"{head}/accuracy"] = float(s["correct"]) / count
+    if "kl" in s:
+      out[f"{head}/teacher_kl"] = float(s["kl"]) / count
+      out[f"{head}/teacher_agreement"] = float(s["agree"]) / count
     if head == "main":
       out["main/bits_per_byte"] = float(s["byte_nll"]) / max(float(s["byte_count"]), 1.0) / math.log(2)
   return out

@@ -1,0 +1,335 @@
+"""Second training stage: distillation of the MTP modules from the main head,
+frozen backbone, init_from, recursive steps past D, teacher metrics, and
+self-distilled data (issue 12). Decoding with distilled modules stays
+lossless (chi-square and greedy equality on a distilled model)."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from decode.speculative import Decoder, SamplingParams
+from mtp import checkpoint as ckpt_lib
+from mtp import tokenizer as tok
+from mtp.config import ConfigError
+from mtp.model import ModelOutput
+from tests.conftest import ALPHABET, markov_batch, tiny_config
+from train import losses
+from train.loop import MTP_PARAMS, Trainer, train
+
+PAD = tok.PAD_ID
+GREEDY = SamplingParams(temperature=0.0)
+
+
+# -- config -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("section,fields,match", [
+    ("mtp", dict(distill_weight=-0.1), r"mtp\.distill_weight=-0\.1 is out of range: must be in \[0, 1\]"),
+    ("mtp", dict(distill_weight=1.5), r"mtp\.distill_weight=1\.5 .*in \[0, 1\]"),
+    ("mtp", dict(distill_temperature=0.0), r"mtp\.distill_temperature=0\.0 .*in \(0, 100\]"),
+    ("mtp", dict(recursive_steps=-1), r"mtp\.recursive_steps=-1 .*\[0, 16\]"),
+    ("mtp", dict(recursive_steps=17), r"mtp\.recursive_steps=17 .*\[0, 16\]"),
+    ("mtp", dict(depth=0, distill_weight=0.5), r"mtp\.distill_weight=0\.5 .*mtp\.depth = 0"),
+    ("mtp", dict(depth=0, recursive_steps=1), r"mtp\.recursive_steps=1 .*mtp\.depth = 0"),
+    ("mtp", dict(depth=16, recursive_steps=15), r"train\.seq_len=32 .*mtp\.recursive_steps \+ 1 = 32"),
+])
+def test_config_fields_are_validated(section, fields, match):
+  with pytest.raises(ConfigError, match=match):
+    tiny_config(**{section: fields})
+
+
+def test_freeze_backbone_needs_modules():
+  with pytest.raises(ConfigError, match=r"train\.freeze_backbone=True .*mtp\.depth = 0"):
+    tiny_config(mtp=dict(depth=0), train=dict(freeze_backbone=True))
+  assert tiny_config().mtp.distill_weight == 0.0 and not tiny_config().train.freeze_backbone
+
+
+# -- the distillation loss -------------------------------------------------------------
+
+def _log_softmax(x):
+  x = x.astype(np.float64)
+  m = x.max(-1, keepdims=True)
+  return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def _reference(logits, mtp_logits, tokens, seg, lam, depth, w, tau):
+  """Loop-based statement of the mixed objective (train/losses.py docstring)."""
+  b_, t_ = tokens.shape
+  def head(k):       # depth k >= 1: module logits at i vs main at i+k, target t_{i+k+1}
+    ce = kl = kl1 = agree = n = 0.0
+    for b in range(b_):
+      for i in range(t_):
+        j = i + k + 1
+        if j >= t_ or seg[b, i] == 0 or seg[b, j] != seg[b, i] or tokens[b, j] == PAD:
+          continue
+        q = _log_softmax(mtp_logits[k - 1][b, i])
+        ce -= q[tokens[b, j]]
+        lp, lq = _log_softmax(logits[b, i + k] / tau), _log_softmax(mtp_logits[k - 1][b, i] / tau)
+        kl += np.sum(np.exp(lp) * (lp - lq))
+        p1 = _log_softmax(logits[b, i + k])
+        kl1 += np.sum(np.exp(p1) * (p1 - q))
+        agree += np.argmax(mtp_logits[k - 1][b, i]) == np.argmax(logits[b, i + k])
+        n += 1
+    n = max(n, 1)
+    return (1 - w) * ce / n + w * tau ** 2 * kl / n, kl1 / n, agree / n
+  main = 0.0
+  n = 0
+  for b in range(b_):
+    for i in range(t_ - 1):
+      if seg[b, i] and seg[b, i + 1] == seg[b, i] and tokens[b, i + 1] != PAD:
+        main -= _log_softmax(logits[b, i])[tokens[b, i + 1]]
+        n += 1
+  heads = [head(k) for k in range(1, len(mtp_logits) + 1)]
+  return main / n + lam / depth * sum(h[0] for h in heads), heads
+
+
+@pytest.mark.parametrize("w,tau,extra", [(0.0, 1.0, 0), (0.3, 1.0, 1), (1.0, 2.0, 2)])
+def test_distill_loss_matches_reference(w, tau, extra):
+  """D = 2 depths plus ``extra`` recursive ones, packed documents and padding."""
+  rng = np.random.default_rng(int(w * 10) + extra)
+  b, t, v, depth = 3, 12, 16, 2
+  tokens = rng.integers(0, v, (b, t)).astype(np.int32)
+  seg = np.asarray([[1] * 5 + [2] * 5 + [3] * 2, [1] * 12, [1] * 7 + [0] * 5], np.int32)
+  tokens[seg == 0] = PAD
+  logits = rng.normal(size=(b, t, v)).astype(np.float32) * 2
+  mtp_logits = [rng.normal(size=(b, t, v)).astype(np.float32) * 2 for _ in range(depth + extra)]
+  out = ModelOutput(jnp.asarray(logits), tuple(map(jnp.asarray, mtp_logits)), ())
+  loss, sums = losses.mtp_loss(out, jnp.asarray(tokens), jnp.asarray(seg), 0.4, depth=depth,
+                               distill_weight=w, distill_temperature=tau)
+  want, heads = _reference(logits, mtp_logits, tokens, seg, 0.4, depth, w, tau)
+  np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+  metrics = losses.summarize(jax.device_get(sums))
+  for k, (_, kl1, agree) in enumerate(heads, 1):
+    np.testing.assert_allclose(metrics[f"mtp_{k}/teacher_kl"], kl1, rtol=1e-5, atol=1e-7)
+    assert metrics[f"mtp_{k}/teacher_agreement"] == pytest.approx(agree)
+  assert set(sums) == {"main"} | {f"mtp_{k}" for k in range(1, depth + extra + 1)}
+
+
+def test_teacher_gets_no_gradient_and_padding_vocab_stays_finite():
+  """A stop-gradient on the teacher: with w = 1 the loss gradient w.r.t. the
+  main logits is the main cross-entropy's alone; logits with -inf vocabulary
+  padding (as the model's head emits) give finite values and gradients."""
+  rng = np.random.default_rng(0)
+  b, t, v = 2, 6, 12
+  pad_mask = np.isin(np.arange(v), [9, 10])    # (not the last id: PAD targets are clipped to it)
+  tokens = jnp.asarray(rng.integers(0, 9, (b, t)), jnp.int32)
+  main = jnp.where(pad_mask, -jnp.inf, jnp.asarray(rng.normal(size=(b, t, v)), jnp.float32))
+  mtp = jnp.where(pad_mask, -jnp.inf, jnp.asarray(rng.normal(size=(b, t, v)), jnp.float32))
+
+  def f(main, mtp, w):
+    return losses.mtp_loss(ModelOutput(main, (mtp,), ()), tokens, None, 1.0, distill_weight=w)[0]
+  g_main_1, g_mtp_1 = jax.grad(f, argnums=(0, 1))(main, mtp, 1.0)
+  g_main_0 = jax.grad(f)(main, mtp, 0.0)
+  assert np.isfinite(float(f(main, mtp, 1.0)))
+  assert np.all(np.isfinite(g_mtp_1)) and np.any(g_mtp_1 != 0)
+  np.testing.assert_array_equal(g_main_1, g_main_0)     # the teacher term adds nothing
+
+
+# -- recursive steps: training inputs are the decoder's ----------------------------------
+
+def test_recursive_steps_equal_the_decoders_reuse_of_module_d(trained_markov):
+  """G = D + 2 drafts with module D reused twice: after prefill and over
+  rounds with random accepted lengths, every draft distribution q_k
+  (k = 1..G) equals the model's training forward with recursive_steps = 2
+  over the committed tokens followed by the drafts (teacher forcing), at
+  position n-2: the training chain sees exactly the decoder's inputs."""
+  model = trained_markov[1]
+  d, r = model.mtp_depth, 2
+  g = d + r
+  dec = Decoder(model, "mtp", g)
+  warp = SamplingParams(temperature=1.0).as_arrays()
+  rng = np.random.default_rng(4)
+  prompts = [np.concatenate([[tok.BOS_ID], rng.choice(ALPHABET, n)]).astype(np.int32) for n in (2, 9)]
+  state, prefill_len = dec.prepare(prompts, 30, seed=0)
+  state = dec._prefill_fn(dec.target_params, None, state, prefill_len)
+  propose = jax.jit(lambda params, s: dec._propose(*dec._models(params, None), s, warp))
+  commit = jax.jit(dec._commit)
+  full = jax.jit(lambda params, x: dec._models(params, None)[0](x, recursive_steps=r).mtp_logits)
+  for _ in range(5):
+    state, d_tok, d_probs, p, h0, _ = propose(dec.target_params, state)
+    n = np.asarray(state["length"])
+    # one fixed-shape forward over the whole buffer (causal: later slots do not matter)
+    mtp_logits = full(dec.target_params, state["tokens"])
+    assert len(mtp_logits) == g
+    for b in range(len(prompts)):
+      for k in range(1, g + 1):
+        np.testing.assert_allclose(d_probs[b, k - 1], jax.nn.softmax(mtp_logits[k - 1][b, n[b] - 2]),
+                                   atol=2e-5, err_msg=f"row {b} draft {k}")
+    a = jnp.asarray(rng.integers(0, g + 1, len(prompts)), jnp.int32)
+    state = commit(state, d_tok, a, jnp.asarray(rng.choice(ALPHABET, len(prompts)), jnp.int32), h0)
+
+
+# -- a frozen-backbone distillation stage on the Markov model ------------------------------
+
+STAGE = dict(mtp=dict(distill_weight=1.0, distill_temperature=1.0, recursive_steps=1),
+             train=dict(num_steps=40, batch_size=16, seq_len=32, warmup_steps=0, learning_rate=1e-2,
+                        freeze_backbone=True))
+
+
+def _teacher_kl(trainer, params, batch):
+  sums = trainer.eval_sums(params, [batch])
+  m = losses.summarize(sums)
+  return [m[f"mtp_{k}/teacher_kl"] for k in (1, 2, 3)]
+
+
+@pytest.fixture(scope="module")
+def distilled(trained_markov):
+  """(trainer, params before, params after, KL before, KL after, step metrics):
+  40 steps of teacher-only distillation with the backbone frozen and one
+  recursive step, from the trained Markov model."""
+  cfg0, model, transition = trained_markov
+  cfg = tiny_config(**STAGE)
+  trainer = Trainer(cfg)
+  before = nnx.state(model, nnx.Param)
+  state = trainer.init_state(before)
+  rng = np.random.default_rng(1)
+  held = markov_batch(np.random.default_rng(99), 16, 32, transition)
+  kl_before = _teacher_kl(trainer, state.params, held)
+  for _ in range(cfg.train.num_steps):
+    state, metrics = trainer.train_step(state, markov_batch(rng, 16, 32, transition))
+  kl_after = _teacher_kl(trainer, state.params, held)
+  return trainer, before, state, kl_before, kl_after, jax.device_get(metrics)
+
+
+def test_frozen_stage_changes_only_the_modules(distilled):
+  trainer, before, state, kl_before, kl_after, metrics = distilled
+  flat_before = dict(nnx.to_flat_state(before))
+  changed = {}
+  for path, var in nnx.to_flat_state(state.params):
+    old, new = np.asarray(flat_before[path][...]), np.asarray(var[...])
+    if path[0] == "mtp":
+      changed[path] = not np.array_equal(old, new)
+    else:                                                    # bitwise, not approximately
+      assert old.tobytes() == new.tobytes(), f"frozen parameter {path} changed"
+  assert all(changed.values()) and len(changed) > 10
+  # optimizer state exists for the MTP parameters only (Adam mu and nu)
+  n_mtp = len(jax.tree.leaves(nnx.split_state(before, MTP_PARAMS, ...)[0]))
+  paths = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(state.opt_state)
+           if getattr(x, "ndim", 0) >= 1]
+  assert len(paths) == 2 * n_mtp and all("'mtp'" in p for p in paths), paths[:4]
+  assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+
+
+def test_distillation_lowers_the_kl_to_the_teacher(distilled):
+  _, _, _, kl_before, kl_after, _ = distilled
+  for k, (b, a) in enumerate(zip(kl_before, kl_after), 1):
+    assert a < 0.8 * b, f"depth {k}: KL {b:.4f} -> {a:.4f}"
+
+
+def test_ar_output_is_unchanged_and_distilled_decoding_is_lossless(distilled, trained_markov):
+  """Greedy AR output identical before and after the stage; greedy MTP with
+  G = D + 1 (the recursive step) equals AR; and the first two tokens sampled
+  by MTP speculative decoding with the distilled modules follow the exact
+  target law (chi-square, tests/test_decode_distribution.py harness)."""
+  from tests.test_decode_distribution import (ALPHA, SETTINGS, _sample_pairs, chi_square_pvalue,
+                                              exact_pair_law)
+  trainer, _, state, *_ = distilled
+  model = trainer.model(state.params)
+  rng = np.random.default_rng(5)
+  prompts = [np.concatenate([[tok.BOS_ID], rng.choice(ALPHABET, n)]).astype(np.int32) for n in (3, 11)]
+  ar_before = Decoder(trained_markov[1], "ar").generate(prompts, 20, GREEDY)
+  ar_after = Decoder(model, "ar").generate(prompts, 20, GREEDY)
+  mtp = Decoder(model, "mtp", 3).generate(prompts, 20, GREEDY)
+  for b in range(len(prompts)):
+    np.testing.assert_array_equal(ar_after.tokens[b], ar_before.tokens[b])
+    np.testing.assert_array_equal(mtp.tokens[b], ar_before.tokens[b])
+  sp = SETTINGS["t1"]
+  pairs, gen = _sample_pairs(Decoder(model, "mtp", 3), sp, seed=321)
+  assert gen.accepted_histogram[:, 1:].sum() > 0
+  pvalue = chi_square_pvalue(pairs, exact_pair_law(model, sp))
+  assert pvalue > ALPHA, f"distilled MTP G=3: chi-square p={pvalue:.2e}"
+
+
+# -- the stage from a workdir: init_from, resume, errors ---------------------------------
+
+def _stage_cfg(data_dir, src, **train):
+  return tiny_config(data=dict(data_dir=data_dir),
+                     mtp=dict(distill_weight=0.5, distill_temperature=2.0, recursive_steps=1),
+                     train={"init_from": src, "freeze_backbone": True, **train})
+
+
+def _rows(workdir, split):
+  out = {}
+  for line in open(os.path.join(workdir, "metrics.jsonl")):
+    r = json.loads(line)
+    if r["split"] == split:
+      out[r["step"]] = r
+  return out
+
+
+def test_stage_from_a_workdir_resumes_exactly(markov_workdir, data_dir, tmp_path):
+  src = markov_workdir
+  full, part = str(tmp_path / "full"), str(tmp_path / "part")
+  logs = []
+  result = train(_stage_cfg(data_dir, src), full, log=logs.append)
+  assert any(f"initialised parameters from {src}" in line for line in logs)
+  assert any("agree3=" in line and "kl3=" in line for line in logs)
+  for k in (1, 2, 3):
+    assert {f"mtp_{k}/teacher_kl", f"mtp_{k}/teacher_agreement"} <= set(result["eval"])
+  _, src_model, _ = ckpt_lib.load_model(src)
+  _, new_model, step = ckpt_lib.load_model(full)
+  assert step == 6
+  src_flat = dict(nnx.to_flat_state(nnx.state(src_model, nnx.Param)))
+  moved = 0
+  for path, var in nnx.to_flat_state(nnx.state(new_model, nnx.Param)):
+    same = np.asarray(src_flat[path][...]).tobytes() == np.asarray(var[...]).tobytes()
+    assert same or path[0] == "mtp", path
+    moved += not same
+  assert moved > 0
+  # killed after step 3 and resumed: same losses as the uninterrupted stage
+  first = train(_stage_cfg(data_dir, src), part, stop_after=3)
+  assert first["step"] == 3
+  second = train(_stage_cfg(data_dir, src), part)
+  want, got = _rows(full, "train"), _rows(part, "train")
+  np.testing.assert_allclose([got[s]["loss"] for s in sorted(want)],
+                             [want[s]["loss"] for s in sorted(want)], rtol=1e-6)
+  np.testing.assert_allclose(second["eval"]["mtp_3/teacher_kl"], result["eval"]["mtp_3/teacher_kl"],
+                             rtol=1e-6)
+  # resuming with the backbone no longer frozen is refused (other optimizer state)
+  with pytest.raises(ConfigError, match=r"train\.freeze_backbone: True != False"):
+    train(_stage_cfg(data_dir, src, freeze_backbone=False, num_steps=9), part)
+
+
+def test_init_from_errors(markov_workdir, data_dir, tmp_path):
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  with pytest.raises(ckpt_lib.CheckpointError, match="no checkpoint"):
+    train(_stage_cfg(data_dir, str(empty)), str(tmp_path / "a"))
+  bad = _stage_cfg(data_dir, markov_workdir).replace(model=dict(d_model=48))
+  with pytest.raises(ckpt_lib.CheckpointError, match=r"init_from=.*model\.d_model: 32 != 48"):
+    train(bad, str(tmp_path / "b"))
+  with pytest.raises(ConfigError, match="own --workdir"):
+    train(_stage_cfg(data_dir, markov_workdir), markov_workdir)
+  assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+# -- self-distilled data --------------------------------------------------------------------
+
+def test_self_distilled_dataset_is_readable_as_any_other(markov_workdir, data_dir, tmp_path):
+  from decode import self_distill
+  from mtp import data as data_lib
+  from mtp.config import DataConfig
+  out_dir = str(tmp_path / "tfds")          # the source corpus is built there on first use
+  recipe = self_distill.Recipe(num_docs=3, prompt_bytes=40, max_new_tokens=12, batch_size=2,
+                               temperature=1.0, seed=3)
+  meta = self_distill.make_dataset(markov_workdir, "markov_selfdistill", recipe, data_dir=out_dir,
+                                   log=None)
+  assert meta["num_docs"] == 3 and 0 < meta["tokens_generated"] <= 3 * 12 and meta["tau"] >= 1
+  cfg = DataConfig(name="markov_selfdistill", data_dir=out_dir)
+  docs = data_lib.load_documents(cfg, "train")
+  prompts = [t for _, t in self_distill.training_prompts(DataConfig(data_dir=out_dir), 3, 40, seed=3)]
+  assert len(docs) == 3
+  for p in prompts:      # every document is a training-text prompt plus a sampled continuation
+    assert any(d.startswith(p) and len(d.encode()) > len(p.encode()) for d in docs), p
+  src_val = data_lib.load_documents(DataConfig(data_dir=out_dir), "validation")
+  assert sorted(data_lib.load_documents(cfg, "validation")) == sorted(src_val)
+  batch = next(iter(data_lib.make_train_dataset(cfg, seq_len=16, batch_size=2, seed=0)))
+  assert batch["tokens"].shape == (2, 16)
+  with pytest.raises(data_lib.DataError, match="already exists"):
+    self_distill.make_dataset(markov_workdir, "markov_selfdistill", recipe, data_dir=out_dir, log=None)
+  with pytest.raises(data_lib.DataError, match="snake_case"):
+    self_distill.make_dataset(markov_workdir, "Bad-Name", recipe, data_dir=out_dir, log=None)
