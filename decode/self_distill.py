@@ -4,13 +4,13 @@ training stage reads like any other (``--config.data.name=NAME``).
 
     python -m decode.self_distill --workdir runs/tiny --out_name tiny_selfdistill \
         [--num_docs 512] [--prompt_bytes 128] [--max_new_tokens 256] [--temperature 1] \
-        [--method mtp] [--batch_size 16] [--seed 0] [--data_dir DIR]
+        [--method mtp] [--batch_size 16] [--seed 0] [--data_dir DIR] [--out_dir DIR]
 
 then e.g.
 
     python -m train --config configs/tiny.py --workdir runs/tiny_distill \
         --config.train.init_from=runs/tiny --config.train.freeze_backbone=true \
-        --config.mtp.distill_weight=1 --config.data.name=tiny_selfdistill [--config.data.data_dir=DIR]
+        --config.mtp.distill_weight=1 --config.data.name=tiny_selfdistill [--config.data.data_dir=OUT_DIR]
 
 Why: a draft is kept when the main model would have produced it, so the
 text a drafter should learn from is the main model's own (FastMTP, Cai et
@@ -252,16 +252,17 @@ def write_dataset(name: str, data_dir: str, splits: dict[str, list[tuple[str, st
 
 
 def make_dataset(workdir: str, out_name: str, recipe: Recipe, *, data_dir: str = "",
-                 log=print) -> dict:
+                 out_dir: str = "", log=print) -> dict:
   """Generates and writes a self-distilled dataset (module docstring).
 
   Args:
     workdir: trained run directory (its latest checkpoint samples the text).
     out_name: new TFDS dataset name (snake_case).
     recipe: sampling and size settings.
-    data_dir: TFDS data dir to read the source corpus from and write into
-      ("" = the workdir config's data.data_dir, else $MTP_DATA_DIR, else
+    data_dir: TFDS data dir of the source corpus (the workdir's data.name;
+      "" = the workdir config's data.data_dir, else $MTP_DATA_DIR, else
       ~/.cache/mtp/tensorflow_datasets).
+    out_dir: TFDS data dir to write into ("" = ``data_dir``).
   Returns:
     the metadata written with the dataset (recipe, generation stats, paths).
   Raises:
@@ -274,29 +275,33 @@ def make_dataset(workdir: str, out_name: str, recipe: Recipe, *, data_dir: str =
     cfg = ckpt.restore_config()
   finally:
     ckpt.close()
-  out_dir = data_lib.resolve_data_dir(DataConfig(data_dir=data_dir or cfg.data.data_dir))
+  src_dir = data_lib.resolve_data_dir(DataConfig(data_dir=data_dir or cfg.data.data_dir))
+  out_dir = os.path.abspath(out_dir) if out_dir else src_dir
   if os.path.exists(os.path.join(out_dir, out_name)) or out_name in data_lib.EMBEDDED_DATASETS:
     write_dataset(out_name, out_dir, {}, {})                # raises the naming error early
-  source_cfg = dataclasses.replace(cfg.data, data_dir=out_dir)
-  validation = data_lib.load_documents(source_cfg, cfg.data.eval_split)
-  docs, stats = generate_documents(workdir, recipe, data_dir=out_dir, log=log)
+  source_cfg = dataclasses.replace(cfg.data, data_dir=src_dir)
+  src = data_lib.load_source(source_cfg, cfg.data.eval_split)
+  # the source's keys (document names where it has them): TFDS orders records by key, so the
+  # copy is read in the source's order and a stage evaluates on the same batches
+  validation = [(_as_bytes(src[i]["name"]).decode("utf-8", "replace") if "name" in src[i]
+                 else f"{i:07d}", _as_bytes(src[i][cfg.data.text_feature]).decode("utf-8", "replace"))
+                for i in range(len(src))]
+  docs, stats = generate_documents(workdir, recipe, data_dir=src_dir, log=log)
   meta = {"generator": "decode.self_distill", "workdir": os.path.abspath(workdir),
-          "recipe": dataclasses.asdict(recipe), **stats,
+          "recipe": dataclasses.asdict(recipe), **stats, "num_docs": len(docs),
           "validation": f"copy of {cfg.data.name}/{cfg.data.eval_split} ({len(validation)} documents)",
           "date": datetime.date.today().isoformat()}
-  path = write_dataset(out_name, out_dir, {
-      "train": docs,
-      "validation": [(f"{i:07d}", text) for i, text in enumerate(validation)]}, meta)
-  return {**meta, "path": path, "data_dir": out_dir, "num_docs": len(docs)}
+  path = write_dataset(out_name, out_dir, {"train": docs, "validation": validation}, meta)
+  return {**meta, "path": path, "data_dir": out_dir}
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained run directory (the model that samples)")
   ap.add_argument("--out_name", required=True, help="new TFDS dataset name (snake_case)")
-  ap.add_argument("--data_dir", default="", help="TFDS data dir to read the source corpus from and "
-                  "write into (default: the workdir's data.data_dir, else $MTP_DATA_DIR, else "
-                  "~/.cache/mtp/tensorflow_datasets)")
+  ap.add_argument("--data_dir", default="", help="TFDS data dir of the source corpus (default: the "
+                  "workdir's data.data_dir, else $MTP_DATA_DIR, else ~/.cache/mtp/tensorflow_datasets)")
+  ap.add_argument("--out_dir", default="", help="TFDS data dir to write into (default: --data_dir)")
   d = Recipe()
   ap.add_argument("--num_docs", type=int, default=d.num_docs, help="generated documents")
   ap.add_argument("--prompt_bytes", type=int, default=d.prompt_bytes,
@@ -315,7 +320,8 @@ def main(argv=None) -> int:
   recipe = Recipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe)})
   log = lambda s: print(s, file=sys.stderr, flush=True)
   try:
-    meta = make_dataset(args.workdir, args.out_name, recipe, data_dir=args.data_dir, log=log)
+    meta = make_dataset(args.workdir, args.out_name, recipe, data_dir=args.data_dir,
+                        out_dir=args.out_dir, log=log)
   except (DecodeError, ckpt_lib.CheckpointError, data_lib.DataError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -307,29 +307,74 @@ def test_init_from_errors(markov_workdir, data_dir, tmp_path):
   assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-# -- self-distilled data --------------------------------------------------------------------
+# -- self-distilled data and the evidence script -----------------------------------------------
 
-def test_self_distilled_dataset_is_readable_as_any_other(markov_workdir, data_dir, tmp_path):
+def test_written_dataset_reads_like_any_other(tmp_path):
   from decode import self_distill
   from mtp import data as data_lib
   from mtp.config import DataConfig
-  out_dir = str(tmp_path / "tfds")          # the source corpus is built there on first use
-  recipe = self_distill.Recipe(num_docs=3, prompt_bytes=40, max_new_tokens=12, batch_size=2,
-                               temperature=1.0, seed=3)
-  meta = self_distill.make_dataset(markov_workdir, "markov_selfdistill", recipe, data_dir=out_dir,
-                                   log=None)
-  assert meta["num_docs"] == 3 and 0 < meta["tokens_generated"] <= 3 * 12 and meta["tau"] >= 1
-  cfg = DataConfig(name="markov_selfdistill", data_dir=out_dir)
-  docs = data_lib.load_documents(cfg, "train")
-  prompts = [t for _, t in self_distill.training_prompts(DataConfig(data_dir=out_dir), 3, 40, seed=3)]
-  assert len(docs) == 3
-  for p in prompts:      # every document is a training-text prompt plus a sampled continuation
-    assert any(d.startswith(p) and len(d.encode()) > len(p.encode()) for d in docs), p
-  src_val = data_lib.load_documents(DataConfig(data_dir=out_dir), "validation")
-  assert sorted(data_lib.load_documents(cfg, "validation")) == sorted(src_val)
+  out = str(tmp_path / "tfds")
+  train_docs = [("a", "def f():\n  return 1\n"), ("b", "x = 'é'\n")]
+  self_distill.write_dataset("sd_unit", out, {"train": train_docs, "validation": [("c", "y = 2\n")]},
+                             {"recipe": {"seed": 1}})
+  cfg = DataConfig(name="sd_unit", data_dir=out)
+  assert sorted(data_lib.load_documents(cfg, "train")) == sorted(t for _, t in train_docs)
+  assert data_lib.load_documents(cfg, "validation") == ["y = 2\n"]
   batch = next(iter(data_lib.make_train_dataset(cfg, seq_len=16, batch_size=2, seed=0)))
   assert batch["tokens"].shape == (2, 16)
+  meta = json.load(open(os.path.join(out, "sd_unit", "1.0.0", "metadata.json")))
+  assert meta["recipe"] == {"seed": 1}
   with pytest.raises(data_lib.DataError, match="already exists"):
-    self_distill.make_dataset(markov_workdir, "markov_selfdistill", recipe, data_dir=out_dir, log=None)
-  with pytest.raises(data_lib.DataError, match="snake_case"):
-    self_distill.make_dataset(markov_workdir, "Bad-Name", recipe, data_dir=out_dir, log=None)
+    self_distill.write_dataset("sd_unit", out, {"train": train_docs}, {})
+  for bad in ("Bad-Name", "python_stdlib"):
+    with pytest.raises(data_lib.DataError, match="snake_case"):
+      self_distill.write_dataset(bad, out, {"train": train_docs}, {})
+
+
+def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
+  """scripts/distill_mtp.py --quick end to end from the Markov workdir: a
+  self-distilled dataset (every document = a training-text prompt + sampled
+  text), a data-only and a distilled stage with a recursive step, acceptance
+  before and after, the report files; a re-run reuses everything."""
+  from decode import self_distill
+  from mtp import data as data_lib
+  from mtp.config import DataConfig
+  from tests.test_scripts import _script
+  script = _script("distill_mtp")
+  runs, out = str(tmp_path / "runs"), str(tmp_path / "out")
+  argv = ["--quick", "--workdir", markov_workdir, "--data_dir", data_dir, "--runs_dir", runs,
+          "--out", out]
+  assert script.main(argv) == 0
+  report = json.load(open(out + ".json"))
+  meta, res = report["meta"], report["results"]
+  assert {"commit", "date", "cpu_model", "command", "base_config", "budget"} <= set(meta)
+  assert open(out + ".md").read().startswith("Command:\n\n    python scripts/distill_mtp.py --quick")
+  sd = res["self_distilled"]
+  cfg = DataConfig(name=sd["path"].split(os.sep)[-2], data_dir=sd["data_dir"])
+  docs = data_lib.load_documents(cfg, "train")
+  prompts = self_distill.training_prompts(DataConfig(data_dir=data_dir), 4, 32, seed=0)
+  assert len(docs) == sd["num_docs"] == 4 and 0 < sd["tokens_generated"] <= 4 * 8
+  for _, p in prompts:
+    assert any(d.startswith(p) and len(d) > len(p) for d in docs), p
+  assert sorted(data_lib.load_documents(cfg, "validation")) == sorted(
+      data_lib.load_documents(DataConfig(data_dir=data_dir), "validation"))
+  stages = {s["name"]: s for s in res["stages"]}
+  assert set(stages) == {"data_s0", "kl_sd_rec_s0"}
+  assert stages["kl_sd_rec_s0"]["eval"]["mtp_3/teacher_agreement"] >= 0
+  for s in stages.values():
+    assert s["step"] == 4 and s["tokens"] == 4 * 4 * 32 and s["train_wall_s"] > 0
+    assert {(r["num_draft_tokens"], r["temperature"]) for r in s["acceptance"]} == \
+        {(2, 0.0), (2, 1.0), (3, 0.0), (3, 1.0)}
+  rows = {(r["model"], r["num_draft_tokens"], r["temperature"]): r for r in res["acceptance_table"]}
+  r, b = rows[("kl_sd_rec", 2, 1.0)], rows[("base", 2, 1.0)]
+  assert r["tau_vs_base"]["mean"] == pytest.approx(r["tau"]["mean"] / b["tau"]["mean"])
+  assert r["tau_vs_data"]["mean"] == pytest.approx(r["tau"]["mean"] / rows[("data", 2, 1.0)]["tau"]["mean"])
+  assert set(res["targets"]) == {"kl_sd_rec"}
+  # the base model, hence AR output, is untouched: its parameters equal the stage's backbone
+  _, base, _ = ckpt_lib.load_model(markov_workdir)
+  _, stage, _ = ckpt_lib.load_model(stages["kl_sd_rec_s0"]["workdir"])
+  np.testing.assert_array_equal(np.asarray(base.embed.embedding[...]), np.asarray(stage.embed.embedding[...]))
+  # re-run: data and stages reused
+  assert script.main(argv) == 0
+  again = json.load(open(out + ".json"))["results"]
+  assert again["self_distilled"]["reused"] and all(s["reused"] for s in again["stages"])
