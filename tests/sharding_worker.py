@@ -3,6 +3,7 @@ before it loads, which the pytest process cannot change any more).
 
     python tests/sharding_worker.py meshes  --depth D --workdir DIR --out OUT.json
     python tests/sharding_worker.py process --process_id I --port P --workdir DIR --out OUT.json
+    python tests/sharding_worker.py distill --workdir DIR --out OUT.json
 
 ``meshes`` (8 fake devices): N training steps of the same config and batches
 on meshes 8x1x1, 1x8x1, 2x2x2 and one device; the layout of a few arrays;
@@ -15,6 +16,12 @@ training on a 1x2x2 mesh spanning both processes (FSDP across them, tensor
 parallel within), each process feeding only its half of the batch; then a
 checkpoint with a per-process grain iterator state, restored.
 
+``distill`` (8 fake devices, tests/test_distill.py): a frozen-backbone
+distillation stage with a recursive step (train.freeze_backbone,
+mtp.distill_weight, mtp.recursive_steps) on a 2x2x2 mesh and on one device
+from the same parameters: losses, whether the frozen parameters stayed
+bitwise equal, and the largest difference of the trained ones.
+
 Results go to OUT.json; the tests compare them.
 """
 
@@ -25,7 +32,7 @@ import json
 import os
 import sys
 
-DEVICES = {"meshes": 8, "process": 2}
+DEVICES = {"meshes": 8, "process": 2, "distill": 8}
 NUM_STEPS = 3
 DECODE_STEPS = 150   # extra one-device steps for a decoding model that accepts some drafts
 BATCH = 8
@@ -281,6 +288,40 @@ def run_process(args) -> dict:
   return out
 
 
+def run_distill(args) -> dict:
+  import jax
+  import numpy as np
+  from flax import nnx
+  from mtp import sharding as shard_lib
+  from mtp.config import MeshConfig
+  from train.loop import MTP_PARAMS, Trainer
+
+  cfg = _config(2).replace(mtp=dict(distill_weight=0.5, distill_temperature=2.0, recursive_steps=1),
+                           train=dict(freeze_backbone=True))
+  batches = _batches(NUM_STEPS)
+  start = _host(Trainer(cfg, shard_lib.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]))
+                .init_state().params)
+  out = {"devices": jax.device_count(), "losses": {}, "frozen_bitwise": {}}
+  finals = {}
+  for shape in ((2, 2, 2), (1, 1, 1)):
+    name = "x".join(map(str, shape))
+    trainer = Trainer(cfg, shard_lib.make_mesh(MeshConfig(*shape), jax.devices()[:int(np.prod(shape))]))
+    state = trainer.init_state(jax.device_put(start, trainer.param_shardings))
+    losses = []
+    for batch in batches:
+      state, metrics = trainer.train_step(state, batch)
+      losses.append(float(metrics["loss"]))
+    out["losses"][name] = losses
+    final = _host(state.params)
+    frozen_now, frozen_start = (nnx.split_state(t, MTP_PARAMS, ...)[1] for t in (final, start))
+    out["frozen_bitwise"][name] = all(np.array_equal(a, b) for a, b in
+                                      zip(jax.tree.leaves(frozen_now), jax.tree.leaves(frozen_start)))
+    finals[name] = final
+  out["trained_max_diff"] = _max_diff(finals["2x2x2"], finals["1x1x1"])
+  out["moved"] = _max_diff(finals["1x1x1"], start)
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("mode", choices=sorted(DEVICES))
@@ -294,7 +335,7 @@ def main():
   _setup_env(args.mode)
   import time
   t0 = time.time()
-  result = run_meshes(args) if args.mode == "meshes" else run_process(args)
+  result = {"meshes": run_meshes, "process": run_process, "distill": run_distill}[args.mode](args)
   result["wall_s"] = time.time() - t0
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)
