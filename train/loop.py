@@ -259,7 +259,10 @@ def check_init_from(cfg: Config) -> int | None:
   src = cfg.train.init_from
   if not src:
     return None
-  ckpt = ckpt_lib.Checkpointer(src, read_only=True)
+  try:
+    ckpt = ckpt_lib.Checkpointer(src, read_only=True)
+  except ckpt_lib.CheckpointError as e:
+    raise ckpt_lib.CheckpointError(f"train.init_from={src!r}: {e}") from e
   try:
     step = ckpt.latest_step()
     if step is None:
