@@ -48,6 +48,7 @@ class MTPConfig:
   # (1 - w) * CE(t_{i+k+1}) + w * tau^2 * KL(p_main(.|x_<=i+k) || q_k(.|i)) at temperature tau.
   distill_weight: float = 0.0     # w in [0, 1]: 0 = data only (default), 1 = teacher only
   distill_temperature: float = 1.0  # tau > 0, applied to teacher and module logits (Hinton et al.)
+  distill_divergence: str = "kl"  # "kl": forward KL(p_main || q_k); "tv": total variation = 1 - acceptance
   recursive_steps: int = 0        # R: also train module D on its own outputs for steps D+1..D+R
 
 
@@ -126,6 +127,7 @@ ARCHITECTURE_FIELDS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelC
                             if f.name not in ("dtype", "max_seq_len")) + ("mtp.depth",)
 
 _DTYPES = ("float32", "bfloat16", "float16")
+DIVERGENCES = ("kl", "tv")      # mtp.distill_divergence
 
 
 def _coerce(path: str, value: Any, typ: type) -> Any:
@@ -207,6 +209,8 @@ def validate(cfg: Config) -> Config:
          "0 when mtp.depth = 0 (there are no MTP modules to distill)", cfg.mtp.distill_weight)
   _check(0 < cfg.mtp.distill_temperature <= 100, "mtp.distill_temperature", "in (0, 100]",
          cfg.mtp.distill_temperature)
+  _check(cfg.mtp.distill_divergence in DIVERGENCES, "mtp.distill_divergence", f"one of {DIVERGENCES}",
+         cfg.mtp.distill_divergence)
   _check(0 <= cfg.mtp.recursive_steps <= 16, "mtp.recursive_steps", "an int in [0, 16]",
          cfg.mtp.recursive_steps)
   _check(cfg.mtp.recursive_steps == 0 or cfg.mtp.depth >= 1, "mtp.recursive_steps",

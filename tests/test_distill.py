@@ -32,6 +32,7 @@ GREEDY = SamplingParams(temperature=0.0)
     ("mtp", dict(distill_weight=1.5), r"mtp\.distill_weight=1\.5 .*in \[0, 1\]"),
     ("mtp", dict(distill_temperature=0.0), r"mtp\.distill_temperature=0\.0 .*in \(0, 100\]"),
     ("mtp", dict(recursive_steps=-1), r"mtp\.recursive_steps=-1 .*\[0, 16\]"),
+    ("mtp", dict(distill_divergence="js"), r"mtp\.distill_divergence='js' .*one of \('kl', 'tv'\)"),
     ("mtp", dict(recursive_steps=17), r"mtp\.recursive_steps=17 .*\[0, 16\]"),
     ("mtp", dict(depth=0, distill_weight=0.5), r"mtp\.distill_weight=0\.5 .*mtp\.depth = 0"),
     ("mtp", dict(depth=0, recursive_steps=1), r"mtp\.recursive_steps=1 .*mtp\.depth = 0"),
@@ -56,7 +57,7 @@ def _log_softmax(x):
   return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
-def _reference(logits, mtp_logits, tokens, seg, lam, depth, w, tau):
+def _reference(logits, mtp_logits, tokens, seg, lam, depth, w, tau, div="kl"):
   """Loop-based statement of the mixed objective (train/losses.py docstring)."""
   b_, t_ = tokens.shape
   def head(k):       # depth k >= 1: module logits at i vs main at i+k, target t_{i+k+1}
@@ -69,7 +70,8 @@ def _reference(logits, mtp_logits, tokens, seg, lam, depth, w, tau):
         q = _log_softmax(mtp_logits[k - 1][b, i])
         ce -= q[tokens[b, j]]
         lp, lq = _log_softmax(logits[b, i + k] / tau), _log_softmax(mtp_logits[k - 1][b, i] / tau)
-        kl += np.sum(np.exp(lp) * (lp - lq))
+        kl += (np.sum(np.exp(lp) * (lp - lq)) if div == "kl"
+               else 0.5 * np.sum(np.abs(np.exp(lp) - np.exp(lq))))
         p1 = _log_softmax(logits[b, i + k])
         kl1 += np.sum(np.exp(p1) * (p1 - q))
         agree += np.argmax(mtp_logits[k - 1][b, i]) == np.argmax(logits[b, i + k])
@@ -87,8 +89,9 @@ def _reference(logits, mtp_logits, tokens, seg, lam, depth, w, tau):
   return main / n + lam / depth * sum(h[0] for h in heads), heads
 
 
-@pytest.mark.parametrize("w,tau,extra", [(0.0, 1.0, 0), (0.3, 1.0, 1), (1.0, 2.0, 2)])
-def test_distill_loss_matches_reference(w, tau, extra):
+@pytest.mark.parametrize("w,tau,extra,div", [(0.0, 1.0, 0, "kl"), (0.3, 1.0, 1, "kl"),
+                                             (1.0, 2.0, 2, "kl"), (0.6, 1.5, 1, "tv")])
+def test_distill_loss_matches_reference(w, tau, extra, div):
   """D = 2 depths plus ``extra`` recursive ones, packed documents and padding."""
   rng = np.random.default_rng(int(w * 10) + extra)
   b, t, v, depth = 3, 12, 16, 2
@@ -99,8 +102,8 @@ def test_distill_loss_matches_reference(w, tau, extra):
   mtp_logits = [rng.normal(size=(b, t, v)).astype(np.float32) * 2 for _ in range(depth + extra)]
   out = ModelOutput(jnp.asarray(logits), tuple(map(jnp.asarray, mtp_logits)), ())
   loss, sums = losses.mtp_loss(out, jnp.asarray(tokens), jnp.asarray(seg), 0.4, depth=depth,
-                               distill_weight=w, distill_temperature=tau)
-  want, heads = _reference(logits, mtp_logits, tokens, seg, 0.4, depth, w, tau)
+                               distill_weight=w, distill_temperature=tau, distill_divergence=div)
+  want, heads = _reference(logits, mtp_logits, tokens, seg, 0.4, depth, w, tau, div)
   np.testing.assert_allclose(float(loss), want, rtol=1e-5)
   metrics = losses.summarize(jax.device_get(sums))
   for k, (_, kl1, agree) in enumerate(heads, 1):

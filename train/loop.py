@@ -69,7 +69,8 @@ def make_loss_fn(graphdef, loss_weight: float, mtp_cfg: MTPConfig | None = None)
                 recursive_steps=m.recursive_steps if model.mtp_depth else 0)
     return losses.mtp_loss(out, batch["tokens"], batch["segment_ids"], loss_weight,
                            depth=model.mtp_depth, distill_weight=m.distill_weight,
-                           distill_temperature=m.distill_temperature)
+                           distill_temperature=m.distill_temperature,
+                           distill_divergence=m.distill_divergence)
   return loss_fn
 
 

@@ -97,9 +97,21 @@ def teacher_kl(teacher_logits: jax.Array, student_logits: jax.Array,
   return optax.losses.kl_divergence_with_log_targets(log_q, log_p, where=jnp.isfinite(log_p))
 
 
+def teacher_tv(teacher_logits: jax.Array, student_logits: jax.Array,
+               temperature: float = 1.0) -> jax.Array:
+  """Per-position total variation 0.5 * sum_v |p(v) - q(v)| [B, T] float32
+  of p = softmax(teacher / tau) (stop-gradient) and q = softmax(student /
+  tau), logits [B, T, V]. At tau = 1 and the sampling temperature it is
+  1 - alpha, the draft's rejection probability (Leviathan et al. 2023,
+  Theorem 3.5)."""
+  p = jax.nn.softmax(jax.lax.stop_gradient(teacher_logits.astype(jnp.float32)) / temperature, -1)
+  q = jax.nn.softmax(student_logits.astype(jnp.float32) / temperature, -1)
+  return 0.5 * jnp.sum(jnp.abs(p - q), -1)
+
+
 def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | None,
              loss_weight: float, *, depth: int | None = None, distill_weight: float = 0.0,
-             distill_temperature: float = 1.0):
+             distill_temperature: float = 1.0, distill_divergence: str = "kl"):
   """Training objective and per-head sums (module docstring: eq. 24-25 plus
   distillation from the main head).
 
@@ -110,6 +122,8 @@ def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | No
     loss_weight: lambda >= 0.
     depth: D, the lambda / D normaliser (default len(output.mtp_logits)).
     distill_weight: w in [0, 1]; distill_temperature: tau > 0.
+    distill_divergence: "kl" (the module docstring's forward KL) or "tv"
+      (``teacher_tv`` in place of the KL, times tau^2 likewise).
   Returns:
     (loss scalar float32, sums) where sums["main"] and sums["mtp_k"]
     (k = 1..D+R) are ``head_sums`` dicts; the mtp ones also hold ``kl``
@@ -134,7 +148,12 @@ def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | No
       count = jnp.maximum(s["count"], 1.0)
       term = s["nll"] / count
       if distill_weight:
-        kl_t = kl if distill_temperature == 1.0 else teacher_kl(teacher, logits, distill_temperature)
+        if distill_divergence == "tv":
+          kl_t = teacher_tv(teacher, logits, distill_temperature)
+        elif distill_divergence == "kl":
+          kl_t = kl if distill_temperature == 1.0 else teacher_kl(teacher, logits, distill_temperature)
+        else:
+          raise ValueError(f"distill_divergence must be 'kl' or 'tv', got {distill_divergence!r}")
         distill = distill_temperature ** 2 * jnp.sum(jnp.where(mask, kl_t, 0.0)) / count
         term = (1.0 - distill_weight) * term + distill_weight * distill
       mtp_total = mtp_total + term
