@@ -18,12 +18,16 @@ From the trained base workdir (never written to) the script
    modules learn: the main model, hence AR output, is bitwise unchanged),
    ``--num_steps`` steps of ``--batch_size`` x ``--seq_len`` tokens, AdamW at
    ``--learning_rate`` with warmup and cosine decay; the seed sets the data
-   order. Variants (``--variants``):
+   order. ``--seq_len`` defaults to the decoding context (prompt + new
+   tokens) when that is longer than the base's: the modules must match the
+   main head at the positions where they will draft (on the demo model,
+   distilling at 128 tokens and decoding up to ~250 left alpha_1 at T = 0
+   at 0.85, distilling at 256 raised it to 0.90). Variants (``--variants``):
 
    - ``data``: data cross-entropy only (distill_weight 0): the control, what
      more steps of today's objective give;
-   - ``kl``: teacher only (distill_weight ``--distill_weight``, default 1),
-     on the corpus;
+   - ``kl``: teacher only (distill_weight ``--distill_weight``, default 1;
+     ``--distill_divergence``, default forward KL), on the corpus;
    - ``kl_sd``: the same on self-distilled data;
    - ``kl_sd_rec``: the same plus ``--recursive_steps`` R steps of module D
      trained on its own outputs (what drafting G > D reuses);
@@ -84,8 +88,8 @@ TARGETS = {"alpha1_t0": 0.9, "alpha1_t1": 0.88, "tau_ratio_t1": 1.3}
 
 # defaults of the flags left unset: (full run, --quick)
 DEFAULTS = {
-    "variants": ("data,kl,kl_sd,kl_sd_rec", "data,kl_sd_rec"), "seeds": ("0,1", "0"),
-    "num_steps": (600, 4), "batch_size": (16, 4), "seq_len": (0, 32), "learning_rate": (2e-3, 1e-3),
+    "variants": ("data,kl,kl_sd,kl_sd_rec", "kl_sd_rec"), "seeds": ("0,1", "0"),
+    "num_steps": (400, 4), "batch_size": (8, 4), "seq_len": (0, 32), "learning_rate": (2e-3, 1e-3),
     "warmup_steps": (30, 1), "eval_batches": (8, 1), "recursive_steps": (1, 1),
     "sd_docs": (1024, 4), "sd_prompt_bytes": (128, 32), "sd_max_new_tokens": (384, 8),
     "sd_batch_size": (32, 2), "temperatures": ("0,1", "0,1"), "prompts": (16, 2),
@@ -101,7 +105,8 @@ def stage_name(variant: str, seed: int) -> str:
 def stage_config(base: Config, base_workdir: str, variant: str, seed: int, *, num_steps: int,
                  batch_size: int, seq_len: int, learning_rate: float, warmup_steps: int,
                  eval_batches: int, distill_weight: float, distill_temperature: float,
-                 recursive_steps: int, data_dir: str, sd_name: str, sd_data_dir: str) -> Config:
+                 distill_divergence: str, recursive_steps: int, data_dir: str, sd_name: str,
+                 sd_data_dir: str) -> Config:
   """The stage's config: ``base`` (architecture, optimizer betas, weight
   decay, clipping) with init_from, freeze_backbone, the variant's objective
   and data, the budget, one evaluation and one checkpoint at the end.
@@ -116,7 +121,8 @@ def stage_config(base: Config, base_workdir: str, variant: str, seed: int, *, nu
             learning_rate=learning_rate, warmup_steps=warmup_steps, eval_every=num_steps,
             eval_batches=eval_batches, log_every=max(1, min(base.train.log_every, num_steps // 8)))
   mtp = r(base.mtp, distill_weight=distill_weight if weight is None else weight,
-          distill_temperature=distill_temperature, recursive_steps=recursive_steps if rec else 0)
+          distill_temperature=distill_temperature, distill_divergence=distill_divergence,
+          recursive_steps=recursive_steps if rec else 0)
   if data == "self":
     data_cfg = r(base.data, name=sd_name, data_dir=sd_data_dir)
   else:
@@ -314,7 +320,8 @@ def markdown(meta: dict, results: dict) -> str:
            f"{common.machine(meta)}, JAX {meta['jax_version']}, commit {meta['commit']}, {meta['date']}. "
            f"Stages: frozen backbone, {b['num_steps']} steps x {b['batch_size']} x {b['seq_len']} tokens, "
            f"AdamW lr {b['learning_rate']:g} (warmup {b['warmup_steps']}, cosine), distill weight "
-           f"{b['distill_weight']:g}, temperature {b['distill_temperature']:g}, recursive steps "
+           f"{b['distill_weight']:g} ({b['distill_divergence']}), temperature "
+           f"{b['distill_temperature']:g}, recursive steps "
            f"{b['recursive_steps']} (the _rec variants); seeds {meta['seeds']} (data order). "
            f"Decoding: {meta['decode']['prompts']} held-out prompts of ~{meta['decode']['prompt_bytes']} "
            f"bytes from {meta['dataset']} validation x {meta['decode']['max_new_tokens']} new tokens, "
@@ -386,14 +393,17 @@ def main(argv=None):
   ap.add_argument("--data_dir", default="", help=common.DATA_DIR_HELP)
   ap.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)} (default data,kl,kl_sd,kl_sd_rec)")
   ap.add_argument("--seeds", help="stage seeds (data order), comma list >= 0 (default 0,1)")
-  ap.add_argument("--num_steps", type=int, help="steps per stage (default 600)")
-  ap.add_argument("--batch_size", type=int, help="sequences per step (default 16)")
-  ap.add_argument("--seq_len", type=int, help="tokens per sequence (default: the base's)")
+  ap.add_argument("--num_steps", type=int, help="steps per stage (default 400)")
+  ap.add_argument("--batch_size", type=int, help="sequences per step (default 8)")
+  ap.add_argument("--seq_len", type=int, help="tokens per sequence (default: the longer of the base's "
+                  "and the decoding context prompt_bytes + max_new_tokens + 1, rounded up to 64)")
   ap.add_argument("--learning_rate", type=float, help="peak AdamW learning rate (default 2e-3)")
   ap.add_argument("--warmup_steps", type=int, help="warmup steps (default 30)")
   ap.add_argument("--eval_batches", type=int, help="validation batches (default 8)")
   ap.add_argument("--distill_weight", type=float, default=1.0, help="w of the kl variants, in (0, 1]")
   ap.add_argument("--distill_temperature", type=float, default=1.0, help="teacher temperature, > 0")
+  ap.add_argument("--distill_divergence", default="kl", choices=config_lib.DIVERGENCES,
+                  help="divergence of the kl variants: forward KL or total variation")
   ap.add_argument("--recursive_steps", type=int, help="R of the _rec variants, >= 1 (default 1)")
   ap.add_argument("--sd_docs", type=int, help="self-distilled documents (default 1024)")
   ap.add_argument("--sd_prompt_bytes", type=int, help="prompt bytes per document (default 128)")
@@ -429,13 +439,16 @@ def main(argv=None):
   if base_cfg.mtp.depth < 1:
     ap.error(f"--workdir={args.workdir}: the base has mtp.depth = 0, no MTP modules to distill")
   depth = base_cfg.mtp.depth
+  if not args.seq_len:      # distil at the context lengths the evaluation decodes at
+    args.seq_len = max(base_cfg.train.seq_len, 64 * -(-(args.prompt_bytes + args.max_new_tokens + 1) // 64))
   sd_name = "selfdistill_" + "".join(c if c.isalnum() else "_" for c in
                                      os.path.basename(os.path.abspath(args.workdir)).lower())
   sd_data_dir = os.path.abspath(os.path.join(args.runs_dir, "tfds"))
   budget = dict(num_steps=args.num_steps, batch_size=args.batch_size, seq_len=args.seq_len,
                 learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
                 eval_batches=args.eval_batches, distill_weight=args.distill_weight,
-                distill_temperature=args.distill_temperature, recursive_steps=args.recursive_steps)
+                distill_temperature=args.distill_temperature,
+                distill_divergence=args.distill_divergence, recursive_steps=args.recursive_steps)
   try:
     cfgs = {(v, s): stage_config(base_cfg, args.workdir, v, s, data_dir=args.data_dir, sd_name=sd_name,
                                  sd_data_dir=sd_data_dir, **budget) for v in variants for s in seeds}

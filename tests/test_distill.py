@@ -234,8 +234,10 @@ def test_ar_output_is_unchanged_and_distilled_decoding_is_lossless(distilled, tr
   model = trainer.model(state.params)
   rng = np.random.default_rng(5)
   prompts = [np.concatenate([[tok.BOS_ID], rng.choice(ALPHABET, n)]).astype(np.int32) for n in (3, 11)]
-  ar_before = Decoder(trained_markov[1], "ar").generate(prompts, 20, GREEDY)
-  ar_after = Decoder(model, "ar").generate(prompts, 20, GREEDY)
+  ar = Decoder(trained_markov[1], "ar")
+  ar_before = ar.generate(prompts, 20, GREEDY)
+  ar.target_params = nnx.state(model, nnx.Param)      # same compiled decoder, distilled parameters
+  ar_after = ar.generate(prompts, 20, GREEDY)
   mtp = Decoder(model, "mtp", 3).generate(prompts, 20, GREEDY)
   for b in range(len(prompts)):
     np.testing.assert_array_equal(ar_after.tokens[b], ar_before.tokens[b])
@@ -285,7 +287,12 @@ def _rows(workdir, split):
 
 
 def test_stage_from_a_workdir_resumes_exactly(markov_workdir, data_dir, tmp_path):
-  src = markov_workdir
+  from scripts.ablate_mtp import compile_cache
+  with compile_cache(str(tmp_path / "jax_cache")):      # the three runs compile the same programs
+    _stage_resumes_exactly(markov_workdir, data_dir, tmp_path)
+
+
+def _stage_resumes_exactly(src, data_dir, tmp_path):
   full, part = str(tmp_path / "full"), str(tmp_path / "part")
   logs = []
   result = train(_stage_cfg(data_dir, src), full, log=logs.append)
@@ -383,7 +390,7 @@ def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
   assert sorted(data_lib.load_documents(cfg, "validation")) == sorted(
       data_lib.load_documents(DataConfig(data_dir=data_dir), "validation"))
   stages = {s["name"]: s for s in res["stages"]}
-  assert set(stages) == {"data_s0", "kl_sd_rec_s0"}
+  assert set(stages) == {"kl_sd_rec_s0"}
   assert stages["kl_sd_rec_s0"]["eval"]["mtp_3/teacher_agreement"] >= 0
   for s in stages.values():
     assert s["step"] == 4 and s["tokens"] == 4 * 4 * 32 and s["train_wall_s"] > 0
@@ -392,8 +399,8 @@ def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
   rows = {(r["model"], r["num_draft_tokens"], r["temperature"]): r for r in res["acceptance_table"]}
   r, b = rows[("kl_sd_rec", 2, 1.0)], rows[("base", 2, 1.0)]
   assert r["tau_vs_base"]["mean"] == pytest.approx(r["tau"]["mean"] / b["tau"]["mean"])
-  assert r["tau_vs_data"]["mean"] == pytest.approx(r["tau"]["mean"] / rows[("data", 2, 1.0)]["tau"]["mean"])
   assert set(res["targets"]) == {"kl_sd_rec"}
+  assert [x["method"] for x in res["base_speed"]] == ["ar", "mtp", "ar", "mtp"]
   # the base model, hence AR output, is untouched: its parameters equal the stage's backbone
   _, base, _ = ckpt_lib.load_model(markov_workdir)
   _, stage, _ = ckpt_lib.load_model(stages["kl_sd_rec_s0"]["workdir"])
@@ -406,3 +413,32 @@ def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
   with pytest.raises(ConfigError, match="recipe"):
     script.self_distilled_data(markov_workdir, name, data_dir, sd_dir,
                                self_distill.Recipe(**{**sd["recipe"], "seed": 5}), log=None)
+
+
+def test_distill_script_tables():
+  """Per-seed ratios to the base and to the data control of the same seed,
+  spreads over seeds, and the target verdicts, on hand-made rows."""
+  from tests.test_scripts import _script
+  script = _script("distill_mtp")
+  row = lambda g, t, tau, a1: {"num_draft_tokens": g, "temperature": t, "tau": tau,
+                               "alpha": [a1] + [0.5] * (g - 1)}
+  base = [row(2, 0.0, 2.0, 0.80), row(2, 1.0, 2.0, 0.70)]
+  stages = [{"variant": "data", "seed": 0, "acceptance": [row(2, 0.0, 1.8, 0.7), row(2, 1.0, 1.6, 0.6)]},
+            {"variant": "data", "seed": 1, "acceptance": [row(2, 0.0, 1.9, 0.7), row(2, 1.0, 2.0, 0.6)]},
+            {"variant": "kl", "seed": 0, "acceptance": [row(2, 0.0, 2.6, 0.95), row(2, 1.0, 2.4, 0.90)],
+             "speed": [{"method": "mtp", "num_draft_tokens": 2, "temperature": 1.0, "speedup": 1.5}]},
+            {"variant": "kl", "seed": 1, "acceptance": [row(2, 0.0, 2.4, 0.87), row(2, 1.0, 2.6, 0.87)]}]
+  table = {(r["model"], r["num_draft_tokens"], r["temperature"]): r
+           for r in script.acceptance_table(base, stages)}
+  kl = table[("kl", 2, 1.0)]
+  assert kl["seeds"] == [0, 1] and kl["tau"]["mean"] == pytest.approx(2.5)
+  assert kl["tau_vs_base"]["mean"] == pytest.approx(1.25)
+  assert kl["tau_vs_data"]["mean"] == pytest.approx((2.4 / 1.6 + 2.6 / 2.0) / 2)
+  assert kl["alpha"][0] == {"mean": pytest.approx(0.885), "min": 0.87, "max": 0.90, "n": 2}
+  assert kl["speedup"]["n"] == 1 and table[("base", 2, 1.0)]["tau_vs_data"]["n"] == 0
+  verdict = script.targets(list(table.values()), depth=2)
+  assert set(verdict) == {"kl"}
+  v = verdict["kl"]
+  assert v["alpha1_t0"] == pytest.approx(0.91) and v["alpha1_t0_met"]
+  assert v["alpha1_t1"] == pytest.approx(0.885) and v["alpha1_t1_met"]
+  assert not v["tau_ratio_vs_base_t1_met"] and v["tau_ratio_vs_data_t1_met"]
