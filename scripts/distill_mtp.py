@@ -92,7 +92,7 @@ DEFAULTS = {
     "num_steps": (400, 4), "batch_size": (8, 4), "seq_len": (0, 32), "learning_rate": (2e-3, 1e-3),
     "warmup_steps": (30, 1), "eval_batches": (8, 1), "recursive_steps": (1, 1),
     "sd_docs": (1024, 4), "sd_prompt_bytes": (128, 32), "sd_max_new_tokens": (384, 8),
-    "sd_batch_size": (32, 2), "temperatures": ("0,1", "0,1"), "prompts": (16, 2),
+    "sd_batch_size": (32, 2), "temperatures": ("0,1", "0,1"), "prompts": (32, 2),
     "prompt_bytes": (120, 48), "max_new_tokens": (128, 8), "speed_prompts": (4, 1),
     "speed_repeats": (1, 1),
 }
@@ -411,7 +411,7 @@ def main(argv=None):
   ap.add_argument("--sd_temperature", type=float, default=1.0, help="sampling temperature of the data")
   ap.add_argument("--sd_batch_size", type=int, help="rows sampled together (default 32)")
   ap.add_argument("--temperatures", help="decoding temperatures, comma list >= 0 (default 0,1)")
-  ap.add_argument("--prompts", type=int, help="held-out prompts for acceptance (default 16)")
+  ap.add_argument("--prompts", type=int, help="held-out prompts for acceptance (default 32)")
   ap.add_argument("--prompt_bytes", type=int, help="bytes per prompt (default 120)")
   ap.add_argument("--max_new_tokens", type=int, help="new tokens per prompt (default 128)")
   ap.add_argument("--speed_prompts", type=int, help="prompts timed for speedup, 0 = none (default 4)")
