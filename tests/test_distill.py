@@ -442,3 +442,15 @@ def test_distill_script_tables():
   assert v["alpha1_t0"] == pytest.approx(0.91) and v["alpha1_t0_met"]
   assert v["alpha1_t1"] == pytest.approx(0.885) and v["alpha1_t1_met"]
   assert not v["tau_ratio_vs_base_t1_met"] and v["tau_ratio_vs_data_t1_met"]
+
+
+def test_self_distill_cli_rejects_bad_flags(markov_workdir, tmp_path, capsys):
+  from decode import self_distill
+  base = ["--workdir", markov_workdir, "--out_name", "sd_cli", "--out_dir", str(tmp_path)]
+  for flag, value, match in (("--num_docs", "0", "--num_docs=0 must be an integer >= 1"),
+                             ("--top_p", "1.5", "--top_p=1.5 must be in (0, 1]")):
+    assert self_distill.main(base + [flag, value]) == 2
+    assert match in capsys.readouterr().err
+  assert self_distill.main(["--workdir", str(tmp_path / "none"), "--out_name", "sd_cli"]) == 2
+  assert "no checkpoint" in capsys.readouterr().err
+  assert not (tmp_path / "sd_cli").exists()
