@@ -167,7 +167,7 @@ class Trainer:
   def init_state(self, params=None) -> TrainState:
     """Step-0 state: fresh parameters from ``train.seed``, or a copy of
     ``params`` (a full parameter State of this architecture, e.g. restored
-    with ``init_from_workdir``); the optimizer state is always fresh."""
+    with ``restore_init_params``); the optimizer state is always fresh."""
     params, opt_state = self._init() if params is None else self._init_from(params)
     return TrainState(params, opt_state, 0)
 
