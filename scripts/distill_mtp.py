@@ -60,7 +60,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shlex
 import sys
 import time
 
@@ -314,8 +313,7 @@ def _ms(s: dict, fmt: str = ".3f") -> str:
 
 def markdown(meta: dict, results: dict) -> str:
   b, d = meta["budget"], meta["depth"]
-  lines = ["Command:", "", f"    {meta['command']}", "",
-           f"# MTP distillation from the main head: {meta['base_workdir']} (D = {d}, "
+  lines = [f"# MTP distillation from the main head: {meta['base_workdir']} (D = {d}, "
            f"{meta['base_params']} params, step {meta['base_step']})", "",
            f"{common.machine(meta)}, JAX {meta['jax_version']}, commit {meta['commit']}, {meta['date']}. "
            f"Stages: frozen backbone, {b['num_steps']} steps x {b['batch_size']} x {b['seq_len']} tokens, "
@@ -543,7 +541,7 @@ def _run(args, argv, base_cfg, depth, variants, seeds, temps, cfgs, budget, prom
   results = {"self_distilled": sd_meta, "base_eval": base_eval, "base_acceptance": base_acc,
              "base_speed": base_speed, "stages": stages, "acceptance_table": table,
              "targets": targets(table, depth)}
-  cmd = "python scripts/distill_mtp.py " + " ".join(shlex.quote(a) for a in argv)
+  cmd = common.command_line(__file__, argv)
   meta = common.provenance(
       command=cmd, quick=args.quick, base_workdir=args.workdir, base_step=base_step,
       base_config=base_cfg.to_dict(), base_params=sum(x.size for x in jax.tree.leaves(base_params)),

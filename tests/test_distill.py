@@ -379,7 +379,7 @@ def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
   report = json.load(open(out + ".json"))
   meta, res = report["meta"], report["results"]
   assert {"commit", "date", "cpu_model", "command", "base_config", "budget"} <= set(meta)
-  assert open(out + ".md").read().startswith("Command:\n\n    python scripts/distill_mtp.py --quick")
+  assert open(out + ".md").read().startswith("Command: `python scripts/distill_mtp.py --quick")
   sd = res["self_distilled"]
   cfg = DataConfig(name=sd["path"].split(os.sep)[-2], data_dir=sd["data_dir"])
   docs = data_lib.load_documents(cfg, "train")
