@@ -2,16 +2,17 @@
 
 ``Decoder(..., num_draft_tokens="auto")`` compiles one round function per
 draft length g = 0 (a plain AR step), 1, ..., G_max. Every choice covers a
-segment of ``rounds_per_choice`` rounds: in the while_loop form the host
-picks g between segments and calls a while_loop of rounds compiled for that
-g (one host round trip per segment, caches updated in place; a device-side
-``lax.switch`` over the per-g loops would copy every KV cache on entering a
-branch, 10 % of the wall time at batch 4 on the reference model), and the
-stream form picks g the same way and calls the round compiled for it, one
-per Python step; given the same costs both run the same sequence of draft
-lengths, so they emit the same tokens for a seed (each form measures its own
-costs: the stream form's include the host round trip of every round, which
-favours longer drafts). No recompilation when the
+segment of ``rounds_per_choice`` rounds: in the while_loop form an outer
+``lax.while_loop`` picks g and then runs the inner while_loops of g = 0..G_max
+one after the other, of which only the chosen one iterates (a ``lax.switch``
+over them would copy every KV cache on entering a branch: 10 % of the wall
+time at batch 4 on the reference model; sequential loops update their carry
+in place), and the stream form picks g on the host between rounds and calls
+the round compiled for it; given the same costs both run the same sequence
+of draft lengths, so they emit the same tokens for a seed (each form
+measures its own costs: the stream form's include the host round trip of
+every round, which favours longer drafts). No recompilation and, in the
+while_loop form, no host round trip when the
 choice changes. The first segment and probe segments are
 ``probe_rounds`` long. The choice maximises the expected tokens per second
 of the batch,
