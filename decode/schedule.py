@@ -1,4 +1,4 @@
-"""Adaptive draft length: choose G every round from measured acceptance and cost.
+"""Adaptive draft length: choose G per segment of rounds from measured acceptance and cost.
 
 ``Decoder(..., num_draft_tokens="auto")`` compiles one round function per
 draft length g = 0 (a plain AR step), 1, ..., G_max. Every choice covers a
