@@ -109,15 +109,17 @@ def encode_prompts(prompts: Sequence[str]) -> list[np.ndarray]:
 
 def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
                  draft_workdir: str | None = None, max_draft_tokens: int | None = None,
-                 tree=None) -> Decoder:
-  """A Decoder for the checkpoint in ``workdir`` (and ``draft_workdir``);
-  ``num_draft_tokens`` an integer or "auto" (then ``max_draft_tokens``);
-  ``tree``: a token tree such as "3,2,1" (method "mtp").
-  Raises CheckpointError / DecodeError."""
+                 tree=None) -> tuple[Decoder, int]:
+  """(A Decoder for the checkpoint in ``workdir`` (and ``draft_workdir``),
+  the number of draft offsets its MTP modules were trained for: D plus
+  ``mtp.recursive_steps``); ``num_draft_tokens`` an integer or "auto" (then
+  ``max_draft_tokens``); ``tree``: a token tree such as "3,2,1" (method
+  "mtp"). Raises CheckpointError / DecodeError."""
   if tree is not None and method != "mtp":
     raise DecodeError(f"--tree needs --method=mtp (the MTP modules draft the tree); got "
                       f"--method={method}")
-  _, target, _ = ckpt_lib.load_model(workdir)
+  cfg, target, _ = ckpt_lib.load_model(workdir)
+  trained = target.mtp_depth + (getattr(cfg.mtp, "recursive_steps", 0) if target.mtp_depth else 0)
   draft = None
   if method == "draft":
     if not draft_workdir:
@@ -126,7 +128,7 @@ def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
   kw = {"max_draft_tokens": max_draft_tokens} if num_draft_tokens == "auto" else {}
   if tree is not None:
     kw["tree"] = tree
-  return Decoder(target, method, num_draft_tokens if method != "ar" else 1, draft, **kw)
+  return Decoder(target, method, num_draft_tokens if method != "ar" else 1, draft, **kw), trained
 
 
 def decode_texts(decoder: Decoder, prompts: Sequence[str], *, max_new_tokens: int,
@@ -188,13 +190,18 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   sampling.validate()
   if compare and not (isinstance(repeats, int) and repeats >= 1):
     raise DecodeError(f"--repeats={repeats!r} must be an integer >= 1")
-  decoder = load_decoder(workdir, method, num_draft_tokens, draft_workdir, max_draft_tokens, tree)
+  decoder, trained = load_decoder(workdir, method, num_draft_tokens, draft_workdir,
+                                  max_draft_tokens, tree)
   depth = decoder.target().mtp_depth
-  if method == "mtp" and decoder.tree is None and decoder.G > depth:
-    extra = (f"drafts {depth + 1}..{decoder.G} reuse" if decoder.G > depth + 1 else
+  if method == "mtp" and decoder.tree is None and decoder.G > trained:
+    first = trained + 1
+    extra = (f"drafts {first}..{decoder.G} reuse" if decoder.G > first else
              f"draft {decoder.G} reuses")
     flag = ("--max_draft_tokens" if decoder.num_draft_tokens == "auto" else "--num_draft_tokens")
-    err.write(f"note: {flag}={decoder.G} > the checkpoint's MTP depth D={depth}: "
+    trained_for = (f"the checkpoint's MTP depth D={depth}" if trained == depth else
+                   f"the {trained} offsets the checkpoint's modules were trained for (D={depth}, "
+                   f"mtp.recursive_steps={trained - depth})")
+    err.write(f"note: {flag}={decoder.G} > {trained_for}: "
               f"{extra} module {depth}, which was never trained for that offset (acceptance "
               "decays there)\n")
   gen = decode_texts(decoder, prompts, max_new_tokens=max_new_tokens, sampling=sampling,

@@ -228,15 +228,9 @@ def write_dataset(name: str, data_dir: str, splits: dict[str, list[tuple[str, st
   Raises DataError when ``name`` is not a snake_case identifier, names an
   embedded corpus, or already exists in ``data_dir``.
   """
-  import re
   import tensorflow_datasets as tfds
-  if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name in data_lib.EMBEDDED_DATASETS:
-    raise data_lib.DataError(f"--out_name={name!r} must be a new snake_case dataset name "
-                             f"([a-z][a-z0-9_]*, not one of {data_lib.EMBEDDED_DATASETS})")
+  check_dataset_name(name, data_dir)
   folder = os.path.join(data_dir, name)
-  if os.path.exists(folder):
-    raise data_lib.DataError(f"dataset '{name}' already exists in data_dir '{data_dir}' ({folder});"
-                             " pick another --out_name or delete that folder")
   os.makedirs(data_dir, exist_ok=True)
   builder = _builder_class(name)(splits=splits, metadata=metadata, data_dir=data_dir,
                                  file_format="array_record")
@@ -249,6 +243,19 @@ def write_dataset(name: str, data_dir: str, splits: dict[str, list[tuple[str, st
   finally:
     tfds.display_progress_bar(previous)
   return os.path.join(folder, DATASET_VERSION)
+
+
+def check_dataset_name(name: str, data_dir: str) -> None:
+  """Raises DataError unless ``name`` is a snake_case identifier, not an
+  embedded corpus, and not yet a dataset in ``data_dir``."""
+  import re
+  if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name in data_lib.EMBEDDED_DATASETS:
+    raise data_lib.DataError(f"--out_name={name!r} must be a new snake_case dataset name "
+                             f"([a-z][a-z0-9_]*, not one of {data_lib.EMBEDDED_DATASETS})")
+  folder = os.path.join(data_dir, name)
+  if os.path.exists(folder):
+    raise data_lib.DataError(f"dataset '{name}' already exists in data_dir '{data_dir}' ({folder});"
+                             " pick another --out_name or delete that folder")
 
 
 def make_dataset(workdir: str, out_name: str, recipe: Recipe, *, data_dir: str = "",
@@ -277,8 +284,7 @@ def make_dataset(workdir: str, out_name: str, recipe: Recipe, *, data_dir: str =
     ckpt.close()
   src_dir = data_lib.resolve_data_dir(DataConfig(data_dir=data_dir or cfg.data.data_dir))
   out_dir = os.path.abspath(out_dir) if out_dir else src_dir
-  if os.path.exists(os.path.join(out_dir, out_name)) or out_name in data_lib.EMBEDDED_DATASETS:
-    write_dataset(out_name, out_dir, {}, {})                # raises the naming error early
+  check_dataset_name(out_name, out_dir)                   # before minutes of sampling
   source_cfg = dataclasses.replace(cfg.data, data_dir=src_dir)
   src = data_lib.load_source(source_cfg, cfg.data.eval_split)
   # the source's keys (document names where it has them): TFDS orders records by key, so the

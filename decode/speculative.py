@@ -6,8 +6,10 @@ an MTP or draft-model drafter, in two forms each.
 - ``Decoder.generate(...)``: prefill then every round inside one
   ``jax.lax.while_loop`` (throughput; one host round trip per generation).
 
-Both run the same ``_round`` function, so they emit identical tokens for the
-same seed. One round for a row with committed tokens x_0..x_{n-1} (target
+Both run the same round function, so they emit identical tokens for the
+same seed; with ``num_draft_tokens="auto"`` only given the same round costs
+(``auto_costs``), since each form otherwise measures its own and may choose
+other draft lengths (same output law either way). One round for a row with committed tokens x_0..x_{n-1} (target
 cache valid for 0..n-2; docs/design.md section 5):
 
 1. draft d_1..d_G with distributions q_1..q_G (``decode.drafters``);
@@ -495,7 +497,11 @@ class Decoder:
         raise DecodeError(
             f"prompt {i} has {len(p)} tokens (with BOS); with --max_new_tokens={max_new_tokens} it "
             f"exceeds the model's max_seq_len={max_len}"
-            + (f" (at most {room} new tokens fit)" if room > 0 else " (no room left to generate)"))
+            + (f" (at most {room} new tokens fit)" if room > 0 else
+               f" (no room left to generate: with this --max_new_tokens a prompt may have at most "
+               f"{max_len - max_new_tokens - 1} tokens without BOS)"
+               if max_len - max_new_tokens > 1 else
+               f" (--max_new_tokens must be at most {max_len - 2} to leave room for a prompt)"))
     b = len(prompts)
     p_len = PROMPT_BUCKET * math.ceil(int(lengths.max()) / PROMPT_BUCKET)
     # scratch room past the budget for verify blocks and drafter windows
@@ -630,7 +636,8 @@ class Decoder:
     """Jitted prefill + one jitted round per Python step (streaming form).
 
     ``on_tokens(row, new_ids)`` is called after each round with each row's
-    newly emitted ids. Emits exactly what ``generate`` emits for the same seed.
+    newly emitted ids. Emits exactly what ``generate`` emits for the same seed
+    (with "auto": given the same ``auto_costs``; see the module docstring).
     """
     warp = sampling_params.validate().as_arrays()
     state, prefill_len = self.prepare(prompts, max_new_tokens, seed)

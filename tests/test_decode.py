@@ -280,8 +280,10 @@ def test_bad_input_errors(target):
   max_len = target.cfg.max_seq_len
   with pytest.raises(DecodeError, match="empty"):
     dec.prepare([np.asarray([tok.BOS_ID], np.int32)], 4, 0)
-  with pytest.raises(DecodeError, match="no room left"):
+  with pytest.raises(DecodeError, match=f"no room left.*at most {max_len - 5} tokens without BOS"):
     dec.prepare(_prompts([max_len - 1]), 4, 0)
+  with pytest.raises(DecodeError, match=f"max_new_tokens must be at most {max_len - 2}"):
+    dec.prepare(_prompts([max_len - 1]), max_len - 1, 0)
   with pytest.raises(DecodeError, match="at most 3 new tokens"):
     dec.prepare(_prompts([max_len - 4]), 4, 0)
   with pytest.raises(DecodeError, match="max_new_tokens"):

@@ -444,7 +444,7 @@ def test_distill_script_tables():
   assert not v["tau_ratio_vs_base_t1_met"] and v["tau_ratio_vs_data_t1_met"]
 
 
-def test_self_distill_cli_rejects_bad_flags(markov_workdir, tmp_path, capsys):
+def test_self_distill_cli_rejects_bad_flags(markov_workdir, tmp_path, capsys, monkeypatch):
   from decode import self_distill
   base = ["--workdir", markov_workdir, "--out_name", "sd_cli", "--out_dir", str(tmp_path)]
   for flag, value, match in (("--num_docs", "0", "--num_docs=0 must be an integer >= 1"),
@@ -454,3 +454,11 @@ def test_self_distill_cli_rejects_bad_flags(markov_workdir, tmp_path, capsys):
   assert self_distill.main(["--workdir", str(tmp_path / "none"), "--out_name", "sd_cli"]) == 2
   assert "no checkpoint" in capsys.readouterr().err
   assert not (tmp_path / "sd_cli").exists()
+  # a bad --out_name is refused before any sampling
+  def no_sampling(*a, **k):
+    raise AssertionError("sampled before checking --out_name")
+  monkeypatch.setattr(self_distill, "generate_documents", no_sampling)
+  for bad in ("BadName", "python_stdlib"):
+    assert self_distill.main(["--workdir", markov_workdir, "--out_name", bad, "--out_dir",
+                              str(tmp_path)]) == 2
+    assert "snake_case" in capsys.readouterr().err
