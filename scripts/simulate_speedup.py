@@ -187,7 +187,8 @@ class BenchError(ValueError):
 
 
 def load_bench(path: str) -> list[dict]:
-  """Speculative rows (G >= 1) of a ``scripts/bench_decode.py`` report, each
+  """Fixed-G chain rows (G >= 1; not "auto", not trees) of a
+  ``scripts/bench_decode.py`` report, each
   with ``source`` (file name) and ``predicted_speedup`` (the closed form at its
   alpha_iid, G and draft_cost_ratio_c) added. Raises BenchError naming --bench."""
   if not os.path.isfile(path):
@@ -204,6 +205,8 @@ def load_bench(path: str) -> list[dict]:
       raise BenchError(f"--bench {path}: results[{i}] has no num_draft_tokens")
     if not r["num_draft_tokens"]:
       continue                                  # the AR baseline
+    if r["num_draft_tokens"] == "auto" or r.get("tree"):
+      continue                                  # no single G: the closed forms do not apply
     missing = [k for k in BENCH_FIELDS if r.get(k) is None]
     if missing:
       raise BenchError(f"--bench {path}: results[{i}] lacks {missing}")
