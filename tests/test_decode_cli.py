@@ -146,3 +146,24 @@ def test_cli_end_to_end_and_errors(workdir, tmp_path):
   assert r.returncode == 2 and "--temperature" in r.stderr
   r = _cli("--workdir", str(tmp_path / "nowhere"), "--prompt", "abc")
   assert r.returncode == 2 and "no checkpoint" in r.stderr
+
+
+def test_notice_counts_offsets_trained_by_recursive_steps(workdir, capsys, monkeypatch):
+  """A checkpoint trained with mtp.recursive_steps=R has modules trained for
+  D + R offsets: no "never trained" notice up to G = D + R, one past it."""
+  import dataclasses
+  from decode import run as run_mod
+  real = run_mod.ckpt_lib.load_model
+
+  def load_with_recursive_steps(path):
+    cfg, model, step = real(path)
+    return dataclasses.replace(cfg, mtp=dataclasses.replace(cfg.mtp, recursive_steps=1)), model, step
+
+  monkeypatch.setattr(run_mod.ckpt_lib, "load_model", load_with_recursive_steps)
+  kw = dict(method="mtp", max_new_tokens=4, sampling=SamplingParams(temperature=0.0))
+  run(workdir, ["abca"], num_draft_tokens=3, **kw)
+  assert "note:" not in capsys.readouterr().err
+  run(workdir, ["abca"], num_draft_tokens=4, **kw)
+  err = capsys.readouterr().err
+  assert ("--num_draft_tokens=4 > the 3 offsets the checkpoint's modules were trained for "
+          "(D=2, mtp.recursive_steps=1): draft 4 reuses module 2") in err
