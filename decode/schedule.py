@@ -84,14 +84,15 @@ class AutoSchedule:
 
   def init_state(self, batch: int, costs) -> dict:
     """Schedule state for ``batch`` rows: alpha [B, G_max] float32 estimates,
-    costs [G_max+1] float32 seconds per round, round (choices made) /
+    tested [B, G_max] bool (position ever tested in that row), costs [G_max+1] float32 seconds per round, round (choices made) /
     probe_wait / probe_interval int32 scalars, force int32 (-1; >= 0 forces
     that g)."""
     g = self.max_draft_tokens
     costs = jnp.asarray(costs, jnp.float32)
     if costs.shape != (g + 1,):
       raise ValueError(f"costs must have shape ({g + 1},), got {costs.shape}")
-    return {"alpha": jnp.full((batch, g), self.prior, jnp.float32), "costs": costs,
+    return {"alpha": jnp.full((batch, g), self.prior, jnp.float32),
+            "tested": jnp.zeros((batch, g), bool), "costs": costs,
             "round": jnp.int32(0), "probe_wait": jnp.int32(0),
             "probe_interval": jnp.int32(self.probe_interval), "force": jnp.int32(-1)}
 
@@ -101,11 +102,24 @@ class AutoSchedule:
     zero = jnp.zeros(alpha.shape[:1] + (1,), alpha.dtype)
     return 1.0 + jnp.cumsum(jnp.concatenate([zero, reach], axis=1), axis=1)
 
+  @staticmethod
+  def effective_alpha(alpha, tested) -> jax.Array:
+    """[B, G_max] float32: the estimates the choice uses. A position never
+    tested in a row keeps the prior, which can exceed what the row showed at
+    the positions before it (positions past D reuse module D); such a
+    position counts as at most the effective estimate of the position before
+    it, so untried long drafts do not look better than the tried short ones."""
+    cols = [alpha[:, 0]]
+    for j in range(1, alpha.shape[1]):
+      cols.append(jnp.where(tested[:, j], alpha[:, j], jnp.minimum(alpha[:, j], cols[-1])))
+    return jnp.stack(cols, axis=1)
+
   def choose(self, sched: dict, active) -> tuple[jax.Array, jax.Array, dict]:
     """(g, rounds, updated schedule state) for the next segment, from the
     past only: draft length g and number of rounds (int32 scalars).
     active: [B] bool, rows still generating."""
-    tokens = self.expected_tokens(sched["alpha"])                        # [B, G+1]
+    alpha = self.effective_alpha(sched["alpha"], sched["tested"])
+    tokens = self.expected_tokens(alpha)                                 # [B, G+1]
     value = jnp.sum(tokens * active[:, None], axis=0) / sched["costs"]
     best = jnp.argmax(value).astype(jnp.int32)
     best_draft = (jnp.argmax(value[1:]) + 1).astype(jnp.int32)
@@ -134,7 +148,8 @@ class AutoSchedule:
     alpha = sched["alpha"]
     head = alpha[:, :g]
     head = jnp.where(tested, head + self.ema * (passed - head), head)
-    return {**sched, "alpha": alpha.at[:, :g].set(head)}
+    return {**sched, "alpha": alpha.at[:, :g].set(head),
+            "tested": sched["tested"].at[:, :g].set(sched["tested"][:, :g] | tested)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,6 +68,32 @@ def test_update_is_an_ema_over_tested_positions_only():
   assert s.update(st, 0, accepted, jnp.asarray([True] * 3)) is st
 
 
+def test_untested_positions_count_at_most_the_position_before():
+  """Positions never tested keep the prior; the choice caps them by the
+  effective estimate before them, so after d_1..d_2 were mostly rejected an
+  untried G = 4 does not look better than the tried G = 1 (reviewer case:
+  --max_draft_tokens > D chose long drafts from the untouched prior)."""
+  s = AutoSchedule(4, prior=0.8, ema=1.0)
+  st = s.init_state(1, [1.0, 1.2, 1.3, 1.4, 1.5])
+  for a in (1, 0, 1):                                  # three rounds at g = 2
+    st = s.update(st, 2, jnp.asarray([a]), jnp.asarray([True]))
+  assert st["tested"].tolist() == [[True, True, False, False]]
+  eff = s.effective_alpha(st["alpha"], st["tested"])
+  np.testing.assert_allclose(eff, [[1.0, 0.0, 0.0, 0.0]])
+  # raw estimates [1, 0, 0.8, 0.8]; effective: positions 3-4 capped at position 2's 0
+  np.testing.assert_allclose(st["alpha"], [[1.0, 0.0, 0.8, 0.8]])
+  # the choice: alpha 0.9 / 0.5 measured at positions 1-2, the prior 0.8 at 3-4.
+  # By hand, costs 1, 1.3, 1.6, 1.8, 2.0: untested positions taken at face value give
+  # tokens 1, 1.9, 2.35, 2.71, 2.998 -> per cost 1, 1.462, 1.469, 1.506, 1.499: G = 3;
+  # capped at 0.5 they give 2.575 and 2.688 for G = 3, 4 -> 1.431, 1.344: G = 2.
+  st = {**s.init_state(1, [1.0, 1.3, 1.6, 1.8, 2.0]),
+        "alpha": jnp.asarray([[0.9, 0.5, 0.8, 0.8]]),
+        "tested": jnp.asarray([[True, True, False, False]])}
+  assert int(s.choose(st, jnp.asarray([True]))[0]) == 2
+  # the same numbers measured (tested) are believed: G = 3
+  assert int(s.choose({**st, "tested": jnp.ones((1, 4), bool)}, jnp.asarray([True]))[0]) == 3
+
+
 def test_cycling_schedule_and_bad_settings():
   s = CyclingSchedule(2, offset=1)
   st = s.init_state(1, [1, 1, 1])
