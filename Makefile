@@ -2,7 +2,7 @@
 #            python_stdlib corpus, then speculative-decode a code prompt with it.
 # make test: set up .venv (if missing) and run the test suite.
 # make reference: train the reference target (configs/reference.py, 16 layers,
-#            D = 3) into runs/reference, about an hour on 2 CPU cores;
+#            D = 3) into runs/reference, ~3 hours on 2 shared CPU cores;
 #            re-running resumes an interrupted run and leaves a finished one alone.
 # make test-hf: also install the [hf] extra (torch, transformers) and run the
 #            Hugging Face export parity tests (tests/test_export_hf.py).

@@ -6,8 +6,9 @@ Why this shape (docs/results.md, "The reference model"):
   a small share of a target step: by FLOPs about 1/16 per draft token, so
   drafting G = 3 tokens costs ~0.2 of a target step, where the 4-layer demo
   model pays ~0.5 per token and cannot win.
-- Width 128 (4 query / 2 KV heads of 32, SwiGLU 384) keeps training within
-  about an hour on 2 CPU cores (~3.3 s per step of 8 x 512 bytes).
+- Width 128 (4 query / 2 KV heads of 32, SwiGLU 384) keeps training on 2
+  CPU cores to hours, not days: 2 h 45 min on a shared machine
+  (results/train_reference.md).
 - seq_len 512 covers the positions a decode of a 256-byte prompt plus a few
   hundred new tokens reaches, so decoding never runs on RoPE positions the
   model was not trained on.

@@ -5,9 +5,8 @@ draft length g = 0 (a plain AR step), 1, ..., G_max. Every choice covers a
 segment of ``rounds_per_choice`` rounds: in the while_loop form an outer
 ``lax.while_loop`` picks g and then runs the inner while_loops of g = 0..G_max
 one after the other, of which only the chosen one iterates (a ``lax.switch``
-over them would copy every KV cache on entering a branch: 10 % of the wall
-time at batch 4 on the reference model; sequential loops update their carry
-in place), and the stream form picks g on the host between rounds and calls
+over them would copy every KV cache on entering a branch; sequential loops
+update their carry in place), and the stream form picks g on the host between rounds and calls
 the round compiled for it; given the same costs both run the same sequence
 of draft lengths, so they emit the same tokens for a seed (each form
 measures its own costs: the stream form's include the host round trip of

@@ -447,10 +447,11 @@ class Decoder:
     (``_choose``) and then runs the inner while_loops of g = 0..G_max one
     after the other, of which only the chosen one iterates (``_segment``).
     Sequential loops, not a ``lax.switch`` over them: XLA copies every KV
-    cache on entering a switch branch (measured: 10 % of the wall time at
-    batch 4 on the reference model), while loops update their carry in
-    place; and no host round trip per segment (measured: 1-2 ms per segment
-    on the CPU, a third of the demo model's wall time)."""
+    cache on entering a switch branch (it made "auto" visibly slower than
+    the fixed G it chose at batch 4 on the reference model), while loops
+    update their carry in place; and no host round trip per segment (a
+    host-driven variant lost most on the demo model, whose rounds take
+    fractions of a millisecond)."""
     max_rounds = jnp.max(state["max_new"])
     if self.schedule is not None:
       def seg_cond(s):

@@ -4,8 +4,11 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from mtp import config as config_lib
 from mtp import tokenizer as tok
@@ -43,6 +46,24 @@ def data_dir(tmp_path_factory):
 # -- a tiny model trained on a synthetic Markov source --------------------------
 
 ALPHABET = np.frombuffer(b"abcdef ", np.uint8).astype(np.int32)
+
+
+def random_prompts(lengths, seed: int = 0) -> list[np.ndarray]:
+  """BOS + n random ALPHABET tokens per n in ``lengths`` (int32 arrays)."""
+  rng = np.random.default_rng(seed)
+  return [np.concatenate([[tok.BOS_ID], rng.choice(ALPHABET, n)]).astype(np.int32) for n in lengths]
+
+
+def with_noisy_mtp(model, scale: float, seed: int = 0):
+  """A copy of ``model`` with Gaussian noise of ``scale`` x each parameter's
+  std on its MTP modules only (main head unchanged, drafts often wrong)."""
+  graphdef, params = nnx.split(model, nnx.Param)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  noisy = [x + scale * jnp.std(x) * jax.random.normal(k, x.shape)
+           if any(getattr(e, "key", None) == "mtp" for e in path) else x
+           for (path, x), k in zip(leaves, keys)]
+  return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, noisy))
 
 
 def markov_batch(rng: np.random.Generator, batch: int, seq_len: int, transition: np.ndarray):

@@ -14,14 +14,12 @@ from decode import drafters as drafters_lib
 from decode.speculative import DecodeError, Decoder, NonFiniteLogitsError, SamplingParams
 from mtp import model as model_lib
 from mtp import tokenizer as tok
-from tests.conftest import ALPHABET, tiny_config
+from tests.conftest import ALPHABET, random_prompts, tiny_config, with_noisy_mtp
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def _prompts(lengths, seed=0):
-  rng = np.random.default_rng(seed)
-  return [np.concatenate([[tok.BOS_ID], rng.choice(ALPHABET, n)]).astype(np.int32) for n in lengths]
+_prompts = random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +28,7 @@ def target(trained_markov):
   head is unchanged, but drafts are wrong often enough that rows accept
   different numbers of drafts (a well-trained drafter on a Markov source
   can settle into cycles where every draft is accepted)."""
-  model = trained_markov[1]
-  graphdef, params = nnx.split(model, nnx.Param)
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-  keys = jax.random.split(jax.random.key(0), len(leaves))
-  noisy = [x + 0.5 * jnp.std(x) * jax.random.normal(k, x.shape)
-           if any(getattr(e, "key", None) == "mtp" for e in path) else x
-           for (path, x), k in zip(leaves, keys)]
-  return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, noisy))
+  return with_noisy_mtp(trained_markov[1], 0.5)
 
 
 @pytest.fixture(scope="module")

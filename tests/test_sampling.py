@@ -564,11 +564,13 @@ def test_greedy_verify_equals_rejection_sample_with_one_hot():
 # The worked example in docs/speculative_sampling.md.
 
 
-def _doc_numbers():
-  """Parses the machine-checked block of the doc: ``name = v1 v2 ...``."""
+def _doc_numbers(tag: str = "worked-example"):
+  """Parses a machine-checked block of docs/speculative_sampling.md
+  (between ``<!-- TAG:begin -->`` and ``<!-- TAG:end -->``): lines
+  ``name = v1 v2 ...`` -> {name: [Fraction, ...]}."""
   text = DOC.read_text()
-  block = re.search(r"<!-- worked-example:begin -->(.*?)<!-- worked-example:end -->", text, re.S)
-  assert block, "worked-example block missing from the doc"
+  block = re.search(rf"<!-- {tag}:begin -->(.*?)<!-- {tag}:end -->", text, re.S)
+  assert block, f"{tag} block missing from the doc"
   out = {}
   for line in block.group(1).splitlines():
     m = re.match(r"^\s*(.*\S)\s+=\s+([-0-9/. ]+)$", line)

@@ -18,7 +18,7 @@ from decode.speculative import (DecodeError, Decoder, NonFiniteLogitsError, Samp
                                 _flag_non_finite)
 from mtp import model as model_lib
 from mtp import tokenizer as tok
-from tests.conftest import ALPHABET, tiny_config
+from tests.conftest import ALPHABET, random_prompts, tiny_config, with_noisy_mtp
 from tests.test_decode_distribution import (ALPHA, PROMPT, SETTINGS, chi_square_pvalue,
                                             exact_pair_law)
 
@@ -26,9 +26,7 @@ GREEDY = SamplingParams(temperature=0.0)
 TREE = (2, 2)
 
 
-def _prompts(lengths, seed=0):
-  rng = np.random.default_rng(seed)
-  return [np.concatenate([[tok.BOS_ID], rng.choice(ALPHABET, n)]).astype(np.int32) for n in lengths]
+_prompts = random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +35,7 @@ def target(trained_markov):
   tests/test_decode.py, but more: a tree catches most of that model's
   misses): drafts are often wrong, so rows take different paths and every
   path length occurs."""
-  model = trained_markov[1]
-  graphdef, params = nnx.split(model, nnx.Param)
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-  keys = jax.random.split(jax.random.key(0), len(leaves))
-  noisy = [x + 2.0 * jnp.std(x) * jax.random.normal(k, x.shape)
-           if any(getattr(e, "key", None) == "mtp" for e in path) else x
-           for (path, x), k in zip(leaves, keys)]
-  return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, noisy))
+  return with_noisy_mtp(trained_markov[1], 2.0)
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import pathlib
-import re
 from collections import defaultdict
 from fractions import Fraction
 
@@ -36,7 +34,7 @@ import pytest
 
 from decode import sampling
 from decode.sampling import TreeSpec
-from tests.test_sampling import SIG, _chisq_pvalue
+from tests.test_sampling import SIG, _chisq_pvalue, _doc_numbers
 
 V = 5
 TREE = TreeSpec((3, 2))
@@ -382,15 +380,7 @@ def _accept_prob(p, q, b, without_replacement):
 
 
 def test_doc_tree_example_numbers():
-  doc = pathlib.Path(__file__).resolve().parents[1] / "docs" / "speculative_sampling.md"
-  text = doc.read_text()
-  block = re.search(r"<!-- tree-example:begin -->(.*?)<!-- tree-example:end -->", text, re.S)
-  assert block, "tree-example block missing from the doc"
-  got = {}
-  for line in block.group(1).splitlines():
-    m = re.match(r"^\s*(.*\S)\s+=\s+([-0-9/. ]+)$", line)
-    if m:
-      got[m.group(1).strip()] = [Fraction(v) for v in m.group(2).split()]
+  got = _doc_numbers("tree-example")
   p = [Fraction(2, 5), Fraction(7, 20), Fraction(1, 4)]        # the worked example's p, q
   q = [Fraction(1, 5), Fraction(1, 5), Fraction(3, 5)]
   assert got["accept without replacement"] == [_accept_prob(p, q, b, True) for b in (1, 2, 3)]
