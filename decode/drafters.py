@@ -8,10 +8,10 @@ n..n+G-1 together with q_1..q_G [B, G, V] float32, and writes the drafts
 into ``tokens`` at n..n+G-1 so the verify block [x_{n-1}, d_1..d_G] can be
 read straight from the buffer. q is what verification needs:
 
-- sampling (``warp.greedy`` False): the warped distributions the drafts were
-  really sampled from (``sampling.warped_probs``), one uniform draw of shape
-  [B, G, V] per round feeding Gumbel-max sampling;
-- greedy (``warp.greedy`` True, temperature 0): the raw draft logits; each
+- sampling (``params.greedy`` False): the warped distributions the drafts
+  were really sampled from (``sampling.warped_probs``), one uniform draw of
+  shape [B, G, V] per round feeding Gumbel-max sampling;
+- greedy (``params.greedy`` True, temperature 0): the raw draft logits; each
   draft is their argmax (ties to the lowest id, as ``warp_logits`` at
   temperature 0), and no softmax, warp or random number is computed.
 
@@ -19,7 +19,13 @@ Either way a non-finite entry of q at an emittable id means the drafter
 produced NaN/inf logits (``Decoder`` stops that row with an error).
 
 Drafters are stateless objects holding static settings; their state is a
-pytree (``init_state``) threaded through jitted functions. Both keep their
+pytree (``init_state``) threaded through jitted functions. The interface a
+round uses (``decode.round``): ``init_state(model, batch, cache_len)``,
+``prefill(model, state, tokens, lengths, h0, prefill_len)``,
+``draft(model, state, tokens, n, key, params, g)`` (the draft length g is
+passed on every call: the ``Decoder`` owns it) and
+``after_verify(state, h0_block, n)``; ``model`` is the target for the MTP
+drafter and the draft model for ``DraftModelDrafter``. Both keep their
 KV caches consistent with what the model saw in training: a draft's
 distribution equals that of a cache-free forward over the committed tokens
 followed by the earlier drafts (tests/test_decode.py checks this).
@@ -29,9 +35,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
-from decode import sampling
-from mtp.model import Transformer, init_layer_caches
+from decode.sampling import SamplingParams, draft_uniforms, pick
+from mtp.model import Transformer, init_layer_caches, write_cache
 
 
 def gather_rows(buf: jax.Array, idx: jax.Array) -> jax.Array:
@@ -41,36 +48,22 @@ def gather_rows(buf: jax.Array, idx: jax.Array) -> jax.Array:
   return jnp.take_along_axis(buf, idx, axis=1)
 
 
-def write_rows(buf: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
-  """Writes new [B, W, ...] into buf [B, S, ...] at per-row offsets [B] (in place under donation)."""
-  return jax.vmap(lambda b, x, o: jax.lax.dynamic_update_slice_in_dim(b, x, o, axis=0))(
-      buf, new.astype(buf.dtype), offsets)
+@struct.dataclass
+class MTPDraftState:
+  """State of ``MTPDrafter``: caches, a list over modules 1..used of one
+  layer's {"k", "v"} [B, S, K, H]; hidden, a list over depths 0..used-1 of
+  [B, S, D] committed hidden states h^k; committed [B, used] int32, module
+  k's committed cache length c_k in column k-1."""
+  caches: list
+  hidden: list
+  committed: jax.Array
 
 
-def warped_probs(logits: jax.Array, warp) -> jax.Array:
-  """probs [..., V] float32 after ``sampling.warp_logits`` with warp = (temperature, top_k, top_p)
-  (a ``sampling.Warp`` or a plain tuple)."""
-  return sampling.warped_probs(logits, warp)
-
-
-def draft_uniforms(key, batch: int, num_draft_tokens: int, vocab: int, warp):
-  """The round's uniforms for drafting, [B, G, V] float32 (one draw), or
-  None when ``warp`` is greedy (no randomness)."""
-  if getattr(warp, "greedy", False):
-    return None
-  return sampling.uniform_open(key, (batch, num_draft_tokens, vocab))
-
-
-def pick(logits: jax.Array, u, warp):
-  """One draft per row from logits [B, V] float32: (token [B] int32, q [B, V]).
-
-  Greedy ``warp``: the argmax and the logits themselves. Otherwise a
-  Gumbel-max sample (uniforms u [B, V]) from q = the warped probabilities,
-  the distribution the token was really drawn from."""
-  if getattr(warp, "greedy", False):
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
-  q = warped_probs(logits, warp)
-  return sampling.sample_from_uniform(q, u), q
+@struct.dataclass
+class DraftModelState:
+  """State of ``DraftModelDrafter``: the draft model's KV cache (a list over
+  its layers of {"k", "v"} [B, S, K, H])."""
+  cache: list
 
 
 class MTPDrafter:
@@ -95,8 +88,8 @@ class MTPDrafter:
   previous draft one position further on. Those steps were never trained,
   so expect acceptance to decay there.
 
-  Variable draft length (``max_draft_tokens``, for ``num_draft_tokens="auto"``):
-  ``draft(..., num_draft_tokens=g)`` drafts g <= G_max tokens with modules
+  Variable draft length (``variable=True``, for ``num_draft_tokens="auto"``):
+  ``draft(..., g)`` drafts any g <= G_max tokens with modules
   1..min(g, D); modules past g do not run and their committed lengths fall
   behind (after an AR round, g = 0, all of them). Windows are G_max + k
   positions, which covers the gap a + k left by any round in which module k
@@ -107,50 +100,55 @@ class MTPDrafter:
   drafts therefore stay exactly those of a cache-free forward, whatever the
   sequence of draft lengths.
 
+  The draft length of a round is the ``g`` argument of ``draft`` (the
+  ``Decoder`` owns it); the drafter only knows the longest one it must
+  hold room for.
+
   Args:
-    num_draft_tokens: G >= 1, the default draft length of ``draft``.
     depth: D >= 1 of the target model.
-    max_draft_tokens: G_max >= G for variable draft lengths (None: fixed G).
+    max_draft_tokens: G_max >= 1, the longest draft (sizes the state; with
+      ``variable`` False every call drafts exactly G_max).
+    variable: draft lengths change between rounds ("auto"): windows of
+      G_max + k positions and the catch-up loop.
+  Raises:
+    ValueError: D < 1 or G_max < 1.
   """
 
-  def __init__(self, num_draft_tokens: int, depth: int, max_draft_tokens: int | None = None):
+  def __init__(self, depth: int, max_draft_tokens: int, variable: bool = False):
     if depth < 1:
       raise ValueError("the MTP drafter needs a checkpoint with mtp.depth >= 1 (this one has D = 0)")
-    if num_draft_tokens < 1:
-      raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
-    if max_draft_tokens is not None and max_draft_tokens < num_draft_tokens:
-      raise ValueError(f"max_draft_tokens={max_draft_tokens} < num_draft_tokens={num_draft_tokens}")
-    self.num_draft_tokens = num_draft_tokens
+    if max_draft_tokens < 1:
+      raise ValueError(f"max_draft_tokens must be >= 1, got {max_draft_tokens}")
     self.depth = depth
-    self.variable = max_draft_tokens is not None
-    self.max_draft_tokens = max_draft_tokens or num_draft_tokens
-    self.used = min(self.max_draft_tokens, depth)     # modules run in the exact chain
+    self.variable = variable
+    self.max_draft_tokens = max_draft_tokens
+    self.used = min(max_draft_tokens, depth)          # modules run in the exact chain
 
   def init_state(self, target: Transformer, batch: int, cache_len: int):
     cfg = target.cfg
     caches = [init_layer_caches(cfg, 1, batch, cache_len)[0] for _ in range(self.used)]
     hidden = [jnp.zeros((batch, cache_len, cfg.d_model), jnp.dtype(cfg.dtype))
               for _ in range(self.used)]
-    return {"caches": caches, "hidden": hidden,
-            "committed": jnp.zeros((self.used, batch), jnp.int32)}
+    return MTPDraftState(caches=caches, hidden=hidden,
+                         committed=jnp.zeros((batch, self.used), jnp.int32))
 
   def prefill(self, target: Transformer, state, tokens, lengths, h0, prefill_len: int):
     """Runs modules 1..used over positions 0..prefill_len-1 (``h0`` [B, P-1, D]
     is the target's output there) and commits c_k = max(n-1-k, 0)."""
     b = tokens.shape[0]
     pos = jnp.broadcast_to(jnp.arange(prefill_len, dtype=jnp.int32), (b, prefill_len))
-    hidden = list(state["hidden"])
+    hidden = list(state.hidden)
     hidden[0] = hidden[0].at[:, :prefill_len].set(h0.astype(hidden[0].dtype))
-    caches = list(state["caches"])
+    caches = list(state.caches)
     h = h0
     for k in range(1, self.used + 1):
       nxt = gather_rows(tokens, pos + k)
       h, caches[k - 1] = target.mtp_forward(k, h, nxt, pos, cache=caches[k - 1])
       if k < self.used:
         hidden[k] = hidden[k].at[:, :prefill_len].set(h.astype(hidden[k].dtype))
-    ks = jnp.arange(1, self.used + 1, dtype=jnp.int32)[:, None]
-    committed = jnp.maximum(lengths[None, :] - 1 - ks, 0)
-    return {"caches": caches, "hidden": hidden, "committed": committed}
+    ks = jnp.arange(1, self.used + 1, dtype=jnp.int32)[None, :]
+    committed = jnp.maximum(lengths[:, None] - 1 - ks, 0)
+    return MTPDraftState(caches=caches, hidden=hidden, committed=committed)
 
   def _catch_up(self, target: Transformer, k: int, caches, hidden, tokens, c, n):
     """Module k over committed positions only, in chunks of its window,
@@ -167,7 +165,7 @@ class MTPDrafter:
       h, cache_k = target.mtp_forward(k, gather_rows(hidden[k - 1], pos), gather_rows(tokens, pos + k),
                                       pos, cache=cache_k)
       if hid is not None:
-        hid = write_rows(hid, h, c)
+        hid = write_cache(hid, h, c)
       return cache_k, hid, jnp.minimum(c + w, n - k)      # entries < n-k have true inputs
 
     hid = hidden[k] if k < self.used else None
@@ -177,22 +175,23 @@ class MTPDrafter:
       hidden[k] = hid
     return caches, hidden, c
 
-  def draft(self, target: Transformer, state, tokens, n, key, warp, num_draft_tokens=None):
-    """key: the round's drafting key (one [B, G, V] uniform draw when
-    sampling); warp: ``sampling.Warp``. Returns (state, tokens with the
-    drafts written at n..n+G-1, draft_tokens [B, G] int32, q [B, G, V]
-    float32: the warped draft distributions, or the draft logits when
-    greedy; see the module docstring)."""
-    g = num_draft_tokens or self.num_draft_tokens
+  def draft(self, target: Transformer, state: MTPDraftState, tokens, n, key,
+            params: SamplingParams, g: int):
+    """Drafts g tokens (static, 1 <= g; g <= G_max when ``variable``) for
+    the round starting at n [B] int32. key: the round's drafting key (one
+    [B, g, V] uniform draw when sampling). Returns (state, tokens [B, S]
+    with the drafts written at n..n+g-1, draft_tokens [B, g] int32, q
+    [B, g, V] float32: the warped draft distributions, or the draft logits
+    when greedy; see the module docstring)."""
     run = min(g, self.used)                                        # modules of the exact chain
     width = self.max_draft_tokens if self.variable else g          # window of module k: width + k
     with jax.named_scope("sample"):
-      u = draft_uniforms(key, tokens.shape[0], g, target.cfg.vocab_size, warp)
-    caches, hidden, committed = list(state["caches"]), list(state["hidden"]), state["committed"]
+      u = draft_uniforms(key, tokens.shape[0], g, target.cfg.vocab_size, params)
+    caches, hidden, committed = list(state.caches), list(state.hidden), state.committed
     drafts, qs = [], []
     h_last = None
     for k in range(1, run + 1):
-      c = committed[k - 1]
+      c = committed[:, k - 1]
       if self.variable:
         with jax.named_scope(f"catch_up{k}"):
           caches, hidden, c = self._catch_up(target, k, caches, hidden, tokens, c, n)
@@ -204,14 +203,14 @@ class MTPDrafter:
         h, caches[k - 1] = target.mtp_forward(k, h_in, t_in, pos, cache=caches[k - 1])
       with jax.named_scope("buffers"):
         if k < self.used:
-          hidden[k] = write_rows(hidden[k], h, c)
+          hidden[k] = write_cache(hidden[k], h, c)
         h_last = gather_rows(h, (n - 2 - c)[:, None])              # [B, 1, D] at position n-2
       with jax.named_scope("head"):
         logits = target.mtp_head(k, h_last)[:, 0]
       with jax.named_scope("sample"):
-        d, q = pick(logits, None if u is None else u[:, k - 1], warp)
+        d, q = pick(logits, None if u is None else u[:, k - 1], params)
       with jax.named_scope("buffers"):
-        tokens = write_rows(tokens, d[:, None], n - 1 + k)
+        tokens = write_cache(tokens, d[:, None], n - 1 + k)
       drafts.append(d)
       qs.append(q)
     for k in range(self.used + 1, g + 1):                          # reuse module D
@@ -223,22 +222,22 @@ class MTPDrafter:
       with jax.named_scope("head"):
         logits = target.mtp_head(self.depth, h_last)[:, 0]
       with jax.named_scope("sample"):
-        d, q = pick(logits, None if u is None else u[:, k - 1], warp)
+        d, q = pick(logits, None if u is None else u[:, k - 1], params)
       with jax.named_scope("buffers"):
-        tokens = write_rows(tokens, d[:, None], n - 1 + k)
+        tokens = write_cache(tokens, d[:, None], n - 1 + k)
       drafts.append(d)
       qs.append(q)
-    ks = jnp.arange(1, self.used + 1, dtype=jnp.int32)[:, None]
-    ran = jnp.arange(1, self.used + 1)[:, None] <= run               # modules past g keep c_k
-    committed = jnp.where(ran, jnp.maximum(n[None, :] - ks, 0), committed)
-    state = {"caches": caches, "hidden": hidden, "committed": committed}
+    ks = jnp.arange(1, self.used + 1, dtype=jnp.int32)[None, :]
+    ran = ks <= run                                                 # modules past g keep c_k
+    committed = jnp.where(ran, jnp.maximum(n[:, None] - ks, 0), committed)
+    state = MTPDraftState(caches=caches, hidden=hidden, committed=committed)
     return state, tokens, jnp.stack(drafts, 1), jnp.stack(qs, 1)
 
   def after_verify(self, state, h0_block, n):
     """Stores the target's h^0 for the verify block (positions n-1..n+G-1)."""
-    hidden = list(state["hidden"])
-    hidden[0] = write_rows(hidden[0], h0_block, n - 1)
-    return {**state, "hidden": hidden}
+    hidden = list(state.hidden)
+    hidden[0] = write_cache(hidden[0], h0_block, n - 1)
+    return state.replace(hidden=hidden)
 
 
 class DraftModelDrafter:
@@ -247,36 +246,42 @@ class DraftModelDrafter:
 
   The draft model keeps its own KV cache over positions 0..n-2 like the
   target. Each round feeds [x_{n-2}, x_{n-1}] (re-feeding n-2 makes the cache
-  complete after a round that accepted all G drafts, when d_G was never fed)
-  to get q_1, then feeds each draft to get the next q: G calls per round.
+  complete after a round that accepted all g drafts, when d_g was never fed)
+  to get q_1, then feeds each draft to get the next q: g calls per round.
+  Stateless apart from its ``DraftModelState``; the draft length is the
+  ``g`` of each ``draft`` call.
   """
 
-  def __init__(self, num_draft_tokens: int):
-    if num_draft_tokens < 1:
-      raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
-    self.num_draft_tokens = num_draft_tokens
+  def init_state(self, draft: Transformer, batch: int, cache_len: int) -> DraftModelState:
+    return DraftModelState(cache=init_layer_caches(draft.cfg, draft.cfg.num_layers, batch,
+                                                   cache_len))
 
-  def init_state(self, draft: Transformer, batch: int, cache_len: int):
-    return {"cache": init_layer_caches(draft.cfg, draft.cfg.num_layers, batch, cache_len)}
-
-  def prefill(self, draft: Transformer, state, tokens, lengths, prefill_len: int):
+  def prefill(self, draft: Transformer, state: DraftModelState, tokens, lengths, h0,
+              prefill_len: int) -> DraftModelState:
+    """The draft model over positions 0..prefill_len-1 (``h0``, the
+    target's, is not used)."""
     b = tokens.shape[0]
     pos = jnp.broadcast_to(jnp.arange(prefill_len, dtype=jnp.int32), (b, prefill_len))
-    _, cache = draft.backbone(tokens[:, :prefill_len], pos, cache=state["cache"])
-    return {"cache": cache}
+    _, cache = draft.backbone(tokens[:, :prefill_len], pos, cache=state.cache)
+    return DraftModelState(cache=cache)
 
-  def draft(self, draft: Transformer, state, tokens, n, key, warp):
-    g = self.num_draft_tokens
-    u = draft_uniforms(key, tokens.shape[0], g, draft.cfg.vocab_size, warp)
-    cache = state["cache"]
+  def draft(self, draft: Transformer, state: DraftModelState, tokens, n, key,
+            params: SamplingParams, g: int):
+    """As ``MTPDrafter.draft``, with the draft model's own cache."""
+    u = draft_uniforms(key, tokens.shape[0], g, draft.cfg.vocab_size, params)
+    cache = state.cache
     pos = (n - 2)[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
     inp = gather_rows(tokens, pos)
     drafts, qs = [], []
     for j in range(1, g + 1):
       h, cache = draft.backbone(inp, pos, cache=cache)
-      d, q = pick(draft.head(h[:, -1:])[:, 0], None if u is None else u[:, j - 1], warp)
-      tokens = write_rows(tokens, d[:, None], n - 1 + j)
+      d, q = pick(draft.head(h[:, -1:])[:, 0], None if u is None else u[:, j - 1], params)
+      tokens = write_cache(tokens, d[:, None], n - 1 + j)
       drafts.append(d)
       qs.append(q)
       inp, pos = d[:, None], (n - 1 + j)[:, None]
-    return {"cache": cache}, tokens, jnp.stack(drafts, 1), jnp.stack(qs, 1)
+    return DraftModelState(cache=cache), tokens, jnp.stack(drafts, 1), jnp.stack(qs, 1)
+
+  def after_verify(self, state: DraftModelState, h0_block, n) -> DraftModelState:
+    """Nothing to keep of the verify block (the draft model re-feeds x_{n-2})."""
+    return state

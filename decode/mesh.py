@@ -9,12 +9,11 @@ temperature 0 the output equals one device's (tests/test_sharding.py).
 One JAX process (all devices addressable); multi-host decoding is not
 supported here.
 
-State layout (``decode.speculative.Decoder.prepare``): every array has the
-batch B as its leading dimension (the MTP drafter's per-depth ``hidden``
-buffers are a list of [B, S, D]), except the drafter's ``committed``
-[used, B] (B second);
-0-d leaves (the PRNG key, schedule counters) and the "auto" schedule's
-round costs are replicated.
+State layout (``decode.state.DecodeState``): every array has the batch B
+as its leading dimension (drafter states included), so rows go over
+``data``; 0-d leaves (the PRNG key, the "auto" counters) and the "auto"
+schedule's round costs (``AutoState.schedule["costs"]``, not per row) are
+replicated.
 """
 
 from __future__ import annotations
@@ -25,9 +24,6 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mtp import sharding as shard_lib
-
-_BATCH_SECOND = ("drafter/committed",)
-_REPLICATED = ("schedule/costs",)            # not per row ("auto" draft length)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -47,17 +43,14 @@ def place_params(mesh: Mesh, params, model_cfg):
 
 
 def state_shardings(mesh: Mesh, state):
-  """NamedSharding per leaf of a decoding state: the batch dimension over
-  ``data``, everything else replicated."""
-  def one(path, x):
-    if x.ndim == 0:
-      return NamedSharding(mesh, P())
-    p = jax.tree_util.keystr(path, simple=True, separator="/")
-    if p in _REPLICATED:
-      return NamedSharding(mesh, P())
-    axis = 1 if p in _BATCH_SECOND else 0
-    return NamedSharding(mesh, P(*([None] * axis + ["data"])))
-  return jax.tree_util.tree_map_with_path(one, state)
+  """A ``DecodeState`` of NamedShardings, by field: the batch dimension of
+  every array over ``data``; 0-d leaves and the "auto" round costs
+  replicated."""
+  rows, whole = NamedSharding(mesh, P("data")), replicated(mesh)
+  out = jax.tree.map(lambda x: whole if x.ndim == 0 else rows, state)
+  if state.auto is not None:
+    out = out.replace(auto=out.auto.replace(schedule={**out.auto.schedule, "costs": whole}))
+  return out
 
 
 def shard_state(mesh: Mesh, state):

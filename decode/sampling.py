@@ -1,73 +1,133 @@
-"""Logits warping and the speculative-sampling acceptance rule.
+"""Logits warping and sampling: the distributions speculative decoding
+compares and the draws it makes.
 
 Pure, jittable functions with no model inside (docs/design.md, sections 3 and 5):
 
+- ``SamplingParams``: the sampling settings as one pytree: temperature,
+  top-k and top-p are traced leaves (one compilation serves every value),
+  ``greedy`` (temperature 0) and ``filtering`` (top-k or top-p on) are
+  static, so each combination compiles its own lean program. Validated once
+  (``validate``), on the host, before anything runs.
 - ``warp_logits``: temperature, then top-k, then top-p (nucleus), applied
-  identically to target and draft logits.
+  identically to target and draft logits; ``warped_probs`` its softmax.
 - ``probs_from_logits``: float32 softmax with exact zeros at removed tokens.
-- ``sample``: categorical sampling that never returns a 0-probability token.
-- ``rejection_sample``: the stochastic verification rule of Leviathan et al.
-  2023, "Fast Inference from Transformers via Speculative Decoding",
-  Algorithm 1 (the same rule as Chen et al. 2023, "Accelerating Large
-  Language Model Decoding with Speculative Sampling", Algorithm 2), vectorised
-  over the batch B and the draft length G.
-- ``greedy_verify``: the temperature-0 special case (accept while the draft is
-  the target argmax).
-- Token trees (``TreeSpec``): ``sample_without_replacement`` (Gumbel-top-k,
-  Kool et al. 2019), ``tree_rejection_sample`` (recursive rejection sampling
-  over children drawn without replacement, Jeon et al. 2024, "Recursive
-  Speculative Decoding") and ``tree_greedy_verify`` (the longest path of
-  target argmaxes). Derivation: docs/speculative_sampling.md, "Token trees".
+- ``sample``: categorical sampling that never returns a 0-probability token;
+  ``sample_without_replacement`` (Gumbel-top-k, Kool et al. 2019) for
+  token trees; ``pick``: one draft and the distribution it was drawn from.
 
-Shapes use the axis letters of docs/design.md: B batch, G draft length (gamma),
-V vocabulary. Internally everything is float32. The derivation of why the
-rule is lossless, with a worked example, is in docs/speculative_sampling.md.
-
-Sampling parameters (``temperature``, ``top_k``, ``top_p``) may be Python
-scalars or traced jnp scalars, so one compiled function serves every setting;
-shapes (B, G, V) are the only things that trigger recompilation.
+The acceptance rules that compare target and draft distributions are in
+``decode.verify``. Shapes use the axis letters of docs/design.md: B batch,
+G draft length (gamma), V vocabulary. Internally everything is float32.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import math
 import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from decode.errors import DecodeError
+
 __all__ = [
-  "Warp",
+  "SamplingParams",
+  "check_values",
   "warp_logits",
   "warped_probs",
   "probs_from_logits",
+  "uniform_open",
+  "categorical_from_uniform",
   "sample",
   "sample_from_uniform",
-  "rejection_sample",
-  "greedy_verify",
-  "TreeSpec",
   "sample_without_replacement",
-  "tree_rejection_sample",
-  "tree_greedy_verify",
+  "draft_uniforms",
+  "pick",
 ]
 
 _NEG_INF = -jnp.inf
+MAX_TOP_K = 2 ** 31 - 1           # top_k is an int32 on the device
 
 
-def _check_python_params(temperature, top_k, top_p) -> None:
-  """Validates sampling parameters given as Python scalars (traced ones pass)."""
-  if isinstance(temperature, numbers.Real) and not temperature >= 0:
-    raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature!r}")
-  if isinstance(top_k, numbers.Real):
-    if isinstance(top_k, float) and not float(top_k).is_integer():
-      raise ValueError(f"top_k must be an integer, got {top_k!r}")
-    if not top_k >= 0:
-      raise ValueError(f"top_k must be >= 0 (0 disables top-k), got {top_k!r}")
-  if isinstance(top_p, numbers.Real) and not 0.0 < top_p <= 1.0:
-    raise ValueError(f"top_p must be in (0, 1] (1 disables top-p), got {top_p!r}")
+def check_values(temperature, top_k, top_p) -> None:
+  """Range checks of sampling settings given as Python or numpy numbers
+  (arrays, traced or not, pass unchecked): temperature a finite number >= 0
+  (0 = greedy), top_k an integer in [0, 2**31 - 1] (0 = off; >= V keeps
+  every token), top_p a number in (0, 1] (1 = off).
 
+  Raises:
+    DecodeError (a ValueError), one line naming the flag and its range.
+  """
+  def number(x):
+    if isinstance(x, (jax.Array, np.ndarray)):
+      return None                      # an array: checked where it was made
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+      return x
+    return "bad"
+  t, k, p = number(temperature), number(top_k), number(top_p)
+  if t is not None and (t == "bad" or not (math.isfinite(t) and t >= 0)):
+    raise DecodeError(f"--temperature={temperature!r} must be a finite number >= 0 (0 = greedy)")
+  if k is not None and (k == "bad" or not (math.isfinite(k) and float(k).is_integer()
+                                          and 0 <= k <= MAX_TOP_K)):
+    raise DecodeError(f"--top_k={top_k!r} must be an integer in [0, {MAX_TOP_K}] "
+                      "(0 disables top-k)")
+  if p is not None and (p == "bad" or not 0.0 < p <= 1.0):
+    raise DecodeError(f"--top_p={top_p!r} must be in (0, 1] (1 disables top-p)")
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Sampling settings: temperature >= 0 (0 = greedy), top_k >= 0 (0 = off),
+  top_p in (0, 1] (1 = off); warping order temperature, top-k, top-p.
+
+  A pytree: the three values are its leaves (float32 / int32 / float32 on
+  the device, traced under ``jax.jit``: one compilation serves every
+  value), and two static flags are its structure: ``greedy``
+  (temperature == 0: drafts, verification and the next token are argmaxes;
+  no softmax, residual or random number is built) and ``filtering`` (top-k
+  or top-p active: only then is the vocabulary sort compiled). The flags
+  are derived from the Python values given; a tree rebuilt inside ``jit``
+  carries them along.
+
+  Construction does not check ranges; ``validate()`` does (once, on the
+  host: ``Decoder.generate`` / ``stream`` and the CLI call it before
+  anything is loaded or run) and raises DecodeError naming the flag.
+  """
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  _flags: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
+
+  def validate(self) -> "SamplingParams":
+    """Returns self; raises DecodeError for out-of-range values (``check_values``)."""
+    check_values(self.temperature, self.top_k, self.top_p)
+    return self
+
+  @property
+  def greedy(self) -> bool:
+    """Static: temperature == 0."""
+    return self._flags[0] if self._flags is not None else self.temperature == 0
+
+  @property
+  def filtering(self) -> bool:
+    """Static: top-k or top-p active (the vocabulary sort is compiled)."""
+    if self._flags is not None:
+      return self._flags[1]
+    return self.top_k > 0 or self.top_p < 1.0
+
+  def tree_flatten(self):
+    leaves = (self.temperature, self.top_k, self.top_p)
+    if self._flags is None:          # Python values: fixed device dtypes, no weak types
+      leaves = (np.float32(self.temperature), np.int32(min(int(self.top_k), MAX_TOP_K)),
+                np.float32(self.top_p))
+    return leaves, (self.greedy, self.filtering)
+
+  @classmethod
+  def tree_unflatten(cls, flags, leaves):
+    return cls(*leaves, _flags=tuple(flags))
 
 def _top_k_top_p(z, k, top_p):
   """Top-k then top-p on temperature-scaled logits z [..., V] (-inf = removed)."""
@@ -141,7 +201,7 @@ def warp_logits(logits, temperature, top_k, top_p):
       Traced parameters cannot be checked: a traced temperature <= 0 is
       greedy, top_k <= 0 disables top-k, top_p <= 0 keeps only the top token.
   """
-  _check_python_params(temperature, top_k, top_p)
+  check_values(temperature, top_k, top_p)
   x = jnp.asarray(logits, jnp.float32)
   if x.ndim < 1:
     raise ValueError(f"logits must have a vocabulary axis, got shape {x.shape}")
@@ -171,68 +231,26 @@ def warp_logits(logits, temperature, top_k, top_p):
   return jnp.where(t > 0, z, greedy)
 
 
-@jax.tree_util.register_pytree_node_class
-class Warp:
-  """Sampling settings as decoding's jitted functions see them.
 
-  ``temperature``, ``top_k``, ``top_p`` are pytree children (traced scalars:
-  one compilation serves every value); ``greedy`` (temperature == 0) and
-  ``filtering`` (top-k or top-p active) are static, part of the tree
-  structure, so each of the three combinations compiles its own lean
-  program: greedy decoding takes argmaxes and never builds a softmax, a
-  residual or a random number; sampling without top-k/top-p never compiles
-  the vocabulary sort. ``Warp.of(t, k, p)`` derives the flags from Python
-  values; iterating gives ``(temperature, top_k, top_p)`` so that
-  ``warp_logits(x, *warp)`` works as with a plain tuple.
+def warped_probs(logits, params: SamplingParams):
+  """Probabilities [..., V] float32 of ``logits`` under ``params``: exactly
+  ``probs_from_logits(warp_logits(logits, temperature, top_k, top_p))``.
+
+  With non-greedy ``params`` the temperature-0 branch is not built, and the
+  top-k/top-p sort only when ``params.filtering`` (same values, fewer
+  operations).
   """
-
-  def __init__(self, temperature, top_k, top_p, greedy: bool = False, filtering: bool = True):
-    self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-    self.greedy, self.filtering = bool(greedy), bool(filtering)
-
-  @classmethod
-  def of(cls, temperature: float, top_k: int = 0, top_p: float = 1.0) -> "Warp":
-    """Traced float32/int32 scalars with the static flags of these values.
-    Raises ValueError for out-of-range values (as ``warp_logits``)."""
-    _check_python_params(temperature, top_k, top_p)
-    return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
-               greedy=temperature == 0, filtering=top_k > 0 or top_p < 1.0)
-
-  def tree_flatten(self):
-    return (self.temperature, self.top_k, self.top_p), (self.greedy, self.filtering)
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    return cls(*children, *aux)
-
-  def __iter__(self):
-    return iter((self.temperature, self.top_k, self.top_p))
-
-  def __repr__(self):
-    return (f"Warp(temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, "
-            f"greedy={self.greedy}, filtering={self.filtering})")
-
-
-def warped_probs(logits, warp):
-  """Probabilities [..., V] float32 of ``logits`` under ``warp``: exactly
-  ``probs_from_logits(warp_logits(logits, *warp))``.
-
-  With a ``Warp`` that is not greedy, the temperature-0 branch is not built
-  and the top-k/top-p sort only when ``warp.filtering`` (same values, fewer
-  operations). ``warp`` may also be a plain (temperature, top_k, top_p)
-  tuple (the general, traced path).
-  """
-  if not isinstance(warp, Warp) or warp.greedy:
-    return probs_from_logits(warp_logits(logits, *warp))
+  if params.greedy:
+    return probs_from_logits(warp_logits(logits, params.temperature, params.top_k, params.top_p))
   x = jnp.asarray(logits, jnp.float32)
-  t = jnp.asarray(warp.temperature, jnp.float32)
+  t = jnp.asarray(params.temperature, jnp.float32)
   valid = x > _NEG_INF
   row_max = jnp.max(x, axis=-1, keepdims=True)
   row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
   z = jnp.where(valid, (x - row_max) / t, _NEG_INF)
-  if warp.filtering:
-    z = _top_k_top_p(z, jnp.asarray(warp.top_k).astype(jnp.int32),
-                     jnp.asarray(warp.top_p, jnp.float32))
+  if params.filtering:
+    z = _top_k_top_p(z, jnp.asarray(params.top_k).astype(jnp.int32),
+                     jnp.asarray(params.top_p, jnp.float32))
   return probs_from_logits(z)
 
 
@@ -253,18 +271,21 @@ def probs_from_logits(warped_logits):
   return jax.nn.softmax(jnp.asarray(warped_logits, jnp.float32), axis=-1)
 
 
-def _uniform_open(key, shape):
-  """float32 uniforms in [tiny, 1): usable both as u ~ U[0, 1) and for Gumbel noise."""
+
+def uniform_open(key, shape):
+  """float32 uniforms in [tiny, 1) of ``shape``: usable both as u ~ U[0, 1)
+  and for Gumbel noise (the draws ``sample`` and the acceptance rules use)."""
   return jax.random.uniform(key, shape, jnp.float32, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
 
 
-def _categorical_from_uniform(probs, u):
+def categorical_from_uniform(probs, u):
   """Gumbel-max sampling: argmax(log probs - log(-log u)) over the last axis.
 
   probs [..., V] float32 >= 0, u [..., V] float32 in (0, 1). A 0-probability
   token has score -inf and is never chosen while some entry is positive
-  (the Gumbel noise is finite). Scale invariant in probs.
+  (the Gumbel noise is finite). Scale invariant in probs. Returns [...] int32.
   """
+  probs = jnp.asarray(probs, jnp.float32)
   logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), _NEG_INF)
   return jnp.argmax(logp - jnp.log(-jnp.log(u)), axis=-1).astype(jnp.int32)
 
@@ -274,13 +295,7 @@ def sample_from_uniform(probs, u):
   one positive entry per row), u [..., V] float32 in (0, 1) (e.g. one
   ``jax.random.uniform`` draw for several samples). Returns [...] int32.
   A 0-probability token is never returned."""
-  return _categorical_from_uniform(jnp.asarray(probs, jnp.float32), u)
-
-
-def uniform_open(key, shape):
-  """float32 uniforms in [tiny, 1) of ``shape``, the draws ``sample`` and
-  ``rejection_sample`` use."""
-  return _uniform_open(key, shape)
+  return categorical_from_uniform(probs, u)
 
 
 def sample(key, probs):
@@ -303,246 +318,7 @@ def sample(key, probs):
   probs = jnp.asarray(probs, jnp.float32)
   if probs.ndim < 1:
     raise ValueError(f"probs must have a vocabulary axis, got shape {probs.shape}")
-  return _categorical_from_uniform(probs, _uniform_open(key, probs.shape))
-
-
-def _check_verify_shapes(name, target, draft_tokens, draft_probs=None):
-  """Static (trace-time) shape checks for the verification functions."""
-  if target.ndim != 3:
-    raise ValueError(f"{name}: target must be [B, G+1, V], got shape {target.shape}")
-  b, g1, v = target.shape
-  if draft_tokens.ndim != 2 or draft_tokens.shape != (b, g1 - 1):
-    raise ValueError(
-      f"{name}: draft_tokens must be [B, G] = [{b}, {g1 - 1}] to match target "
-      f"{target.shape}, got {draft_tokens.shape}"
-    )
-  if not jnp.issubdtype(draft_tokens.dtype, jnp.integer):
-    raise ValueError(f"{name}: draft_tokens must be integer, got {draft_tokens.dtype}")
-  if draft_probs is not None and draft_probs.shape != (b, g1 - 1, v):
-    raise ValueError(
-      f"{name}: draft_probs must be [B, G, V] = [{b}, {g1 - 1}, {v}], got {draft_probs.shape}"
-    )
-
-
-def rejection_sample(key, target_probs, draft_probs, draft_tokens):
-  """Speculative-sampling verification of G drafted tokens per row.
-
-  Leviathan et al. 2023, Algorithm 1 (= Chen et al. 2023, Algorithm 2), with
-  the indices of docs/design.md section 5: for j = 1..G in order, draft d_j is
-  accepted with probability min(1, p_{j-1}(d_j) / q_j(d_j)), where
-  p_{j-1} = ``target_probs[:, j-1]`` and q_j = ``draft_probs[:, j-1]``. At the
-  first rejection j* the round emits one token from the residual
-  norm(max(0, p_{j*-1} - q_{j*})) and stops; if all G drafts are accepted it
-  emits a bonus token from p_G = ``target_probs[:, G]``. With a accepted
-  drafts the round emits ``draft_tokens[:, :a]`` followed by ``next_token``;
-  each emitted token, given the tokens before it, follows the target's
-  distribution, so the output has exactly the target's law, provided each d_j
-  was really sampled from q_j (derivation: docs/speculative_sampling.md).
-
-  Implementation: all randomness of the round is one uniform draw of shape
-  [B, G + V] from ``key``: u_j (j = 1..G) for the acceptance tests, accept iff
-  u_j < p/q (so p >= q always accepts and p == 0 never does), and V more for
-  the Gumbel-max draw of the stop token. The accepted count is the length of
-  the leading run of accepts (cumulative product), so there is no loop over
-  G. The residual is formed only for the stop row.
-
-  Edge cases (decisions):
-    - p(d) == 0: never accepted, and never emitted (the residual and the
-      bonus row give it probability 0), whatever q(d) is.
-    - q(d) == 0 (impossible if d was sampled from q; an adversarial or buggy
-      drafter): the ratio is taken as +inf, i.e. accepted iff p(d) > 0. The
-      output is then no longer guaranteed to follow p: losslessness requires
-      drafts sampled from q.
-    - Draft ids outside [0, V) are rejected.
-    - Residual summing to 0 (only through rounding when p == q, or with an
-      adversarial q(d) == 0, p(d) == 0 draft on a row where p == q): falls
-      back to sampling from p itself.
-
-  Args:
-    key: a ``jax.random`` key (one uniform draw of shape [B, G + V]).
-    target_probs: [B, G+1, V] float, the warped target distributions p_0..p_G
-      (rows sum to 1).
-    draft_probs: [B, G, V] float, q_1..q_G, the distributions the drafts were
-      actually sampled from (after the same warp).
-    draft_tokens: [B, G] integer, the drafts d_1..d_G.
-
-  Returns:
-    (num_accepted, next_token): [B] int32 in 0..G, and [B] int32, the residual
-    token (num_accepted < G) or the bonus token (num_accepted == G).
-
-  Raises:
-    ValueError: on inconsistent shapes or non-integer draft_tokens (at trace
-      time; G is static, one compilation per (B, G, V)).
-  """
-  p = jnp.asarray(target_probs, jnp.float32)
-  q = jnp.asarray(draft_probs, jnp.float32)
-  d = jnp.asarray(draft_tokens)
-  _check_verify_shapes("rejection_sample", p, d, q)
-  b, g1, v = p.shape
-  g = g1 - 1
-  d = d.astype(jnp.int32)
-  uniforms = _uniform_open(key, (b, g + v))
-  u, u_stop = uniforms[:, :g], uniforms[:, g:]  # [B, G] in [0, 1), [B, V]
-
-  # Acceptance tests for all G drafts at once.
-  in_range = (d >= 0) & (d < v)
-  d_safe = jnp.clip(d, 0, v - 1)[..., None]
-  p_d = jnp.take_along_axis(p[:, :g], d_safe, axis=-1)[..., 0]  # [B, G]
-  q_d = jnp.take_along_axis(q, d_safe, axis=-1)[..., 0]  # [B, G]
-  ratio = jnp.where(
-    q_d > 0,
-    p_d / jnp.where(q_d > 0, q_d, 1.0),
-    jnp.where(p_d > 0, jnp.inf, 0.0),
-  )
-  accept = (u < ratio) & (p_d > 0) & in_range
-  num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
-
-  # The stop row: residual max(0, p_a - q_{a+1}) for a < G, p_G for a == G
-  # (q padded with a zero row at index G).
-  q_pad = jnp.concatenate([q, jnp.zeros((b, 1, v), jnp.float32)], axis=1)
-  row = num_accepted[:, None, None]
-  p_row = jnp.take_along_axis(p, row, axis=1)[:, 0]  # [B, V]
-  q_row = jnp.take_along_axis(q_pad, row, axis=1)[:, 0]  # [B, V]
-  residual = jnp.maximum(p_row - q_row, 0.0)
-  total = jnp.sum(residual, axis=-1, keepdims=True)
-  residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p_row)
-  next_token = _categorical_from_uniform(residual, u_stop)
-  return num_accepted.astype(jnp.int32), next_token
-
-
-def greedy_verify(target_logits_or_probs, draft_tokens):
-  """Greedy (temperature 0) verification of G drafted tokens per row.
-
-  Accepts d_j while d_j == argmax of target row j-1 (j = 1..G); the next
-  token is the argmax at the first mismatch position, or at position G (the
-  bonus) when all drafts match. This is ``rejection_sample`` with one-hot p
-  and q (Leviathan et al. 2023, Algorithm 1 at temperature 0): p(d)/q(d) is 1
-  iff d is the argmax and 0 otherwise, and the residual max(0, p - q) is then
-  the one-hot argmax. Ties go to the lowest index (``jnp.argmax``), matching
-  ``warp_logits`` at temperature 0. Deterministic: no key.
-
-  Args:
-    target_logits_or_probs: [B, G+1, V] float, target logits or probabilities
-      (only the argmax is used; -inf entries are never chosen).
-    draft_tokens: [B, G] integer drafts d_1..d_G.
-
-  Returns:
-    (num_accepted, next_token): [B] int32 in 0..G and [B] int32.
-
-  Raises:
-    ValueError: on inconsistent shapes or non-integer draft_tokens.
-  """
-  x = jnp.asarray(target_logits_or_probs)
-  d = jnp.asarray(draft_tokens)
-  _check_verify_shapes("greedy_verify", x, d)
-  g = x.shape[1] - 1
-  best = jnp.argmax(x, axis=-1).astype(jnp.int32)  # [B, G+1]
-  match = d.astype(jnp.int32) == best[:, :g]
-  num_accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
-  next_token = jnp.take_along_axis(best, num_accepted[:, None], axis=1)[:, 0]
-  return num_accepted.astype(jnp.int32), next_token
-
-
-# ---------------------------------------------------------------------------
-# Token trees.
-
-
-@dataclasses.dataclass(frozen=True)
-class TreeSpec:
-  """A static draft tree given by its branching per depth.
-
-  ``branching`` (b_1, .., b_m): the root (the newest committed token x_{n-1})
-  has b_1 children, every depth-1 node b_2 children, and so on; depth m is
-  the tree's depth. Nodes are numbered in breadth-first order (all depth-1
-  nodes, then all depth-2 nodes, ...; the children of one parent are
-  consecutive, in the order they were drafted), node i in 0..N-1. Verify
-  blocks put the root at block index 0 and node i at block index 1 + i, so
-  the internal nodes (root and depths 1..m-1) are the first
-  ``num_internal`` block indices.
-
-  Hashable (a static argument under ``jax.jit``); the derived index arrays
-  are numpy (static).
-  """
-  branching: tuple[int, ...]
-
-  def __post_init__(self):
-    b = tuple(self.branching)
-    if not b or not all(isinstance(x, (int, np.integer)) and x >= 1 for x in b):
-      raise ValueError(f"tree branching must be a non-empty tuple of integers >= 1, got {b!r}")
-    object.__setattr__(self, "branching", tuple(int(x) for x in b))
-
-  @property
-  def depth(self) -> int:
-    """m, the number of levels below the root."""
-    return len(self.branching)
-
-  @functools.cached_property
-  def counts(self) -> tuple[int, ...]:
-    """(n_0, n_1, .., n_m): nodes per depth, n_0 = 1 (the root), n_d = n_{d-1} b_d."""
-    out = [1]
-    for b in self.branching:
-      out.append(out[-1] * b)
-    return tuple(out)
-
-  @property
-  def num_nodes(self) -> int:
-    """N = n_1 + .. + n_m (the root excluded): drafted tokens per round."""
-    return sum(self.counts[1:])
-
-  @property
-  def num_internal(self) -> int:
-    """Nodes with children, root included: n_0 + .. + n_{m-1}."""
-    return sum(self.counts[:-1])
-
-  @functools.cached_property
-  def offsets(self) -> tuple[int, ...]:
-    """offsets[d] = first node index of depth d (d = 1..m; offsets[0] = -1
-    stands for the root, which is not a node); offsets[m+1] = N."""
-    out, acc = [-1], 0
-    for c in self.counts[1:]:
-      out.append(acc)
-      acc += c
-    return tuple(out + [acc])
-
-  @functools.cached_property
-  def depths(self) -> np.ndarray:
-    """[N] int32, depth 1..m of every node."""
-    return np.concatenate([np.full(c, d, np.int32) for d, c in enumerate(self.counts) if d])
-
-  @functools.cached_property
-  def parents(self) -> np.ndarray:
-    """[N] int32, node index of every node's parent, -1 for the root's children."""
-    out = [np.full(self.counts[1], -1)]
-    for d in range(2, self.depth + 1):
-      out.append(self.offsets[d - 1] + np.arange(self.counts[d]) // self.branching[d - 1])
-    return np.concatenate(out).astype(np.int32)
-
-  @functools.cached_property
-  def ancestors(self) -> np.ndarray:
-    """[N, N] bool: ancestors[i, j] iff node j is node i or one of its
-    ancestors (the root excluded)."""
-    n = self.num_nodes
-    out = np.eye(n, dtype=bool)
-    for i in range(n):
-      j = self.parents[i]
-      while j >= 0:
-        out[i, j] = True
-        j = self.parents[j]
-    return out
-
-  @functools.cached_property
-  def block_ancestors(self) -> np.ndarray:
-    """[N+1, N+1] bool over verify-block indices (root 0, node i at 1+i):
-    ancestor-or-self, the root an ancestor of every node (the tree
-    attention mask of the verify block)."""
-    n = self.num_nodes
-    out = np.zeros((n + 1, n + 1), bool)
-    out[:, 0] = True
-    out[1:, 1:] = self.ancestors
-    return out
-
-  def __str__(self):
-    return ",".join(map(str, self.branching))
+  return categorical_from_uniform(probs, uniform_open(key, probs.shape))
 
 
 def sample_without_replacement(probs, u, k: int):
@@ -570,188 +346,21 @@ def sample_without_replacement(probs, u, k: int):
   return idx.astype(jnp.int32), scores > _NEG_INF
 
 
-def _check_tree_shapes(name, spec, target, node_tokens, draft_probs=None):
-  if not isinstance(spec, TreeSpec):
-    raise ValueError(f"{name}: spec must be a TreeSpec, got {type(spec).__name__}")
-  n = spec.num_nodes
-  if target.ndim != 3 or target.shape[1] != n + 1:
-    raise ValueError(f"{name}: target must be [B, N+1, V] with N = {n} nodes of tree {spec}, "
-                     f"got shape {target.shape}")
-  b, _, v = target.shape
-  if node_tokens.shape != (b, n) or not jnp.issubdtype(node_tokens.dtype, jnp.integer):
-    raise ValueError(f"{name}: node_tokens must be integer [B, N] = [{b}, {n}], got "
-                     f"{node_tokens.shape} {node_tokens.dtype}")
-  if draft_probs is not None and draft_probs.shape != (b, spec.num_internal, v):
-    raise ValueError(f"{name}: draft_probs must be [B, N_internal, V] = [{b}, {spec.num_internal}, "
-                     f"{v}], got {draft_probs.shape}")
+def draft_uniforms(key, batch: int, num_draft_tokens: int, vocab: int, params: SamplingParams):
+  """The round's uniforms for drafting, [B, G, V] float32 (one draw), or
+  None when ``params`` is greedy (no randomness)."""
+  if params.greedy:
+    return None
+  return uniform_open(key, (batch, num_draft_tokens, vocab))
 
 
-def _walk(spec, bsz, choose):
-  """Descends the tree from the root: ``choose(d, parent [B])`` (the
-  current node's index within depth d) returns (found [B] bool, child rank
-  [B] in 0..b_{d+1}-1). Returns (num_accepted [B] int32, path [B, m] int32
-  node indices; entries past num_accepted are arbitrary valid nodes)."""
-  alive = jnp.ones((bsz,), bool)
-  a = jnp.zeros((bsz,), jnp.int32)
-  cur = jnp.zeros((bsz,), jnp.int32)
-  path = []
-  for d in range(spec.depth):
-    found, j = choose(d, cur)
-    alive = alive & found
-    a = a + alive
-    cur = cur * spec.branching[d] + j
-    path.append(spec.offsets[d + 1] + cur)
-  return a, jnp.stack(path, 1).astype(jnp.int32)
+def pick(logits, u, params: SamplingParams):
+  """One draft per row from logits [B, V] float32: (token [B] int32, q [B, V]).
 
-
-def _stop_block(path, a):
-  """Block index of the last accepted node (0 = root when a = 0)."""
-  last = jnp.take_along_axis(path, jnp.maximum(a - 1, 0)[:, None], 1)[:, 0]
-  return jnp.where(a > 0, last + 1, 0)
-
-
-def tree_greedy_verify(target_logits_or_probs, node_tokens, spec: TreeSpec):
-  """Greedy (temperature 0) verification of a token tree.
-
-  From the root, repeatedly move to the first child whose token is the
-  target argmax at the current node; stop where no child matches. The next
-  token is the argmax at the last accepted node (its bonus when that is a
-  leaf). This is the longest path on which every node is the target argmax
-  at its parent, so the emitted tokens are exactly the target's greedy
-  continuation: the tree version of ``greedy_verify`` (Leviathan et al.
-  2023, Algorithm 1 at temperature 0). Ties go to the lowest index.
-
-  Args:
-    target_logits_or_probs: [B, N+1, V] float, target rows of the verify
-      block (root at 0, node i at 1+i; only argmaxes are used).
-    node_tokens: [B, N] integer, the drafted token of every node (BFS order).
-    spec: the tree (static).
-  Returns:
-    (num_accepted [B] int32 in 0..m, next_token [B] int32, path [B, m] int32:
-    node index of the accepted node at depth d in column d-1, for
-    d <= num_accepted; later columns are arbitrary valid node indices).
-  Raises:
-    ValueError: on shapes that do not match ``spec``.
-  """
-  x = jnp.asarray(target_logits_or_probs)
-  toks = jnp.asarray(node_tokens)
-  _check_tree_shapes("tree_greedy_verify", spec, x, toks)
-  best = jnp.argmax(x, axis=-1).astype(jnp.int32)                         # [B, N+1]
-  toks = toks.astype(jnp.int32)
-
-  def choose(d, parent):
-    b = spec.branching[d]
-    block = parent + (1 + spec.offsets[d] if d else 0)                    # parent's block index
-    want = jnp.take_along_axis(best, block[:, None], 1)                   # [B, 1]
-    kids = spec.offsets[d + 1] + parent[:, None] * b + jnp.arange(b)[None]
-    match = jnp.take_along_axis(toks, kids, 1) == want                    # [B, b]
-    return jnp.any(match, 1), jnp.argmax(match, 1).astype(jnp.int32)
-
-  a, path = _walk(spec, x.shape[0], choose)
-  nxt = jnp.take_along_axis(best, _stop_block(path, a)[:, None], 1)[:, 0]
-  return a, nxt, path
-
-
-def tree_rejection_sample(key, target_probs, draft_probs, node_tokens, spec: TreeSpec):
-  """Lossless verification of a token tree whose children were drawn
-  without replacement: recursive rejection sampling (Jeon et al. 2024,
-  "Recursive Speculative Decoding", arXiv:2402.14160; the same rule as
-  Yang et al. 2024, "Multi-Candidate Speculative Decoding"), applied at
-  every node along the accepted path. Derivation and equations (T1)-(T3):
-  docs/speculative_sampling.md, "Token trees".
-
-  At a node with target distribution p (``target_probs`` at its block row)
-  and draft distribution q (``draft_probs`` at its row), whose children
-  c_1..c_b were drawn from q without replacement (``sample_without_replacement``:
-  c_i ~ q_i = q restricted to tokens other than c_1..c_{i-1}, renormalised),
-  with r_1 = p, for i = 1..b:
-
-      accept c_i with probability min(1, r_i(c_i) / q_i(c_i));         (T1)
-      otherwise r_{i+1} = norm(max(0, r_i - q_i))                        (T2)
-
-  and after the first acceptance continue at c_i (its own p and q); if all
-  children are rejected, emit one token from r_{b+1} and stop; at a leaf
-  emit a bonus token from its p. Every emitted token then follows the
-  target's conditional distribution (T3), whatever q is, provided the
-  children really were drawn as stated. Children past the number of
-  nonzero entries of q (top-k / top-p supports smaller than b) are invalid:
-  skipped, no update.
-
-  Implementation: the outcome at every internal node is computed at once
-  (independent uniforms per node, one vectorised pass per depth and child
-  rank), then the path is walked from the root; the randomness is one
-  uniform draw of shape [B, N + V] from ``key`` (one per node for (T1),
-  V for the final Gumbel-max draw). Edge cases as in ``rejection_sample``:
-  p(c) = 0 is never accepted or emitted; a residual that sums to 0
-  (rounding when r_i == q_i) falls back to r_i.
-
-  Args:
-    key: a ``jax.random`` key.
-    target_probs: [B, N+1, V] float, warped target distributions of the
-      verify block (root at 0, node i at 1+i).
-    draft_probs: [B, N_internal, V] float, q at every internal node (block
-      order: root, then depths 1..m-1), the distribution its children were
-      drawn from without replacement.
-    node_tokens: [B, N] integer, node tokens in BFS order (the children of
-      internal node j at consecutive indices, in drawing order).
-    spec: the tree (static).
-  Returns:
-    (num_accepted [B] int32 in 0..m, next_token [B] int32, path [B, m]
-    int32), as ``tree_greedy_verify``.
-  Raises:
-    ValueError: on shapes that do not match ``spec``.
-  """
-  p = jnp.asarray(target_probs, jnp.float32)
-  q = jnp.asarray(draft_probs, jnp.float32)
-  toks = jnp.asarray(node_tokens)
-  _check_tree_shapes("tree_rejection_sample", spec, p, toks, q)
-  toks = toks.astype(jnp.int32)
-  bsz, n1, v = p.shape
-  n = n1 - 1
-  uniforms = _uniform_open(key, (bsz, n + v))
-  u_acc, u_stop = uniforms[:, :n], uniforms[:, n:]
-  vocab = jnp.arange(v, dtype=jnp.int32)
-
-  accepted, residuals = [], []            # per depth d = 0..m-1
-  for d in range(spec.depth):
-    b, nd = spec.branching[d], spec.counts[d]
-    lo = 1 + spec.offsets[d] if d else 0                                  # block rows of depth d
-    r = p[:, lo:lo + nd]                                                  # [B, nd, V]
-    qd = q[:, lo:lo + nd]
-    kids = slice(spec.offsets[d + 1], spec.offsets[d + 1] + nd * b)
-    ct = toks[:, kids].reshape(bsz, nd, b)
-    cu = u_acc[:, kids].reshape(bsz, nd, b)
-    support = jnp.sum(qd > 0, -1)                                         # [B, nd]
-    qrem = qd
-    acc = jnp.full((bsz, nd), b, jnp.int32)                               # b = none accepted
-    for i in range(b):
-      c = jnp.clip(ct[..., i], 0, v - 1)
-      valid = (i < support) & (ct[..., i] >= 0) & (ct[..., i] < v)
-      searching = valid & (acc == b)
-      if i == 0:
-        qi = qd                                                           # q_1 = q as given
-      else:
-        mass = jnp.sum(qrem, -1, keepdims=True)
-        qi = qrem / jnp.where(mass > 0, mass, 1.0)                        # q_i
-      rc = jnp.take_along_axis(r, c[..., None], -1)[..., 0]
-      qc = jnp.take_along_axis(qi, c[..., None], -1)[..., 0]
-      ratio = jnp.where(qc > 0, rc / jnp.where(qc > 0, qc, 1.0), jnp.where(rc > 0, jnp.inf, 0.0))
-      ok = searching & (cu[..., i] < ratio) & (rc > 0)
-      acc = jnp.where(ok, i, acc)
-      res = jnp.maximum(r - qi, 0.0)
-      tot = jnp.sum(res, -1, keepdims=True)
-      res = jnp.where(tot > 0, res / jnp.where(tot > 0, tot, 1.0), r)
-      r = jnp.where((searching & ~ok)[..., None], res, r)
-      qrem = jnp.where(valid[..., None] & (vocab == c[..., None]), 0.0, qrem)
-    accepted.append(acc)
-    residuals.append(r)
-
-  def choose(d, parent):
-    j = jnp.take_along_axis(accepted[d], parent[:, None], 1)[:, 0]
-    b = spec.branching[d]
-    return j < b, jnp.minimum(j, b - 1)
-
-  a, path = _walk(spec, bsz, choose)
-  stop_rows = jnp.concatenate(residuals + [p[:, 1 + spec.offsets[spec.depth]:]], 1)  # [B, N+1, V]
-  row = jnp.take_along_axis(stop_rows, _stop_block(path, a)[:, None, None], 1)[:, 0]
-  return a, _categorical_from_uniform(row, u_stop), path
+  Greedy ``params``: the argmax and the logits themselves. Otherwise a
+  Gumbel-max sample (uniforms u [B, V]) from q = the warped probabilities,
+  the distribution the token was really drawn from."""
+  if params.greedy:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
+  q = warped_probs(logits, params)
+  return sample_from_uniform(q, u), q

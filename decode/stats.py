@@ -1,4 +1,5 @@
-"""Decoding statistics (definitions of docs/design.md section 7).
+"""Decoding statistics (definitions of docs/design.md section 7); the speedup
+theory these are compared with is ``decode.theory``.
 
 - mean accepted length tau: tokens per target verification call, the mean of
   a+1 over rounds (a = accepted drafts; AR has tau = 1). The budget or an EOS
@@ -33,7 +34,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from decode.speculative import Generation
+from decode.verify import TreeSpec
+
 
 
 def acceptance_rates(histogram: np.ndarray) -> list[float | None]:
@@ -45,8 +47,9 @@ def acceptance_rates(histogram: np.ndarray) -> list[float | None]:
   return [float(reach[k] / reach[k - 1]) if reach[k - 1] > 0 else None for k in range(1, g + 1)]
 
 
-def summarize(gen: Generation, rows: Sequence[int] | None = None) -> dict:
-  """Statistics over ``rows`` (default: all) of a generation. Keys:
+def summarize(gen, rows: Sequence[int] | None = None) -> dict:
+  """Statistics over ``rows`` (default: all) of a generation (a
+  ``decode.state.Generation``). Keys:
   mean_accepted_length, acceptance_rate_per_position,
   accepted_length_histogram, target_calls, num_tokens, ttft_s, itl_p50_s,
   itl_p90_s, tokens_per_s, wall_time_s, prefill_s, decode_tokens_per_s,
@@ -78,7 +81,7 @@ def summarize(gen: Generation, rows: Sequence[int] | None = None) -> dict:
       "draft_length_histogram": (None if gen.draft_length_histogram is None else
                                  [int(x) for x in gen.draft_length_histogram[rows].sum(0)]),
       "tree": None if gen.tree is None else list(gen.tree),
-      "nodes_per_round": (tree_num_nodes(gen.tree) if gen.tree is not None
+      "nodes_per_round": (TreeSpec(gen.tree).num_nodes if gen.tree is not None
                           else None if gen.draft_length_histogram is not None
                           else gen.num_draft_tokens),
   }
@@ -91,15 +94,6 @@ def summarize(gen: Generation, rows: Sequence[int] | None = None) -> dict:
       out["itl_p50_s"] = float(np.percentile(gaps, 50))
       out["itl_p90_s"] = float(np.percentile(gaps, 90))
   return out
-
-
-def tree_num_nodes(branching) -> int:
-  """N, the nodes of a tree with this branching per depth (root excluded)."""
-  n, total = 1, 0
-  for b in branching:
-    n *= b
-    total += n
-  return total
 
 
 def format_summary(name: str, s: dict) -> str:
@@ -124,28 +118,3 @@ def format_summary(name: str, s: dict) -> str:
       f"throughput {num(s['tokens_per_s'], '.1f')} tok/s  wall {s['wall_time_s']:.3f} s "
       f"(prefill {ms(s.get('prefill_s'))}, decoding {num(s.get('decode_tokens_per_s'), '.1f')} tok/s)",
   ])
-
-
-# -- speedup theory (Leviathan et al. 2023, section 3.4) -------------------------
-
-def expected_accepted_length(alpha: float, num_draft_tokens: int) -> float:
-  """E[tokens per target call] = (1 - alpha^(G+1)) / (1 - alpha) for i.i.d.
-  acceptance rate alpha in [0, 1] (Leviathan et al. 2023, eq. 1); G+1 at alpha = 1."""
-  return float(sum(alpha ** k for k in range(num_draft_tokens + 1)))   # no cancellation near 1
-
-
-def ideal_speedup(alpha: float, num_draft_tokens: int, cost_ratio: float) -> float:
-  """Expected walltime improvement (1 - alpha^(G+1)) / ((1 - alpha)(G c + 1))
-  (Leviathan et al. 2023, Theorem 3.8); c = drafting time per draft token /
-  one target step."""
-  return expected_accepted_length(alpha, num_draft_tokens) / (num_draft_tokens * cost_ratio + 1)
-
-
-def alpha_from_tau(tau: float, num_draft_tokens: int) -> float:
-  """The i.i.d. acceptance rate alpha in [0, 1] whose expected accepted length
-  (``expected_accepted_length``) equals tau (bisection; tau clipped to [1, G+1])."""
-  lo, hi = 0.0, 1.0
-  for _ in range(60):
-    mid = (lo + hi) / 2
-    lo, hi = (mid, hi) if expected_accepted_length(mid, num_draft_tokens) < tau else (lo, mid)
-  return (lo + hi) / 2

@@ -1,11 +1,11 @@
 """Token trees drafted by the sequential MTP modules, verified in one target
 call (issue 14).
 
-A static tree (``sampling.TreeSpec``, branching b_1..b_m per depth, m <= D)
+A static tree (``verify.TreeSpec``, branching b_1..b_m per depth, m <= D)
 replaces the chain of drafts: module k proposes all depth-k nodes in one
 call, the target verifies every node in one forward with a tree attention
-mask, and the acceptance rule (``sampling.tree_greedy_verify`` at T = 0,
-``sampling.tree_rejection_sample`` at T > 0: recursive rejection sampling
+mask, and the acceptance rule (``verify.tree_greedy_verify`` at T = 0,
+``verify.tree_rejection_sample`` at T > 0: recursive rejection sampling
 over children drawn without replacement, docs/speculative_sampling.md
 "Token trees") picks one root-to-node path per row. Shapes are static
 functions of the tree, so nothing recompiles per round; rows accept
@@ -49,7 +49,7 @@ of u_i (slot n+index(u_i), >= n-1+i in BFS order) is copied to slot n-1+i
 for every layer (all sources gathered before the contiguous write at n),
 and h^0 of [root, u_1..u_a] goes to the drafter's depth-0 hidden buffer at
 positions n-1..n-1+a. The rest is the chain's commit
-(``Decoder._commit``): tokens u_1..u_a and the next token at n..n+a, cut at
+(``decode.round.commit``): tokens u_1..u_a and the next token at n..n+a, cut at
 EOS and at the token budget.
 
 The cost of a round, relative to the chain of the same depth, is the
@@ -65,10 +65,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decode import sampling
-from decode.drafters import MTPDrafter, gather_rows, write_rows
-from decode.sampling import TreeSpec
-from mtp.model import Transformer
+from decode import round as round_lib
+from decode import sampling, verify
+from decode.drafters import MTPDrafter, MTPDraftState, gather_rows
+from decode.sampling import SamplingParams
+from decode.state import DecodeState
+from decode.verify import TreeSpec
+from mtp.model import Transformer, write_cache
 
 MAX_BRANCHING = 64       # children per node, per depth
 MAX_NODES = 512          # nodes per tree (the verify block is 1 + N tokens)
@@ -162,7 +165,7 @@ class TreeMTPDrafter(MTPDrafter):
   def __init__(self, spec: TreeSpec, depth: int):
     if spec.depth > depth:
       raise ValueError(f"tree {spec} has depth {spec.depth} > the model's MTP depth D = {depth}")
-    super().__init__(spec.depth, depth)
+    super().__init__(depth, spec.depth)
     self.spec = spec
     self.window = spec.depth + 1
 
@@ -172,7 +175,8 @@ class TreeMTPDrafter(MTPDrafter):
     verify block reaches n-1+N, module k reaches c_k+W+N_{<k}-1 <= n+m+N."""
     return self.spec.num_nodes + self.window + 2
 
-  def draft(self, target: Transformer, state, tokens, n, key, warp):
+  def draft(self, target: Transformer, state: MTPDraftState, tokens, n, key,
+            params: SamplingParams, g: int | None = None):
     """One tree of drafts for the round starting at n [B] int32.
 
     Args:
@@ -181,7 +185,8 @@ class TreeMTPDrafter(MTPDrafter):
       tokens: [B, S] int32 committed tokens (not written to).
       key: the round's drafting key (one uniform draw [B, N_internal, V]
         when sampling; unused when greedy).
-      warp: ``sampling.Warp``.
+      params: sampling settings.
+      g: unused (the tree's shape fixes the drafts; the chain's signature).
     Returns:
       (state, tokens unchanged, node_tokens [B, N] int32 in BFS order,
       q [B, N_internal, V] float32: per internal node (block order), the
@@ -189,18 +194,18 @@ class TreeMTPDrafter(MTPDrafter):
       or the raw draft logits when greedy).
     """
     spec, w = self.spec, self.window
-    greedy = getattr(warp, "greedy", False)
+    greedy = params.greedy
     bsz, cache_len = tokens.shape
     vocab = target.cfg.vocab_size
     u = None
     if not greedy:
       with jax.named_scope("sample"):
         u = sampling.uniform_open(key, (bsz, spec.num_internal, vocab))
-    caches, hidden, committed = list(state["caches"]), list(state["hidden"]), state["committed"]
+    caches, hidden, committed = list(state.caches), list(state.hidden), state.committed
     node_tok, qs = [], []
     prev_win = prev_nodes = prev_c = None
     for k in range(1, spec.depth + 1):
-      c = committed[k - 1]
+      c = committed[:, k - 1]
       with jax.named_scope("buffers"):
         win_pos = c[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
         h_in = gather_rows(hidden[k - 1], win_pos)
@@ -229,7 +234,7 @@ class TreeMTPDrafter(MTPDrafter):
         parents_h = node_out[:, spec.offsets[k - 1]:nk]                   # depth k-1 entries
       with jax.named_scope("buffers"):
         if k < spec.depth:
-          hidden[k] = write_rows(hidden[k], win_out, c)
+          hidden[k] = write_cache(hidden[k], win_out, c)
       with jax.named_scope("head"):
         logits = target.mtp_head(k, parents_h)                            # [B, n_{k-1}, V]
       b = spec.branching[k - 1]
@@ -238,15 +243,15 @@ class TreeMTPDrafter(MTPDrafter):
           kids = jax.lax.top_k(logits, b)[1].astype(jnp.int32)
           q = logits
         else:
-          q = sampling.warped_probs(logits, warp)
+          q = sampling.warped_probs(logits, params)
           lo = sum(spec.counts[:k - 1])                                   # block row of depth k-1
           kids, _ = sampling.sample_without_replacement(q, u[:, lo:lo + spec.counts[k - 1]], b)
       node_tok.append(kids.reshape(bsz, spec.counts[k]))
       qs.append(q)
       prev_win, prev_nodes, prev_c = win_out, node_out, c
-    ks = jnp.arange(1, spec.depth + 1, dtype=jnp.int32)[:, None]
-    committed = jnp.maximum(n[None, :] - ks, 0)
-    state = {"caches": caches, "hidden": hidden, "committed": committed}
+    ks = jnp.arange(1, spec.depth + 1, dtype=jnp.int32)[None, :]
+    committed = jnp.maximum(n[:, None] - ks, 0)
+    state = MTPDraftState(caches=caches, hidden=hidden, committed=committed)
     return state, tokens, jnp.concatenate(node_tok, 1), jnp.concatenate(qs, 1)
 
 
@@ -258,84 +263,62 @@ def move_path_kv(cache, path, n):
   src = n[:, None] + path
   out = []
   for layer in cache:
-    out.append({name: write_rows(arr, gather_rows(arr, src), n) for name, arr in layer.items()})
+    out.append({name: write_cache(arr, gather_rows(arr, src), n) for name, arr in layer.items()})
   return out
 
 
-def tree_propose(drafter: TreeMTPDrafter, target: Transformer, state, warp, *, flag_non_finite):
-  """Draft the tree and verify it in one target call (no acceptance yet).
+def tree_propose(drafter: TreeMTPDrafter, target: Transformer, state: DecodeState,
+                 params: SamplingParams) -> tuple[DecodeState, round_lib.Proposal]:
+  """Draft the tree and verify it in one target call (no acceptance yet):
+  ``decode.round.propose`` with a tree.
 
-  Args:
-    drafter: the ``TreeMTPDrafter``.
-    target: the model.
-    state: the decoder state (``Decoder.prepare``).
-    warp: ``sampling.Warp`` (static greedy flag: argmaxes only, no key).
-    flag_non_finite: ``speculative._flag_non_finite`` (sets a row's error
-      for NaN/inf target logits or drafter q; ``positions`` [B, N+1] name
-      the position of each verify row).
-  Returns:
-    (state with the drafter state, the extended target cache and the key
-    advanced, node_tokens [B, N] int32, q [B, N_internal, V] (the drafter's
-    output, as ``TreeMTPDrafter.draft``), p [B, N+1, V] (warped target
-    probabilities; the raw logits when greedy), h0 [B, N+1, D], accept key
-    or None).
+  Returns (state with the drafter state, the extended target cache, the key
+  advanced and non-finite rows flagged, a ``round.Proposal`` whose
+  draft_tokens are node_tokens [B, N] int32, draft_q the drafter's q
+  [B, N_internal, V] (``TreeMTPDrafter.draft``), p [B, N+1, V] (warped
+  target probabilities; the logits when greedy), h0 [B, N+1, D]).
   """
   spec = drafter.spec
-  tokens, n = state["tokens"], state["length"]
-  greedy = getattr(warp, "greedy", False)
-  k_draft, k_accept = state["key"], None
-  if not greedy:
-    with jax.named_scope("rng"):
-      key, k_draft, k_accept = jax.random.split(state["key"], 3)
-    state = {**state, "key": key}
+  state, k_draft, k_accept = round_lib.split_keys(state, params)
+  tokens, n = state.tokens, state.length
   with jax.named_scope("draft"):
-    dstate, tokens, node_tok, q = drafter.draft(target, state["drafter"], tokens, n, k_draft, warp)
-  with jax.named_scope("verify"):
-    block = jnp.concatenate([gather_rows(tokens, (n - 1)[:, None]), node_tok], 1)
-    depth = jnp.asarray(np.concatenate([[0], spec.depths]), jnp.int32)
-    pos = (n - 1)[:, None] + depth[None, :]
-    mask = verify_mask(spec, n, tokens.shape[1])
-    with jax.named_scope("forward"):
-      h0, cache = target.backbone(block, pos, cache=state["cache"], write_offsets=n - 1, mask=mask)
-    with jax.named_scope("head"):
-      logits = target.head(h0)                                            # [B, N+1, V]
-    with jax.named_scope("warp"):
-      p = logits if greedy else sampling.warped_probs(logits, warp)
+    dstate, tokens, node_tok, q = drafter.draft(target, state.drafter, tokens, n, k_draft, params)
+  block = jnp.concatenate([gather_rows(tokens, (n - 1)[:, None]), node_tok], 1)
+  depth = jnp.asarray(np.concatenate([[0], spec.depths]), jnp.int32)
+  pos = (n - 1)[:, None] + depth[None, :]
+  mask = verify_mask(spec, n, tokens.shape[1])
+  h0, logits, p, cache = round_lib.verify_block(target, state, block, pos, params,
+                                                write_offsets=n - 1, mask=mask)
   with jax.named_scope("check"):
-    state = flag_non_finite(state, logits, q, n, positions=pos)
-  state = {**state, "tokens": tokens, "cache": cache, "drafter": dstate}
-  return state, node_tok, q, p, h0, k_accept
+    state = round_lib.flag_non_finite(state, logits, q, n, positions=pos)
+  state = state.replace(tokens=tokens, cache=cache, drafter=dstate)
+  return state, round_lib.Proposal(node_tok, q, p, h0, k_accept)
 
 
-def tree_commit(state, node_tokens, path, a, nxt, h0, *, commit):
+def tree_commit(drafter: TreeMTPDrafter, state: DecodeState, node_tokens, path, a, nxt,
+                h0) -> DecodeState:
   """Moves the accepted path into place and commits it.
 
-  path [B, m] int32 node indices (``tree_*_verify``), a [B] accepted path
-  length, nxt [B] the residual/bonus token, h0 [B, N+1, D] of the verify
-  block. The target K/V of the path goes to slots n..n+m-1
-  (``move_path_kv``); ``commit`` (``Decoder._commit(state, path_tokens
-  [B, m], a, next, h0 [B, m+1, D])``) emits the path tokens and the next
-  token (cut at EOS and the budget) and stores h^0 of [root, path].
+  path [B, m] int32 node indices (``verify.tree_*_verify``), a [B] accepted
+  path length, nxt [B] the residual/bonus token, h0 [B, N+1, D] of the
+  verify block. The target K/V of the path goes to slots n..n+m-1
+  (``move_path_kv``); ``round.commit`` then emits the path tokens and the
+  next token (cut at EOS and the budget) and stores h^0 of [root, path].
   """
-  n = state["length"]
-  cache = move_path_kv(state["cache"], path, n)
+  n = state.length
+  cache = move_path_kv(state.cache, path, n)
   path_tok = jnp.take_along_axis(node_tokens, path, 1)
   h0_path = gather_rows(h0, jnp.concatenate([jnp.zeros_like(path[:, :1]), 1 + path], 1))
-  return commit({**state, "cache": cache}, path_tok, a, nxt, h0_path)
+  return round_lib.commit(drafter, state.replace(cache=cache), path_tok, a, nxt, h0_path)
 
 
-def tree_round(drafter: TreeMTPDrafter, target: Transformer, state, warp, *, flag_non_finite,
-               commit):
+def tree_round(drafter: TreeMTPDrafter, target: Transformer, state: DecodeState,
+               params: SamplingParams) -> DecodeState:
   """One draft-verify-accept-commit round with a token tree, for every row
-  (``tree_propose``, then ``sampling.tree_greedy_verify`` or
-  ``sampling.tree_rejection_sample``, then ``tree_commit``). Returns the
-  new state."""
-  state, node_tok, q, p, h0, key = tree_propose(drafter, target, state, warp,
-                                                flag_non_finite=flag_non_finite)
+  (``tree_propose``, ``verify.tree_accept``, ``tree_commit``)."""
+  state, prop = tree_propose(drafter, target, state, params)
   with jax.named_scope("accept"):
-    if getattr(warp, "greedy", False):
-      a, nxt, path = sampling.tree_greedy_verify(p, node_tok, drafter.spec)
-    else:
-      a, nxt, path = sampling.tree_rejection_sample(key, p, q, node_tok, drafter.spec)
+    a, nxt, path = verify.tree_accept(prop.key, prop.p, prop.draft_q, prop.draft_tokens,
+                                      drafter.spec, params)
   with jax.named_scope("commit"):
-    return tree_commit(state, node_tok, path, a, nxt, h0, commit=commit)
+    return tree_commit(drafter, state, prop.draft_tokens, path, a, nxt, prop.h0)

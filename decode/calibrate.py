@@ -1,0 +1,43 @@
+"""Round costs for ``num_draft_tokens="auto"``: seconds per round at each
+draft length g = 0..G_max, measured on this device before the first timed
+generation of a (batch size, cache length, sampling mode, form).
+
+The measurement (``round_costs``): each g's rounds timed with the g
+interleaved (``mtp.timing.interleaved_times``), so noise hits every g
+alike; each g's cost is its median ratio to the AR step (g = 0) timed in
+the same repeat, times the fastest AR step (robust to slow drift and
+bursts), made non-decreasing in g (a longer draft never costs less: noise
+must not invert the order). A busy machine can still skew the costs, which
+only costs speed, never correctness: the schedule's choices depend on the
+past only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from mtp.timing import interleaved_times
+
+CALIBRATION_ROUNDS = 16    # rounds per timed call
+CALIBRATION_REPEATS = 7    # interleaved timed calls per draft length
+
+
+def round_costs(run_rounds: Callable[[int], None], max_draft_tokens: int, *,
+                rounds: int = CALIBRATION_ROUNDS, repeats: int = CALIBRATION_REPEATS) -> np.ndarray:
+  """[G_max+1] float64 seconds per round for g = 0..G_max.
+
+  Args:
+    run_rounds: ``run_rounds(g)`` runs ``rounds`` rounds at draft length g
+      and blocks until they are done (the first call per g compiles; it is
+      not timed).
+    max_draft_tokens: G_max >= 1.
+    rounds: rounds per call (the per-round cost is the call's time / rounds).
+    repeats: interleaved timed calls per g.
+  """
+  times = interleaved_times({g: (lambda g=g: run_rounds(g)) for g in range(max_draft_tokens + 1)},
+                            repeats, warmup=1)
+  t = np.stack([times[g] for g in range(max_draft_tokens + 1)]) / rounds     # [G+1, repeats]
+  costs = np.median(t / t[:1], axis=1) * t[0].min()
+  return np.maximum.accumulate(costs)

@@ -1,0 +1,129 @@
+"""The loops that run decoding rounds: every round inside one
+``lax.while_loop`` (throughput form), "auto" segments, and the host-driven
+stream form.
+
+A round is a traced ``round_g(state, g) -> state`` (``decode.round.chain_round``
+or ``decode.tree.tree_round`` with the parameters bound; g static) and these
+loops only decide how many rounds run and at which g.
+
+"auto" (``decode.schedule``): rounds come in segments; ``choose`` picks the
+next segment's (g, rounds) from the past only, and a segment runs its
+rounds at that g. In the while_loop form an outer loop over segments runs
+the inner while_loops of g = 0..G_max one after the other, of which only
+the chosen one iterates. Sequential loops, not a ``lax.switch`` over them:
+XLA copies every KV cache on entering a switch branch (it made "auto"
+visibly slower than the fixed G it chose at batch 4 on the reference
+model), while loops update their carry in place; and no host round trip
+per segment (a host-driven variant lost most on the demo model, whose
+rounds take fractions of a millisecond).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from decode.state import DecodeState
+
+RoundG = Callable[[DecodeState, int], DecodeState]
+
+
+def choose(schedule, state: DecodeState) -> DecodeState:
+  """"auto": picks (g, rounds) of the next segment from the past
+  (``AutoSchedule.choose``) into ``state.auto``."""
+  with jax.named_scope("schedule"):
+    g, rounds, sched = schedule.choose(state.auto.schedule, ~state.done)
+  return state.replace(auto=state.auto.replace(schedule=sched, g=g, left=rounds))
+
+
+def segment(round_g: RoundG, state: DecodeState, g: int) -> DecodeState:
+  """"auto", while_loop form: when the segment's draft length
+  ``state.auto.g`` is g (static), its rounds in one ``lax.while_loop``
+  until its round count (capped by the rounds left in the budget) is used
+  up or every row is done; otherwise nothing (the loop's condition is
+  false at once)."""
+  max_rounds = jnp.max(state.max_new)
+  auto = state.auto
+  state = state.replace(auto=auto.replace(left=jnp.minimum(auto.left, max_rounds - auto.rounds)))
+
+  def cond(s):
+    return (s.auto.g == g) & (s.auto.left > 0) & ~jnp.all(s.done)
+
+  def body(s):
+    s = round_g(s, g)
+    return s.replace(auto=s.auto.replace(left=s.auto.left - 1, rounds=s.auto.rounds + 1))
+
+  return jax.lax.while_loop(cond, body, state)
+
+
+def generate_loop(round_g: RoundG, state: DecodeState, g: int, schedule=None) -> DecodeState:
+  """Every round of a generation inside one ``lax.while_loop`` (after the
+  prefill), until every row is done or max_new rounds ran. Fixed draft
+  length: ``round_g(state, g)`` each round. "auto" (``schedule`` given, g
+  = G_max): an outer while_loop over segments (``choose``, then
+  ``segment`` for each g = 0..G_max in sequence)."""
+  max_rounds = jnp.max(state.max_new)
+  if schedule is not None:
+    def seg_cond(s):
+      return ~jnp.all(s.done) & (s.auto.rounds < max_rounds)
+
+    def seg_body(s):
+      s = choose(schedule, s)
+      for gi in range(g + 1):
+        s = segment(round_g, s, gi)
+      return s
+    return jax.lax.while_loop(seg_cond, seg_body, state)
+
+  def cond(carry):
+    s, i = carry
+    return jnp.logical_and(~jnp.all(s.done), i < max_rounds)
+
+  def body(carry):
+    s, i = carry
+    return round_g(s, g), i + 1
+
+  state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
+  return state
+
+
+def stream_rounds(step: Callable[[DecodeState, int], DecodeState], state: DecodeState,
+                  max_new_tokens: int, *, t0: float, choose_fn=None,
+                  on_tokens: Callable[[int, np.ndarray], None] | None = None):
+  """Host-driven rounds: ``step(state, g)`` (a jitted round) one call per
+  Python step, after the prefill, until every row is done, a row failed, or
+  max_new_tokens rounds ran. With "auto" ``choose_fn(state) -> state`` (a
+  jitted ``choose``) starts each segment and g is read back from the
+  device; otherwise ``step`` is called with g = None.
+
+  Returns (state, emit_times: per row, seconds from ``t0`` (perf_counter)
+  to each emitted token; tokens of one round share a time).
+  ``on_tokens(row, new_ids)`` is called after each round with each row's
+  newly emitted ids.
+  """
+  emit_times: list[list[float]] = [[] for _ in range(state.length.shape[0])]
+  prev = np.asarray(state.length)
+  g, left = None, 0
+  for _ in range(max_new_tokens):
+    if choose_fn is not None and left == 0:
+      state = choose_fn(state)
+      g, left = (int(x) for x in jax.device_get((state.auto.g, state.auto.left)))
+    state = step(state, g)
+    left -= 1
+    length, done, error = jax.device_get((state.length, state.done, state.error))
+    if error.any():
+      break
+    now = time.perf_counter() - t0
+    if on_tokens is not None and np.any(length > prev):
+      toks = np.asarray(state.tokens)
+    for i in np.nonzero(length > prev)[0]:
+      emit_times[i].extend([now] * int(length[i] - prev[i]))
+      if on_tokens is not None:
+        on_tokens(int(i), toks[i, prev[i]:length[i]])
+    prev = length
+    if done.all():
+      break
+  return state, emit_times

@@ -1,0 +1,216 @@
+"""One speculative-decoding round as pure, traced functions (docs/design.md
+section 5), shared by the chain (here) and token trees (``decode.tree``).
+
+For a row with committed tokens x_0..x_{n-1} (target cache valid for
+positions 0..n-2):
+
+1. ``propose``: the drafter drafts d_1..d_g with distributions q_1..q_g
+   (``decode.drafters``); one target forward verifies the block
+   [x_{n-1}, d_1..d_g] at positions n-1..n+g-1, p_j = warp(l_j);
+   ``flag_non_finite`` stops rows whose logits are NaN/inf;
+2. accept (``decode.verify.accept``, Leviathan et al. 2023, Algorithm 1):
+   a accepted drafts plus one residual/bonus token;
+3. ``commit``: n' = n + e where e <= a+1 is cut at EOS (kept) and at the
+   token budget, never overshooting ``max_new_tokens``. Rolling back the
+   caches is setting lengths; stale entries are masked and later
+   overwritten.
+
+The AR baseline is the same round with g = 0: one target call per token.
+``chain_round`` puts the three together (and, with "auto", folds the round
+into the schedule's estimates); the loops that run rounds are in
+``decode.loops``. Sampling settings are a ``SamplingParams`` whose static
+``greedy`` flag makes the greedy program argmaxes only (no softmax, no
+residual, no random numbers).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from decode import verify
+from decode.drafters import gather_rows
+from decode.errors import ERROR_DRAFTER, ERROR_NONE, ERROR_TARGET
+from decode.sampling import SamplingParams, warped_probs
+from decode.state import DecodeState
+from mtp import tokenizer as tok
+from mtp.model import Transformer, write_cache
+
+
+class Proposal(NamedTuple):
+  """What ``propose`` hands to the acceptance rule and ``commit``.
+
+  draft_tokens: [B, g] int32 (None for an AR step).
+  draft_q: [B, g, V] float32, the warped draft distributions, or the draft
+    logits when greedy (None for an AR step).
+  p: [B, g+1, V] float32, the warped target distributions, or the target
+    logits when greedy.
+  h0: [B, g+1, D], the target's last hidden states over the verify block.
+  key: the acceptance key (None when greedy).
+  """
+  draft_tokens: jax.Array | None
+  draft_q: jax.Array | None
+  p: jax.Array
+  h0: jax.Array
+  key: jax.Array | None
+
+
+def split_keys(state: DecodeState, params: SamplingParams):
+  """(state with the key advanced, drafting key, acceptance key). Greedy
+  ``params``: nothing is random; the key is not advanced and the acceptance
+  key is None (the built-in drafters draw nothing then)."""
+  if params.greedy:
+    return state, state.key, None
+  with jax.named_scope("rng"):
+    key, k_draft, k_accept = jax.random.split(state.key, 3)
+  return state.replace(key=key), k_draft, k_accept
+
+
+def flag_non_finite(state: DecodeState, target_logits, draft_q, n, positions=None) -> DecodeState:
+  """Sets ``error``/``error_pos`` of rows (still active and not yet failed)
+  whose target logits [B, T, V] or draft q [B, G, V] (probabilities or
+  logits) hold NaN or +-inf at an emittable id (``tok.emittable_mask``;
+  the head's -inf at never-emitted ids is by design). error_pos is the
+  position whose logits were bad: n-1+j for target block row j (or
+  ``positions[:, j]``, [B, T] int32, for a token tree's block), n-1 for
+  the drafter (its drafts for the round starting at n)."""
+  allowed = tok.emittable_mask(target_logits.shape[-1])
+  bad_t = jnp.any(~jnp.isfinite(target_logits) & allowed, -1)          # [B, T]
+  code = jnp.where(jnp.any(bad_t, -1), ERROR_TARGET, ERROR_NONE)
+  row = jnp.argmax(bad_t, -1).astype(jnp.int32)
+  pos = (n - 1 + row if positions is None
+         else jnp.take_along_axis(positions, row[:, None], 1)[:, 0])
+  if draft_q is not None:        # the target is named when both are bad (the drafter reads it)
+    bad_d = jnp.any(~jnp.isfinite(draft_q) & allowed, (-1, -2)) & (code == ERROR_NONE)
+    code = jnp.where(bad_d, ERROR_DRAFTER, code)
+    pos = jnp.where(bad_d, n - 1, pos)
+  fresh = (state.error == ERROR_NONE) & ~state.done & (code != ERROR_NONE)
+  return state.replace(error=jnp.where(fresh, code, state.error),
+                       error_pos=jnp.where(fresh, pos, state.error_pos))
+
+
+def verify_block(target: Transformer, state: DecodeState, block, positions, params: SamplingParams,
+                 **backbone_kw):
+  """The target over a verify block: (h0 [B, T, D], logits [B, T, V], p
+  [B, T, V] (warped probabilities; the logits when greedy), new cache).
+  block / positions: [B, T] int32; ``backbone_kw``: write_offsets / mask
+  for token trees."""
+  with jax.named_scope("verify"):
+    with jax.named_scope("forward"):
+      h0, cache = target.backbone(block, positions, cache=state.cache, **backbone_kw)
+    with jax.named_scope("head"):
+      logits = target.head(h0)
+    with jax.named_scope("warp"):
+      p = logits if params.greedy else warped_probs(logits, params)
+  return h0, logits, p, cache
+
+
+def propose(drafter, target: Transformer, draft: Transformer | None, state: DecodeState,
+            params: SamplingParams, g: int) -> tuple[DecodeState, Proposal]:
+  """Draft g tokens (static; 0 = an AR step) and verify them in one target
+  call; no acceptance yet.
+
+  Args:
+    drafter: ``decode.drafters`` drafter (None for AR).
+    target: the target model; its MTP modules draft for an MTP drafter.
+    draft: the independent draft model (``DraftModelDrafter``), else None.
+    state: the decode state after prefill.
+    params: sampling settings.
+    g: the round's draft length.
+  Returns:
+    (state with the drafts written, the target cache extended, the key
+    advanced and non-finite rows flagged, the ``Proposal``).
+  """
+  state, k_draft, k_accept = split_keys(state, params)
+  tokens, n = state.tokens, state.length
+  d_tok = d_q = None
+  if g:
+    with jax.named_scope("draft"):
+      dstate, tokens, d_tok, d_q = drafter.draft(draft if draft is not None else target,
+                                                 state.drafter, tokens, n, k_draft, params, g)
+    state = state.replace(drafter=dstate)
+  block_pos = (n - 1)[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]
+  h0, logits, p, cache = verify_block(target, state, gather_rows(tokens, block_pos), block_pos,
+                                      params)
+  with jax.named_scope("check"):
+    state = flag_non_finite(state, logits, d_q, n)
+  return state.replace(tokens=tokens, cache=cache), Proposal(d_tok, d_q, p, h0, k_accept)
+
+
+def commit(drafter, state: DecodeState, draft_tokens, a, nxt, h0) -> DecodeState:
+  """Emits d_1..d_a then ``nxt`` per row, cut after an EOS and at the token
+  budget; updates lengths, done flags, statistics and the drafter state.
+
+  Args:
+    drafter: the round's drafter (None for AR); its ``after_verify`` stores
+      what it keeps of the verify block.
+    draft_tokens: [B, w] int32, the emitted block's drafts (a chain's d_1..d_g,
+      a tree's accepted path), or None for an AR step (w = 0).
+    a: [B] int32 accepted drafts; nxt: [B] int32 the residual/bonus token.
+    h0: [B, w+1, D] target hidden states of [x_{n-1}, emitted drafts].
+  Rows that are done or failed emit nothing.
+  """
+  w = 0 if draft_tokens is None else draft_tokens.shape[1]
+  n, done = state.length, state.done
+  b = n.shape[0]
+  cand = (jnp.concatenate([draft_tokens, jnp.zeros((b, 1), jnp.int32)], 1) if w
+          else jnp.zeros((b, 1), jnp.int32))
+  idx = jnp.arange(w + 1)[None, :]
+  cand = jnp.where(idx == a[:, None], nxt[:, None], cand)         # d_1..d_a, next
+  is_eos = (cand == tok.EOS_ID) & (idx <= a[:, None])
+  first_eos = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1), w + 1)
+  remaining = state.max_new - (n - state.prompt_len)
+  e = jnp.minimum(jnp.minimum(a + 1, remaining), first_eos + 1)
+  active = ~done
+  failed = state.error != ERROR_NONE
+  e = jnp.where(active & ~failed, e, 0)                           # nothing from bad logits
+  new_n = n + e
+  done = done | failed | (first_eos < e) | (new_n - state.prompt_len >= state.max_new)
+  # A done row's writes land past its length and are never read.
+  hist = state.accepted_histogram + jax.nn.one_hot(
+      a, state.accepted_histogram.shape[1], dtype=jnp.int32) * active[:, None]
+  state = state.replace(tokens=write_cache(state.tokens, cand, n), length=new_n, done=done,
+                        target_calls=state.target_calls + active, accepted_histogram=hist)
+  if drafter is not None:
+    state = state.replace(drafter=drafter.after_verify(state.drafter, h0, n))
+  return state
+
+
+def record_auto(schedule, state: DecodeState, g: int, a, active) -> DecodeState:
+  """"auto": folds a round of static draft length g with accepted counts a
+  [B] into the schedule's estimates and the per-position statistics
+  (rows active before the round and not failed in it)."""
+  auto = state.auto
+  ok = active & (state.error == ERROR_NONE)
+  auto = auto.replace(draft_length_histogram=auto.draft_length_histogram.at[:, g].add(
+      active.astype(jnp.int32)))
+  if g:
+    j = jnp.arange(1, auto.position_tested.shape[1] + 1)[None, :]
+    tested = (j <= g) & (a[:, None] >= j - 1) & ok[:, None]
+    auto = auto.replace(schedule=schedule.update(auto.schedule, g, a, ok),
+                        position_tested=auto.position_tested + tested,
+                        position_accepted=auto.position_accepted + (tested & (a[:, None] >= j)))
+  return state.replace(auto=auto)
+
+
+def chain_round(drafter, target: Transformer, draft: Transformer | None, state: DecodeState,
+                params: SamplingParams, g: int, *, schedule=None,
+                accept_rule=verify.accept) -> DecodeState:
+  """One draft-verify-accept-commit round with draft length g (static; 0 =
+  AR step) for every row (a no-op for done rows). ``schedule``: the
+  ``AutoSchedule`` of "auto" (its statistics are updated), else None.
+  ``accept_rule(key, p, q, draft_tokens, params) -> (a, next)``: the
+  acceptance rule (``verify.accept``; tests swap in wrong rules to check
+  that the statistical tests catch them)."""
+  active = ~state.done
+  state, prop = propose(drafter, target, draft, state, params, g)
+  with jax.named_scope("accept"):
+    a, nxt = accept_rule(prop.key, prop.p, prop.draft_q, prop.draft_tokens, params)
+  with jax.named_scope("commit"):
+    state = commit(drafter, state, prop.draft_tokens, a, nxt, prop.h0)
+  if schedule is not None:
+    with jax.named_scope("schedule"):
+      state = record_auto(schedule, state, g, a, active)
+  return state

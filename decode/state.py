@@ -1,0 +1,191 @@
+"""The typed state of a batched generation, and its result.
+
+``DecodeState`` is the pytree every jitted decoding function takes and
+returns (prefill, round, while_loop), threaded with buffer donation so
+writes happen in place. Every array has the batch B as its leading
+dimension, except the PRNG key and the "auto" schedule's scalars and round
+costs, which are shared by the batch; ``decode.mesh`` shards by field on
+that rule. The round's exact indices are in docs/design.md sections 5-6.
+
+``Generation`` is what ``Decoder.generate`` / ``stream`` return: host numpy
+arrays, one entry per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from decode.errors import emitted_rows, raise_on_error
+from mtp import tokenizer as tok
+from mtp.model import init_layer_caches
+
+PROMPT_BUCKET = 64      # prompt lengths are padded to a multiple: no recompile per length
+
+
+@struct.dataclass
+class AutoState:
+  """State of ``num_draft_tokens="auto"`` (``decode.schedule``).
+
+  schedule: ``AutoSchedule.init_state`` (per-row acceptance estimates,
+    round costs [G_max+1] float32 seconds, probe counters).
+  g: int32 scalar, the draft length of the current segment (0 = AR steps).
+  left: int32 scalar, rounds left in the current segment.
+  rounds: int32 scalar, rounds run so far.
+  draft_length_histogram: [B, G_max+1] int32, rounds per chosen draft length
+    while the row was active.
+  position_tested / position_accepted: [B, G_max] int32, rounds in which
+    draft position k was tested (d_1..d_{k-1} accepted and the round drafted
+    >= k tokens) / accepted.
+  """
+  schedule: dict
+  g: jax.Array
+  left: jax.Array
+  rounds: jax.Array
+  draft_length_histogram: jax.Array
+  position_tested: jax.Array
+  position_accepted: jax.Array
+
+
+@struct.dataclass
+class DecodeState:
+  """State of one batched generation (B rows, S cache slots).
+
+  tokens: [B, S] int32, committed tokens x_0..x_{n-1} (prompt, BOS first,
+    then generated ids), drafts written past them; PAD elsewhere.
+  length: [B] int32, n, the committed length (the target's cache holds
+    positions 0..n-2).
+  prompt_len: [B] int32, prompt length with BOS.
+  max_new: [B] int32, the token budget.
+  done: [B] bool, the row stopped (EOS, budget, error).
+  key: PRNG key (rbg), advanced once per sampling round.
+  cache: the target's KV cache, a list over layers of {"k", "v"} [B, S, K, H].
+  target_calls: [B] int32, verification calls while the row was active.
+  accepted_histogram: [B, G+1] int32, rounds per number of accepted drafts.
+  error: [B] int32, ``decode.errors`` ERROR_* code (non-finite logits).
+  error_pos: [B] int32, the position whose logits were non-finite.
+  drafter: the drafter's own state (``decode.drafters``), None for AR.
+  auto: ``AutoState`` with ``num_draft_tokens="auto"``, else None.
+  """
+  tokens: jax.Array
+  length: jax.Array
+  prompt_len: jax.Array
+  max_new: jax.Array
+  done: jax.Array
+  key: jax.Array
+  cache: list
+  target_calls: jax.Array
+  accepted_histogram: jax.Array
+  error: jax.Array
+  error_pos: jax.Array
+  drafter: Any = None
+  auto: AutoState | None = None
+
+
+@dataclasses.dataclass
+class Generation:
+  """Result of one batched generation.
+
+  tokens: per row, the generated ids (int32 numpy, EOS included if emitted).
+  prompt_lengths: per row, prompt length including BOS.
+  accepted_histogram: [B, G+1] int64, rounds per number of accepted drafts a.
+  target_calls: [B] int64, target verification calls while the row was active.
+  emit_times: per row, seconds from the start of the request to each emitted
+    token (stream form only; tokens of one round share a time).
+  wall_time_s: seconds for the whole call (prefill included), after compilation.
+  prefill_time_s: seconds of the prefill alone (target and drafter over the
+    prompt bucket); wall_time_s - prefill_time_s is the decoding phase.
+  num_draft_tokens: G, or G_max with ``num_draft_tokens="auto"``.
+  draft_length_histogram: [B, G_max+1] int64, rounds per chosen draft length
+    (0 = AR step) while the row was active (``"auto"`` only, else None).
+  position_tested / position_accepted: [B, G_max] int64, rounds in which
+    draft position k was tested (the round drafted >= k tokens and d_1..d_{k-1}
+    were accepted) / accepted (``"auto"`` only: with a varying G the
+    accepted-length histogram alone cannot give alpha_k).
+  tree: the token tree's branching per depth (``Decoder(tree=...)``), else
+    None; then accepted_histogram counts accepted path lengths a = 0..m and
+    num_draft_tokens is the depth m.
+  """
+  tokens: list[np.ndarray]
+  prompt_lengths: np.ndarray
+  accepted_histogram: np.ndarray
+  target_calls: np.ndarray
+  emit_times: list[list[float]] | None
+  wall_time_s: float
+  num_draft_tokens: int
+  prefill_time_s: float = 0.0
+  draft_length_histogram: np.ndarray | None = None
+  position_tested: np.ndarray | None = None
+  position_accepted: np.ndarray | None = None
+  tree: tuple[int, ...] | None = None
+
+
+def cache_length(prompt_len: int, max_new_tokens: int, headroom: int) -> tuple[int, int]:
+  """(prompt bucket P, cache slots S): P = the longest prompt rounded up to
+  ``PROMPT_BUCKET`` (no recompile per length), S = P + max_new_tokens +
+  ``headroom`` (scratch room past the budget for verify blocks and drafter
+  windows) rounded up the same way."""
+  p = PROMPT_BUCKET * math.ceil(prompt_len / PROMPT_BUCKET)
+  return p, PROMPT_BUCKET * math.ceil((p + max_new_tokens + headroom) / PROMPT_BUCKET)
+
+
+def init_state(model_cfg, prompts, max_new_tokens: int, seed: int, cache_len: int,
+               num_draft_tokens: int, drafter_state=None, auto: AutoState | None = None
+               ) -> DecodeState:
+  """The state before prefill: prompts [B] int32 arrays (BOS included)
+  written left-aligned into a PAD buffer of ``cache_len`` slots, an empty
+  target cache, zeroed statistics for ``num_draft_tokens`` G."""
+  b = len(prompts)
+  lengths = np.asarray([len(p) for p in prompts], np.int32)
+  tokens = np.full((b, cache_len), tok.PAD_ID, np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  return DecodeState(
+      tokens=jnp.asarray(tokens), length=jnp.asarray(lengths), prompt_len=jnp.asarray(lengths),
+      max_new=jnp.full((b,), max_new_tokens, jnp.int32), done=jnp.zeros((b,), bool),
+      key=jax.random.key(seed, impl="rbg"),
+      cache=init_layer_caches(model_cfg, model_cfg.num_layers, b, cache_len),
+      target_calls=jnp.zeros((b,), jnp.int32),
+      accepted_histogram=jnp.zeros((b, num_draft_tokens + 1), jnp.int32),
+      error=jnp.zeros((b,), jnp.int32), error_pos=jnp.zeros((b,), jnp.int32),
+      drafter=drafter_state, auto=auto)
+
+
+def init_auto(schedule, batch: int) -> AutoState:
+  """``AutoState`` for ``batch`` rows of ``schedule`` (an ``AutoSchedule``);
+  round costs 1 s each until measured (``decode.calibrate``)."""
+  g = schedule.max_draft_tokens
+  return AutoState(schedule=schedule.init_state(batch, np.ones(g + 1, np.float32)),
+                   g=jnp.int32(0), left=jnp.int32(0), rounds=jnp.int32(0),   # 3 buffers (donated)
+                   draft_length_histogram=jnp.zeros((batch, g + 1), jnp.int32),
+                   position_tested=jnp.zeros((batch, g), jnp.int32),
+                   position_accepted=jnp.zeros((batch, g), jnp.int32))
+
+
+def to_generation(state: DecodeState, *, emit_times, wall: float, prefill: float,
+                  num_draft_tokens: int, tree) -> Generation:
+  """Host copy of a finished state as a ``Generation``.
+
+  Raises NonFiniteLogitsError when a row stopped on NaN/inf logits."""
+  host = jax.device_get(dict(tokens=state.tokens, length=state.length,
+                             prompt_len=state.prompt_len, target_calls=state.target_calls,
+                             accepted_histogram=state.accepted_histogram, error=state.error,
+                             error_pos=state.error_pos))
+  raise_on_error(host["tokens"], host["prompt_len"], host["length"], host["error"],
+                 host["error_pos"])
+  extra = {}
+  if state.auto is not None:
+    a = jax.device_get(state.auto)
+    extra = dict(draft_length_histogram=a.draft_length_histogram.astype(np.int64),
+                 position_tested=a.position_tested.astype(np.int64),
+                 position_accepted=a.position_accepted.astype(np.int64))
+  return Generation(emitted_rows(host["tokens"], host["prompt_len"], host["length"]),
+                    host["prompt_len"], host["accepted_histogram"].astype(np.int64),
+                    host["target_calls"].astype(np.int64), emit_times, wall, num_draft_tokens,
+                    prefill, tree=tree, **extra)

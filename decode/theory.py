@@ -1,0 +1,63 @@
+"""Speedup theory of speculative decoding (Leviathan et al. 2023, section 3.4)
+in one place: closed forms that ``decode.stats``, the benchmarks and
+``scripts/simulate_speedup.py`` compare measurements with.
+
+- ``expected_accepted_length`` tau(alpha, G) (eq. 1) and its inverse
+  ``alpha_from_tau``;
+- ``ideal_speedup`` (Theorem 3.8): tau(alpha, G) / (G c + 1);
+- ``accepted_length_law``: P(a = k) under i.i.d. acceptance;
+- vectorised forms ``closed_form_tau`` / ``closed_form_speedup`` for arrays.
+
+alpha: per-position acceptance rate in [0, 1] (i.i.d.); G: draft length; c:
+draft cost per draft token relative to one target step (>= 0).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def expected_accepted_length(alpha: float, num_draft_tokens: int) -> float:
+  """E[tokens per target call] = (1 - alpha^(G+1)) / (1 - alpha) for i.i.d.
+  acceptance rate alpha in [0, 1] (Leviathan et al. 2023, eq. 1); G+1 at alpha = 1."""
+  return float(sum(alpha ** k for k in range(num_draft_tokens + 1)))   # no cancellation near 1
+
+
+def ideal_speedup(alpha: float, num_draft_tokens: int, cost_ratio: float) -> float:
+  """Expected walltime improvement (1 - alpha^(G+1)) / ((1 - alpha)(G c + 1))
+  (Leviathan et al. 2023, Theorem 3.8); c = drafting time per draft token /
+  one target step."""
+  return expected_accepted_length(alpha, num_draft_tokens) / (num_draft_tokens * cost_ratio + 1)
+
+
+def alpha_from_tau(tau: float, num_draft_tokens: int) -> float:
+  """The i.i.d. acceptance rate alpha in [0, 1] whose expected accepted length
+  (``expected_accepted_length``) equals tau (bisection; tau clipped to [1, G+1])."""
+  lo, hi = 0.0, 1.0
+  for _ in range(60):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if expected_accepted_length(mid, num_draft_tokens) < tau else (lo, mid)
+  return (lo + hi) / 2
+
+
+def closed_form_tau(alpha, g):
+  """tau(alpha, G) = (1 - alpha^(G+1)) / (1 - alpha), tokens per target call
+  (Leviathan et al. 2023, eq. 1). alpha in [0, 1], G >= 0 int; broadcasts
+  (numpy arrays or scalars) -> float64 array of the broadcast shape."""
+  return np.vectorize(expected_accepted_length, otypes=[np.float64])(alpha, g)
+
+
+def closed_form_speedup(alpha, g, c):
+  """Expected walltime improvement tau(alpha, G) / (G c + 1) (Leviathan et al.
+  2023, Theorem 3.8); c >= 0 = draft time per token / target step.
+  Broadcasts -> float64 array."""
+  return np.vectorize(ideal_speedup, otypes=[np.float64])(alpha, g, c)
+
+
+def accepted_length_law(alpha: float, g: int) -> np.ndarray:
+  """P(a = k), k = 0..G [G+1] float64, under i.i.d. acceptance:
+  alpha^k (1 - alpha) for k < G and alpha^G for k = G."""
+  k = np.arange(g + 1)
+  law = alpha ** k * (1 - alpha)
+  law[g] = alpha ** g
+  return law
