@@ -4,7 +4,8 @@ Parses flags and calls ``decode.run.run``. Flags are listed by --help.
 Generated text goes to stdout; statistics, the --compare result and notices
 (one line per flag that has no effect in the chosen mode) to stderr;
 ``--json PATH`` writes the machine-readable report. Exit status: 0, 2 for
-bad input or checkpoints, 3 when the model produced NaN/inf logits.
+bad input (unknown or malformed flags included) or checkpoints, 3 when the
+model produced NaN/inf logits.
 """
 
 import json
@@ -35,7 +36,12 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k (>= 0; 0 = off).")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Top-p in (0, 1] (1 = off).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Generated tokens per sample (>= 1).")
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Independent samples per prompt (>= 1).")
-_SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
+_SEED = flags.DEFINE_integer("seed", 0, "Random seed in [0, 2**32 - 1] (default 0: the same "
+                             "text every run at T > 0; printed and stored in the report).")
+_STOP = flags.DEFINE_multi_string("stop", [], "Stop string (repeatable): a row ends when its "
+                                  "text contains one; the text is cut before it.")
+_STOP_IDS = flags.DEFINE_list("stop_token_ids", [], "Comma-separated token ids that end a row "
+                              "when emitted (kept, like EOS).")
 _COMPARE = flags.DEFINE_bool("compare", False, "Also run AR on the same prompts; report the "
                              "median speedup over --repeats interleaved runs.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "--compare: interleaved AR / method runs (>= 1).")
@@ -47,11 +53,12 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)   # orbax logs every restore at INFO
-  from decode.run import flag_notices, parse_num_draft_tokens, read_prompt_file, run
+  from decode.run import flag_notices, parse_num_draft_tokens, parse_stops, read_prompt_file, run
   from decode.speculative import DecodeError, NonFiniteLogitsError, SamplingParams
   from mtp.checkpoint import CheckpointError
   try:
     num_draft_tokens = parse_num_draft_tokens(_G.value)
+    stops = parse_stops(_STOP.value, _STOP_IDS.value)
     if (_PROMPT.value is None) == (_PROMPT_FILE.value is None):
       raise DecodeError("give exactly one of --prompt or --prompt_file")
     if _JSON.value and not os.path.isdir(os.path.dirname(os.path.abspath(_JSON.value))):
@@ -70,7 +77,7 @@ def main(argv):
                  draft_workdir=_DRAFT_WORKDIR.value, max_new_tokens=_MAX_NEW.value,
                  sampling=SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value),
                  num_samples=_NUM_SAMPLES.value, seed=_SEED.value, compare=_COMPARE.value,
-                 repeats=_REPEATS.value, tree=_TREE.value)
+                 repeats=_REPEATS.value, tree=_TREE.value, stops=stops)
   except (DecodeError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -84,4 +91,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from mtp.cli_flags import parse_flags_or_exit
+  app.run(main, flags_parser=parse_flags_or_exit)

@@ -92,17 +92,23 @@ def generate_loop(round_g: RoundG, state: DecodeState, g: int, schedule=None) ->
 
 def stream_rounds(step: Callable[[DecodeState, int], DecodeState], state: DecodeState,
                   max_new_tokens: int, *, t0: float, choose_fn=None,
-                  on_tokens: Callable[[int, np.ndarray], None] | None = None):
+                  on_new: Callable[[int, np.ndarray], tuple[int, bool]] | None = None,
+                  stop_rows: Callable[[DecodeState, np.ndarray, np.ndarray], DecodeState]
+                  | None = None):
   """Host-driven rounds: ``step(state, g)`` (a jitted round) one call per
   Python step, after the prefill, until every row is done, a row failed, or
   max_new_tokens rounds ran. With "auto" ``choose_fn(state) -> state`` (a
   jitted ``choose``) starts each segment and g is read back from the
   device; otherwise ``step`` is called with g = None.
 
+  ``on_new(row, ids) -> (keep, stopped)`` sees each row's newly emitted ids
+  after every round and says how many of them to keep and whether the row
+  stops there (a stop string, ``decode.stops``); rows that stop are cut and
+  stopped on the device with ``stop_rows(state, lengths [B], mask [B])``
+  before the next round, so nothing past a stop is ever handed on.
+
   Returns (state, emit_times: per row, seconds from ``t0`` (perf_counter)
-  to each emitted token; tokens of one round share a time).
-  ``on_tokens(row, new_ids)`` is called after each round with each row's
-  newly emitted ids.
+  to each kept token; tokens of one round share a time).
   """
   emit_times: list[list[float]] = [[] for _ in range(state.length.shape[0])]
   prev = np.asarray(state.length)
@@ -113,16 +119,24 @@ def stream_rounds(step: Callable[[DecodeState, int], DecodeState], state: Decode
       g, left = (int(x) for x in jax.device_get((state.auto.g, state.auto.left)))
     state = step(state, g)
     left -= 1
-    length, done, error = jax.device_get((state.length, state.done, state.error))
+    length, done, error = (np.array(x) for x in
+                           jax.device_get((state.length, state.done, state.error)))
     if error.any():
       break
     now = time.perf_counter() - t0
-    if on_tokens is not None and np.any(length > prev):
+    grew = np.nonzero(length > prev)[0]
+    if on_new is not None and len(grew):
       toks = np.asarray(state.tokens)
-    for i in np.nonzero(length > prev)[0]:
+      cut = np.zeros(len(length), bool)
+      for i in grew:
+        keep, stopped = on_new(int(i), toks[i, prev[i]:length[i]])
+        if stopped:
+          cut[i], length[i] = True, prev[i] + keep
+      if cut.any():
+        state = stop_rows(state, length, cut)
+        done = done | cut
+    for i in grew:
       emit_times[i].extend([now] * int(length[i] - prev[i]))
-      if on_tokens is not None:
-        on_tokens(int(i), toks[i, prev[i]:length[i]])
     prev = length
     if done.all():
       break

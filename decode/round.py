@@ -10,8 +10,8 @@ positions 0..n-2):
    ``flag_non_finite`` stops rows whose logits are NaN/inf;
 2. accept (``decode.verify.accept``, Leviathan et al. 2023, Algorithm 1):
    a accepted drafts plus one residual/bonus token;
-3. ``commit``: n' = n + e where e <= a+1 is cut at EOS (kept) and at the
-   token budget, never overshooting ``max_new_tokens``. Rolling back the
+3. ``commit``: n' = n + e where e <= a+1 is cut at the first stop id (EOS
+   or another stop token id, kept) and at the token budget, never overshooting ``max_new_tokens``. Rolling back the
    caches is setting lengths; stale entries are masked and later
    overwritten.
 
@@ -140,8 +140,9 @@ def propose(drafter, target: Transformer, draft: Transformer | None, state: Deco
 
 
 def commit(drafter, state: DecodeState, draft_tokens, a, nxt, h0) -> DecodeState:
-  """Emits d_1..d_a then ``nxt`` per row, cut after an EOS and at the token
-  budget; updates lengths, done flags, statistics and the drafter state.
+  """Emits d_1..d_a then ``nxt`` per row, cut after the first stop id (EOS
+  or ``state.stop_ids``; kept) and at the token budget; updates lengths,
+  done flags, statistics and the drafter state.
 
   Args:
     drafter: the round's drafter (None for AR); its ``after_verify`` stores
@@ -159,15 +160,15 @@ def commit(drafter, state: DecodeState, draft_tokens, a, nxt, h0) -> DecodeState
           else jnp.zeros((b, 1), jnp.int32))
   idx = jnp.arange(w + 1)[None, :]
   cand = jnp.where(idx == a[:, None], nxt[:, None], cand)         # d_1..d_a, next
-  is_eos = (cand == tok.EOS_ID) & (idx <= a[:, None])
-  first_eos = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1), w + 1)
+  is_stop = jnp.any(cand[:, :, None] == state.stop_ids[:, None, :], -1) & (idx <= a[:, None])
+  first_stop = jnp.where(jnp.any(is_stop, 1), jnp.argmax(is_stop, 1), w + 1)
   remaining = state.max_new - (n - state.prompt_len)
-  e = jnp.minimum(jnp.minimum(a + 1, remaining), first_eos + 1)
+  e = jnp.minimum(jnp.minimum(a + 1, remaining), first_stop + 1)
   active = ~done
   failed = state.error != ERROR_NONE
   e = jnp.where(active & ~failed, e, 0)                           # nothing from bad logits
   new_n = n + e
-  done = done | failed | (first_eos < e) | (new_n - state.prompt_len >= state.max_new)
+  done = done | failed | (first_stop < e) | (new_n - state.prompt_len >= state.max_new)
   # A done row's writes land past its length and are never read.
   hist = state.accepted_histogram + jax.nn.one_hot(
       a, state.accepted_histogram.shape[1], dtype=jnp.int32) * active[:, None]

@@ -4,7 +4,8 @@ decode (streaming when there is one prompt), compare with AR, report.
 ``run(...)`` writes the generated text to ``out`` (stdout) and statistics,
 comparisons and notices to ``err`` (stderr), and returns the report dict that
 ``--json`` writes: ``{"config": {...}, "results": [{"prompt_index",
-"prompt", "sample", "tokens", "text", "stats"}, ...], "stats": {...},
+"prompt", "sample", "tokens", "text", "finish_reason", "stats"}, ...],
+"stats": {...},
 "ar_stats": {...}, "speedup": float, "speedup_per_repeat": [...],
 "wall_times_s": {"ar": [...], METHOD: [...]}}`` (the last four with
 ``compare``).
@@ -12,6 +13,7 @@ comparisons and notices to ``err`` (stderr), and returns the report dict that
 
 from __future__ import annotations
 
+import codecs
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -21,6 +23,7 @@ import numpy as np
 
 from decode import stats as stats_lib
 from decode.speculative import DecodeError, Decoder, SamplingParams
+from decode.stops import StopConditions
 from mtp import checkpoint as ckpt_lib
 from mtp import tokenizer as tok
 
@@ -70,6 +73,22 @@ def parse_num_draft_tokens(text) -> int | str:
   return value
 
 
+def parse_stops(strings: Sequence[str], token_ids: Sequence[str]) -> StopConditions | None:
+  """``--stop`` strings and ``--stop_token_ids`` (decimal ids) as
+  ``StopConditions`` (None when both are empty). Raises DecodeError for an
+  id that is not an integer (ranges are checked against the model later)."""
+  ids = []
+  for t in token_ids:
+    try:
+      ids.append(int(str(t).strip()))
+    except ValueError:
+      raise DecodeError(f"--stop_token_ids: {t!r} is not an integer token id") from None
+  check_prompt_text(list(strings), "--stop")
+  if not strings and not ids:
+    return None
+  return StopConditions(token_ids=tuple(ids), strings=tuple(strings))
+
+
 def flag_notices(*, method: str, given: set[str], temperature: float, compare: bool,
                  num_draft_tokens: int | str = 2) -> list[str]:
   """One line per flag that has no effect in the chosen mode (``given``: the
@@ -96,8 +115,48 @@ def flag_notices(*, method: str, given: set[str], temperature: float, compare: b
   return notes
 
 
+MAX_NEW_TOKENS = 2 ** 31 - 1
+MAX_SAMPLES = 65536
+MAX_REPEATS = 1000
+MAX_SEED = 2 ** 32 - 1
+
+
+def check_prompt_text(prompts: Sequence[str], flag: str = "--prompt") -> None:
+  """Raises DecodeError for text that is not valid Unicode: Python turns
+  command-line bytes that are not UTF-8 into lone surrogates (PEP 383), so a
+  byte such as 0xFF typed into --prompt arrives as U+DCFF; it is refused,
+  naming the prompt, the byte and its position, instead of being fed to the
+  model as other bytes."""
+  for i, p in enumerate(prompts):
+    for j, ch in enumerate(p):
+      if 0xD800 <= ord(ch) <= 0xDFFF:
+        what = (f"byte 0x{ord(ch) - 0xDC00:02X}" if 0xDC80 <= ord(ch) <= 0xDCFF
+                else f"lone surrogate U+{ord(ch):04X}")
+        raise DecodeError(f"{flag} (prompt {i}) is not valid UTF-8: {what} at character {j}; "
+                          "give UTF-8 text")
+
+
+def check_run_args(*, max_new_tokens, num_samples, seed, repeats, max_draft_tokens=None,
+                   sampling: SamplingParams | None = None) -> None:
+  """Range checks of every numeric setting of ``run``, made before anything
+  is loaded. Raises DecodeError, one line naming the flag and its range."""
+  def integer(name, value, lo, hi):
+    if not (isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi):
+      raise DecodeError(f"--{name}={value!r} must be an integer in [{lo}, {hi}]")
+  integer("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS)
+  integer("num_samples", num_samples, 1, MAX_SAMPLES)
+  integer("seed", seed, 0, MAX_SEED)
+  integer("repeats", repeats, 1, MAX_REPEATS)
+  if max_draft_tokens is not None:
+    integer("max_draft_tokens", max_draft_tokens, 1, 16)
+  if sampling is not None:
+    sampling.validate()
+
+
 def encode_prompts(prompts: Sequence[str]) -> list[np.ndarray]:
-  """[BOS] + UTF-8 bytes per prompt. Raises DecodeError for an empty prompt."""
+  """[BOS] + UTF-8 bytes per prompt. Raises DecodeError for an empty prompt
+  or text that is not valid UTF-8 (``check_prompt_text``)."""
+  check_prompt_text(prompts)
   tk = tok.ByteTokenizer()
   out = []
   for i, p in enumerate(prompts):
@@ -133,28 +192,29 @@ def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
 
 def decode_texts(decoder: Decoder, prompts: Sequence[str], *, max_new_tokens: int,
                  sampling: SamplingParams, num_samples: int = 1, seed: int = 0,
-                 warmup: bool = True, out: TextIO | None = None):
+                 warmup: bool = True, out: TextIO | None = None,
+                 stops: StopConditions | None = None):
   """Decodes every prompt ``num_samples`` times in one batch (stream form).
 
   With one prompt and one sample, text is streamed to ``out`` as it is
-  emitted. ``warmup`` first runs the same shapes once so timings exclude
-  compilation. Returns the ``Generation``.
+  emitted (never past a stop string). ``warmup`` first runs the same shapes
+  once so timings exclude compilation. Returns the ``Generation``.
   """
   if not (isinstance(num_samples, int) and num_samples >= 1):
     raise DecodeError(f"--num_samples={num_samples!r} must be an integer >= 1")
   encoded = [p for p in encode_prompts(prompts) for _ in range(num_samples)]
   if warmup:
-    decoder.stream(encoded, max_new_tokens, sampling, seed)
-  on_tokens = None
+    decoder.stream(encoded, max_new_tokens, sampling, seed, stops=stops)
+  on_text = None
   if out is not None and len(encoded) == 1:
-    dec = tok.StreamDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     out.write(prompts[0])
-    def on_tokens(row, ids):
-      out.write(dec.push(ids))
+    def on_text(row, data):
+      out.write(utf8.decode(data))
       out.flush()
-  gen = decoder.stream(encoded, max_new_tokens, sampling, seed, on_tokens=on_tokens)
-  if on_tokens is not None:
-    out.write(dec.flush() + "\n")
+  gen = decoder.stream(encoded, max_new_tokens, sampling, seed, stops=stops, on_text=on_text)
+  if on_text is not None:
+    out.write(utf8.decode(b"", final=True) + "\n")
   return gen
 
 
@@ -163,7 +223,7 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
         draft_workdir: str | None = None, max_new_tokens: int = 128,
         sampling: SamplingParams = SamplingParams(), num_samples: int = 1, seed: int = 0,
         compare: bool = False, repeats: int = 3, out: TextIO | None = None,
-        err: TextIO | None = None, tree=None) -> dict:
+        err: TextIO | None = None, tree=None, stops: StopConditions | None = None) -> dict:
   """Everything ``python -m decode`` does; returns the JSON report.
 
   Generated text goes to ``out`` (default stdout): with one prompt and one
@@ -183,16 +243,21 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   per depth, the histogram of accepted path lengths and the nodes per
   round, and ``config`` records the tree.
 
-  Raises DecodeError / CheckpointError for bad arguments or checkpoints.
+  ``stops``: stop token ids and stop strings (``decode.stops``); each
+  result records its ``finish_reason`` ("eos", "stop" or "length").
+
+  Raises DecodeError / CheckpointError for bad arguments or checkpoints
+  (every numeric setting and the prompt text are checked before anything
+  is loaded).
   """
   out = out or sys.stdout
   err = err or sys.stderr
-  sampling.validate()
-  if compare and not (isinstance(repeats, int) and repeats >= 1):
-    raise DecodeError(f"--repeats={repeats!r} must be an integer >= 1")
+  check_run_args(max_new_tokens=max_new_tokens, num_samples=num_samples, seed=seed,
+                 repeats=repeats, max_draft_tokens=max_draft_tokens, sampling=sampling)
+  check_prompt_text(prompts)
   decoder, trained = load_decoder(workdir, method, num_draft_tokens, draft_workdir,
                                   max_draft_tokens, tree)
-  depth = decoder.target().mtp_depth
+  depth = decoder.models()[0].mtp_depth
   if method == "mtp" and decoder.tree is None and decoder.G > trained:
     first = trained + 1
     extra = (f"drafts {first}..{decoder.G} reuse" if decoder.G > first else
@@ -204,21 +269,23 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
     err.write(f"note: {flag}={decoder.G} > {trained_for}: "
               f"{extra} module {depth}, which was never trained for that offset (acceptance "
               "decays there)\n")
+  if stops is not None:
+    stops.validate(decoder.target_cfg.vocab_size)
   gen = decode_texts(decoder, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                     num_samples=num_samples, seed=seed, out=out)
-  tk = tok.ByteTokenizer()
+                     num_samples=num_samples, seed=seed, out=out, stops=stops)
   results = []
   for r, ids in enumerate(gen.tokens):
     results.append({"prompt_index": r // num_samples, "prompt": prompts[r // num_samples],
                     "sample": r % num_samples, "tokens": [int(t) for t in ids],
-                    "text": tk.decode(ids), "stats": stats_lib.summarize(gen, [r])})
+                    "text": gen.texts[r].decode("utf-8", errors="replace"),
+                    "finish_reason": gen.finish_reasons[r], "stats": stats_lib.summarize(gen, [r])})
   summary = stats_lib.summarize(gen)
   if len(gen.tokens) > 1:
     for res in results:
       out.write(f"--- prompt {res['prompt_index']} sample {res['sample']}: "
                 f"{res['prompt']!r}\n{res['prompt']}{res['text']}\n")
     out.flush()
-  err.write(stats_lib.format_summary(method, summary) + "\n")
+  err.write(stats_lib.format_summary(method, summary) + f"\n  seed {seed}\n")
   report = {"config": {"workdir": workdir, "method": method,
                        "num_draft_tokens": decoder.num_draft_tokens,
                        **({"max_draft_tokens": decoder.G} if decoder.num_draft_tokens == "auto"
@@ -227,6 +294,8 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
                        "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
                        "top_k": sampling.top_k, "top_p": sampling.top_p,
                        "num_samples": num_samples, "seed": seed, "batch_size": len(gen.tokens),
+                       "stop": [] if stops is None else list(stops.strings),
+                       "stop_token_ids": [] if stops is None else [int(i) for i in stops.token_ids],
                        "device": jax.devices()[0].device_kind},
             "results": results, "stats": summary}
   if compare and method != "ar":
@@ -241,7 +310,7 @@ def _compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: s
                      err: TextIO) -> dict:
   """``repeats`` interleaved AR / ``decoder`` runs (see ``run``); returns the
   report keys ar_stats, speedup, speedup_per_repeat, repeats, wall_times_s."""
-  ar = Decoder(decoder.target(), "ar")
+  ar = Decoder(decoder.models()[0], "ar")
   kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples, seed=seed)
   ar_gen = decode_texts(ar, prompts, warmup=True, **kw)       # compiles AR; not timed below
   times = {"ar": [], method: []}

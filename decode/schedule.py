@@ -25,7 +25,7 @@ running estimate of row b's acceptance rate at draft position i (an
 exponential moving average of "d_i accepted" over the rounds that tested
 d_i) and cost(g) the measured wall time of one round at g (timed on the
 device for the decoder's batch size and cache length before the first
-generation; ``Decoder._auto_costs``).
+generation; ``decode.calibrate``).
 
 Exploration: while g* = 0 the estimates cannot change, so after
 ``probe_interval`` AR segments one short segment drafts with the best
@@ -149,21 +149,3 @@ class AutoSchedule:
     head = jnp.where(tested, head + self.ema * (passed - head), head)
     return {**sched, "alpha": alpha.at[:, :g].set(head),
             "tested": sched["tested"].at[:, :g].set(sched["tested"][:, :g] | tested)}
-
-
-@dataclasses.dataclass(frozen=True)
-class CyclingSchedule(AutoSchedule):
-  """Test schedule: g = (round + offset) mod (G_max + 1), one round per
-  segment, switching every round whatever happens (a past-only schedule,
-  for losslessness tests).
-  The offset enters through the state's round counter, so decoders compiled
-  with one offset serve every offset."""
-  offset: int = 0
-
-  def init_state(self, batch: int, costs) -> dict:
-    return {**super().init_state(batch, costs), "round": jnp.int32(self.offset)}
-
-  def choose(self, sched, active):
-    g = (sched["round"] % (self.max_draft_tokens + 1)).astype(jnp.int32)
-    g = jnp.where(sched["force"] >= 0, sched["force"], g)
-    return g, jnp.int32(1), {**sched, "round": sched["round"] + 1}

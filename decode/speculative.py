@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from decode import calibrate, loops, verify
+from decode import calibrate, loops, stops as stops_lib, verify
 from decode import mesh as decode_mesh
 from decode import round as round_lib
 from decode import state as state_lib
@@ -47,6 +47,8 @@ from decode.errors import DecodeError, NonFiniteLogitsError  # noqa: F401 (the A
 from decode.sampling import SamplingParams
 from decode.schedule import AutoSchedule
 from decode.state import DecodeState, Generation
+from decode.stops import StopConditions
+from mtp import tokenizer as tok
 from mtp.model import Transformer
 
 METHODS = ("ar", "mtp", "draft")
@@ -69,8 +71,6 @@ def resolve_method(target: Transformer, method: str, num_draft_tokens, draft, *,
   """
   if method not in METHODS:
     raise DecodeError(f"--method={method!r} must be one of {METHODS}")
-  if method == "ar":
-    return 0, None, None, None, None
   if tree is not None:                  # token trees: decode/tree.py
     if method != "mtp":
       raise DecodeError(f"--tree needs --method=mtp (the MTP modules draft the tree); got "
@@ -84,6 +84,8 @@ def resolve_method(target: Transformer, method: str, num_draft_tokens, draft, *,
     except ValueError as e:
       raise DecodeError(str(e)) from None
     return spec.depth, tree_lib.TreeMTPDrafter(spec, target.mtp_depth), None, spec, None
+  if method == "ar":
+    return 0, None, None, None, None
   if num_draft_tokens == "auto":
     if method != "mtp":
       raise DecodeError(f"--num_draft_tokens=auto needs --method=mtp (got --method={method})")
@@ -144,6 +146,9 @@ class Decoder:
       ``decode.drafters``; for tests and experiments).
     accept_rule: the chain's acceptance rule (default ``verify.accept``;
       tests swap in wrong rules to check that the statistics catch them).
+    tokenizer: the model's tokenizer (default the byte tokenizer): its
+      EOS id ends a row; its ``decode_bytes`` gives the text stop strings
+      are matched against.
   Raises:
     DecodeError: unknown method, G < 1, "mtp" with D = 0, "auto" with
       another method or a bad G_max / costs, a draft model with another
@@ -154,13 +159,15 @@ class Decoder:
   def __init__(self, target: Transformer, method: str = "mtp", num_draft_tokens: int | str = 2,
                draft: Transformer | None = None, mesh=None, *, max_draft_tokens: int | None = None,
                schedule: AutoSchedule | None = None, auto_costs=None, tree=None, drafter=None,
-               accept_rule=verify.accept):
+               accept_rule=verify.accept, tokenizer=None):
     self.method = method
     (self.G, self.drafter, self.schedule, self.tree, self._fixed_costs) = resolve_method(
         target, method, num_draft_tokens, draft, max_draft_tokens=max_draft_tokens,
         schedule=schedule, auto_costs=auto_costs, tree=tree)
     self.drafter = drafter or self.drafter
     self.accept_rule = accept_rule
+    self.tokenizer = tokenizer or tok.ByteTokenizer()
+    self.eos_ids = (int(self.tokenizer.eos_id),)
     self.target_graphdef, self.target_params = nnx.split(target, nnx.Param)
     self.target_cfg = target.cfg
     self.draft_graphdef, self.draft_params = (nnx.split(draft, nnx.Param) if method == "draft"
@@ -176,6 +183,8 @@ class Decoder:
     self._prefill_jit = jax.jit(wrap(self._prefill), donate_argnums=(2,), static_argnums=(3,))
     self._round_jit = jax.jit(wrap(self.round), donate_argnums=(2,), static_argnums=(4,))
     self._generate_jit = jax.jit(wrap(self._generate), donate_argnums=(2,))
+    self._stop_rows_jit = jax.jit(wrap(lambda s, n, m: s.replace(
+        length=jnp.where(m, n, s.length), done=s.done | m)), donate_argnums=(0,))
     self._choose_jit = jax.jit(wrap(functools.partial(loops.choose, self.schedule)),
                                donate_argnums=(0,))
     # cost measurement ("auto"): rounds at a fixed g inside one fori_loop, state not donated
@@ -235,14 +244,17 @@ class Decoder:
     """The jitted prefill of ``prepare``'s state (donated)."""
     return self._prefill_jit(self.target_params, self.draft_params, state, prefill_len)
 
-  def prepare(self, prompts: Sequence[np.ndarray], max_new_tokens: int, seed: int):
+  def prepare(self, prompts: Sequence[np.ndarray], max_new_tokens: int, seed: int,
+              stops: StopConditions | None = None):
     """Builds the initial state for a batch of token prompts (BOS included);
-    returns (state, prefill_len).
+    returns (state, prefill_len). ``stops``: stop token ids beside EOS.
 
     Raises DecodeError for an empty batch, a prompt without any token after
-    BOS, prompt + max_new_tokens beyond the model's max_seq_len, or (with a
-    mesh) a batch that the ``data`` axis does not divide.
+    BOS, prompt + max_new_tokens beyond the model's max_seq_len, bad stop
+    conditions, or (with a mesh) a batch that the ``data`` axis does not
+    divide.
     """
+    stops = (stops or StopConditions()).validate(self.target_cfg.vocab_size)
     _check_prompts(prompts, max_new_tokens, self.target_cfg.max_seq_len, self.mesh)
     headroom = 2 * self.G + 4 + (self.drafter.depth if isinstance(self.drafter, MTPDrafter) else 0)
     if self.tree is not None:           # the verify block and module calls of a tree
@@ -253,9 +265,11 @@ class Decoder:
     b = len(prompts)
     dstate = (None if self.drafter is None else
               self.drafter.init_state(draft if draft is not None else target, b, cache_len))
+    stop_ids = stops_lib.stop_id_array(self.eos_ids + tuple(stops.token_ids), b)
     state = state_lib.init_state(self.target_cfg, prompts, max_new_tokens, seed, cache_len,
                                  self.G, dstate,
-                                 state_lib.init_auto(self.schedule, b) if self.schedule else None)
+                                 state_lib.init_auto(self.schedule, b) if self.schedule else None,
+                                 stop_ids=stop_ids)
     if self.mesh is not None:
       state = decode_mesh.shard_state(self.mesh, state)
     return state, p_len - 1
@@ -297,21 +311,42 @@ class Decoder:
           jax.device_get((s.length, s.done, s.error))
     return calibrate.round_costs(run_rounds, self.G)
 
-  def _result(self, state, emit_times, wall, prefill) -> Generation:
-    return state_lib.to_generation(state, emit_times=emit_times, wall=wall, prefill=prefill,
-                                   num_draft_tokens=self.G,
-                                   tree=None if self.tree is None else self.tree.branching)
+  def token_bytes(self, token_id: int) -> bytes:
+    """The bytes one id stands for in the output (b"" for specials)."""
+    return self.tokenizer.decode_bytes([token_id])
+
+  def _result(self, state, emit_times, wall, prefill, stops: StopConditions | None,
+              max_new_tokens: int) -> Generation:
+    """The ``Generation``: rows cut at stop strings, finish reasons, texts."""
+    gen = state_lib.to_generation(state, emit_times=emit_times, wall=wall, prefill=prefill,
+                                  num_draft_tokens=self.G,
+                                  tree=None if self.tree is None else self.tree.branching)
+    stops = stops or StopConditions()
+    gen.finish_reasons, gen.texts = [], []
+    for i, ids in enumerate(gen.tokens):
+      ids, by_string = stops_lib.cut_at_stop_strings(ids, stops.strings, self.token_bytes)
+      gen.tokens[i] = ids
+      if gen.emit_times is not None:
+        gen.emit_times[i] = gen.emit_times[i][:len(ids)]
+      m = stops_lib.StopMatcher(stops.strings, self.token_bytes)
+      gen.texts.append(m.feed(ids)[1] + m.flush())
+      gen.finish_reasons.append(stops_lib.finish_reason(
+          ids, eos_ids=self.eos_ids, stop_ids=stops.token_ids,
+          stopped_by_string=by_string, error=False))
+    return gen
 
   def generate(self, prompts, max_new_tokens: int, sampling_params: SamplingParams,
-               seed: int = 0) -> Generation:
+               seed: int = 0, stops: StopConditions | None = None) -> Generation:
     """Whole generation in two jitted calls, the prefill, then every round in
     one ``while_loop`` (throughput form; the prefill is timed apart).
+    ``stops``: stop token ids (end a row inside the loop) and stop strings
+    (rows cut after the loop; ``decode.stops``).
 
     Raises DecodeError for bad input (``prepare``, ``SamplingParams.validate``)
     and NonFiniteLogitsError when the target or drafter produced NaN/inf logits.
     """
     sp = sampling_params.validate()
-    state, prefill_len = self.prepare(prompts, max_new_tokens, seed)
+    state, prefill_len = self.prepare(prompts, max_new_tokens, seed, stops)
     state = self._with_costs(state, sp, prompts, max_new_tokens)
     jax.block_until_ready(state)
     t0 = time.perf_counter()
@@ -319,28 +354,52 @@ class Decoder:
     t1 = time.perf_counter()
     state = self._generate_jit(self.target_params, self.draft_params, state, sp)
     jax.block_until_ready(state.length)
-    return self._result(state, None, time.perf_counter() - t0, t1 - t0)
+    return self._result(state, None, time.perf_counter() - t0, t1 - t0, stops, max_new_tokens)
 
   def stream(self, prompts, max_new_tokens: int, sampling_params: SamplingParams, seed: int = 0,
-             on_tokens: Callable[[int, np.ndarray], None] | None = None) -> Generation:
+             on_tokens: Callable[[int, np.ndarray], None] | None = None,
+             stops: StopConditions | None = None,
+             on_text: Callable[[int, bytes], None] | None = None) -> Generation:
     """Jitted prefill + one jitted round per Python step (streaming form).
 
     ``on_tokens(row, new_ids)`` is called after each round with each row's
-    newly emitted ids. Emits exactly what ``generate`` emits for the same seed
-    (with "auto": given the same ``auto_costs``; see the module docstring).
+    newly emitted ids, ``on_text(row, new_bytes)`` with its new output text
+    (UTF-8 bytes, possibly ending inside a character; bytes that could start
+    a stop string are held back until decided). A row whose text reaches a
+    stop string is cut after the token completing it and stopped before the
+    next round: nothing past a stop is handed on. Emits exactly what
+    ``generate`` emits for the same seed (with "auto": given the same
+    ``auto_costs``; see the module docstring).
     """
     sp = sampling_params.validate()
-    state, prefill_len = self.prepare(prompts, max_new_tokens, seed)
+    state, prefill_len = self.prepare(prompts, max_new_tokens, seed, stops)
+    strings = () if stops is None else tuple(stops.strings)
     state = self._with_costs(state, sp, prompts, max_new_tokens, form="stream")
     jax.block_until_ready(state)
     t0 = time.perf_counter()
     state = self.prefill(state, prefill_len)
     prefill = time.perf_counter() - t0
     step = lambda s, g: self._round_jit(self.target_params, self.draft_params, s, sp, g)
+    matchers = [stops_lib.StopMatcher(strings, self.token_bytes) for _ in prompts]
+
+    def on_new(row, ids):
+      keep, text, stopped = matchers[row].feed(ids)
+      if on_tokens is not None and keep:
+        on_tokens(row, ids[:keep])
+      if on_text is not None and text:
+        on_text(row, text)
+      return keep, stopped
+    callbacks = strings or on_tokens is not None or on_text is not None
     state, emit_times = loops.stream_rounds(
-        step, state, max_new_tokens, t0=t0, on_tokens=on_tokens,
+        step, state, max_new_tokens, t0=t0, on_new=on_new if callbacks else None,
+        stop_rows=lambda s, n, m: self._stop_rows_jit(s, jnp.asarray(n), jnp.asarray(m)),
         choose_fn=self._choose_jit if self.schedule is not None else None)
-    return self._result(state, emit_times, time.perf_counter() - t0, prefill)
+    if on_text is not None:
+      for row, m in enumerate(matchers):
+        if (rest := m.flush()):
+          on_text(row, rest)
+    return self._result(state, emit_times, time.perf_counter() - t0, prefill, stops,
+                        max_new_tokens)
 
 
 def _check_prompts(prompts, max_new_tokens, max_len: int, mesh) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 from flax import struct
 
 from decode.errors import emitted_rows, raise_on_error
+from decode.stops import stop_id_array
 from mtp import tokenizer as tok
 from mtp.model import init_layer_caches
 
@@ -70,6 +71,8 @@ class DecodeState:
   accepted_histogram: [B, G+1] int32, rounds per number of accepted drafts.
   error: [B] int32, ``decode.errors`` ERROR_* code (non-finite logits).
   error_pos: [B] int32, the position whose logits were non-finite.
+  stop_ids: [B, K] int32, ids that end the row when emitted (EOS and the
+    stop token ids; -1 pads), checked in ``decode.round.commit``.
   drafter: the drafter's own state (``decode.drafters``), None for AR.
   auto: ``AutoState`` with ``num_draft_tokens="auto"``, else None.
   """
@@ -84,6 +87,7 @@ class DecodeState:
   accepted_histogram: jax.Array
   error: jax.Array
   error_pos: jax.Array
+  stop_ids: jax.Array
   drafter: Any = None
   auto: AutoState | None = None
 
@@ -111,6 +115,10 @@ class Generation:
   tree: the token tree's branching per depth (``Decoder(tree=...)``), else
     None; then accepted_histogram counts accepted path lengths a = 0..m and
     num_draft_tokens is the depth m.
+  finish_reasons: per row, why it ended (``decode.stops.FINISH_REASONS``:
+    "eos", "stop", "length"); None only for hand-built results.
+  texts: per row, the output text as UTF-8 bytes (cut before a stop
+    string), or None.
   """
   tokens: list[np.ndarray]
   prompt_lengths: np.ndarray
@@ -124,6 +132,8 @@ class Generation:
   position_tested: np.ndarray | None = None
   position_accepted: np.ndarray | None = None
   tree: tuple[int, ...] | None = None
+  finish_reasons: list[str] | None = None
+  texts: list[bytes] | None = None
 
 
 def cache_length(prompt_len: int, max_new_tokens: int, headroom: int) -> tuple[int, int]:
@@ -136,11 +146,12 @@ def cache_length(prompt_len: int, max_new_tokens: int, headroom: int) -> tuple[i
 
 
 def init_state(model_cfg, prompts, max_new_tokens: int, seed: int, cache_len: int,
-               num_draft_tokens: int, drafter_state=None, auto: AutoState | None = None
-               ) -> DecodeState:
+               num_draft_tokens: int, drafter_state=None, auto: AutoState | None = None,
+               stop_ids=None) -> DecodeState:
   """The state before prefill: prompts [B] int32 arrays (BOS included)
   written left-aligned into a PAD buffer of ``cache_len`` slots, an empty
-  target cache, zeroed statistics for ``num_draft_tokens`` G."""
+  target cache, zeroed statistics for ``num_draft_tokens`` G; stop_ids
+  [B, K] int32 (default: EOS alone)."""
   b = len(prompts)
   lengths = np.asarray([len(p) for p in prompts], np.int32)
   tokens = np.full((b, cache_len), tok.PAD_ID, np.int32)
@@ -154,6 +165,8 @@ def init_state(model_cfg, prompts, max_new_tokens: int, seed: int, cache_len: in
       target_calls=jnp.zeros((b,), jnp.int32),
       accepted_histogram=jnp.zeros((b, num_draft_tokens + 1), jnp.int32),
       error=jnp.zeros((b,), jnp.int32), error_pos=jnp.zeros((b,), jnp.int32),
+      stop_ids=jnp.asarray(stop_id_array([tok.EOS_ID], b) if stop_ids is None else stop_ids,
+                           jnp.int32),
       drafter=drafter_state, auto=auto)
 
 

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from decode.verify import TreeSpec
+from decode.tree_spec import TreeSpec
 
 
 

@@ -70,7 +70,7 @@ from decode import sampling, verify
 from decode.drafters import MTPDrafter, MTPDraftState, gather_rows
 from decode.sampling import SamplingParams
 from decode.state import DecodeState
-from decode.verify import TreeSpec
+from decode.tree_spec import TreeSpec
 from mtp.model import Transformer, write_cache
 
 MAX_BRANCHING = 64       # children per node, per depth

@@ -1,5 +1,5 @@
 """Verification: the acceptance rules of speculative decoding, for a chain of
-drafts and for a token tree, and the tree's static shape (``TreeSpec``).
+drafts and for a token tree (whose static shape is ``decode.tree_spec.TreeSpec``).
 
 Pure, jittable functions with no model inside (docs/design.md section 5;
 derivations in docs/speculative_sampling.md):
@@ -24,20 +24,16 @@ docs/design.md: B batch, G draft length, N tree nodes, V vocabulary.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from decode.sampling import SamplingParams, categorical_from_uniform, sample, uniform_open
+from decode.tree_spec import TreeSpec
 
 __all__ = [
   "rejection_sample",
   "greedy_verify",
   "accept",
-  "TreeSpec",
   "tree_rejection_sample",
   "tree_greedy_verify",
   "tree_accept",
@@ -206,107 +202,7 @@ def accept(key, target, draft_q, draft_tokens, params: SamplingParams):
     return rejection_sample(key, target, draft_q, draft_tokens)
   return jnp.zeros(target.shape[0], jnp.int32), sample(key, target[:, 0])
 
-# ---------------------------------------------------------------------------
-# Token trees.
-
-
-@dataclasses.dataclass(frozen=True)
-class TreeSpec:
-  """A static draft tree given by its branching per depth.
-
-  ``branching`` (b_1, .., b_m): the root (the newest committed token x_{n-1})
-  has b_1 children, every depth-1 node b_2 children, and so on; depth m is
-  the tree's depth. Nodes are numbered in breadth-first order (all depth-1
-  nodes, then all depth-2 nodes, ...; the children of one parent are
-  consecutive, in the order they were drafted), node i in 0..N-1. Verify
-  blocks put the root at block index 0 and node i at block index 1 + i, so
-  the internal nodes (root and depths 1..m-1) are the first
-  ``num_internal`` block indices.
-
-  Hashable (a static argument under ``jax.jit``); the derived index arrays
-  are numpy (static).
-  """
-  branching: tuple[int, ...]
-
-  def __post_init__(self):
-    b = tuple(self.branching)
-    if not b or not all(isinstance(x, (int, np.integer)) and x >= 1 for x in b):
-      raise ValueError(f"tree branching must be a non-empty tuple of integers >= 1, got {b!r}")
-    object.__setattr__(self, "branching", tuple(int(x) for x in b))
-
-  @property
-  def depth(self) -> int:
-    """m, the number of levels below the root."""
-    return len(self.branching)
-
-  @functools.cached_property
-  def counts(self) -> tuple[int, ...]:
-    """(n_0, n_1, .., n_m): nodes per depth, n_0 = 1 (the root), n_d = n_{d-1} b_d."""
-    out = [1]
-    for b in self.branching:
-      out.append(out[-1] * b)
-    return tuple(out)
-
-  @property
-  def num_nodes(self) -> int:
-    """N = n_1 + .. + n_m (the root excluded): drafted tokens per round."""
-    return sum(self.counts[1:])
-
-  @property
-  def num_internal(self) -> int:
-    """Nodes with children, root included: n_0 + .. + n_{m-1}."""
-    return sum(self.counts[:-1])
-
-  @functools.cached_property
-  def offsets(self) -> tuple[int, ...]:
-    """offsets[d] = first node index of depth d (d = 1..m; offsets[0] = -1
-    stands for the root, which is not a node); offsets[m+1] = N."""
-    out, acc = [-1], 0
-    for c in self.counts[1:]:
-      out.append(acc)
-      acc += c
-    return tuple(out + [acc])
-
-  @functools.cached_property
-  def depths(self) -> np.ndarray:
-    """[N] int32, depth 1..m of every node."""
-    return np.concatenate([np.full(c, d, np.int32) for d, c in enumerate(self.counts) if d])
-
-  @functools.cached_property
-  def parents(self) -> np.ndarray:
-    """[N] int32, node index of every node's parent, -1 for the root's children."""
-    out = [np.full(self.counts[1], -1)]
-    for d in range(2, self.depth + 1):
-      out.append(self.offsets[d - 1] + np.arange(self.counts[d]) // self.branching[d - 1])
-    return np.concatenate(out).astype(np.int32)
-
-  @functools.cached_property
-  def ancestors(self) -> np.ndarray:
-    """[N, N] bool: ancestors[i, j] iff node j is node i or one of its
-    ancestors (the root excluded)."""
-    n = self.num_nodes
-    out = np.eye(n, dtype=bool)
-    for i in range(n):
-      j = self.parents[i]
-      while j >= 0:
-        out[i, j] = True
-        j = self.parents[j]
-    return out
-
-  @functools.cached_property
-  def block_ancestors(self) -> np.ndarray:
-    """[N+1, N+1] bool over verify-block indices (root 0, node i at 1+i):
-    ancestor-or-self, the root an ancestor of every node (the tree
-    attention mask of the verify block)."""
-    n = self.num_nodes
-    out = np.zeros((n + 1, n + 1), bool)
-    out[:, 0] = True
-    out[1:, 1:] = self.ancestors
-    return out
-
-  def __str__(self):
-    return ",".join(map(str, self.branching))
-
+# -- token trees ------------------------------------------------------------------
 
 def _check_tree_shapes(name, spec, target, node_tokens, draft_probs=None):
   if not isinstance(spec, TreeSpec):

@@ -4,6 +4,8 @@ The statistical (end-to-end distribution) tests live in
 tests/test_decode_distribution.py.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,8 @@ import pytest
 from flax import nnx
 
 from decode import drafters as drafters_lib
+from decode import round as round_lib
+from decode import state as state_lib
 from decode.speculative import DecodeError, Decoder, NonFiniteLogitsError, SamplingParams
 from mtp import model as model_lib
 from mtp import tokenizer as tok
@@ -48,18 +52,18 @@ def test_mtp_draft_and_verify_logits_equal_cache_free_forward(target, num_draft_
   distributions equal the cache-free target's (docs/design.md section 6)."""
   g = num_draft_tokens
   dec = Decoder(target, "mtp", g)
-  warp = SamplingParams(temperature=1.0).as_arrays()
+  warp = SamplingParams(temperature=1.0)
   prompts = _prompts([2, 7, 12], seed=g)
   state, prefill_len = dec.prepare(prompts, 40, seed=0)
-  state = dec._prefill_fn(dec.target_params, None, state, prefill_len)
-  propose = jax.jit(lambda params, s: dec._propose(*dec._models(params, None), s, warp))
-  commit = jax.jit(dec._commit)
+  state = dec.prefill(state, prefill_len)
+  propose = jax.jit(lambda params, s: round_lib.propose(dec.drafter, *dec.models(params), s, warp, dec.G))
+  commit = jax.jit(functools.partial(round_lib.commit, dec.drafter))
   full = jax.jit(lambda params, x: (lambda o: (o.logits, o.mtp_logits))(
-      dec._models(params, None)[0](x)))
+      dec.models(params)[0](x)))
   rng = np.random.default_rng(1)
   for _ in range(6):
-    state, d_tok, d_probs, p, h0, _ = propose(dec.target_params, state)
-    tokens, n = np.asarray(state["tokens"]), np.asarray(state["length"])
+    state, (d_tok, d_probs, p, h0, _) = propose(dec.target_params, state)
+    tokens, n = np.asarray(state.tokens), np.asarray(state.length)
     for b in range(len(prompts)):
       seq = jnp.asarray(tokens[b:b + 1, :n[b] + g])       # committed + drafts
       logits, mtp_logits = full(dec.target_params, seq)
@@ -78,18 +82,18 @@ def test_auto_draft_lengths_keep_every_module_cache_exact(target):
   modules catch up over committed positions before drafting: q_k must still
   equal the cache-free forward at every round, whatever the g sequence."""
   dec = Decoder(target, "mtp", "auto", max_draft_tokens=3, auto_costs=[1.0, 1.0, 1.0, 1.0])
-  warp = SamplingParams(temperature=1.0).as_arrays()
+  warp = SamplingParams(temperature=1.0)
   prompts = _prompts([2, 7, 12], seed=4)
   state, prefill_len = dec.prepare(prompts, 60, seed=0)
-  state = dec._prefill_fn(dec.target_params, None, state, prefill_len)
-  props = {g: jax.jit(lambda params, s, g=g: dec._propose(*dec._models(params, None), s, warp, g))
+  state = dec.prefill(state, prefill_len)
+  props = {g: jax.jit(lambda params, s, g=g: round_lib.propose(dec.drafter, *dec.models(params), s, warp, g))
            for g in range(4)}
-  commit = jax.jit(dec._commit)
-  full = jax.jit(lambda params, x: dec._models(params, None)[0](x).mtp_logits)
+  commit = jax.jit(functools.partial(round_lib.commit, dec.drafter))
+  full = jax.jit(lambda params, x: dec.models(params)[0](x).mtp_logits)
   rng = np.random.default_rng(5)
   for g in [0, 0, 0, 0, 0, 0, 2, 1, 0, 3, 0, 0, 0, 0, 0, 0, 0, 1, 2, 3]:
-    state, d_tok, d_q, p, h0, _ = props[g](dec.target_params, state)
-    tokens, n = np.asarray(state["tokens"]), np.asarray(state["length"])
+    state, (d_tok, d_q, p, h0, _) = props[g](dec.target_params, state)
+    tokens, n = np.asarray(state.tokens), np.asarray(state.length)
     for b in range(len(prompts)):
       if g:
         mtp_logits = full(dec.target_params, jnp.asarray(tokens[b:b + 1, :n[b] + g]))
@@ -105,16 +109,16 @@ def test_draft_model_drafts_equal_cache_free_forward(target):
   draft = model_lib.build_model(tiny_config(mtp=dict(depth=0), model=dict(num_layers=1)), seed=7)
   g = 3
   dec = Decoder(target, "draft", g, draft)
-  warp = SamplingParams(temperature=1.0).as_arrays()
+  warp = SamplingParams(temperature=1.0)
   prompts = _prompts([2, 6], seed=3)
   state, prefill_len = dec.prepare(prompts, 40, seed=0)
-  state = dec._prefill_fn(dec.target_params, dec.draft_params, state, prefill_len)
-  propose = jax.jit(lambda tp, dp, s: dec._propose(*dec._models(tp, dp), s, warp))
-  commit = jax.jit(dec._commit)
+  state = dec.prefill(state, prefill_len)
+  propose = jax.jit(lambda tp, dp, s: round_lib.propose(dec.drafter, *dec.models(tp, dp), s, warp, dec.G))
+  commit = jax.jit(functools.partial(round_lib.commit, dec.drafter))
   rng = np.random.default_rng(2)
   for _ in range(5):
-    state, d_tok, d_probs, p, h0, _ = propose(dec.target_params, dec.draft_params, state)
-    tokens, n = np.asarray(state["tokens"]), np.asarray(state["length"])
+    state, (d_tok, d_probs, p, h0, _) = propose(dec.target_params, dec.draft_params, state)
+    tokens, n = np.asarray(state.tokens), np.asarray(state.length)
     for b in range(len(prompts)):
       ref = jax.nn.softmax(draft(jnp.asarray(tokens[b:b + 1, :n[b] + g])).logits[0])
       np.testing.assert_allclose(d_probs[b], ref[n[b] - 1:n[b] - 1 + g], atol=2e-5)
@@ -128,7 +132,7 @@ def test_draft_model_drafts_equal_cache_free_forward(target):
 def test_auto_greedy_equals_ar(target, ar_greedy):
   """Draft length chosen every round (measured costs, and a schedule that
   switches every round through g = 0..3): output identical to AR."""
-  from decode.schedule import CyclingSchedule
+  from tests.schedules import CyclingSchedule
   prompts, ref = ar_greedy
   for dec in (Decoder(target, "mtp", "auto"),
               Decoder(target, "mtp", "auto", max_draft_tokens=3, schedule=CyclingSchedule(3))):
@@ -173,20 +177,19 @@ def test_ar_stream_equals_while_loop(target, ar_greedy):
 class _FixedDrafter(drafters_lib.DraftModelDrafter):
   """Test drafter: proposes tokens from a rule, with one-hot q."""
 
-  def __init__(self, g, rule):
-    super().__init__(g)
+  def __init__(self, rule):
     self.rule = rule
 
   def init_state(self, draft, batch, cache_len):
     return {}
 
-  def prefill(self, draft, state, tokens, lengths, prefill_len):
+  def prefill(self, draft, state, tokens, lengths, h0, prefill_len):
     return state
 
-  def draft(self, draft, state, tokens, n, key, warp):
-    d = self.rule(key, tokens, n, self.num_draft_tokens)
-    for j in range(self.num_draft_tokens):
-      tokens = drafters_lib.write_rows(tokens, d[:, j:j + 1], n + j)
+  def draft(self, draft, state, tokens, n, key, params, g):
+    d = self.rule(key, tokens, n, g)
+    for j in range(g):
+      tokens = model_lib.write_cache(tokens, d[:, j:j + 1], n + j)
     return state, tokens, d, jax.nn.one_hot(d, 264, dtype=jnp.float32)
 
 
@@ -201,8 +204,7 @@ def test_greedy_equals_ar_with_random_and_adversarial_drafters(target, ar_greedy
           drafters_lib.gather_rows(tokens, (n - 1)[:, None]), g, axis=1),
   }
   prompts, ref = ar_greedy
-  dec = Decoder(target, "draft", 3, target)
-  dec.drafter = _FixedDrafter(3, rules[rule_name])
+  dec = Decoder(target, "draft", 3, target, drafter=_FixedDrafter(rules[rule_name]))
   gen = dec.generate(prompts, 24, GREEDY)
   for b in range(len(prompts)):
     np.testing.assert_array_equal(gen.tokens[b], ref.tokens[b], err_msg=f"{rule_name} row {b}")
@@ -226,16 +228,15 @@ def test_draft_model_greedy_equals_ar(target, ar_greedy):
 
 def _commit_case(g, d_tok, a, nxt, n, prompt_len, max_new):
   target = model_lib.build_model(tiny_config(mtp=dict(depth=0), model=dict(num_layers=1)), seed=0)
-  dec = Decoder(target, "draft", g, target)
   b = len(n)
-  state = {"tokens": jnp.zeros((b, 64), jnp.int32), "length": jnp.asarray(n, jnp.int32),
-           "prompt_len": jnp.asarray(prompt_len, jnp.int32),
-           "max_new": jnp.asarray(max_new, jnp.int32), "done": jnp.zeros((b,), bool),
-           "target_calls": jnp.zeros((b,), jnp.int32),
-           "accepted_histogram": jnp.zeros((b, g + 1), jnp.int32), "drafter": {}}
-  out = dec._commit(state, jnp.asarray(d_tok, jnp.int32), jnp.asarray(a, jnp.int32),
-                    jnp.asarray(nxt, jnp.int32), None)
-  return jax.device_get(out)
+  state = state_lib.init_state(target.cfg, [np.zeros(2, np.int32)] * b, 1, 0, 64, g)
+  state = state.replace(length=jnp.asarray(n, jnp.int32), prompt_len=jnp.asarray(prompt_len, jnp.int32),
+                        max_new=jnp.asarray(max_new, jnp.int32))
+  out = round_lib.commit(None, state, jnp.asarray(d_tok, jnp.int32), jnp.asarray(a, jnp.int32),
+                         jnp.asarray(nxt, jnp.int32), None)
+  out = jax.device_get(out)
+  return {"length": out.length, "done": out.done, "tokens": out.tokens,
+          "accepted_histogram": out.accepted_histogram}
 
 
 def test_eos_inside_accepted_block_and_budget_mid_block():
@@ -342,21 +343,23 @@ def test_non_finite_logits_stop_with_an_error_and_emit_nothing(target, where, so
 def test_a_row_failing_mid_generation_keeps_what_came_before(target):
   """The flag set inside the round stops exactly the failing row: its
   earlier tokens stay, the round's tokens are not emitted, other rows go on."""
-  from decode.speculative import ERROR_TARGET, _flag_non_finite
+  from decode.errors import ERROR_TARGET
+  from decode.round import flag_non_finite as _flag_non_finite
   dec = Decoder(target, "ar")
   state, _ = dec.prepare(_prompts([4, 6]), 10, 0)
   logits = jnp.zeros((2, 1, target.cfg.vocab_size)).at[1, 0, 5].set(jnp.inf)
-  state = {**state, "length": jnp.asarray([7, 9], jnp.int32)}
-  state = _flag_non_finite(state, logits, None, state["length"])
-  np.testing.assert_array_equal(state["error"], [0, ERROR_TARGET])
-  np.testing.assert_array_equal(state["error_pos"][1], 8)
-  out = dec._commit(state, None, jnp.zeros(2, jnp.int32), jnp.asarray([97, 98], jnp.int32), None)
-  np.testing.assert_array_equal(out["length"], [8, 9])          # row 1 emits nothing
-  np.testing.assert_array_equal(out["done"], [False, True])
+  state = state.replace(length=jnp.asarray([7, 9], jnp.int32))
+  state = _flag_non_finite(state, logits, None, state.length)
+  np.testing.assert_array_equal(state.error, [0, ERROR_TARGET])
+  np.testing.assert_array_equal(state.error_pos[1], 8)
+  out = round_lib.commit(None, state, None, jnp.zeros(2, jnp.int32), jnp.asarray([97, 98], jnp.int32),
+                         None)
+  np.testing.assert_array_equal(out.length, [8, 9])          # row 1 emits nothing
+  np.testing.assert_array_equal(out.done, [False, True])
   # -inf at a never-emitted id (the head's own mask) is not an error
   masked = jnp.zeros((2, 1, target.cfg.vocab_size)).at[:, 0, tok.BOS_ID].set(-jnp.inf)
   state, _ = dec.prepare(_prompts([4, 6]), 10, 0)
-  assert not _flag_non_finite(state, masked, None, state["length"])["error"].any()
+  assert not _flag_non_finite(state, masked, None, state.length).error.any()
 
 
 def test_high_temperature_never_emits_never_emitted_ids(target):

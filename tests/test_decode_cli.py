@@ -167,3 +167,54 @@ def test_notice_counts_offsets_trained_by_recursive_steps(workdir, capsys, monke
   err = capsys.readouterr().err
   assert ("--num_draft_tokens=4 > the 3 offsets the checkpoint's modules were trained for "
           "(D=2, mtp.recursive_steps=1): draft 4 reuses module 2") in err
+
+
+def _cli_bytes(*args, env_extra=None):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env_extra or {})}
+  return subprocess.run([sys.executable, "-m", "decode", *args], cwd=REPO, env=env,
+                        capture_output=True, timeout=300)
+
+
+def test_inputs_past_their_types_are_one_line_before_loading(tmp_path):
+  """Issue 23.4: out-of-range numbers, non-UTF-8 prompt bytes and unknown
+  flags exit 2 with one error line and no traceback, before any checkpoint
+  is read (the workdir does not even exist)."""
+  nowhere = str(tmp_path / "nowhere")
+  cases = [
+      (["--top_k", "2147483648"], b"--top_k=2147483648 must be an integer in [0, 2147483647]"),
+      (["--top_k", "99999999999"], b"--top_k=99999999999"),
+      (["--max_new_tokens", "0"], b"--max_new_tokens=0 must be an integer in [1,"),
+      (["--seed", "-1"], b"--seed=-1 must be an integer in [0, 4294967295]"),
+      (["--num_samples", "100000000"], b"--num_samples"),
+      (["--stop_token_ids", "x"], b"--stop_token_ids: 'x' is not an integer"),
+      (["--no_such_flag", "1"], b"no_such_flag"),
+  ]
+  for extra, want in cases:
+    r = _cli_bytes("--workdir", nowhere, "--prompt", "abc", *extra)
+    assert r.returncode == 2, (extra, r.stderr[-500:])
+    assert want in r.stderr and b"Traceback" not in r.stderr, (extra, r.stderr[-500:])
+    assert b"no checkpoint" not in r.stderr, extra          # refused before loading
+  # a byte that is not UTF-8 in --prompt (bytes argv), with a strict stdout
+  r = _cli_bytes("--workdir", nowhere, b"--prompt=def \xff(",
+                 env_extra={"PYTHONIOENCODING": "utf-8:strict"})
+  assert r.returncode == 2 and b"Traceback" not in r.stderr, r.stderr[-500:]
+  assert b"is not valid UTF-8: byte 0xFF at character 4" in r.stderr
+
+
+def test_stop_string_through_the_cli(workdir, tmp_path):
+  """--stop cuts the printed text before the stop string and the report
+  records finish_reason "stop" (AR and MTP alike at T = 0)."""
+  base = _cli("--workdir", workdir, "--prompt", "abc", "--max_new_tokens", "12",
+              "--temperature", "0", "--method", "ar", "--json", str(tmp_path / "a.json"))
+  assert base.returncode == 0, base.stderr[-2000:]
+  text = json.loads((tmp_path / "a.json").read_text())["results"][0]["text"]
+  stop = text[3:5]
+  for method in ("ar", "mtp"):
+    out = tmp_path / f"{method}.json"
+    r = _cli("--workdir", workdir, "--prompt", "abc", "--max_new_tokens", "12", "--temperature",
+             "0", "--method", method, "--stop", stop, "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())["results"][0]
+    assert res["text"] == text[:text.find(stop)] and res["finish_reason"] == "stop"
+    assert r.stdout == "abc" + res["text"] + "\n"
+    assert "seed 0" in r.stderr

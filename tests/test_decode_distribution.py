@@ -18,6 +18,7 @@ from scipy import stats
 
 from decode import drafters as drafters_lib
 from decode import sampling
+from mtp.model import write_cache
 from decode.speculative import Decoder, SamplingParams
 from mtp import tokenizer as tok
 
@@ -104,7 +105,8 @@ def test_auto_draft_length_keeps_the_target_law(model, schedule):
   acceptance estimates; costs fixed so it drafts) both leave the joint law
   of the first two tokens equal to the target's at T = 1 with top-k and
   top-p."""
-  from decode.schedule import AutoSchedule, CyclingSchedule
+  from decode.schedule import AutoSchedule
+  from tests.schedules import CyclingSchedule
   law = exact_pair_law(model, AUTO_SETTING)
   g_max = 3
   if schedule == "cycling":
@@ -138,16 +140,15 @@ def _perturbed(model):
 class _ArgmaxDraftsSoftQ(drafters_lib.MTPDrafter):
   """Known bug: drafts taken by argmax while q is the soft warped distribution."""
 
-  def draft(self, target, state, tokens, n, key, warp):
-    state, tokens, _, q = super().draft(target, state, tokens, n, key, warp)
+  def draft(self, target, state, tokens, n, key, params, g):
+    state, tokens, _, q = super().draft(target, state, tokens, n, key, params, g)
     d = jnp.argmax(q, -1).astype(jnp.int32)
     for j in range(d.shape[1]):
-      tokens = drafters_lib.write_rows(tokens, d[:, j:j + 1], n + j)
+      tokens = write_cache(tokens, d[:, j:j + 1], n + j)
     return state, tokens, d, q
 
 
 def test_the_chi_square_harness_detects_a_wrong_q(model, laws):
-  decoder = Decoder(model, "mtp", 2)
-  decoder.drafter = _ArgmaxDraftsSoftQ(2, model.mtp_depth)
+  decoder = Decoder(model, "mtp", 2, drafter=_ArgmaxDraftsSoftQ(model.mtp_depth, 2))
   pairs, _ = _sample_pairs(decoder, SETTINGS["t0.7_top3"], seed=7)
   assert chi_square_pvalue(pairs, laws["t0.7_top3"]) < ALPHA

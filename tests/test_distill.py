@@ -6,12 +6,15 @@ lossless (chi-square and greedy equality on a distilled model)."""
 import json
 import os
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from decode import round as round_lib
 from decode.speculative import Decoder, SamplingParams
 from mtp import checkpoint as ckpt_lib
 from mtp import tokenizer as tok
@@ -144,19 +147,19 @@ def test_recursive_steps_equal_the_decoders_reuse_of_module_d(trained_markov):
   d, r = model.mtp_depth, 2
   g = d + r
   dec = Decoder(model, "mtp", g)
-  warp = SamplingParams(temperature=1.0).as_arrays()
+  warp = SamplingParams(temperature=1.0)
   rng = np.random.default_rng(4)
   prompts = [np.concatenate([[tok.BOS_ID], rng.choice(ALPHABET, n)]).astype(np.int32) for n in (2, 9)]
   state, prefill_len = dec.prepare(prompts, 30, seed=0)
-  state = dec._prefill_fn(dec.target_params, None, state, prefill_len)
-  propose = jax.jit(lambda params, s: dec._propose(*dec._models(params, None), s, warp))
-  commit = jax.jit(dec._commit)
-  full = jax.jit(lambda params, x: dec._models(params, None)[0](x, recursive_steps=r).mtp_logits)
+  state = dec.prefill(state, prefill_len)
+  propose = jax.jit(lambda params, s: round_lib.propose(dec.drafter, *dec.models(params), s, warp, dec.G))
+  commit = jax.jit(functools.partial(round_lib.commit, dec.drafter))
+  full = jax.jit(lambda params, x: dec.models(params)[0](x, recursive_steps=r).mtp_logits)
   for _ in range(5):
-    state, d_tok, d_probs, p, h0, _ = propose(dec.target_params, state)
-    n = np.asarray(state["length"])
+    state, (d_tok, d_probs, p, h0, _) = propose(dec.target_params, state)
+    n = np.asarray(state.length)
     # one fixed-shape forward over the whole buffer (causal: later slots do not matter)
-    mtp_logits = full(dec.target_params, state["tokens"])
+    mtp_logits = full(dec.target_params, state.tokens)
     assert len(mtp_logits) == g
     for b in range(len(prompts)):
       for k in range(1, g + 1):

@@ -1,4 +1,4 @@
-"""Tests for decode/sampling.py: warping and the speculative acceptance rule.
+"""Tests for decode/sampling.py and decode/verify.py: warping and the speculative acceptance rule.
 
 Statistical tests: chi-square goodness of fit (scipy.stats.chisquare) against
 exact laws computed in float64 from the same float32 p and q the kernel sees,
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from decode import sampling
+from decode import sampling, verify
 
 SIG = 1e-3  # significance level of every chi-square test
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "speculative_sampling.md"
@@ -45,8 +45,8 @@ _warp = jax.jit(sampling.warp_logits)
 _warp_grid = jax.jit(jax.vmap(sampling.warp_logits, in_axes=(None, 0, 0, 0)))
 _probs = jax.jit(sampling.probs_from_logits)
 _sample = jax.jit(sampling.sample)
-_rejection = jax.jit(sampling.rejection_sample)
-_greedy = jax.jit(sampling.greedy_verify)
+_rejection = jax.jit(verify.rejection_sample)
+_greedy = jax.jit(verify.greedy_verify)
 
 
 # ---------------------------------------------------------------------------
@@ -246,7 +246,7 @@ def _wrong_residual_is_p(key, target_probs, draft_probs, draft_tokens):
 def _wrong_off_by_one(key, target_probs, draft_probs, draft_tokens):
   """WRONG: verifies d_j against p_j instead of p_{j-1} (shifted target rows)."""
   shifted = jnp.concatenate([target_probs[:, 1:], target_probs[:, -1:]], axis=1)
-  return sampling.rejection_sample(key, shifted, draft_probs, draft_tokens)
+  return verify.rejection_sample(key, shifted, draft_probs, draft_tokens)
 
 
 # ---------------------------------------------------------------------------
@@ -408,7 +408,7 @@ def test_sample_follows_probs_and_never_picks_zero():
 )
 def test_single_round_laws(p, q, seed, n):
   """First token ~ p_0; accepted-length law; residual at each stop; bonus ~ p_G."""
-  pvals = _round_pvalues(sampling.rejection_sample, p, q, seed, n)
+  pvals = _round_pvalues(verify.rejection_sample, p, q, seed, n)
   g = q.shape[0]
   expected_keys = {"first_token~p0", "accepted_length", "bonus~p_G"} | {f"residual_{j}" for j in range(g)}
   assert set(pvals) == expected_keys, pvals  # every stop row had enough samples
@@ -430,7 +430,7 @@ def test_joint_law_of_emitted_tokens():
   """G = 2: the first three emitted tokens (over as many rounds as needed) are
   distributed as p_0 x p_1 x p_2, the target's own joint law."""
   p_pos, q_pos = _joint_case()
-  assert _joint_pvalue(sampling.rejection_sample, p_pos, q_pos, 211, 150_000, 2, 3) > SIG
+  assert _joint_pvalue(verify.rejection_sample, p_pos, q_pos, 211, 150_000, 2, 3) > SIG
 
 
 @pytest.mark.parametrize("wrong_rule", [_wrong_argmax_rule, _wrong_residual_is_p, _wrong_off_by_one])
@@ -504,7 +504,7 @@ def test_adversarial_zero_draft_probability():
 
 
 def test_rejection_sample_shapes_dtypes_and_single_compile():
-  rs_jit, traces = _counting_jit(sampling.rejection_sample)
+  rs_jit, traces = _counting_jit(verify.rejection_sample)
   rng = np.random.default_rng(10)
   for seed in range(3):
     p = _dirichlet_rows(rng, 5 * 4, 9).reshape(5, 4, 9)
@@ -515,16 +515,16 @@ def test_rejection_sample_shapes_dtypes_and_single_compile():
     assert a.dtype == jnp.int32 and nxt.dtype == jnp.int32
   assert len(traces) == 1
   # G = 0 degenerates to sampling from p_0.
-  a, nxt = sampling.rejection_sample(jax.random.key(0), p[:, :1], q[:, :0], d[:, :0])
+  a, nxt = verify.rejection_sample(jax.random.key(0), p[:, :1], q[:, :0], d[:, :0])
   assert np.all(np.asarray(a) == 0)
   with pytest.raises(ValueError):
-    sampling.rejection_sample(jax.random.key(0), p, q[:, :2], d)
+    verify.rejection_sample(jax.random.key(0), p, q[:, :2], d)
   with pytest.raises(ValueError):
-    sampling.rejection_sample(jax.random.key(0), p, q, d[:, :2])
+    verify.rejection_sample(jax.random.key(0), p, q, d[:, :2])
   with pytest.raises(ValueError):
-    sampling.rejection_sample(jax.random.key(0), p[0], q, d)
+    verify.rejection_sample(jax.random.key(0), p[0], q, d)
   with pytest.raises(ValueError):
-    sampling.greedy_verify(p, d.astype(np.float32))
+    verify.greedy_verify(p, d.astype(np.float32))
 
 
 # ---------------------------------------------------------------------------
@@ -605,5 +605,5 @@ def test_doc_worked_example_numbers():
   # And the kernel itself follows those numbers (G = 1).
   pv = np.array([[float(x) for x in p], [0.2, 0.3, 0.5]], np.float32)
   qv = np.array([[float(x) for x in q]], np.float32)
-  pvals = _round_pvalues(sampling.rejection_sample, pv, qv, 301, 50_000)
+  pvals = _round_pvalues(verify.rejection_sample, pv, qv, 301, 50_000)
   assert min(pvals.values()) > SIG, pvals

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decode.schedule import AutoSchedule, CyclingSchedule
+from decode.schedule import AutoSchedule
+from tests.schedules import CyclingSchedule
 
 
 def test_expected_tokens_is_leviathan_eq1_per_position():

@@ -14,8 +14,7 @@ from flax import nnx
 
 from decode import sampling
 from decode import tree as tree_lib
-from decode.speculative import (DecodeError, Decoder, NonFiniteLogitsError, SamplingParams,
-                                _flag_non_finite)
+from decode.speculative import DecodeError, Decoder, NonFiniteLogitsError, SamplingParams
 from mtp import model as model_lib
 from mtp import tokenizer as tok
 from tests.conftest import ALPHABET, random_prompts, tiny_config, with_noisy_mtp
@@ -75,22 +74,22 @@ def test_tree_draft_and_verify_equal_cache_free_forward(target, tree_decoder, de
   (2, 2) on the trained D = 2 model and (2, 1, 2) on a random D = 3 one."""
   dec = tree_decoder if which == "trained_d2" else Decoder(depth3_model, "mtp", tree=(2, 1, 2))
   spec = dec.tree
-  warp = SamplingParams(temperature=1.0).as_arrays()
+  warp = SamplingParams(temperature=1.0)
   prompts = _prompts([1, 6, 11], seed=4)
   state, prefill_len = dec.prepare(prompts, 40, seed=0)
-  state = dec._prefill_fn(dec.target_params, None, state, prefill_len)
-  propose = jax.jit(lambda params, s: tree_lib.tree_propose(
-      dec.drafter, dec._models(params, None)[0], s, warp, flag_non_finite=_flag_non_finite))
+  state = dec.prefill(state, prefill_len)
+  propose = jax.jit(lambda params, s: tree_lib.tree_propose(dec.drafter, dec.models(params)[0], s,
+                                                             warp))
   commit = jax.jit(lambda s, nt, path, a, nxt, h0: tree_lib.tree_commit(
-      s, nt, path, a, nxt, h0, commit=dec._commit))
+      dec.drafter, s, nt, path, a, nxt, h0))
   full = jax.jit(lambda params, x: (lambda o: (o.logits, o.mtp_logits))(
-      dec._models(params, None)[0](x)))
+      dec.models(params)[0](x)))
   rng = np.random.default_rng(1)
   seen_paths = set()
   for _ in range(5):
-    n = np.asarray(state["length"])
-    state, node_tok, q, p, h0, _ = propose(dec.target_params, state)
-    tokens, node_tok = np.asarray(state["tokens"]), np.asarray(node_tok)
+    n = np.asarray(state.length)
+    state, (node_tok, q, p, h0, _) = propose(dec.target_params, state)
+    tokens, node_tok = np.asarray(state.tokens), np.asarray(node_tok)
     # every (row, node) as one sequence, padded at the end (causal: padding
     # changes nothing at the positions read), in one batched forward
     seqs, where = np.full((len(prompts) * (spec.num_nodes + 1), 64), tok.PAD_ID, np.int32), []
@@ -118,7 +117,7 @@ def test_tree_draft_and_verify_equal_cache_free_forward(target, tree_decoder, de
     nxt = rng.choice(ALPHABET, len(prompts))
     state = commit(state, jnp.asarray(node_tok), jnp.asarray(path, jnp.int32),
                    jnp.asarray(a, jnp.int32), jnp.asarray(nxt, jnp.int32), h0)
-    new = np.asarray(state["tokens"])
+    new = np.asarray(state.tokens)
     for b in range(len(prompts)):
       want = [node_tok[b, i] for i in path[b, :a[b]]] + [nxt[b]]
       np.testing.assert_array_equal(new[b, n[b]:n[b] + a[b] + 1], want)
@@ -159,8 +158,8 @@ def test_eos_inside_an_accepted_path(tree_decoder):
   dec = tree_decoder
   spec = dec.tree
   state, prefill_len = dec.prepare(_prompts([4, 4]), 20, seed=0)
-  state = dec._prefill_fn(dec.target_params, None, state, prefill_len)
-  n = np.asarray(state["length"])
+  state = dec.prefill(state, prefill_len)
+  n = np.asarray(state.length)
   node_tok = np.tile(np.asarray(ALPHABET[:1], np.int32), (2, spec.num_nodes))
   child = spec.offsets[2] + spec.branching[1] + 1             # node 1's 2nd child
   node_tok[:, 1] = [tok.EOS_ID, ALPHABET[2]]                  # node 1 (depth 1)
@@ -168,24 +167,24 @@ def test_eos_inside_an_accepted_path(tree_decoder):
   path = jnp.asarray([[1, child], [1, child]], jnp.int32)
   h0 = jnp.zeros((2, spec.num_nodes + 1, dec.target_cfg.d_model))
   out = jax.jit(lambda s: tree_lib.tree_commit(
-      s, jnp.asarray(node_tok), path, jnp.asarray([2, 2], jnp.int32),
-      jnp.asarray([ALPHABET[4]] * 2, jnp.int32), h0, commit=dec._commit))(state)
-  length, done, toks = (np.asarray(out[k]) for k in ("length", "done", "tokens"))
+      dec.drafter, s, jnp.asarray(node_tok), path, jnp.asarray([2, 2], jnp.int32),
+      jnp.asarray([ALPHABET[4]] * 2, jnp.int32), h0))(state)
+  length, done, toks = (np.asarray(x) for x in (out.length, out.done, out.tokens))
   np.testing.assert_array_equal(length, n + [1, 3])
   np.testing.assert_array_equal(done, [True, False])
   assert toks[0, n[0]] == tok.EOS_ID
   np.testing.assert_array_equal(toks[1, n[1]:n[1] + 3], [ALPHABET[2], ALPHABET[3], ALPHABET[4]])
-  np.testing.assert_array_equal(np.asarray(out["accepted_histogram"])[:, 2], [1, 1])
+  np.testing.assert_array_equal(np.asarray(out.accepted_histogram)[:, 2], [1, 1])
 
 
 class _TopKChildrenSoftQ(tree_lib.TreeMTPDrafter):
   """Known bug: children taken as the top-b of q at T > 0 while the rule
   assumes they were drawn from q without replacement."""
 
-  def draft(self, target, state, tokens, n, key, warp):
-    greedy = sampling.Warp(warp.temperature, warp.top_k, warp.top_p, True, warp.filtering)
+  def draft(self, target, state, tokens, n, key, params, g=None):
+    greedy = SamplingParams(params.temperature, params.top_k, params.top_p, (True, params.filtering))
     state, tokens, node_tok, logits = super().draft(target, state, tokens, n, key, greedy)
-    return state, tokens, node_tok, sampling.warped_probs(logits, warp)
+    return state, tokens, node_tok, sampling.warped_probs(logits, params)
 
 
 def test_first_two_tokens_follow_the_target_law(trained_markov):
@@ -203,8 +202,8 @@ def test_first_two_tokens_follow_the_target_law(trained_markov):
     assert pvalue > ALPHA, f"tree {name}: chi-square p={pvalue:.2e}"
     accepted += gen.accepted_histogram[:, 1:].sum()
   assert accepted > 0
-  dec = Decoder(model, "mtp", tree=(2, 2))           # fresh: jitted functions bind the drafter
-  dec.drafter = _TopKChildrenSoftQ(dec.tree, model.mtp_depth)
+  dec = Decoder(model, "mtp", tree=(2, 2),
+                drafter=_TopKChildrenSoftQ(tree_lib.TreeSpec((2, 2)), model.mtp_depth))
   sp = SETTINGS["t1"]
   gen = dec.generate([PROMPT] * 4000, 2, sp, seed=100)
   assert chi_square_pvalue(np.stack([t[:2] for t in gen.tokens]), exact_pair_law(model, sp)) < ALPHA

@@ -1,4 +1,4 @@
-"""Tests for the token-tree kernels of decode/sampling.py: drawing children
+"""Tests for the token-tree kernels of decode/sampling.py and decode/verify.py: drawing children
 without replacement, recursive rejection sampling over a tree
 (``tree_rejection_sample``) and greedy tree verification.
 
@@ -32,15 +32,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decode import sampling
-from decode.sampling import TreeSpec
+from decode import sampling, verify
+from decode.tree_spec import TreeSpec
 from tests.test_sampling import SIG, _chisq_pvalue, _doc_numbers
 
 V = 5
 TREE = TreeSpec((3, 2))
-_tree_rs = jax.jit(sampling.tree_rejection_sample, static_argnums=4)
-_tree_greedy = jax.jit(sampling.tree_greedy_verify, static_argnums=2)
-_rs = jax.jit(sampling.rejection_sample)
+_tree_rs = jax.jit(verify.tree_rejection_sample, static_argnums=4)
+_tree_greedy = jax.jit(verify.tree_greedy_verify, static_argnums=2)
+_rs = jax.jit(verify.rejection_sample)
 
 
 def _world():
@@ -149,7 +149,7 @@ def _one_round(key, p_rows, q_rows, root, *, spec, n, drafting="without"):
   k1, k2 = jax.random.split(key)
   roots = jnp.full((n,), root, jnp.int32)
   toks, p, q = _draft_tree(k1, roots, spec, p_rows, q_rows, drafting)
-  a, nxt, path = sampling.tree_rejection_sample(k2, p, q, toks, spec)
+  a, nxt, path = verify.tree_rejection_sample(k2, p, q, toks, spec)
   return a, nxt, jnp.take_along_axis(toks, path, 1)
 
 
@@ -164,7 +164,7 @@ def _multi_round(key, p_rows, q_rows, root, *, spec, n, num_tokens, drafting="wi
     buf, length, last = carry
     k1, k2 = jax.random.split(key_r)
     toks, p, q = _draft_tree(k1, last, spec, p_rows, q_rows, drafting)
-    a, nxt, path = sampling.tree_rejection_sample(k2, p, q, toks, spec)
+    a, nxt, path = verify.tree_rejection_sample(k2, p, q, toks, spec)
     path_tok = jnp.take_along_axis(toks, path, 1)
     for j in range(m + 1):
       t = jnp.where(j < a, path_tok[:, min(j, m - 1)], nxt)

@@ -1,0 +1,155 @@
+"""Stop conditions beyond the token budget: stop token ids and stop strings,
+exact however a stop falls relative to a speculative round.
+
+- Stop token ids (EOS and ``StopConditions.token_ids``) are checked on the
+  device inside ``decode.round.commit``: the first one among a round's
+  emitted tokens (accepted drafts, then the residual/bonus token) ends the
+  row and is kept; nothing after it is committed. A speculative round that
+  accepts a block with a stop id inside therefore commits exactly what AR
+  would (tests/test_stops.py).
+- Stop strings are text: a string can end inside a token or span several
+  tokens, and one text has several tokenizations, so they are matched on
+  the host over the bytes of the emitted tokens (``StopMatcher``). The
+  row's tokens are cut after the token that completes the first
+  occurrence, its text right before the occurrence (the stop string itself
+  is not part of the output, as in vLLM and transformers). In the stream
+  form the matcher runs after every round: a row whose stop string
+  appeared is stopped on the device before the next round, and no byte of
+  the stop string or past it is ever streamed (bytes that could begin a
+  stop string are held back until they are known not to). In the
+  while_loop form rows are cut after the loop (the loop itself stops at
+  stop ids and the budget only).
+
+A row's finish reason is one of ``FINISH_REASONS``: "eos" (the tokenizer's
+end-of-sequence id), "stop" (a stop id or stop string), "length" (the
+budget), "error" (non-finite logits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from decode.errors import DecodeError
+
+FINISH_REASONS = ("eos", "stop", "length", "error")
+MAX_STOP_IDS = 16
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_BYTES = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class StopConditions:
+  """token_ids: ids that end a row when emitted (kept in the output, like
+  EOS); strings: texts that end a row when its output contains one (cut
+  right before the first occurrence)."""
+  token_ids: tuple[int, ...] = ()
+  strings: tuple[str, ...] = ()
+
+  def validate(self, vocab_size: int) -> "StopConditions":
+    """Returns self. Raises DecodeError naming --stop_token_ids / --stop and
+    the allowed range: at most 16 ids in [0, vocab_size), at most 16
+    non-empty strings of at most 256 UTF-8 bytes each."""
+    ids, strings = tuple(self.token_ids), tuple(self.strings)
+    if len(ids) > MAX_STOP_IDS:
+      raise DecodeError(f"--stop_token_ids has {len(ids)} ids; at most {MAX_STOP_IDS}")
+    for i in ids:
+      if not (isinstance(i, (int, np.integer)) and not isinstance(i, bool) and 0 <= i < vocab_size):
+        raise DecodeError(f"--stop_token_ids: {i!r} must be an integer in [0, {vocab_size - 1}]")
+    if len(strings) > MAX_STOP_STRINGS:
+      raise DecodeError(f"--stop has {len(strings)} strings; at most {MAX_STOP_STRINGS}")
+    for s in strings:
+      if not isinstance(s, str) or not s:
+        raise DecodeError(f"--stop: {s!r} must be a non-empty string")
+      try:
+        n = len(s.encode("utf-8"))
+      except UnicodeEncodeError:
+        raise DecodeError(f"--stop: {s!r} is not valid Unicode text (a lone surrogate)") from None
+      if n > MAX_STOP_STRING_BYTES:
+        raise DecodeError(f"--stop: a string of {n} UTF-8 bytes; at most {MAX_STOP_STRING_BYTES}")
+    return self
+
+
+def stop_id_array(stop_ids: Sequence[int], batch: int) -> np.ndarray:
+  """[B, K] int32 of the stop ids for every row (K >= 1; -1 pads: never an id)."""
+  ids = sorted(set(int(i) for i in stop_ids)) or [-1]
+  return np.tile(np.asarray(ids, np.int32), (batch, 1))
+
+
+class StopMatcher:
+  """Incremental stop-string matching over one row's emitted tokens.
+
+  ``feed(ids)`` takes the row's newly emitted ids and returns (number of
+  those ids to keep, bytes safe to release, stopped). Bytes that could be
+  the start of a stop string are held back until the next tokens decide;
+  ``flush()`` releases them when the row ends without a stop.
+
+  Args:
+    strings: the stop strings (may be empty: everything is released).
+    token_bytes: id -> the bytes that id stands for in the output (b"" for
+      specials), e.g. ``lambda i: tokenizer.decode_bytes([i])``.
+  """
+
+  def __init__(self, strings: Sequence[str], token_bytes: Callable[[int], bytes]):
+    self.stops = [s.encode("utf-8") for s in strings]
+    self.token_bytes = token_bytes
+    self.longest = max((len(s) for s in self.stops), default=0)
+    self.buf = b""          # bytes not yet released
+    self.stopped = False
+
+  def _holdback(self) -> int:
+    """Length of the longest suffix of buf that is a proper prefix of a stop."""
+    best = 0
+    for s in self.stops:
+      for k in range(min(len(s) - 1, len(self.buf)), best, -1):
+        if self.buf.endswith(s[:k]):
+          best = k
+          break
+    return best
+
+  def feed(self, ids: Sequence[int]) -> tuple[int, bytes, bool]:
+    if self.stopped:
+      return 0, b"", True
+    out = b""
+    for n, i in enumerate(ids, 1):
+      self.buf += self.token_bytes(int(i))
+      hits = [j for j in (self.buf.find(s) for s in self.stops) if j >= 0]
+      if hits:
+        cut = min(hits)
+        out += self.buf[:cut]
+        self.buf, self.stopped = b"", True
+        return n, out, True
+    keep = self._holdback()
+    out += self.buf[:len(self.buf) - keep]
+    self.buf = self.buf[len(self.buf) - keep:]
+    return len(ids), out, False
+
+  def flush(self) -> bytes:
+    out, self.buf = self.buf, b""
+    return out
+
+
+def cut_at_stop_strings(ids: np.ndarray, strings: Sequence[str],
+                        token_bytes: Callable[[int], bytes]) -> tuple[np.ndarray, bool]:
+  """(ids cut after the token completing the first stop string, whether one
+  was found); ids unchanged when none occurs."""
+  if not strings:
+    return ids, False
+  keep, _, stopped = StopMatcher(strings, token_bytes).feed(ids)
+  return ids[:keep], stopped
+
+
+def finish_reason(ids: np.ndarray, *, eos_ids: Sequence[int],
+                  stop_ids: Sequence[int], stopped_by_string: bool, error: bool) -> str:
+  """The reason a row ended (``FINISH_REASONS``) from its final tokens."""
+  if error:
+    return "error"
+  if stopped_by_string:
+    return "stop"
+  if len(ids) and int(ids[-1]) in set(eos_ids):
+    return "eos"
+  if len(ids) and int(ids[-1]) in set(stop_ids):
+    return "stop"
+  return "length"
