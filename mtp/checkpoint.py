@@ -1,6 +1,10 @@
 """Orbax checkpoints of a workdir: parameters, optimizer state, step, the
 data iterator's state and the config that produced them.
 
+Orbax only: this module reads and writes training workdirs and knows
+nothing of other model formats (``mtp.loading`` tells a workdir from an
+exported directory and loads either).
+
 Layout: ``WORKDIR/checkpoints/<step>/{state,data,config}``, written
 atomically by ``orbax.checkpoint.CheckpointManager`` (a checkpoint killed
 mid-write is never listed), keeping the last ``keep``. Each checkpoint
@@ -16,7 +20,6 @@ import grain
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from flax import nnx
 
 from mtp import config as config_lib
 from mtp import quiet
@@ -70,7 +73,7 @@ class Checkpointer:
 
   def restore_config(self, step: int | None = None) -> Config:
     """The config stored with checkpoint ``step`` (default: latest)."""
-    step = self._resolve(step)
+    step = self.resolve_step(step)
     try:
       raw = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises many types for damaged files
@@ -96,7 +99,7 @@ class Checkpointer:
 
     Raises CheckpointError for a missing or unreadable checkpoint.
     """
-    step = self._resolve(step)
+    step = self.resolve_step(step)
     try:
       if abstract_opt_state is None:
         restored = self._manager.restore(step, args=ocp.args.Composite(
@@ -121,7 +124,9 @@ class Checkpointer:
   def close(self):
     self._manager.close()
 
-  def _resolve(self, step):
+  def resolve_step(self, step: int | None) -> int:
+    """``step``, or the latest step when None. Raises CheckpointError when
+    there is no checkpoint or no checkpoint ``step``."""
     if step is None:
       step = self.latest_step()
     if step is None:
@@ -149,43 +154,6 @@ def check_finite(params, where: str) -> None:
                             f"{int(count)} non-finite value(s) (NaN or inf); the run diverged or "
                             "the file was damaged or badly converted, so it cannot be decoded or "
                             "resumed (use an earlier step)")
-
-
-def abstract_state(tree):
-  """Pytree of ShapeDtypeStruct (keeping shardings) for ``tree``."""
-  return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
-
-
-def load_model(workdir: str, step: int | None = None):
-  """Loads a trained model for inference, from a training workdir or from a
-  directory written by ``python -m mtp.export`` (one with config.json and
-  model.safetensors and no ``checkpoints/``; ``step`` must then be None).
-
-  Returns (config, model, step). Raises CheckpointError when the workdir has
-  no readable checkpoint or the export cannot be read.
-  """
-  from mtp.model import build_model   # local: keeps this module light to import
-  from mtp import export as export_lib
-  if export_lib.is_exported(workdir) and not os.path.isdir(checkpoint_dir(workdir)):
-    if step is not None:
-      raise CheckpointError(f"{workdir!r} is an exported model (one set of weights); "
-                            f"step={step} cannot be chosen")
-    try:
-      return export_lib.load_exported(workdir)
-    except export_lib.ExportError as e:
-      raise CheckpointError(str(e)) from e
-  ckpt = Checkpointer(workdir, read_only=True)
-  try:       # closed on errors too: an open manager spews asyncio errors at exit
-    step = ckpt._resolve(step)
-    cfg = ckpt.restore_config(step)
-    model = nnx.eval_shape(lambda: build_model(cfg))
-    graphdef, abstract_params = nnx.split(model, nnx.Param)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params)
-    params, _ = ckpt.restore(step, abstract)
-  finally:
-    ckpt.close()
-  return cfg, nnx.merge(graphdef, params), step
-
 
 
 def _first_line(e: Exception, limit: int = 200) -> str:

@@ -14,6 +14,7 @@ from flax import nnx
 
 from decode.speculative import Decoder, SamplingParams
 from mtp import checkpoint as ckpt_lib
+from mtp import loading
 from mtp import tokenizer as tok
 from mtp.config import ConfigError
 from mtp.model import ModelOutput
@@ -300,8 +301,8 @@ def _stage_resumes_exactly(src, data_dir, tmp_path):
   assert any("agree3=" in line and "kl3=" in line for line in logs)
   for k in (1, 2, 3):
     assert {f"mtp_{k}/teacher_kl", f"mtp_{k}/teacher_agreement"} <= set(result["eval"])
-  _, src_model, _ = ckpt_lib.load_model(src)
-  _, new_model, step = ckpt_lib.load_model(full)
+  _, src_model, _ = loading.load_model(src)
+  _, new_model, step = loading.load_model(full)
   assert step == 6
   src_flat = dict(nnx.to_flat_state(nnx.state(src_model, nnx.Param)))
   moved = 0
@@ -402,8 +403,8 @@ def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
   assert set(res["targets"]) == {"kl_sd_rec"}
   assert [x["method"] for x in res["base_speed"]] == ["ar", "mtp", "ar", "mtp"]
   # the base model, hence AR output, is untouched: its parameters equal the stage's backbone
-  _, base, _ = ckpt_lib.load_model(markov_workdir)
-  _, stage, _ = ckpt_lib.load_model(stages["kl_sd_rec_s0"]["workdir"])
+  _, base, _ = loading.load_model(markov_workdir)
+  _, stage, _ = loading.load_model(stages["kl_sd_rec_s0"]["workdir"])
   np.testing.assert_array_equal(np.asarray(base.embed.embedding[...]), np.asarray(stage.embed.embedding[...]))
   # the dataset is reused for the same recipe and base, refused for another
   recipe = self_distill.Recipe(**sd["recipe"])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mtp import checkpoint as ckpt_lib
+from mtp import loading
 from mtp.config import ConfigError
 from mtp.data import DataError
 from tests.conftest import tiny_config
@@ -108,7 +109,7 @@ def test_unknown_dataset_fails_before_writing(tmp_path, data_dir):
 
 def test_missing_and_corrupt_checkpoints(uninterrupted, tmp_path, data_dir):
   with pytest.raises(ckpt_lib.CheckpointError, match="no checkpoint"):
-    ckpt_lib.load_model(str(tmp_path))
+    loading.load_model(str(tmp_path))
   workdir, _ = uninterrupted
   corrupt = str(tmp_path / "corrupt")
   import shutil
@@ -119,7 +120,7 @@ def test_missing_and_corrupt_checkpoints(uninterrupted, tmp_path, data_dir):
       with open(os.path.join(root, f), "wb") as fh:
         fh.write(b"garbage")
   with pytest.raises(ckpt_lib.CheckpointError, match="checkpoints/6"):
-    ckpt_lib.load_model(corrupt)
+    loading.load_model(corrupt)
   with pytest.raises(ckpt_lib.CheckpointError, match="unreadable"):
     train(_cfg(data_dir, train=dict(num_steps=9)), corrupt)
 
@@ -128,7 +129,7 @@ def test_non_finite_parameters_are_refused_at_load(uninterrupted, tmp_path):
   """A checkpoint with one NaN entry (a diverged run saved by another tool, a
   bad conversion) is an error naming the parameter, for decoding and resume."""
   from flax import nnx
-  cfg, model, _ = ckpt_lib.load_model(uninterrupted[0])
+  cfg, model, _ = loading.load_model(uninterrupted[0])
   params = nnx.state(model, nnx.Param)
   kernel = params["mtp"][1]["block"]["mlp"]["up"]["kernel"]
   bad = np.array(kernel.get_value())
@@ -138,12 +139,12 @@ def test_non_finite_parameters_are_refused_at_load(uninterrupted, tmp_path):
   ckpt.save(7, params, {}, None, cfg)
   ckpt.close()
   with pytest.raises(ckpt_lib.CheckpointError, match=r"mtp\.1\.block\.mlp\.up\.kernel .*1 non-finite"):
-    ckpt_lib.load_model(str(tmp_path))
+    loading.load_model(str(tmp_path))
 
 
 def test_load_model_for_inference(uninterrupted):
   workdir, _ = uninterrupted
-  cfg, model, step = ckpt_lib.load_model(workdir)
+  cfg, model, step = loading.load_model(workdir)
   assert step == 6 and cfg.mtp.depth == model.mtp_depth == 2
 
 
@@ -303,8 +304,8 @@ def test_signal_anywhere_then_rerun_ends_as_an_uninterrupted_run(uninterrupted, 
   full_losses = _train_losses(full_dir)
   np.testing.assert_allclose([_train_losses(wd)[s] for s in (2, 4, 6)],
                              [full_losses[s] for s in (2, 4, 6)], rtol=1e-6)
-  _, model_a, _ = ckpt_lib.load_model(wd)
-  _, model_b, _ = ckpt_lib.load_model(full_dir)
+  _, model_a, _ = loading.load_model(wd)
+  _, model_b, _ = loading.load_model(full_dir)
   from flax import nnx
   import jax
   for a, b in zip(jax.tree.leaves(nnx.state(model_a, nnx.Param)),
@@ -315,15 +316,15 @@ def test_signal_anywhere_then_rerun_ends_as_an_uninterrupted_run(uninterrupted, 
 
 
 def test_only_a_complete_final_result_counts_as_finished(tmp_path):
-  from train.loop import _finished_result
+  from train.workdir import finished_result
   path = str(tmp_path / "final_metrics.json")
-  assert _finished_result(path, 6) is None                       # missing
+  assert finished_result(str(tmp_path), 6) is None                       # missing
   good = {"step": 6, "eval": {"main/loss": 1.0}, "interrupted": False, "signal": None}
   for bad in ({**good, "interrupted": True, "signal": 15},       # left by an interrupted run
               {**good, "step": 4}, {**good, "eval": {}}):
     json.dump(bad, open(path, "w"))
-    assert _finished_result(path, 6) is None, bad
+    assert finished_result(str(tmp_path), 6) is None, bad
   open(path, "w").write('{"step": 6, "ev')                        # torn write
-  assert _finished_result(path, 6) is None
+  assert finished_result(str(tmp_path), 6) is None
   json.dump(good, open(path, "w"))
-  assert _finished_result(path, 6) == good
+  assert finished_result(str(tmp_path), 6) == good
