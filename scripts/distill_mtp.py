@@ -138,7 +138,7 @@ def self_distilled_data(base_workdir: str, name: str, data_dir: str, out_dir: st
   (``decode.self_distill.make_dataset``). A dataset already there made with
   another recipe or base is an error (ConfigError)."""
   from decode import self_distill
-  meta_path = os.path.join(out_dir, name, self_distill.DATASET_VERSION, "metadata.json")
+  meta_path = os.path.join(out_dir, name, data_lib.SELF_DISTILLED_VERSION, "metadata.json")
   if os.path.exists(meta_path):
     with open(meta_path) as f:
       meta = json.load(f)

@@ -341,12 +341,11 @@ def test_init_from_errors(markov_workdir, data_dir, tmp_path):
 # -- self-distilled data and the evidence script -----------------------------------------------
 
 def test_written_dataset_reads_like_any_other(tmp_path):
-  from decode import self_distill
   from mtp import data as data_lib
   from mtp.config import DataConfig
   out = str(tmp_path / "tfds")
   train_docs = [("a", "def f():\n  return 1\n"), ("b", "x = 'é'\n")]
-  self_distill.write_dataset("sd_unit", out, {"train": train_docs, "validation": [("c", "y = 2\n")]},
+  data_lib.write_dataset("sd_unit", out, {"train": train_docs, "validation": [("c", "y = 2\n")]},
                              {"recipe": {"seed": 1}})
   cfg = DataConfig(name="sd_unit", data_dir=out)
   assert sorted(data_lib.load_documents(cfg, "train")) == sorted(t for _, t in train_docs)
@@ -356,10 +355,10 @@ def test_written_dataset_reads_like_any_other(tmp_path):
   meta = json.load(open(os.path.join(out, "sd_unit", "1.0.0", "metadata.json")))
   assert meta["recipe"] == {"seed": 1}
   with pytest.raises(data_lib.DataError, match="already exists"):
-    self_distill.write_dataset("sd_unit", out, {"train": train_docs}, {})
+    data_lib.write_dataset("sd_unit", out, {"train": train_docs}, {})
   for bad in ("Bad-Name", "python_stdlib"):
     with pytest.raises(data_lib.DataError, match="snake_case"):
-      self_distill.write_dataset(bad, out, {"train": train_docs}, {})
+      data_lib.write_dataset(bad, out, {"train": train_docs}, {})
 
 
 def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
@@ -384,7 +383,7 @@ def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
   sd = res["self_distilled"]
   cfg = DataConfig(name=sd["path"].split(os.sep)[-2], data_dir=sd["data_dir"])
   docs = data_lib.load_documents(cfg, "train")
-  prompts = self_distill.training_prompts(DataConfig(data_dir=data_dir), 4, 32, seed=0)
+  prompts = data_lib.training_prompts(DataConfig(data_dir=data_dir), 4, 32, seed=0)
   assert len(docs) == sd["num_docs"] == 4 and 0 < sd["tokens_generated"] <= 4 * 8
   for _, p in prompts:
     assert any(d.startswith(p) and len(d) > len(p) for d in docs), p
