@@ -341,6 +341,9 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
       cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, num_batches=t.eval_batches,
       process_index=jax.process_index(), process_count=jax.process_count())
   trainer = Trainer(cfg)
+  init_params = None
+  if init_step is not None:   # read (and verified) before anything is written
+    init_params = workdir_lib.restore_init_params(trainer.abstract_params, t.init_from, init_step)
 
   os.makedirs(workdir, exist_ok=True)
   ckpt = ckpt_lib.Checkpointer(workdir, keep=cfg.checkpoint.keep)
@@ -356,8 +359,7 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
     state = TrainState(params, opt_state, resume_step)
     resumed = f"resumed from {ckpt.directory}/{resume_step}"
   elif init_step is not None:
-    state = trainer.init_state(workdir_lib.restore_init_params(trainer.abstract_params,
-                                                               t.init_from, init_step))
+    state = trainer.init_state(init_params)
     log(f"initialised parameters from {t.init_from} (step {init_step})")
   else:
     state = trainer.init_state()
