@@ -328,3 +328,91 @@ def test_only_a_complete_final_result_counts_as_finished(tmp_path):
   assert finished_result(str(tmp_path), 6) is None
   json.dump(good, open(path, "w"))
   assert finished_result(str(tmp_path), 6) == good
+
+
+# -- one writer per workdir (issue 23, part 3) ------------------------------------------------
+
+def _snapshot(workdir):
+  """{relative path: (size, mtime_ns, bytes)} of every file under ``workdir``."""
+  out = {}
+  for root, _, files in os.walk(workdir):
+    for f in files:
+      p = os.path.join(root, f)
+      st = os.stat(p)
+      out[os.path.relpath(p, workdir)] = (st.st_size, st.st_mtime_ns, open(p, "rb").read())
+  return out
+
+
+@pytest.fixture
+def lock_holder():
+  """Starts a process that holds the lock of a workdir (as a running
+  ``python -m train`` does); yields a function workdir -> Popen."""
+  procs = []
+
+  def hold(workdir):
+    code = ("import sys, time\n"
+            "from train.workdir import WorkdirLock\n"
+            "lock = WorkdirLock(sys.argv[1])\n"
+            "lock.acquire()\n"
+            "print('held', flush=True)\n"
+            "time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", code, workdir], cwd=REPO, stdout=subprocess.PIPE,
+                         text=True, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO})
+    procs.append(p)
+    assert p.stdout.readline() == "held\n"
+    return p
+
+  yield hold
+  for p in procs:
+    p.kill()
+    p.wait()
+
+
+def test_second_run_on_a_workdir_stops_at_once_naming_the_holder(uninterrupted, tmp_path,
+                                                                  data_dir, lock_holder):
+  from train.workdir import WorkdirBusyError
+  import shutil
+  busy = str(tmp_path / "busy")
+  shutil.copytree(uninterrupted[0], busy)
+  holder = lock_holder(busy)
+  before = _snapshot(busy)
+  lock = json.load(open(os.path.join(busy, "train.lock")))
+  assert lock["pid"] == holder.pid and {"host", "started"} <= set(lock)
+  want = rf"in use by another training run \(host {lock['host']}, process id {holder.pid}, started "
+  with pytest.raises(WorkdirBusyError, match=want):
+    train(_cfg(data_dir, train=dict(num_steps=9, seed=1)), busy)
+  assert _snapshot(busy) == before                                    # nothing touched
+  # the same through the CLI: exit status 2, one line, no traceback
+  r = _run_cli(["--config", "configs/tiny.py", "--workdir", busy,
+                f"--config.data.data_dir={data_dir}"], timeout=300)
+  assert r.returncode == 2, r.stderr[-2000:]
+  lines = r.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: workdir") and f"process id {holder.pid}" \
+      in lines[0] and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert _snapshot(busy) == before
+  # reading needs no lock: decoding (and so export) loads the checkpoint
+  assert loading.load_model(busy)[2] == 6
+  # a new workdir being created by a first run: the second stops too, writes nothing
+  fresh = str(tmp_path / "fresh")
+  os.makedirs(fresh)
+  lock_holder(fresh)
+  with pytest.raises(WorkdirBusyError):
+    train(_cfg(data_dir), fresh)
+  assert os.listdir(fresh) == ["train.lock"]
+
+
+def test_stale_lock_of_a_killed_run_is_taken_over_with_a_notice(tmp_path, data_dir):
+  import socket
+  gone = subprocess.Popen([sys.executable, "-c", "pass"])
+  gone.wait()
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  (workdir / "train.lock").write_text(json.dumps(
+      {"host": socket.gethostname(), "pid": gone.pid, "started": "2026-01-01T00:00:00+00:00"}))
+  lines = []
+  result = train(_cfg(data_dir, train=dict(num_steps=2, eval_every=2)), str(workdir),
+                 log=lines.append)
+  assert result["step"] == 2
+  notes = [l for l in lines if l.startswith("note: taking over the lock")]
+  assert len(notes) == 1 and f"process id {gone.pid}" in notes[0], lines
+  assert (workdir / "train.lock").read_text() == ""                  # released at the end

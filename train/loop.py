@@ -316,14 +316,31 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
     window; synchronised at log steps; None when no window was timed),
     ``params`` counts, ``interrupted`` (a signal stopped the run with work
     left) and ``signal`` (its number, else None).
+  One writer per workdir: process 0 holds ``WORKDIR/train.lock``
+  (``train.workdir.WorkdirLock``) while it runs; a stale lock (its run was
+  killed) is taken over with a notice.
+
   Raises:
     ConfigError, DataError, CheckpointError before anything is written;
+    WorkdirBusyError when another run holds the workdir (nothing touched);
     DivergedError for a NaN/inf training loss (nothing saved for it).
   """
+  lock = workdir_lib.WorkdirLock(workdir)
+  try:
+    return _train(cfg, workdir, lock, log=log, stop_after=stop_after)
+  finally:
+    lock.release()
+
+
+def _train(cfg: Config, workdir: str, lock, *, log, stop_after) -> dict[str, Any]:
+  """``train``'s body; takes ``lock`` (process 0) before anything is read
+  from an existing workdir, or before a new one is created."""
   is_main = jax.process_index() == 0
   log = log or (lambda s: tqdm.write(s, file=sys.stderr))
   if not is_main:   # multi-host: one process prints and writes files
     log = lambda s: None
+  if is_main and os.path.isdir(workdir):   # one writer: a second run stops here
+    lock.acquire(log)
   resume_step = workdir_lib.check_workdir(cfg, workdir)
   init_step = workdir_lib.check_init_from(cfg) if resume_step is None else None
   t = cfg.train
@@ -346,6 +363,8 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
     init_params = workdir_lib.restore_init_params(trainer.abstract_params, t.init_from, init_step)
 
   os.makedirs(workdir, exist_ok=True)
+  if is_main:
+    lock.acquire(log)     # a new workdir: validated first, so a bad run writes nothing
   ckpt = ckpt_lib.Checkpointer(workdir, keep=cfg.checkpoint.keep)
   data_iter = iter(dataset)
   last_train, last_eval, eval_step, step_times = {}, {}, None, []

@@ -8,15 +8,25 @@ Files of ``WORKDIR`` (besides ``checkpoints/``, ``mtp.checkpoint``):
 - ``metrics.jsonl``: one row per (step, split); a resumed run first drops
   the rows after its checkpoint (left by a run killed after it);
 - ``final_metrics.json``: written atomically after the final evaluation;
-  a run whose file is complete for its latest step has nothing left to do.
+  a run whose file is complete for its latest step has nothing left to do;
+- ``train.lock``: a workdir has one writer (``WorkdirLock``). ``python -m
+  train`` holds an exclusive ``fcntl.flock`` on it while it runs, with the
+  holder's host, process id and start time written inside; a second run
+  stops at once naming the holder. The OS releases the flock when its
+  process dies, so a killed run leaves only the metadata: the next run
+  finds it stale and takes over with a one-line notice. Decoding and export
+  only read a workdir and never take the lock.
 
 Every check here runs before anything is written.
 """
 
 from __future__ import annotations
 
+import datetime
+import fcntl
 import json
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +35,7 @@ from mtp import config as config_lib
 from mtp import loading
 from mtp.config import Config, ConfigError
 
+LOCK_FILE = "train.lock"
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 FINAL_METRICS_FILE = "final_metrics.json"
@@ -194,3 +205,115 @@ def write_final_metrics(workdir: str, result: dict[str, Any]) -> None:
   with open(path + ".tmp", "w") as f:
     json.dump(result, f, indent=2)
   os.replace(path + ".tmp", path)
+
+
+class WorkdirBusyError(RuntimeError):
+  """Another training run holds the workdir's lock (the message names it)."""
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:     # exists, owned by someone else
+    return True
+  return True
+
+
+class WorkdirLock:
+  """The one-writer lock of a training workdir: ``WORKDIR/train.lock``.
+
+  ``acquire()`` takes an exclusive, non-blocking ``fcntl.flock`` on the file
+  and writes ``{"host", "pid", "started"}`` (UTC, ISO 8601) into it;
+  ``release()`` empties the file and drops the flock (the file stays: it is
+  never deleted, so two runs cannot end up locking two different files).
+
+  Raises WorkdirBusyError from ``acquire`` when another process holds the
+  flock, or when the file names a live process on this host other than this
+  one (a file system that does not honour flock). A file naming a process
+  that is gone (killed, crashed: the OS dropped its flock) is stale: the
+  lock is taken over and ``log`` gets one notice line. Usable as a context
+  manager.
+  """
+
+  def __init__(self, workdir: str):
+    self.workdir = workdir
+    self.path = os.path.join(workdir, LOCK_FILE)
+    self._file = None
+
+  @property
+  def held(self) -> bool:
+    return self._file is not None
+
+  def _holder(self, info: dict) -> str:
+    return (f"host {info.get('host', '?')}, process id {info.get('pid', '?')}, started "
+            f"{info.get('started', '?')}")
+
+  def acquire(self, log: Callable[[str], None] | None = None) -> None:
+    if self._file is not None:
+      return
+    f = open(self.path, "a+", encoding="utf-8")
+    try:
+      try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        raise WorkdirBusyError(
+            f"workdir {self.workdir!r} is in use by another training run "
+            f"({self._holder(_read_lock(f))}; {self.path}): a workdir has one writer; wait for "
+            "that run to end or stop it, or use another --workdir") from None
+      previous = _read_lock(f)
+      host = socket.gethostname()
+      if previous:
+        pid = previous.get("pid")
+        if (previous.get("host") == host and isinstance(pid, int) and pid != os.getpid()
+            and _alive(pid)):
+          raise WorkdirBusyError(
+              f"workdir {self.workdir!r}: {self.path} names a live process "
+              f"({self._holder(previous)}) although its lock is free (a file system without "
+              "flock?); if that process is not a training run on this workdir, delete the file")
+        if log is not None:
+          log(f"note: taking over the lock of a training run that is gone "
+              f"({self._holder(previous)}): it was killed or crashed")
+      f.seek(0)
+      f.truncate()
+      json.dump({"host": host, "pid": os.getpid(),
+                 "started": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                     timespec="seconds")}, f)
+      f.write("\n")
+      f.flush()
+      os.fsync(f.fileno())
+    except BaseException:
+      f.close()
+      raise
+    self._file = f
+
+  def release(self) -> None:
+    f, self._file = self._file, None
+    if f is None:
+      return
+    try:
+      f.seek(0)
+      f.truncate()
+      f.flush()
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+      f.close()
+
+  def __enter__(self):
+    self.acquire()
+    return self
+
+  def __exit__(self, *exc):
+    self.release()
+
+
+def _read_lock(f) -> dict:
+  """The metadata in an open lock file ({} when empty or unreadable)."""
+  try:
+    f.seek(0)
+    text = f.read()
+    info = json.loads(text) if text.strip() else {}
+    return info if isinstance(info, dict) else {}
+  except (OSError, ValueError):
+    return {}
