@@ -416,3 +416,50 @@ def test_stale_lock_of_a_killed_run_is_taken_over_with_a_notice(tmp_path, data_d
   notes = [l for l in lines if l.startswith("note: taking over the lock")]
   assert len(notes) == 1 and f"process id {gone.pid}" in notes[0], lines
   assert (workdir / "train.lock").read_text() == ""                  # released at the end
+
+
+# -- optimizer state precision (issue 23, part 6b) ----------------------------------------------
+
+def test_bfloat16_parameters_keep_float32_adam_moments():
+  """model.param_dtype=bfloat16: parameters stay bf16 through a step while
+  Adam's mu and nu are float32 (init, after a step, and as checkpointed)."""
+  import jax
+  import optax
+  from tests.conftest import markov_batch, markov_transition
+  from train.loop import Trainer
+  cfg = tiny_config(model=dict(param_dtype="bfloat16", dtype="bfloat16"))
+  trainer = Trainer(cfg)
+  state = trainer.init_state()
+
+  def moments(opt_state):
+    adam = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
+        x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
+    assert len(adam) == 1
+    return jax.tree.leaves(adam[0].mu) + jax.tree.leaves(adam[0].nu)
+
+  assert {x.dtype.name for x in jax.tree.leaves(state.params)} == {"bfloat16"}
+  assert {x.dtype.name for x in moments(state.opt_state)} == {"float32"}
+  assert {x.dtype for x in jax.tree.leaves(trainer.abstract_opt_state)
+          if x.ndim >= 1} == {np.dtype("float32")}
+  batch = markov_batch(np.random.default_rng(0), 4, 32, markov_transition())
+  state, metrics = trainer.train_step(state, batch)
+  assert np.isfinite(float(metrics["loss"]))
+  assert {x.dtype.name for x in jax.tree.leaves(state.params)} == {"bfloat16"}
+  assert {x.dtype.name for x in moments(state.opt_state)} == {"float32"}
+  assert any(float(np.abs(np.asarray(x)).max()) > 0 for x in moments(state.opt_state))
+
+
+def test_float32_state_is_the_identity_for_float32_parameters():
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from train.loop import float32_state
+  inner = optax.adamw(1e-2, weight_decay=0.1)
+  params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
+  grads = jax.tree.map(lambda x: 0.1 * x + 0.01, params)
+  a_state, b_state = inner.init(params), float32_state(inner).init(params)
+  for _ in range(3):
+    ua, a_state = inner.update(grads, a_state, params)
+    ub, b_state = float32_state(inner).update(grads, b_state, params)
+    for x, y in zip(jax.tree.leaves((ua, a_state)), jax.tree.leaves((ub, b_state))):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -37,16 +37,42 @@ from train import losses
 from train import workdir as workdir_lib
 
 
+def _as_float32(tree):
+  """``tree`` with every floating leaf cast to float32 (others unchanged)."""
+  return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating)
+                      else x, tree)
+
+
+def float32_state(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  """Runs ``inner`` on float32 copies of the gradients and parameters, so its
+  state (Adam's first and second moments) is float32 whatever
+  ``model.param_dtype`` is (the usual mixed-precision practice: bf16 moments
+  lose the small squared gradients nu accumulates). The updates come back in
+  float32; ``optax.apply_updates`` adds them to each parameter and rounds
+  once to its dtype. With float32 parameters this is the identity (same
+  state, same updates, bitwise)."""
+
+  def init(params):
+    return inner.init(_as_float32(params))
+
+  def update(updates, state, params=None):
+    return inner.update(_as_float32(updates), state,
+                        None if params is None else _as_float32(params))
+
+  return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
-  """AdamW with linear warmup + cosine decay and global-norm clipping.
+  """AdamW with linear warmup + cosine decay and global-norm clipping, with
+  float32 optimizer state for any parameter dtype (``float32_state``).
   Weight decay applies to matrices only (not norms' scales)."""
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=t.learning_rate, warmup_steps=t.warmup_steps,
       decay_steps=max(t.num_steps, t.warmup_steps + 1), end_value=t.learning_rate * t.min_lr_ratio)
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-  return optax.chain(
+  return float32_state(optax.chain(
       optax.clip_by_global_norm(t.grad_clip_norm),
-      optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask))
+      optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask)))
 
 
 def learning_rate(t: TrainConfig, step: int) -> float:
