@@ -313,9 +313,14 @@ def check_finite(params, where: str) -> None:
                             "resumed (use an earlier step)")
 
 
-def _first_line(e: Exception, limit: int = 200) -> str:
+def _first_line(e: Exception, limit: int = 300) -> str:
   """The first line of an exception message, shortened (orbax and
   tensorstore errors embed long specs)."""
+  if "TensorStore details" in str(e):    # orbax's wrapper embeds a spec; the cause names the array
+    seen = set()
+    while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
+      seen.add(id(e))
+      e = e.__cause__ or e.__context__
   lines = str(e).strip().splitlines()
   text = lines[0] if lines else type(e).__name__
   return text if len(text) <= limit else text[:limit] + "..."
