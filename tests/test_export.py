@@ -97,6 +97,27 @@ def test_import_round_trips_bitwise(exported, case):
     assert np.array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_one_loader_tells_a_workdir_from_an_export(exported):
+  """mtp.loading: kind, config and parameters of a workdir and of its
+  export agree; train.init_from may name either (parameters placed in the
+  trainer's shardings, bitwise equal)."""
+  from train import workdir as workdir_lib
+  from train.loop import Trainer
+  cfg, model, workdir, path = exported["tied"]
+  assert loading.kind(workdir) == loading.WORKDIR and loading.kind(path) == loading.EXPORTED
+  assert loading.load_config(workdir) == loading.load_config(path) == (cfg, 3)
+  with pytest.raises(ckpt_lib.CheckpointError, match="exported model.*step=3 cannot be chosen"):
+    loading.load_config(path, 3)
+  trainer = Trainer(cfg)
+  want = _params(model)
+  for src in (workdir, path):
+    stage = cfg.replace(train=dict(init_from=src))
+    step = workdir_lib.check_init_from(stage)
+    params = workdir_lib.restore_init_params(trainer.abstract_params, src, step)
+    got = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(params)}
+    assert got.keys() == want.keys() and all(np.array_equal(got[p], want[p]) for p in want), src
+
+
 def test_files_config_and_tensor_names(exported):
   cfg, model, _, path = exported["tied"]
   assert sorted(os.listdir(path)) == sorted([
