@@ -24,7 +24,7 @@ import numpy as np
 from decode import stats as stats_lib
 from decode.speculative import DecodeError, Decoder, SamplingParams
 from decode.stops import StopConditions
-from mtp import checkpoint as ckpt_lib
+from mtp import loading
 from mtp import tokenizer as tok
 
 
@@ -177,13 +177,13 @@ def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
   if tree is not None and method != "mtp":
     raise DecodeError(f"--tree needs --method=mtp (the MTP modules draft the tree); got "
                       f"--method={method}")
-  cfg, target, _ = ckpt_lib.load_model(workdir)
+  cfg, target, _ = loading.load_model(workdir)
   trained = target.mtp_depth + (getattr(cfg.mtp, "recursive_steps", 0) if target.mtp_depth else 0)
   draft = None
   if method == "draft":
     if not draft_workdir:
       raise DecodeError("--method=draft needs --draft_workdir (a trained draft-model workdir)")
-    _, draft, _ = ckpt_lib.load_model(draft_workdir)
+    _, draft, _ = loading.load_model(draft_workdir)
   kw = {"max_draft_tokens": max_draft_tokens} if num_draft_tokens == "auto" else {}
   if tree is not None:
     kw["tree"] = tree

@@ -33,6 +33,10 @@ on), so a stage's validation metrics on this dataset are comparable with
 those of a stage on the source dataset. Each dataset records its recipe
 (workdir, step, sampling settings, seed, token counts, wall time) in the
 TFDS metadata (``metadata.json``).
+
+This module does the generation only; the prompts are cut by
+``mtp.data.training_prompts`` and the dataset is written by
+``mtp.data.write_dataset`` (``mtp/data/corpora.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +46,6 @@ import dataclasses
 import datetime
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -50,11 +53,9 @@ import numpy as np
 from decode.speculative import METHODS, DecodeError, Decoder, SamplingParams
 from mtp import checkpoint as ckpt_lib
 from mtp import data as data_lib
+from mtp import loading
 from mtp import tokenizer as tok
 from mtp.config import DataConfig
-
-DATASET_VERSION = "1.0.0"
-
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
@@ -95,46 +96,6 @@ class Recipe:
     return self
 
 
-def _as_bytes(value) -> bytes:
-  """A TFDS text feature value (bytes, str or 0-d array) as UTF-8 bytes."""
-  if isinstance(value, np.ndarray):
-    value = value.item()
-  return value.encode("utf-8") if isinstance(value, str) else bytes(value)
-
-
-def training_prompts(data_cfg: DataConfig, n: int, prompt_bytes: int, seed: int = 0
-                     ) -> list[tuple[str, str]]:
-  """``n`` prompts ``(source_name, text)`` cut from training documents (module
-  docstring): each the last ``prompt_bytes`` bytes (or fewer, at a UTF-8
-  boundary) before a random line boundary at least 16 bytes into a document.
-  Deterministic for a seed.
-
-  Raises DataError (dataset or split missing, or no training document with a
-  line boundary past its 16th byte).
-  """
-  src = data_lib.load_source(data_cfg, data_cfg.train_split)
-  rng = np.random.default_rng(seed)
-  order = rng.permutation(len(src))
-  out, tried = [], 0
-  while len(out) < n:
-    if tried >= len(order) and not out:
-      raise data_lib.DataError(f"no training document of '{data_cfg.name}' has a line boundary "
-                               "past its 16th byte to cut a prompt at")
-    rec = src[int(order[tried % len(order)])]
-    tried += 1
-    raw = _as_bytes(rec[data_cfg.text_feature])
-    ends = np.flatnonzero(np.frombuffer(raw, np.uint8)[16:] == 0x0A) + 17    # just after a newline
-    if not ends.size:
-      continue
-    end = int(rng.choice(ends))
-    text = raw[max(0, end - prompt_bytes):end].decode("utf-8", errors="ignore")
-    if not text:
-      continue
-    name = _as_bytes(rec["name"]).decode("utf-8", "replace") if "name" in rec else ""
-    out.append((name or f"doc{int(order[(tried - 1) % len(order)])}", text))
-  return out
-
-
 def generate_documents(workdir: str, recipe: Recipe, *, data_dir: str = "", log=print
                        ) -> tuple[list[tuple[str, str]], dict]:
   """Samples ``recipe.num_docs`` documents from the model in ``workdir``.
@@ -147,12 +108,12 @@ def generate_documents(workdir: str, recipe: Recipe, *, data_dir: str = "", log=
   Raises CheckpointError, DataError, DecodeError.
   """
   recipe.validate()
-  cfg, model, step = ckpt_lib.load_model(workdir)
+  cfg, model, step = loading.load_model(workdir)
   if recipe.method == "mtp" and cfg.mtp.depth < 1:
     raise DecodeError(f"--method=mtp needs a model with MTP modules; {workdir!r} has mtp.depth=0 "
                       "(use --method=ar)")
   data_cfg = dataclasses.replace(cfg.data, data_dir=data_dir or cfg.data.data_dir)
-  prompts = training_prompts(data_cfg, recipe.num_docs, recipe.prompt_bytes, recipe.seed)
+  prompts = data_lib.training_prompts(data_cfg, recipe.num_docs, recipe.prompt_bytes, recipe.seed)
   g = recipe.num_draft_tokens or max(cfg.mtp.depth, 1)
   decoder = Decoder(model, recipe.method, g)
   sp = SamplingParams(recipe.temperature, recipe.top_k, recipe.top_p)
@@ -181,83 +142,6 @@ def generate_documents(workdir: str, recipe: Recipe, *, data_dir: str = "", log=
   return docs, stats
 
 
-def _builder_class(name: str):
-  """A TFDS builder class named ``name`` that writes given documents."""
-  import tensorflow_datasets as tfds
-
-  class SelfDistilled(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-    VERSION = tfds.core.Version(DATASET_VERSION)
-    RELEASE_NOTES = {DATASET_VERSION: "Text sampled from a trained model (decode.self_distill)."}
-
-    # As mtp.data's embedded corpora: no checksums file to look up (nothing is downloaded).
-    @tfds.core.utils.classproperty
-    @classmethod
-    def code_path(cls):
-      return None
-
-    def __init__(self, *, splits=None, metadata=None, **kwargs):
-      self._splits, self._metadata = splits or {}, metadata or {}
-      super().__init__(**kwargs)
-
-    def _info(self):
-      return tfds.core.DatasetInfo(
-          builder=self, description=__doc__.split("\n\n")[0],
-          features=tfds.features.FeaturesDict({"text": tfds.features.Text(),
-                                               "name": tfds.features.Text()}),
-          metadata=tfds.core.MetadataDict(**self._metadata))
-
-    def _split_generators(self, dl_manager):
-      del dl_manager
-      return {split: self._generate_examples(docs) for split, docs in self._splits.items()}
-
-    def _generate_examples(self, docs):
-      for key, text in docs:
-        yield key, {"text": text, "name": key}
-
-  SelfDistilled.name = name
-  return SelfDistilled
-
-
-def write_dataset(name: str, data_dir: str, splits: dict[str, list[tuple[str, str]]],
-                  metadata: dict) -> str:
-  """Writes documents ``splits`` ({split: [(key, text), ...]}, keys unique per
-  split) as TFDS dataset ``name`` version 1.0.0 in ``array_record`` format
-  under ``data_dir``, with ``metadata`` (JSON-serialisable) in its
-  metadata.json. Returns the dataset's version folder.
-
-  Raises DataError when ``name`` is not a snake_case identifier, names an
-  embedded corpus, or already exists in ``data_dir``.
-  """
-  import tensorflow_datasets as tfds
-  check_dataset_name(name, data_dir)
-  folder = os.path.join(data_dir, name)
-  os.makedirs(data_dir, exist_ok=True)
-  builder = _builder_class(name)(splits=splits, metadata=metadata, data_dir=data_dir,
-                                 file_format="array_record")
-  previous = getattr(tfds.core.utils.tqdm_utils, "_active", True)
-  tfds.display_progress_bar(False)
-  try:
-    with tempfile.TemporaryDirectory(prefix="mtp_tfds_dl_") as dl_dir:
-      builder.download_and_prepare(download_dir=dl_dir, file_format="array_record",
-                                   download_config=tfds.download.DownloadConfig(try_download_gcs=False))
-  finally:
-    tfds.display_progress_bar(previous)
-  return os.path.join(folder, DATASET_VERSION)
-
-
-def check_dataset_name(name: str, data_dir: str) -> None:
-  """Raises DataError unless ``name`` is a snake_case identifier, not an
-  embedded corpus, and not yet a dataset in ``data_dir``."""
-  import re
-  if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name in data_lib.EMBEDDED_DATASETS:
-    raise data_lib.DataError(f"--out_name={name!r} must be a new snake_case dataset name "
-                             f"([a-z][a-z0-9_]*, not one of {data_lib.EMBEDDED_DATASETS})")
-  folder = os.path.join(data_dir, name)
-  if os.path.exists(folder):
-    raise data_lib.DataError(f"dataset '{name}' already exists in data_dir '{data_dir}' ({folder});"
-                             " pick another --out_name or delete that folder")
-
-
 def make_dataset(workdir: str, out_name: str, recipe: Recipe, *, data_dir: str = "",
                  out_dir: str = "", log=print) -> dict:
   """Generates and writes a self-distilled dataset (module docstring).
@@ -277,27 +161,20 @@ def make_dataset(workdir: str, out_name: str, recipe: Recipe, *, data_dir: str =
     DecodeError (bad recipe).
   """
   recipe.validate()
-  ckpt = ckpt_lib.Checkpointer(workdir, read_only=True)
-  try:
-    cfg = ckpt.restore_config()
-  finally:
-    ckpt.close()
+  cfg, _ = loading.load_config(workdir)
   src_dir = data_lib.resolve_data_dir(DataConfig(data_dir=data_dir or cfg.data.data_dir))
   out_dir = os.path.abspath(out_dir) if out_dir else src_dir
-  check_dataset_name(out_name, out_dir)                   # before minutes of sampling
+  data_lib.check_dataset_name(out_name, out_dir)          # before minutes of sampling
   source_cfg = dataclasses.replace(cfg.data, data_dir=src_dir)
-  src = data_lib.load_source(source_cfg, cfg.data.eval_split)
   # the source's keys (document names where it has them): TFDS orders records by key, so the
   # copy is read in the source's order and a stage evaluates on the same batches
-  validation = [(_as_bytes(src[i]["name"]).decode("utf-8", "replace") if "name" in src[i]
-                 else f"{i:07d}", _as_bytes(src[i][cfg.data.text_feature]).decode("utf-8", "replace"))
-                for i in range(len(src))]
+  validation = data_lib.named_documents(source_cfg, cfg.data.eval_split)
   docs, stats = generate_documents(workdir, recipe, data_dir=src_dir, log=log)
   meta = {"generator": "decode.self_distill", "workdir": os.path.abspath(workdir),
           "recipe": dataclasses.asdict(recipe), **stats, "num_docs": len(docs),
           "validation": f"copy of {cfg.data.name}/{cfg.data.eval_split} ({len(validation)} documents)",
           "date": datetime.date.today().isoformat()}
-  path = write_dataset(out_name, out_dir, {"train": docs, "validation": validation}, meta)
+  path = data_lib.write_dataset(out_name, out_dir, {"train": docs, "validation": validation}, meta)
   return {**meta, "path": path, "data_dir": out_dir}
 
 

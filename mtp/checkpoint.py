@@ -1,22 +1,43 @@
 """Orbax checkpoints of a workdir: parameters, optimizer state, step, the
 data iterator's state and the config that produced them.
 
-Layout: ``WORKDIR/checkpoints/<step>/{state,data,config}``, written
-atomically by ``orbax.checkpoint.CheckpointManager`` (a checkpoint killed
-mid-write is never listed), keeping the last ``keep``. Each checkpoint
+Orbax only: this module reads and writes training workdirs and knows
+nothing of other model formats (``mtp.loading`` tells a workdir from an
+exported directory and loads either).
+
+Layout: ``WORKDIR/checkpoints/<step>/{state,data,config,checksums}``,
+written atomically by ``orbax.checkpoint.CheckpointManager`` (a checkpoint
+killed mid-write is never listed), keeping the last ``keep``.
+
+``checksums`` (a JSON item, ``<step>/checksums/metadata``) records, for
+every saved array (``params.<path>``, ``opt_state.<path>``), its dtype, shape
+and the CRC-32 of its bytes (C order). ``restore`` verifies every array it
+reads against it, so a file altered after the save (a flipped or
+overwritten byte that still decodes) is refused with one error naming the
+step and the array, for decoding, resuming and ``train.init_from`` alike. A
+checkpoint written before checksums were recorded loads with a one-line
+notice on stderr. Arrays not fully addressable by this process (multi-host
+shards) are neither recorded nor verified. Each checkpoint
 carries its own config, so decoding needs nothing but the workdir, and a
 resumed run is checked against it before anything is written.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import os
+import sys
+import zlib
 
 import grain
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
-from flax import nnx
+
+from orbax.checkpoint._src import asyncio_utils as _orbax_asyncio
 
 from mtp import config as config_lib
 from mtp import quiet
@@ -25,6 +46,61 @@ from mtp.config import Config
 
 class CheckpointError(RuntimeError):
   """Missing, corrupt or incompatible checkpoint (the message names the path)."""
+
+
+# Files without which orbax cannot read an item; a missing one is named
+# before orbax is asked (it would report e.g. a pytree structure error).
+_REQUIRED_FILES = {"state": ("_METADATA", "manifest.ocdbt"), "config": ("metadata",)}
+_DRAIN_TIMEOUT_S = 60.0
+
+
+def _run_sync_draining(coro):
+  """Orbax's ``asyncio_utils._run_sync_via_new_loop`` (a fresh event loop
+  per synchronous call, closed at the end), except that the tasks still
+  pending when ``coro`` ends are awaited (at most ``_DRAIN_TIMEOUT_S``,
+  then cancelled) before the loop closes.
+
+  Why: restoring a damaged checkpoint, the first failed tensorstore read
+  ends orbax's ``asyncio.gather`` while the other reads are still in
+  flight; orbax then closes the loop, and each read that completes later
+  calls ``loop.call_soon_threadsafe`` on the closed loop from a tensorstore
+  thread, printing ``RuntimeError: Event loop is closed`` tracebacks, for
+  seconds after the error was raised and handled. Waiting for those reads
+  first leaves nothing to call back.
+  """
+  loop = asyncio.new_event_loop()
+  try:
+    asyncio.set_event_loop(loop)
+    return loop.run_until_complete(coro)
+  finally:
+    try:
+      pending = asyncio.all_tasks(loop)
+      if pending:
+        _, late = loop.run_until_complete(asyncio.wait(pending, timeout=_DRAIN_TIMEOUT_S))
+        for task in late:
+          task.cancel()
+        if late:
+          loop.run_until_complete(asyncio.gather(*late, return_exceptions=True))
+    finally:
+      asyncio.set_event_loop(None)
+      loop.close()
+
+
+@contextlib.contextmanager
+def _pending_reads_drained():
+  """Orbax calls in the block wait for their in-flight tensorstore reads
+  before closing their event loop (``_run_sync_draining``). A no-op with an
+  orbax that has no ``_run_sync_via_new_loop``."""
+  name = "_run_sync_via_new_loop"
+  original = getattr(_orbax_asyncio, name, None)
+  if original is None:
+    yield
+    return
+  setattr(_orbax_asyncio, name, _run_sync_draining)
+  try:
+    yield
+  finally:
+    setattr(_orbax_asyncio, name, original)
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -60,8 +136,10 @@ class Checkpointer:
     """Writes checkpoint ``step`` (blocking) with the grain iterator's state
     (one file per JAX process, ``<step>/data/process_{i}-of-{n}.json``;
     skipped when ``data_iter`` is None, e.g. for synthetic data)."""
-    items = {"state": ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
-             "config": ocp.args.JsonSave(cfg.to_dict())}
+    state = {"params": params, "opt_state": opt_state}
+    items = {"state": ocp.args.StandardSave(state),
+             "config": ocp.args.JsonSave(cfg.to_dict()),
+             CHECKSUMS_ITEM: ocp.args.JsonSave(array_checksums(state))}
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointSave(data_iter)
     args = ocp.args.Composite(**items)
@@ -70,9 +148,11 @@ class Checkpointer:
 
   def restore_config(self, step: int | None = None) -> Config:
     """The config stored with checkpoint ``step`` (default: latest)."""
-    step = self._resolve(step)
+    step = self.resolve_step(step)
+    self._check_files(step, "config")
     try:
-      raw = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+      with _pending_reads_drained():
+        raw = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises many types for damaged files
       raise CheckpointError(f"cannot read the config of checkpoint {self._path(step)} "
                             f"({_first_line(e)}); delete that step directory to fall back to "
@@ -96,32 +176,40 @@ class Checkpointer:
 
     Raises CheckpointError for a missing or unreadable checkpoint.
     """
-    step = self._resolve(step)
+    step = self.resolve_step(step)
+    self._check_files(step, "state")
     try:
       if abstract_opt_state is None:
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(
-                item={"params": abstract_params},
-                restore_args=ocp.checkpoint_utils.construct_restore_args({"params": abstract_params}),
-                partial_restore=True)))
-        check_finite(restored["state"]["params"], self._path(step))
-        return restored["state"]["params"], None
-      items = {"state": ocp.args.StandardRestore({"params": abstract_params,
-                                                  "opt_state": abstract_opt_state})}
-      if data_iter is not None:
-        items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
-      restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        with _pending_reads_drained():
+          restored = self._manager.restore(step, args=ocp.args.Composite(
+              state=ocp.args.PyTreeRestore(
+                  item={"params": abstract_params},
+                  restore_args=ocp.checkpoint_utils.construct_restore_args(
+                      {"params": abstract_params}),
+                  partial_restore=True)))
+        restored["state"]["opt_state"] = None
+      else:
+        items = {"state": ocp.args.StandardRestore({"params": abstract_params,
+                                                    "opt_state": abstract_opt_state})}
+        if data_iter is not None:
+          items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+        with _pending_reads_drained():
+          restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:
       raise CheckpointError(f"checkpoint {self._path(step)} is unreadable or does not match the "
                             f"model ({type(e).__name__}: {_first_line(e)}); delete that step "
                             "directory to fall back to an earlier one") from e
-    check_finite(restored["state"]["params"], self._path(step))
-    return restored["state"]["params"], restored["state"]["opt_state"]
+    state = restored["state"]
+    self._verify(step, state if abstract_opt_state is not None else {"params": state["params"]})
+    check_finite(state["params"], self._path(step))
+    return state["params"], state["opt_state"]
 
   def close(self):
     self._manager.close()
 
-  def _resolve(self, step):
+  def resolve_step(self, step: int | None) -> int:
+    """``step``, or the latest step when None. Raises CheckpointError when
+    there is no checkpoint or no checkpoint ``step``."""
     if step is None:
       step = self.latest_step()
     if step is None:
@@ -133,6 +221,80 @@ class Checkpointer:
 
   def _path(self, step):
     return os.path.join(self.directory, str(step))
+
+  def _check_files(self, step: int, item: str) -> None:
+    """Raises CheckpointError naming the files of ``item`` that orbax needs
+    and checkpoint ``step`` lacks (``_REQUIRED_FILES``)."""
+    folder = os.path.join(self._path(step), item)
+    missing = [os.path.join(item, f) for f in _REQUIRED_FILES.get(item, ())
+               if not os.path.isfile(os.path.join(folder, f))]
+    if missing:
+      raise CheckpointError(f"checkpoint {self._path(step)} is incomplete: {', '.join(missing)} "
+                            f"{'is' if len(missing) == 1 else 'are'} missing (deleted or never "
+                            "written); delete that step directory to fall back to an earlier one")
+
+  def _verify(self, step: int, restored) -> None:
+    """Checks ``restored`` ({"params": ..., ["opt_state": ...]}) against the
+    checksums saved with ``step`` (``verify_checksums``); a checkpoint
+    without them gets a one-line notice on stderr."""
+    path = os.path.join(self._path(step), CHECKSUMS_ITEM, "metadata")
+    try:
+      with open(path, encoding="utf-8") as f:
+        recorded = json.load(f)
+    except FileNotFoundError:
+      print(f"note: checkpoint {self._path(step)} has no array checksums (written before they "
+            "were recorded); its arrays are not verified", file=sys.stderr, flush=True)
+      return
+    except (OSError, ValueError) as e:
+      raise CheckpointError(f"checkpoint {self._path(step)}: its array checksums {path} are "
+                            f"unreadable ({_first_line(e)}); delete that step directory to fall "
+                            "back to an earlier one") from e
+    verify_checksums(restored, recorded, self._path(step))
+
+
+CHECKSUMS_ITEM = "checksums"
+CHECKSUM_FORMAT = 1
+
+
+def _array_name(path) -> str:
+  return jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value")
+
+
+def array_checksums(tree) -> dict:
+  """``{"format": 1, "algorithm": "crc32", "arrays": {name: {"dtype",
+  "shape", "crc32"}}}`` for every array leaf of ``tree`` (names are dotted
+  key paths, e.g. ``params.blocks.0.attn.k_proj.kernel``; the CRC-32 is of
+  the array's bytes in C order). Leaves not fully addressable by this
+  process are left out."""
+  arrays = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      continue
+    a = np.ascontiguousarray(jax.device_get(x))
+    arrays[_array_name(path)] = {"dtype": a.dtype.name, "shape": list(a.shape),
+                                 "crc32": zlib.crc32(a.tobytes()) & 0xFFFFFFFF}
+  return {"format": CHECKSUM_FORMAT, "algorithm": "crc32", "arrays": arrays}
+
+
+def verify_checksums(tree, recorded: dict, where: str) -> None:
+  """Raises CheckpointError naming checkpoint ``where`` and the first array of
+  ``tree`` whose bytes differ from ``recorded`` (``array_checksums`` of the
+  saved tree). Arrays restored with another dtype or shape than saved (a
+  cast on restore) and arrays without a record are not compared."""
+  saved = recorded.get("arrays", {}) if isinstance(recorded, dict) else {}
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    name = _array_name(path)
+    want = saved.get(name)
+    if want is None or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+      continue
+    a = np.ascontiguousarray(jax.device_get(x))
+    if a.dtype.name != want.get("dtype") or list(a.shape) != list(want.get("shape", ())):
+      continue
+    if zlib.crc32(a.tobytes()) & 0xFFFFFFFF != want.get("crc32"):
+      raise CheckpointError(f"checkpoint {where}: array {name} {tuple(a.shape)} {a.dtype.name} "
+                            "does not match the checksum recorded when it was saved (the files "
+                            "were altered or damaged after the save); it cannot be decoded or "
+                            "resumed (use an earlier step)")
 
 
 def check_finite(params, where: str) -> None:
@@ -151,46 +313,14 @@ def check_finite(params, where: str) -> None:
                             "resumed (use an earlier step)")
 
 
-def abstract_state(tree):
-  """Pytree of ShapeDtypeStruct (keeping shardings) for ``tree``."""
-  return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
-
-
-def load_model(workdir: str, step: int | None = None):
-  """Loads a trained model for inference, from a training workdir or from a
-  directory written by ``python -m mtp.export`` (one with config.json and
-  model.safetensors and no ``checkpoints/``; ``step`` must then be None).
-
-  Returns (config, model, step). Raises CheckpointError when the workdir has
-  no readable checkpoint or the export cannot be read.
-  """
-  from mtp.model import build_model   # local: keeps this module light to import
-  from mtp import export as export_lib
-  if export_lib.is_exported(workdir) and not os.path.isdir(checkpoint_dir(workdir)):
-    if step is not None:
-      raise CheckpointError(f"{workdir!r} is an exported model (one set of weights); "
-                            f"step={step} cannot be chosen")
-    try:
-      return export_lib.load_exported(workdir)
-    except export_lib.ExportError as e:
-      raise CheckpointError(str(e)) from e
-  ckpt = Checkpointer(workdir, read_only=True)
-  try:       # closed on errors too: an open manager spews asyncio errors at exit
-    step = ckpt._resolve(step)
-    cfg = ckpt.restore_config(step)
-    model = nnx.eval_shape(lambda: build_model(cfg))
-    graphdef, abstract_params = nnx.split(model, nnx.Param)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params)
-    params, _ = ckpt.restore(step, abstract)
-  finally:
-    ckpt.close()
-  return cfg, nnx.merge(graphdef, params), step
-
-
-
-def _first_line(e: Exception, limit: int = 200) -> str:
+def _first_line(e: Exception, limit: int = 300) -> str:
   """The first line of an exception message, shortened (orbax and
   tensorstore errors embed long specs)."""
+  if "TensorStore details" in str(e):    # orbax's wrapper embeds a spec; the cause names the array
+    seen = set()
+    while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
+      seen.add(id(e))
+      e = e.__cause__ or e.__context__
   lines = str(e).strip().splitlines()
   text = lines[0] if lines else type(e).__name__
   return text if len(text) <= limit else text[:limit] + "..."

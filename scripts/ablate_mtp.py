@@ -68,7 +68,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtp import checkpoint as ckpt_lib  # noqa: E402
+from mtp import loading  # noqa: E402
 from mtp import config as config_lib  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
 from mtp.config import Config, ConfigError  # noqa: E402
@@ -206,7 +206,7 @@ def decode_cell(workdir: str, prompts: list[str], temperatures: list[float], max
   """
   from decode.speculative import Decoder, SamplingParams
   from scripts.bench_decode import measure_point
-  cfg, model, _ = ckpt_lib.load_model(workdir)
+  cfg, model, _ = loading.load_model(workdir)
   gs = sorted({1, cfg.mtp.depth})
   decoders = {"ar": Decoder(model, "ar"), **{f"mtp_G{g}": Decoder(model, "mtp", g) for g in gs}}
   draft_cache, rows = {}, []

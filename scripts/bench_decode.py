@@ -54,7 +54,7 @@ from decode import stats as stats_lib  # noqa: E402
 from decode import tree as tree_lib  # noqa: E402
 from scripts import common  # noqa: E402
 from decode.speculative import Decoder, SamplingParams  # noqa: E402
-from mtp import checkpoint as ckpt_lib  # noqa: E402
+from mtp import loading  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
 from mtp import tokenizer as tok  # noqa: E402
 from mtp.model import init_layer_caches  # noqa: E402
@@ -446,8 +446,8 @@ def main(argv=None):
         ["auto"] if auto_given else [])
     if not gs_given:
       ap.error(f"--num_draft_tokens={args.num_draft_tokens!r}: give G >= 1 values and/or 'auto'")
-  cfg, target, step = ckpt_lib.load_model(args.workdir)
-  draft = ckpt_lib.load_model(args.draft_workdir)[1] if args.draft_workdir else None
+  cfg, target, step = loading.load_model(args.workdir)
+  draft = loading.load_model(args.draft_workdir)[1] if args.draft_workdir else None
   depth = cfg.mtp.depth
   if not depth and draft is None and not args.ar_only:
     ap.error(f"--workdir={args.workdir} holds a model with MTP depth D = 0 and no --draft_workdir "

@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scripts import common  # noqa: E402
 from decode import tree as tree_lib  # noqa: E402
 from decode.speculative import Decoder, SamplingParams  # noqa: E402
-from mtp import checkpoint as ckpt_lib  # noqa: E402
+from mtp import loading  # noqa: E402
 from mtp import config as config_lib  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
 from mtp import tokenizer as tok  # noqa: E402
@@ -218,7 +218,7 @@ def main(argv=None):
   common.check_range(ap, args, prompt_bytes=1, max_new_tokens=1, batch_size=1, repeats=1)
   temps = common.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
   if args.workdir:
-    cfg, model, step = ckpt_lib.load_model(args.workdir)
+    cfg, model, step = loading.load_model(args.workdir)
     name = f"{args.workdir} (step {step})"
   else:
     if not os.path.isfile(args.config):

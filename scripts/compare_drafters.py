@@ -78,7 +78,7 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from decode.speculative import Decoder, SamplingParams  # noqa: E402
-from mtp import checkpoint as ckpt_lib  # noqa: E402
+from mtp import loading  # noqa: E402
 from mtp import config as config_lib  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
 from mtp import sharding as shard_lib  # noqa: E402
@@ -510,7 +510,7 @@ def main(argv=None):
     if not os.path.isdir(spec.rpartition("=")[2]):
       ap.error(f"--draft_workdir={spec!r}: no such directory")
 
-  cfg, target, step = ckpt_lib.load_model(args.workdir)
+  cfg, target, step = loading.load_model(args.workdir)
   if cfg.mtp.depth < 1:
     ap.error(f"--workdir={args.workdir} holds a model with mtp.depth = 0: no MTP drafter to compare")
   counts = count_params(target)
@@ -525,7 +525,7 @@ def main(argv=None):
     archs, selection = select_archs(args, ap, cfg, target, counts, prompts[0])
     drafts = train_drafts(args, cfg, archs)
   for d in drafts:
-    d["cfg"], d["model"], d["step"] = ckpt_lib.load_model(d["workdir"])
+    d["cfg"], d["model"], d["step"] = loading.load_model(d["workdir"])
     if d["cfg"].model.vocab_size != cfg.model.vocab_size:
       ap.error(f"--draft_workdir {d['workdir']}: vocab_size {d['cfg'].model.vocab_size} differs from "
                f"the target's {cfg.model.vocab_size}")

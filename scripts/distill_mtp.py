@@ -69,7 +69,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtp import checkpoint as ckpt_lib  # noqa: E402
+from mtp import loading  # noqa: E402
 from mtp import config as config_lib  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
 from mtp import tokenizer as tok  # noqa: E402
@@ -138,7 +138,7 @@ def self_distilled_data(base_workdir: str, name: str, data_dir: str, out_dir: st
   (``decode.self_distill.make_dataset``). A dataset already there made with
   another recipe or base is an error (ConfigError)."""
   from decode import self_distill
-  meta_path = os.path.join(out_dir, name, self_distill.DATASET_VERSION, "metadata.json")
+  meta_path = os.path.join(out_dir, name, data_lib.SELF_DISTILLED_VERSION, "metadata.json")
   if os.path.exists(meta_path):
     with open(meta_path) as f:
       meta = json.load(f)
@@ -429,11 +429,7 @@ def main(argv=None):
                      speed_repeats=1, distill_weight=(0.0, 1.0))
   if args.distill_weight <= 0:
     ap.error(f"--distill_weight={args.distill_weight}: must be in (0, 1] (the data variant is w = 0)")
-  ckpt = ckpt_lib.Checkpointer(args.workdir, read_only=True)
-  try:
-    base_cfg = ckpt.restore_config()
-  finally:
-    ckpt.close()
+  base_cfg, _ = loading.load_config(args.workdir)
   if base_cfg.mtp.depth < 1:
     ap.error(f"--workdir={args.workdir}: the base has mtp.depth = 0, no MTP modules to distill")
   depth = base_cfg.mtp.depth
@@ -474,7 +470,7 @@ def _run(args, argv, base_cfg, depth, variants, seeds, temps, cfgs, budget, prom
     sd_meta = self_distilled_data(args.workdir, sd_name, data_dir, sd_data_dir, recipe,
                                   log=lambda s: log(f"  {s}"))
 
-  _, base_model, base_step = ckpt_lib.load_model(args.workdir)
+  _, base_model, base_step = loading.load_model(args.workdir)
   base_params = nnx.state(base_model, nnx.Param)
   eval_cfg = cfgs[(variants[0], seeds[0])]
   eval_cfg = dataclasses.replace(eval_cfg, data=dataclasses.replace(base_cfg.data, data_dir=data_dir),
@@ -521,7 +517,7 @@ def _run(args, argv, base_cfg, depth, variants, seeds, temps, cfgs, budget, prom
       elif not res.get("interrupted"):
         with open(cost_path, "w") as f:
           json.dump({"train_wall_s": st["train_wall_s"], "step": res["step"]}, f)
-      model = ckpt_lib.load_model(workdir)[1]
+      model = loading.load_model(workdir)[1]
       st["eval_base_data"] = evaluator(nnx.state(model, nnx.Param))   # the base's validation batches
       bench.use(model)
       st["acceptance"] = bench.acceptance(prompts, temps, args.max_new_tokens)

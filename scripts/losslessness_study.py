@@ -79,6 +79,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from decode import sampling  # noqa: E402
 from decode.speculative import Decoder, SamplingParams  # noqa: E402
 from mtp import checkpoint as ckpt_lib  # noqa: E402
+from mtp import loading  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
 from mtp import tokenizer as tok  # noqa: E402
 from scripts import common  # noqa: E402
@@ -415,7 +416,7 @@ def main(argv=None):
     if not lo <= val <= hi:
       ap.error(f"{flag}={val} must be in {lo}..{hi}")
   try:
-    cfg, target, step = ckpt_lib.load_model(args.workdir)
+    cfg, target, step = loading.load_model(args.workdir)
   except ckpt_lib.CheckpointError as e:
     ap.error(f"--workdir {args.workdir}: {e}")
   depth = cfg.mtp.depth

@@ -56,7 +56,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from decode.speculative import Decoder, SamplingParams  # noqa: E402
-from mtp import checkpoint as ckpt_lib  # noqa: E402
+from mtp import loading  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
 from scripts import common  # noqa: E402
 from scripts.bench_decode import measure_point  # noqa: E402
@@ -226,7 +226,7 @@ def main(argv=None):
   if not (math.isfinite(args.base_temperature) and args.base_temperature >= 0):
     ap.error(f"--base_temperature={args.base_temperature} is out of range: must be a finite number >= 0")
 
-  cfg, target, step = ckpt_lib.load_model(args.workdir)
+  cfg, target, step = loading.load_model(args.workdir)
   depth = cfg.mtp.depth
   if depth < 1:
     ap.error(f"--workdir={args.workdir} holds a model with mtp.depth = 0: the sweep needs MTP modules")

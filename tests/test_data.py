@@ -12,6 +12,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from mtp import data
+from mtp.data import pipeline, sources
 from mtp import tokenizer as tok
 from mtp.config import DataConfig
 
@@ -33,7 +34,7 @@ class MtpTinyTestCorpus(tfds.core.GeneratorBasedBuilder):
 
   @tfds.core.utils.classproperty
   @classmethod
-  def code_path(cls):  # see mtp.data._EmbeddedCorpus.code_path
+  def code_path(cls):  # see mtp.mtp.data.corpora._EmbeddedCorpus.code_path
     return None
 
   def _info(self):
@@ -142,7 +143,7 @@ def test_split_is_stable_and_build_is_race_safe(data_dir, docs_cfg, tmp_path):
   code = ("import sys; from mtp import data; from mtp.config import DataConfig; "
           "print(len(data.load_source(DataConfig(name='python_docs', data_dir=sys.argv[1]), "
           "'validation')))")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(data.__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(data.__file__))))
   env = {**os.environ, "PYTHONPATH": root}
   procs = [subprocess.Popen([sys.executable, "-c", code, fresh], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
@@ -321,8 +322,8 @@ def test_local_custom_dataset_by_name(tiny_cfg, no_network):
 
 def test_invalid_utf8_is_replaced():
   rec = {"text": b"caf\xc3\xa9 \xff!"}
-  assert data._as_text(rec["text"]) == "café \ufffd!"
-  ids = data._Tokenize("text")(rec)["tokens"]
+  assert sources._as_text(rec["text"]) == "café \ufffd!"
+  ids = pipeline._Tokenize("text")(rec)["tokens"]
   assert ids[0] == BOS and ids[-1] == EOS
   assert tok.ByteTokenizer().decode(ids) == "café \ufffd!"
 
@@ -513,7 +514,7 @@ def test_text_files_config_and_cli(tmp_path):
   assert tiny_config(data=dict(name="text_files", files="a/*.py,b/**/*.md")).data.files
   # The CLI passes a comma-separated override through as one string.
   (tmp_path / "a.py").write_text("a = 1\n")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(data.__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(data.__file__))))
   r = subprocess.run(
       [sys.executable, "-m", "train", "--config", "configs/tiny.py",
        "--workdir", str(tmp_path / "w"), "--config.data.name=text_files",

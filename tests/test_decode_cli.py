@@ -153,13 +153,13 @@ def test_notice_counts_offsets_trained_by_recursive_steps(workdir, capsys, monke
   D + R offsets: no "never trained" notice up to G = D + R, one past it."""
   import dataclasses
   from decode import run as run_mod
-  real = run_mod.ckpt_lib.load_model
+  real = run_mod.loading.load_model
 
   def load_with_recursive_steps(path):
     cfg, model, step = real(path)
     return dataclasses.replace(cfg, mtp=dataclasses.replace(cfg.mtp, recursive_steps=1)), model, step
 
-  monkeypatch.setattr(run_mod.ckpt_lib, "load_model", load_with_recursive_steps)
+  monkeypatch.setattr(run_mod.loading, "load_model", load_with_recursive_steps)
   kw = dict(method="mtp", max_new_tokens=4, sampling=SamplingParams(temperature=0.0))
   run(workdir, ["abca"], num_draft_tokens=3, **kw)
   assert "note:" not in capsys.readouterr().err

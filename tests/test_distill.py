@@ -17,6 +17,7 @@ from flax import nnx
 from decode import round as round_lib
 from decode.speculative import Decoder, SamplingParams
 from mtp import checkpoint as ckpt_lib
+from mtp import loading
 from mtp import tokenizer as tok
 from mtp.config import ConfigError
 from mtp.model import ModelOutput
@@ -303,8 +304,8 @@ def _stage_resumes_exactly(src, data_dir, tmp_path):
   assert any("agree3=" in line and "kl3=" in line for line in logs)
   for k in (1, 2, 3):
     assert {f"mtp_{k}/teacher_kl", f"mtp_{k}/teacher_agreement"} <= set(result["eval"])
-  _, src_model, _ = ckpt_lib.load_model(src)
-  _, new_model, step = ckpt_lib.load_model(full)
+  _, src_model, _ = loading.load_model(src)
+  _, new_model, step = loading.load_model(full)
   assert step == 6
   src_flat = dict(nnx.to_flat_state(nnx.state(src_model, nnx.Param)))
   moved = 0
@@ -343,12 +344,11 @@ def test_init_from_errors(markov_workdir, data_dir, tmp_path):
 # -- self-distilled data and the evidence script -----------------------------------------------
 
 def test_written_dataset_reads_like_any_other(tmp_path):
-  from decode import self_distill
   from mtp import data as data_lib
   from mtp.config import DataConfig
   out = str(tmp_path / "tfds")
   train_docs = [("a", "def f():\n  return 1\n"), ("b", "x = 'é'\n")]
-  self_distill.write_dataset("sd_unit", out, {"train": train_docs, "validation": [("c", "y = 2\n")]},
+  data_lib.write_dataset("sd_unit", out, {"train": train_docs, "validation": [("c", "y = 2\n")]},
                              {"recipe": {"seed": 1}})
   cfg = DataConfig(name="sd_unit", data_dir=out)
   assert sorted(data_lib.load_documents(cfg, "train")) == sorted(t for _, t in train_docs)
@@ -358,10 +358,10 @@ def test_written_dataset_reads_like_any_other(tmp_path):
   meta = json.load(open(os.path.join(out, "sd_unit", "1.0.0", "metadata.json")))
   assert meta["recipe"] == {"seed": 1}
   with pytest.raises(data_lib.DataError, match="already exists"):
-    self_distill.write_dataset("sd_unit", out, {"train": train_docs}, {})
+    data_lib.write_dataset("sd_unit", out, {"train": train_docs}, {})
   for bad in ("Bad-Name", "python_stdlib"):
     with pytest.raises(data_lib.DataError, match="snake_case"):
-      self_distill.write_dataset(bad, out, {"train": train_docs}, {})
+      data_lib.write_dataset(bad, out, {"train": train_docs}, {})
 
 
 def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
@@ -386,7 +386,7 @@ def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
   sd = res["self_distilled"]
   cfg = DataConfig(name=sd["path"].split(os.sep)[-2], data_dir=sd["data_dir"])
   docs = data_lib.load_documents(cfg, "train")
-  prompts = self_distill.training_prompts(DataConfig(data_dir=data_dir), 4, 32, seed=0)
+  prompts = data_lib.training_prompts(DataConfig(data_dir=data_dir), 4, 32, seed=0)
   assert len(docs) == sd["num_docs"] == 4 and 0 < sd["tokens_generated"] <= 4 * 8
   for _, p in prompts:
     assert any(d.startswith(p) and len(d) > len(p) for d in docs), p
@@ -405,8 +405,8 @@ def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
   assert set(res["targets"]) == {"kl_sd_rec"}
   assert [x["method"] for x in res["base_speed"]] == ["ar", "mtp", "ar", "mtp"]
   # the base model, hence AR output, is untouched: its parameters equal the stage's backbone
-  _, base, _ = ckpt_lib.load_model(markov_workdir)
-  _, stage, _ = ckpt_lib.load_model(stages["kl_sd_rec_s0"]["workdir"])
+  _, base, _ = loading.load_model(markov_workdir)
+  _, stage, _ = loading.load_model(stages["kl_sd_rec_s0"]["workdir"])
   np.testing.assert_array_equal(np.asarray(base.embed.embedding[...]), np.asarray(stage.embed.embedding[...]))
   # the dataset is reused for the same recipe and base, refused for another
   recipe = self_distill.Recipe(**sd["recipe"])

@@ -14,7 +14,9 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from mtp import checkpoint as ckpt_lib
+from mtp import loading
 from mtp import export as ex
+from mtp.export import run as export_run
 from mtp import tokenizer as tok
 from mtp.model import build_model
 from tests.conftest import tiny_config
@@ -68,7 +70,7 @@ def exported(tmp_path_factory):
   for i, (name, sections) in enumerate(CASES.items()):
     cfg = tiny_config(**sections)
     model = _save_workdir(root / f"wd_{name}", cfg, seed=i)
-    path = ex.export(str(root / f"wd_{name}"), str(root / f"hf_{name}"))
+    path = export_run.export(str(root / f"wd_{name}"), str(root / f"hf_{name}"))
     out[name] = (cfg, model, str(root / f"wd_{name}"), path)
   return out
 
@@ -83,7 +85,7 @@ def test_import_round_trips_bitwise(exported, case):
   for p in want:
     assert got[p].dtype == want[p].dtype and np.array_equal(got[p], want[p]), p
   # The decode path: load_model accepts the export in place of a workdir.
-  cfg3, model3, step3 = ckpt_lib.load_model(path)
+  cfg3, model3, step3 = loading.load_model(path)
   assert cfg3 == cfg and step3 == 3
   assert all(np.array_equal(v, want[p]) for p, v in _params(model3).items())
   if case != "tied":
@@ -93,6 +95,27 @@ def test_import_round_trips_bitwise(exported, case):
   assert np.array_equal(np.asarray(a.logits), np.asarray(b.logits))
   for x, y in zip(a.mtp_logits, b.mtp_logits):
     assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_one_loader_tells_a_workdir_from_an_export(exported):
+  """mtp.loading: kind, config and parameters of a workdir and of its
+  export agree; train.init_from may name either (parameters placed in the
+  trainer's shardings, bitwise equal)."""
+  from train import workdir as workdir_lib
+  from train.loop import Trainer
+  cfg, model, workdir, path = exported["tied"]
+  assert loading.kind(workdir) == loading.WORKDIR and loading.kind(path) == loading.EXPORTED
+  assert loading.load_config(workdir) == loading.load_config(path) == (cfg, 3)
+  with pytest.raises(ckpt_lib.CheckpointError, match="exported model.*step=3 cannot be chosen"):
+    loading.load_config(path, 3)
+  trainer = Trainer(cfg)
+  want = _params(model)
+  for src in (workdir, path):
+    stage = cfg.replace(train=dict(init_from=src))
+    step = workdir_lib.check_init_from(stage)
+    params = workdir_lib.restore_init_params(trainer.abstract_params, src, step)
+    got = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(params)}
+    assert got.keys() == want.keys() and all(np.array_equal(got[p], want[p]) for p in want), src
 
 
 def test_files_config_and_tensor_names(exported):
@@ -243,7 +266,7 @@ def test_import_rejects_bad_tensors(exported, tmp_path):
   with pytest.raises(ex.ExportError, match=f"'{copy}' differs from 'model.embed_tokens.weight'"):
     load_with({**tensors, copy: tensors[copy] + 1})
   with pytest.raises(ckpt_lib.CheckpointError, match="not an exported model|no checkpoint"):
-    ckpt_lib.load_model(str(tmp_path / "nothing_here"))
+    loading.load_model(str(tmp_path / "nothing_here"))
 
 
 def _tmp_leftovers(parent) -> list[str]:
@@ -253,23 +276,23 @@ def _tmp_leftovers(parent) -> list[str]:
 def test_output_directory_rules(exported, tmp_path, monkeypatch):
   cfg, model, workdir, _ = exported["plain"]
   out = tmp_path / "out"
-  ex.export(workdir, str(out))
+  export_run.export(workdir, str(out))
   before = {f: open(out / f, "rb").read() for f in os.listdir(out)}
   with pytest.raises(ex.ExportError, match=r"--out=.*already exists; pass --overwrite"):
-    ex.export(workdir, str(out))
-  ex.export(workdir, str(out), overwrite=True)                 # replaces an earlier export
+    export_run.export(workdir, str(out))
+  export_run.export(workdir, str(out), overwrite=True)                 # replaces an earlier export
   assert {f: open(out / f, "rb").read() for f in os.listdir(out)} == before
   # --overwrite never deletes a folder the exporter did not write.
   foreign = tmp_path / "mine"
   foreign.mkdir()
   (foreign / "notes.txt").write_text("keep me")
   with pytest.raises(ex.ExportError, match="not written by mtp.export.*refusing"):
-    ex.export(workdir, str(foreign), overwrite=True)
+    export_run.export(workdir, str(foreign), overwrite=True)
   assert (foreign / "notes.txt").read_text() == "keep me"
   with pytest.raises(ex.ExportError, match="parent directory .* does not exist"):
-    ex.export(workdir, str(tmp_path / "no" / "such" / "out"))
+    export_run.export(workdir, str(tmp_path / "no" / "such" / "out"))
   with pytest.raises(ckpt_lib.CheckpointError, match="no checkpoint in workdir"):
-    ex.export(str(tmp_path / "empty_workdir"), str(tmp_path / "never"))
+    export_run.export(str(tmp_path / "empty_workdir"), str(tmp_path / "never"))
   assert not (tmp_path / "never").exists()
   # A failure while writing leaves nothing half-written: no new folder, and
   # an existing export stays as it was.
@@ -277,10 +300,10 @@ def test_output_directory_rules(exported, tmp_path, monkeypatch):
     raise OSError(28, "No space left on device")
   monkeypatch.setattr(ex, "_write_json", boom)
   with pytest.raises(OSError, match="No space left"):
-    ex.export(workdir, str(tmp_path / "fresh"))
+    export_run.export(workdir, str(tmp_path / "fresh"))
   assert not (tmp_path / "fresh").exists()
   with pytest.raises(OSError, match="No space left"):
-    ex.export(workdir, str(out), overwrite=True)
+    export_run.export(workdir, str(out), overwrite=True)
   assert {f: open(out / f, "rb").read() for f in os.listdir(out)} == before
   assert not _tmp_leftovers(tmp_path)
 

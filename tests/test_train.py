@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mtp import checkpoint as ckpt_lib
+from mtp import loading
 from mtp.config import ConfigError
 from mtp.data import DataError
 from tests.conftest import tiny_config
@@ -108,7 +109,7 @@ def test_unknown_dataset_fails_before_writing(tmp_path, data_dir):
 
 def test_missing_and_corrupt_checkpoints(uninterrupted, tmp_path, data_dir):
   with pytest.raises(ckpt_lib.CheckpointError, match="no checkpoint"):
-    ckpt_lib.load_model(str(tmp_path))
+    loading.load_model(str(tmp_path))
   workdir, _ = uninterrupted
   corrupt = str(tmp_path / "corrupt")
   import shutil
@@ -119,7 +120,7 @@ def test_missing_and_corrupt_checkpoints(uninterrupted, tmp_path, data_dir):
       with open(os.path.join(root, f), "wb") as fh:
         fh.write(b"garbage")
   with pytest.raises(ckpt_lib.CheckpointError, match="checkpoints/6"):
-    ckpt_lib.load_model(corrupt)
+    loading.load_model(corrupt)
   with pytest.raises(ckpt_lib.CheckpointError, match="unreadable"):
     train(_cfg(data_dir, train=dict(num_steps=9)), corrupt)
 
@@ -128,7 +129,7 @@ def test_non_finite_parameters_are_refused_at_load(uninterrupted, tmp_path):
   """A checkpoint with one NaN entry (a diverged run saved by another tool, a
   bad conversion) is an error naming the parameter, for decoding and resume."""
   from flax import nnx
-  cfg, model, _ = ckpt_lib.load_model(uninterrupted[0])
+  cfg, model, _ = loading.load_model(uninterrupted[0])
   params = nnx.state(model, nnx.Param)
   kernel = params["mtp"][1]["block"]["mlp"]["up"]["kernel"]
   bad = np.array(kernel.get_value())
@@ -138,12 +139,12 @@ def test_non_finite_parameters_are_refused_at_load(uninterrupted, tmp_path):
   ckpt.save(7, params, {}, None, cfg)
   ckpt.close()
   with pytest.raises(ckpt_lib.CheckpointError, match=r"mtp\.1\.block\.mlp\.up\.kernel .*1 non-finite"):
-    ckpt_lib.load_model(str(tmp_path))
+    loading.load_model(str(tmp_path))
 
 
 def test_load_model_for_inference(uninterrupted):
   workdir, _ = uninterrupted
-  cfg, model, step = ckpt_lib.load_model(workdir)
+  cfg, model, step = loading.load_model(workdir)
   assert step == 6 and cfg.mtp.depth == model.mtp_depth == 2
 
 
@@ -303,8 +304,8 @@ def test_signal_anywhere_then_rerun_ends_as_an_uninterrupted_run(uninterrupted, 
   full_losses = _train_losses(full_dir)
   np.testing.assert_allclose([_train_losses(wd)[s] for s in (2, 4, 6)],
                              [full_losses[s] for s in (2, 4, 6)], rtol=1e-6)
-  _, model_a, _ = ckpt_lib.load_model(wd)
-  _, model_b, _ = ckpt_lib.load_model(full_dir)
+  _, model_a, _ = loading.load_model(wd)
+  _, model_b, _ = loading.load_model(full_dir)
   from flax import nnx
   import jax
   for a, b in zip(jax.tree.leaves(nnx.state(model_a, nnx.Param)),
@@ -315,15 +316,150 @@ def test_signal_anywhere_then_rerun_ends_as_an_uninterrupted_run(uninterrupted, 
 
 
 def test_only_a_complete_final_result_counts_as_finished(tmp_path):
-  from train.loop import _finished_result
+  from train.workdir import finished_result
   path = str(tmp_path / "final_metrics.json")
-  assert _finished_result(path, 6) is None                       # missing
+  assert finished_result(str(tmp_path), 6) is None                       # missing
   good = {"step": 6, "eval": {"main/loss": 1.0}, "interrupted": False, "signal": None}
   for bad in ({**good, "interrupted": True, "signal": 15},       # left by an interrupted run
               {**good, "step": 4}, {**good, "eval": {}}):
     json.dump(bad, open(path, "w"))
-    assert _finished_result(path, 6) is None, bad
+    assert finished_result(str(tmp_path), 6) is None, bad
   open(path, "w").write('{"step": 6, "ev')                        # torn write
-  assert _finished_result(path, 6) is None
+  assert finished_result(str(tmp_path), 6) is None
   json.dump(good, open(path, "w"))
-  assert _finished_result(path, 6) == good
+  assert finished_result(str(tmp_path), 6) == good
+
+
+# -- one writer per workdir (issue 23, part 3) ------------------------------------------------
+
+def _snapshot(workdir):
+  """{relative path: (size, mtime_ns, bytes)} of every file under ``workdir``."""
+  out = {}
+  for root, _, files in os.walk(workdir):
+    for f in files:
+      p = os.path.join(root, f)
+      st = os.stat(p)
+      out[os.path.relpath(p, workdir)] = (st.st_size, st.st_mtime_ns, open(p, "rb").read())
+  return out
+
+
+@pytest.fixture
+def lock_holder():
+  """Starts a process that holds the lock of a workdir (as a running
+  ``python -m train`` does); yields a function workdir -> Popen."""
+  procs = []
+
+  def hold(workdir):
+    code = ("import sys, time\n"
+            "from train.workdir import WorkdirLock\n"
+            "lock = WorkdirLock(sys.argv[1])\n"
+            "lock.acquire()\n"
+            "print('held', flush=True)\n"
+            "time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", code, workdir], cwd=REPO, stdout=subprocess.PIPE,
+                         text=True, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO})
+    procs.append(p)
+    assert p.stdout.readline() == "held\n"
+    return p
+
+  yield hold
+  for p in procs:
+    p.kill()
+    p.wait()
+
+
+def test_second_run_on_a_workdir_stops_at_once_naming_the_holder(uninterrupted, tmp_path,
+                                                                  data_dir, lock_holder):
+  from train.workdir import WorkdirBusyError
+  import shutil
+  busy = str(tmp_path / "busy")
+  shutil.copytree(uninterrupted[0], busy)
+  holder = lock_holder(busy)
+  before = _snapshot(busy)
+  lock = json.load(open(os.path.join(busy, "train.lock")))
+  assert lock["pid"] == holder.pid and {"host", "started"} <= set(lock)
+  want = rf"in use by another training run \(host {lock['host']}, process id {holder.pid}, started "
+  with pytest.raises(WorkdirBusyError, match=want):
+    train(_cfg(data_dir, train=dict(num_steps=9, seed=1)), busy)
+  assert _snapshot(busy) == before                                    # nothing touched
+  # the same through the CLI: exit status 2, one line, no traceback
+  r = _run_cli(["--config", "configs/tiny.py", "--workdir", busy,
+                f"--config.data.data_dir={data_dir}"], timeout=300)
+  assert r.returncode == 2, r.stderr[-2000:]
+  lines = r.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: workdir") and f"process id {holder.pid}" \
+      in lines[0] and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert _snapshot(busy) == before
+  # reading needs no lock: decoding (and so export) loads the checkpoint
+  assert loading.load_model(busy)[2] == 6
+  # a new workdir being created by a first run: the second stops too, writes nothing
+  fresh = str(tmp_path / "fresh")
+  os.makedirs(fresh)
+  lock_holder(fresh)
+  with pytest.raises(WorkdirBusyError):
+    train(_cfg(data_dir), fresh)
+  assert os.listdir(fresh) == ["train.lock"]
+
+
+def test_stale_lock_of_a_killed_run_is_taken_over_with_a_notice(tmp_path, data_dir):
+  import socket
+  gone = subprocess.Popen([sys.executable, "-c", "pass"])
+  gone.wait()
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  (workdir / "train.lock").write_text(json.dumps(
+      {"host": socket.gethostname(), "pid": gone.pid, "started": "2026-01-01T00:00:00+00:00"}))
+  lines = []
+  result = train(_cfg(data_dir, train=dict(num_steps=2, eval_every=2)), str(workdir),
+                 log=lines.append)
+  assert result["step"] == 2
+  notes = [l for l in lines if l.startswith("note: taking over the lock")]
+  assert len(notes) == 1 and f"process id {gone.pid}" in notes[0], lines
+  assert (workdir / "train.lock").read_text() == ""                  # released at the end
+
+
+# -- optimizer state precision (issue 23, part 6b) ----------------------------------------------
+
+def test_bfloat16_parameters_keep_float32_adam_moments():
+  """model.param_dtype=bfloat16: parameters stay bf16 through a step while
+  Adam's mu and nu are float32 (init, after a step, and as checkpointed)."""
+  import jax
+  import optax
+  from tests.conftest import markov_batch, markov_transition
+  from train.loop import Trainer
+  cfg = tiny_config(model=dict(param_dtype="bfloat16", dtype="bfloat16"))
+  trainer = Trainer(cfg)
+  state = trainer.init_state()
+
+  def moments(opt_state):
+    adam = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
+        x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
+    assert len(adam) == 1
+    return jax.tree.leaves(adam[0].mu) + jax.tree.leaves(adam[0].nu)
+
+  assert {x.dtype.name for x in jax.tree.leaves(state.params)} == {"bfloat16"}
+  assert {x.dtype.name for x in moments(state.opt_state)} == {"float32"}
+  assert {x.dtype for x in jax.tree.leaves(trainer.abstract_opt_state)
+          if x.ndim >= 1} == {np.dtype("float32")}
+  batch = markov_batch(np.random.default_rng(0), 4, 32, markov_transition())
+  state, metrics = trainer.train_step(state, batch)
+  assert np.isfinite(float(metrics["loss"]))
+  assert {x.dtype.name for x in jax.tree.leaves(state.params)} == {"bfloat16"}
+  assert {x.dtype.name for x in moments(state.opt_state)} == {"float32"}
+  assert any(float(np.abs(np.asarray(x)).max()) > 0 for x in moments(state.opt_state))
+
+
+def test_float32_state_is_the_identity_for_float32_parameters():
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from train.loop import float32_state
+  inner = optax.adamw(1e-2, weight_decay=0.1)
+  params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
+  grads = jax.tree.map(lambda x: 0.1 * x + 0.01, params)
+  a_state, b_state = inner.init(params), float32_state(inner).init(params)
+  for _ in range(3):
+    ua, a_state = inner.update(grads, a_state, params)
+    ub, b_state = float32_state(inner).update(grads, b_state, params)
+    for x, y in zip(jax.tree.leaves((ua, a_state)), jax.tree.leaves((ub, b_state))):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -38,12 +38,13 @@ def main(argv):
   from mtp.data import DataError
   from mtp.sharding import initialize_distributed
   from train.loop import DivergedError, train
+  from train.workdir import WorkdirBusyError
   try:
     cfg = from_dict(_CONFIG.value)
     initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                            force=_DISTRIBUTED.value)
     result = train(cfg, _WORKDIR.value)
-  except (ConfigError, DataError, CheckpointError) as e:
+  except (ConfigError, DataError, CheckpointError, WorkdirBusyError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except DivergedError as e:

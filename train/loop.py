@@ -6,6 +6,8 @@ flags and calls it. Re-running on the same workdir resumes from the latest
 checkpoint (parameters, optimizer state, step and data iterator state), so a
 killed-and-resumed run reproduces the losses of an uninterrupted one.
 SIGTERM/SIGINT save a checkpoint at the next step boundary and return.
+What may be resumed and the workdir's files around the loop (config.json,
+metrics.jsonl, final_metrics.json) are kept by ``train.workdir``.
 """
 
 from __future__ import annotations
@@ -27,24 +29,50 @@ from flax import nnx
 from tqdm import tqdm
 
 from mtp import checkpoint as ckpt_lib
-from mtp import config as config_lib
 from mtp import data as data_lib
 from mtp import sharding as shard_lib
-from mtp.config import Config, ConfigError, MTPConfig, TrainConfig
+from mtp.config import Config, MTPConfig, TrainConfig
 from mtp.model import build_model, count_params
 from train import losses
+from train import workdir as workdir_lib
+
+
+def _as_float32(tree):
+  """``tree`` with every floating leaf cast to float32 (others unchanged)."""
+  return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating)
+                      else x, tree)
+
+
+def float32_state(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  """Runs ``inner`` on float32 copies of the gradients and parameters, so its
+  state (Adam's first and second moments) is float32 whatever
+  ``model.param_dtype`` is (the usual mixed-precision practice: bf16 moments
+  lose the small squared gradients nu accumulates). The updates come back in
+  float32; ``optax.apply_updates`` adds them to each parameter and rounds
+  once to its dtype. With float32 parameters this is the identity (same
+  state, same updates, bitwise)."""
+
+  def init(params):
+    return inner.init(_as_float32(params))
+
+  def update(updates, state, params=None):
+    return inner.update(_as_float32(updates), state,
+                        None if params is None else _as_float32(params))
+
+  return optax.GradientTransformation(init, update)
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
-  """AdamW with linear warmup + cosine decay and global-norm clipping.
+  """AdamW with linear warmup + cosine decay and global-norm clipping, with
+  float32 optimizer state for any parameter dtype (``float32_state``).
   Weight decay applies to matrices only (not norms' scales)."""
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=t.learning_rate, warmup_steps=t.warmup_steps,
       decay_steps=max(t.num_steps, t.warmup_steps + 1), end_value=t.learning_rate * t.min_lr_ratio)
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-  return optax.chain(
+  return float32_state(optax.chain(
       optax.clip_by_global_norm(t.grad_clip_norm),
-      optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask))
+      optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask)))
 
 
 def learning_rate(t: TrainConfig, step: int) -> float:
@@ -167,7 +195,7 @@ class Trainer:
   def init_state(self, params=None) -> TrainState:
     """Step-0 state: fresh parameters from ``train.seed``, or a copy of
     ``params`` (a full parameter State of this architecture, e.g. restored
-    with ``restore_init_params``); the optimizer state is always fresh."""
+    with ``train.workdir.restore_init_params``); the optimizer state is always fresh."""
     params, opt_state = self._init() if params is None else self._init_from(params)
     return TrainState(params, opt_state, 0)
 
@@ -219,128 +247,8 @@ class MetricWriter:
         self._tb.close()
 
 
-def check_workdir(cfg: Config, workdir: str) -> int | None:
-  """Refuses a workdir whose latest checkpoint was made by an incompatible
-  config (before anything is written). Returns the step to resume from, or
-  None for a fresh run. Raises ConfigError / CheckpointError (also when
-  ``train.init_from`` names the workdir itself: a stage writes elsewhere)."""
-  if cfg.train.init_from and os.path.abspath(cfg.train.init_from) == os.path.abspath(workdir):
-    raise ConfigError(f"train.init_from={cfg.train.init_from!r} is the run's own --workdir: a "
-                      "stage started from a trained workdir writes into a new one")
-  if not os.path.isdir(ckpt_lib.checkpoint_dir(workdir)):
-    return None
-  ckpt = ckpt_lib.Checkpointer(workdir, read_only=True)
-  try:
-    step = ckpt.latest_step()
-    if step is None:
-      return None
-    saved = ckpt.restore_config(step)
-  finally:
-    ckpt.close()
-  diffs = config_lib.architecture_mismatches(saved, cfg)
-  if saved.train.freeze_backbone != cfg.train.freeze_backbone:   # optimizer state differs
-    diffs.append(f"train.freeze_backbone: {saved.train.freeze_backbone!r} != "
-                 f"{cfg.train.freeze_backbone!r}")
-  if diffs:
-    raise ConfigError(f"workdir {workdir!r} holds a checkpoint (step {step}) from an incompatible "
-                      f"config (saved != requested): {'; '.join(diffs)}. Use a new --workdir or "
-                      "the saved config.")
-  return step
-
-
-def check_init_from(cfg: Config) -> int | None:
-  """Checks ``train.init_from`` (a trained workdir whose parameters start
-  this run) before anything is written. Returns its latest checkpoint step,
-  or None when ``init_from`` is empty.
-
-  Raises:
-    CheckpointError: it has no checkpoint, or one from another architecture
-      (``config.architecture_mismatches``, listed in the message).
-  """
-  src = cfg.train.init_from
-  if not src:
-    return None
-  try:
-    ckpt = ckpt_lib.Checkpointer(src, read_only=True)
-  except ckpt_lib.CheckpointError as e:
-    raise ckpt_lib.CheckpointError(f"train.init_from={src!r}: {e}") from e
-  try:
-    step = ckpt.latest_step()
-    if step is None:
-      raise ckpt_lib.CheckpointError(f"train.init_from={src!r} has no checkpoint in "
-                                     f"{ckpt.directory} (train it first)")
-    saved = ckpt.restore_config(step)
-  finally:
-    ckpt.close()
-  diffs = config_lib.architecture_mismatches(saved, cfg)
-  if diffs:
-    raise ckpt_lib.CheckpointError(
-        f"train.init_from={src!r}: its checkpoint (step {step}) has another architecture than "
-        f"this config (saved != requested): {'; '.join(diffs)}")
-  return step
-
-
-def restore_init_params(trainer: Trainer, src: str, step: int):
-  """The parameters of checkpoint ``step`` of workdir ``src``, restored
-  straight into the trainer's shardings (optimizer state, step and data
-  position are not read). Raises CheckpointError."""
-  ckpt = ckpt_lib.Checkpointer(src, read_only=True)
-  try:
-    params, _ = ckpt.restore(step, trainer.abstract_params)
-  finally:
-    ckpt.close()
-  return params
-
-
 class DivergedError(RuntimeError):
   """The training loss became NaN or infinite."""
-
-
-def _metric_rows(path: str) -> list[dict]:
-  """The rows of a metrics.jsonl file (empty when it does not exist)."""
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
-def _truncate_metrics(path: str, step: int):
-  """Drops metric rows after ``step`` (left by a run killed after its last
-  checkpoint), so a resumed run's rows are not duplicated."""
-  if not os.path.exists(path):
-    return
-  with open(path) as f:
-    rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-  with open(path + ".tmp", "w") as f:
-    f.writelines(rows)
-  os.replace(path + ".tmp", path)
-
-
-def _finished_result(path: str, step: int) -> dict | None:
-  """The final_metrics.json at ``path`` if it is complete for ``step`` (written
-  after the final evaluation at that step), else None (missing, unreadable,
-  another step, no evaluation, or left by an interrupted run)."""
-  try:
-    with open(path) as f:
-      res = json.load(f)
-  except (OSError, ValueError):
-    return None
-  if isinstance(res, dict) and res.get("step") == step and res.get("eval") and not res.get("interrupted"):
-    return res
-  return None
-
-
-def _config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
-  """Dotted fields where two config dicts differ, as ``"field: old -> new"``
-  (sorted; a field missing on one side shows as ``<unset>``)."""
-  out = []
-  for k in sorted(set(old) | set(new)):
-    a, b = old.get(k, "<unset>"), new.get(k, "<unset>")
-    if isinstance(a, dict) and isinstance(b, dict):
-      out += _config_changes(a, b, f"{prefix}{k}.")
-    elif a != b:
-      out.append(f"{prefix}{k}: {a!r} -> {b!r}")
-  return out
 
 
 def _duration(seconds: float) -> str:
@@ -434,20 +342,36 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
     window; synchronised at log steps; None when no window was timed),
     ``params`` counts, ``interrupted`` (a signal stopped the run with work
     left) and ``signal`` (its number, else None).
+  One writer per workdir: process 0 holds ``WORKDIR/train.lock``
+  (``train.workdir.WorkdirLock``) while it runs; a stale lock (its run was
+  killed) is taken over with a notice.
+
   Raises:
     ConfigError, DataError, CheckpointError before anything is written;
+    WorkdirBusyError when another run holds the workdir (nothing touched);
     DivergedError for a NaN/inf training loss (nothing saved for it).
   """
+  lock = workdir_lib.WorkdirLock(workdir)
+  try:
+    return _train(cfg, workdir, lock, log=log, stop_after=stop_after)
+  finally:
+    lock.release()
+
+
+def _train(cfg: Config, workdir: str, lock, *, log, stop_after) -> dict[str, Any]:
+  """``train``'s body; takes ``lock`` (process 0) before anything is read
+  from an existing workdir, or before a new one is created."""
   is_main = jax.process_index() == 0
   log = log or (lambda s: tqdm.write(s, file=sys.stderr))
   if not is_main:   # multi-host: one process prints and writes files
     log = lambda s: None
-  resume_step = check_workdir(cfg, workdir)
-  init_step = check_init_from(cfg) if resume_step is None else None
+  if is_main and os.path.isdir(workdir):   # one writer: a second run stops here
+    lock.acquire(log)
+  resume_step = workdir_lib.check_workdir(cfg, workdir)
+  init_step = workdir_lib.check_init_from(cfg) if resume_step is None else None
   t = cfg.train
-  final_path = os.path.join(workdir, "final_metrics.json")
   if resume_step is not None and resume_step >= t.num_steps:
-    done = _finished_result(final_path, resume_step)
+    done = workdir_lib.finished_result(workdir, resume_step)
     if done is not None:
       log(f"{workdir} already finished at step {resume_step} (train.num_steps={t.num_steps}); "
           "nothing to do (raise train.num_steps to continue)")
@@ -460,11 +384,15 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
       cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, num_batches=t.eval_batches,
       process_index=jax.process_index(), process_count=jax.process_count())
   trainer = Trainer(cfg)
+  init_params = None
+  if init_step is not None:   # read (and verified) before anything is written
+    init_params = workdir_lib.restore_init_params(trainer.abstract_params, t.init_from, init_step)
 
   os.makedirs(workdir, exist_ok=True)
+  if is_main:
+    lock.acquire(log)     # a new workdir: validated first, so a bad run writes nothing
   ckpt = ckpt_lib.Checkpointer(workdir, keep=cfg.checkpoint.keep)
   data_iter = iter(dataset)
-  metrics_path = os.path.join(workdir, "metrics.jsonl")
   last_train, last_eval, eval_step, step_times = {}, {}, None, []
   if resume_step is not None:
     try:
@@ -476,35 +404,19 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
     state = TrainState(params, opt_state, resume_step)
     resumed = f"resumed from {ckpt.directory}/{resume_step}"
   elif init_step is not None:
-    state = trainer.init_state(restore_init_params(trainer, t.init_from, init_step))
+    state = trainer.init_state(init_params)
     log(f"initialised parameters from {t.init_from} (step {init_step})")
   else:
     state = trainer.init_state()
   eval_due = lambda step: step >= t.num_steps or step % t.eval_every == 0
   eval_pending = False   # the checkpointed step's evaluation was abandoned by a signal
   if is_main:
-    config_path = os.path.join(workdir, "config.json")
     if resume_step is not None:
-      _truncate_metrics(metrics_path, resume_step)
-      rows = _metric_rows(metrics_path)
-      train_rows = [r for r in rows if r["split"] == "train"]
-      if train_rows:   # the result reports the last logged train metrics, as uninterrupted
-        last_train = {k: v for k, v in train_rows[-1].items() if k not in ("step", "split")}
-      logged = [r for r in rows if r["split"] == "eval" and r["step"] == resume_step]
-      if logged:   # e.g. a run stopped after its final evaluation, before final_metrics.json
-        last_eval = {k: v for k, v in logged[-1].items() if k not in ("step", "split")}
-        eval_step = resume_step
-      else:
-        eval_pending = eval_due(resume_step)
-      if os.path.exists(config_path) and open(config_path).read() != cfg.to_json():
-        kept = f"config.until_step{resume_step}.json"
-        with open(config_path) as f:
-          changes = _config_changes(json.load(f), cfg.to_dict())
-        os.replace(config_path, os.path.join(workdir, kept))
-        resumed += (f"; config changed since the last run ({'; '.join(changes)}); the previous "
-                    f"one is kept as {kept}")
-    with open(config_path, "w") as f:
-      f.write(cfg.to_json())
+      last_train, last_eval, eval_step, eval_pending = workdir_lib.resume_metrics(
+          workdir, resume_step, eval_due)
+    changed = workdir_lib.record_config(workdir, cfg, resume_step)
+    if changed:
+      resumed += changed
   if resume_step is not None:
     log(resumed)
     eval_pending = _from_process_0(eval_pending)
@@ -599,9 +511,7 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
                 "params": counts, "interrupted": interrupted,
                 "signal": stop.signum if interrupted else None}
       if is_main and complete:
-        with open(final_path + ".tmp", "w") as f:
-          json.dump(result, f, indent=2)
-        os.replace(final_path + ".tmp", final_path)
+        workdir_lib.write_final_metrics(workdir, result)
   finally:
     ckpt.close()
     writer.close()

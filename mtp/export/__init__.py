@@ -2,7 +2,10 @@
 directory with the MTP modules under DeepSeek-V3 naming, and back.
 
 ``python -m mtp.export --workdir W --out DIR [--overwrite] [--step N]`` (CLI in
-``mtp/export/__main__.py``) calls ``export``. The directory holds
+``mtp/export/__main__.py``) calls ``mtp.export.run.export``, which loads the
+checkpoint (``mtp.loading``) and calls ``write_export`` here. This module is
+the format only: it imports neither ``mtp.checkpoint`` nor ``mtp.loading``.
+The directory holds
 
 - ``config.json``: a ``LlamaConfig`` (``architectures: ["LlamaForCausalLM"]``)
   plus DeepSeek-V3's ``num_nextn_predict_layers`` (= MTP depth D) and an
@@ -23,7 +26,7 @@ directory with the MTP modules under DeepSeek-V3 naming, and back.
 The mapping table, the eh_proj concatenation order and the limits are in
 ``docs/export.md``; ``hf_name_map`` is the table in code, used in both
 directions. ``load_exported`` reads such a directory back into a
-``Transformer`` with bitwise-identical parameters; ``mtp.checkpoint.load_model``
+``Transformer`` with bitwise-identical parameters; ``mtp.loading.load_model``
 (and so ``python -m decode --workdir DIR``) accepts it in place of a workdir.
 Writing needs only numpy and ``safetensors``; torch and transformers are not
 imported here.
@@ -312,7 +315,9 @@ def _is_replaceable(path: str) -> bool:
     return False
 
 
-def _check_out(out: str, overwrite: bool) -> str:
+def check_out(out: str, overwrite: bool) -> str:
+  """The absolute output path ``out`` after the checks ``write_export``
+  makes before writing (raises ExportError as it does)."""
   out = os.path.abspath(os.path.expanduser(out))
   if os.path.lexists(out):
     if not os.path.isdir(out) or os.path.islink(out):
@@ -342,7 +347,7 @@ def write_export(model, cfg: Config, out: str, *, step: int = 0, overwrite: bool
       non-empty folder not written by this exporter; its parent is missing;
       or the model has a setting Llama cannot express (names the field).
   """
-  out = _check_out(out, overwrite)
+  out = check_out(out, overwrite)
   tensors = hf_state_dict(model, cfg)
   from safetensors.numpy import save_file
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out))
@@ -369,20 +374,6 @@ def write_export(model, cfg: Config, out: str, *, step: int = 0, overwrite: bool
     if old is not None:
       shutil.rmtree(old, ignore_errors=True)
   return out
-
-
-def export(workdir: str, out: str, *, step: int | None = None, overwrite: bool = False) -> str:
-  """Exports checkpoint ``step`` (default: latest) of ``workdir`` to ``out``
-  (``python -m mtp.export``). Returns the absolute output path.
-
-  Raises:
-    mtp.checkpoint.CheckpointError: no readable checkpoint in ``workdir``.
-    ExportError: as ``write_export``.
-  """
-  from mtp import checkpoint as ckpt_lib
-  out_abs = _check_out(out, overwrite)          # fail before the (slow) restore
-  cfg, model, step = ckpt_lib.load_model(workdir, step)
-  return write_export(model, cfg, out_abs, step=step, overwrite=overwrite)
 
 
 # ----------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Writes checkpoint N (default: the latest) of workdir W as a Hugging Face
 ``LlamaForCausalLM`` directory with the MTP modules under DeepSeek-V3 naming
 (``mtp.export``; mapping table in docs/export.md). Parses flags and calls
-``mtp.export.export``; errors print one line and exit with status 2.
+``mtp.export.run.export``; errors print one line and exit with status 2.
 """
 
 import os
@@ -24,7 +24,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.ERROR)   # orbax warns about read-only managers
   from mtp.checkpoint import CheckpointError
-  from mtp.export import WEIGHTS_FILE, ExportError, export
+  from mtp.export import WEIGHTS_FILE, ExportError
+  from mtp.export.run import export
   try:
     out = export(_WORKDIR.value, _OUT.value, step=_STEP.value, overwrite=_OVERWRITE.value)
   except (ExportError, CheckpointError) as e:

@@ -1,0 +1,171 @@
+"""Where datasets live and how their records are read: the data dir
+(``resolve_data_dir``), a split as a random-access source (``load_source``:
+builds an embedded corpus or a ``text_files`` set on first use; any other
+TFDS dataset must be prepared already) and its documents as text.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import tensorflow_datasets as tfds
+from tensorflow_datasets.core import read_only_builder
+
+from mtp.config import DataConfig
+from mtp.data.corpora import (
+    _EMBEDDED_BUILDERS, DATA_DIR_ENV, DEFAULT_DATA_DIR, EMBEDDED_DATASETS, TEXT_FILES, DataError,
+    prepare_embedded, prepare_text_files)
+
+# Record formats tfds can read by index without TensorFlow.
+_RANDOM_ACCESS_FORMATS = ("array_record", "parquet")
+
+def resolve_data_dir(cfg: DataConfig) -> str:
+  """The TFDS data dir: ``cfg.data_dir`` if non-empty, else ``$MTP_DATA_DIR``
+  if set, else ``~/.cache/mtp/tensorflow_datasets``; user-expanded, absolute.
+  Embedded corpora live below it in per-interpreter config folders."""
+  path = cfg.data_dir or os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR
+  return os.path.abspath(os.path.expanduser(path))
+
+
+def _prepared_datasets(data_dir: str) -> list[str]:
+  """Names of the folders in ``data_dir`` that look like TFDS datasets."""
+  try:
+    return sorted(d for d in os.listdir(data_dir) if not d.startswith((".", "downloads"))
+                  and os.path.isdir(os.path.join(data_dir, d)))
+  except OSError:
+    return []
+
+
+def _is_known_tfds_name(name: str) -> bool:
+  """Whether the TFDS catalogue (local registry only, no network) knows ``name``."""
+  base = name.split("/")[0].split(":")[0]
+  try:
+    tfds.builder_cls(base)
+    return True
+  except Exception:  # noqa: BLE001 - unknown, or its module fails to import
+    return False
+
+
+def _open_builder(cfg: DataConfig, data_dir: str) -> tfds.core.DatasetBuilder:
+  name = cfg.name
+  if name in _EMBEDDED_BUILDERS:
+    return prepare_embedded(name, data_dir)
+  if name == TEXT_FILES:
+    return prepare_text_files(cfg.files, data_dir)
+  try:
+    # Reads only what is on disk (dataset_info.json, features.json); never
+    # runs the dataset's generation code (which may need TensorFlow) and never
+    # downloads. Same reader as tfds.data_source(..., download=False).
+    builder = read_only_builder.builder_from_files(name, data_dir=data_dir)
+  except Exception as e:  # noqa: BLE001 - DatasetNotFoundError, bad name syntax, ...
+    on_disk = _prepared_datasets(data_dir)
+    if _is_known_tfds_name(name):
+      what = (f"TFDS dataset '{name}' is not prepared in data_dir '{data_dir}' (nothing is "
+              f"downloaded automatically). Prepare it where there is network, e.g. `tfds build "
+              f"{name} --data_dir={data_dir} --file_format=array_record`")
+    else:
+      what = (f"unknown dataset '{name}': not an embedded corpus {EMBEDDED_DATASETS}, not in "
+              f"the TFDS catalogue and not prepared in data_dir '{data_dir}'")
+    raise DataError(f"{what}. Datasets found in data_dir: {on_disk or 'none'}. "
+                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+  fmt = builder.info.file_format
+  fmt_name = getattr(fmt, "value", str(fmt))
+  if fmt_name not in _RANDOM_ACCESS_FORMATS:
+    raise DataError(f"dataset '{name}' in data_dir '{data_dir}' is stored as '{fmt_name}', which "
+                    f"cannot be read by index without TensorFlow; re-prepare it with "
+                    f"--file_format=array_record (or convert it with `tfds convert_format`)")
+  return builder
+
+
+def _check_text_feature(builder: tfds.core.DatasetBuilder, cfg: DataConfig, data_dir: str):
+  features = builder.info.features
+  keys = sorted(features.keys()) if hasattr(features, "keys") else []
+  if cfg.text_feature not in keys:
+    raise DataError(f"dataset '{cfg.name}' in data_dir '{data_dir}' has no feature "
+                    f"'{cfg.text_feature}' (data.text_feature); its features are {keys}")
+  feature = features[cfg.text_feature]
+  np_dtype = getattr(feature, "np_dtype", None)
+  is_text = isinstance(feature, tfds.features.Text) or (
+      tuple(getattr(feature, "shape", (None,))) == ()
+      and np_dtype is not None and np.dtype(np_dtype).kind in "OSU")
+  if not is_text:
+    raise DataError(f"feature '{cfg.text_feature}' of dataset '{cfg.name}' in data_dir "
+                    f"'{data_dir}' is not a scalar text feature ({feature!r}); pick one of {keys}")
+
+
+def load_source(cfg: DataConfig, split: str):
+  """Random-access source of the documents of ``split`` (builds an embedded
+  corpus on first use).
+
+  Returns:
+    The TFDS data source (``tfds.data_source`` semantics, ``download=False``):
+    ``len(src)`` documents; ``src[i]`` is a dict of features whose
+    ``cfg.text_feature`` entry is the document as ``bytes`` (UTF-8, maybe
+    invalid for other datasets). Record order is TFDS's deterministic
+    (key-hashed) order. Usable as a ``grain.MapDataset.source``.
+
+  Raises:
+    DataError: unknown dataset name, dataset not prepared in the data dir or
+      not in a random-access format, unknown split, missing or non-text
+      ``text_feature``. Messages name the dataset, the data dir and what is
+      missing.
+  """
+  data_dir = resolve_data_dir(cfg)
+  builder = _open_builder(cfg, data_dir)
+  _check_text_feature(builder, cfg, data_dir)
+  try:
+    builder.info.splits[split]
+    return builder.as_data_source(split=split)
+  except (ValueError, KeyError, NotImplementedError, OSError) as e:
+    raise DataError(f"dataset '{cfg.name}' in data_dir '{data_dir}' has no usable split "
+                    f"'{split}' (splits: {sorted(builder.info.splits.keys())}): {e}") from e
+
+
+def _as_text(value: Any) -> str:
+  """A text feature value (bytes, str or 0-d array of either) as ``str``;
+  invalid UTF-8 becomes U+FFFD."""
+  if isinstance(value, np.ndarray) and value.ndim == 0:
+    value = value.item()
+  if isinstance(value, (bytes, np.bytes_)):
+    return bytes(value).decode("utf-8", errors="replace")
+  if isinstance(value, str):
+    return str(value)
+  raise DataError(f"text feature value must be bytes or str, got {type(value).__name__}")
+
+
+def load_documents(cfg: DataConfig, split: str, limit: int | None = None) -> list[str]:
+  """The first ``limit`` (all if None) documents of ``split`` as ``str``, in
+  the source's stored order (UTF-8 decoded with ``errors="replace"``).
+
+  Raises:
+    DataError: as ``load_source``.
+  """
+  src = load_source(cfg, split)
+  n = len(src) if limit is None else min(int(limit), len(src))
+  return [_as_text(src[i][cfg.text_feature]) for i in range(n)]
+
+
+
+def as_bytes(value: Any) -> bytes:
+  """A TFDS text feature value (bytes, str or 0-d array) as bytes (str as UTF-8)."""
+  if isinstance(value, np.ndarray):
+    value = value.item()
+  return value.encode("utf-8") if isinstance(value, str) else bytes(value)
+
+
+def named_documents(cfg: DataConfig, split: str) -> list[tuple[str, str]]:
+  """Every document of ``split`` as ``(key, text)`` in the source's stored
+  order: the key is the document's ``name`` feature where it has one, else
+  its index (7 digits); text decoded from UTF-8 with ``errors="replace"``.
+  TFDS orders records by key, so a dataset written from these pairs
+  (``write_dataset``) is read back in the same order.
+
+  Raises:
+    DataError: as ``load_source``.
+  """
+  src = load_source(cfg, split)
+  return [(as_bytes(src[i]["name"]).decode("utf-8", "replace") if "name" in src[i]
+           else f"{i:07d}", as_bytes(src[i][cfg.text_feature]).decode("utf-8", "replace"))
+          for i in range(len(src))]

@@ -1,0 +1,128 @@
+"""The one loader: a trained model from whatever directory holds it.
+
+Two kinds of model directories exist (``kind``):
+
+- ``"workdir"``: a training run directory (``python -m train``; a GGUF or
+  other import writes one too), read with orbax through ``mtp.checkpoint``;
+  it holds several steps, the latest by default;
+- ``"exported"``: a Hugging Face directory written by ``python -m
+  mtp.export`` (``config.json`` + ``model.safetensors`` and no
+  ``checkpoints/``), read by ``mtp.export.load_exported``; one set of
+  weights, so no step can be chosen.
+
+Every reader (``python -m decode``, ``train.init_from``, ``python -m
+mtp.export``, ``decode.self_distill``, the scripts) goes through here, so a
+new kind of directory is taught once. Imports ``mtp.checkpoint`` and
+``mtp.export``; neither imports this module (no import circle).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+from flax import nnx
+
+from mtp import checkpoint as ckpt_lib
+from mtp import export as export_lib
+from mtp.checkpoint import CheckpointError
+from mtp.config import Config
+from mtp.model import build_model
+
+WORKDIR = "workdir"
+EXPORTED = "exported"
+
+
+def kind(path: str) -> str:
+  """``"exported"`` for a directory written by ``mtp.export`` that has no
+  ``checkpoints/`` folder, else ``"workdir"`` (whether or not it holds a
+  checkpoint yet: the readers below say what is missing)."""
+  if export_lib.is_exported(path) and not os.path.isdir(ckpt_lib.checkpoint_dir(path)):
+    return EXPORTED
+  return WORKDIR
+
+
+def _exported(path: str, step: int | None):
+  if step is not None:
+    raise CheckpointError(f"{path!r} is an exported model (one set of weights); "
+                          f"step={step} cannot be chosen")
+  try:
+    return export_lib.load_exported(path)
+  except export_lib.ExportError as e:
+    raise CheckpointError(str(e)) from e
+
+
+def load_config(path: str, step: int | None = None) -> tuple[Config, int]:
+  """(config, step) of checkpoint ``step`` (default: the latest) of a
+  workdir, or of an exported directory (its recorded step; ``step`` must be
+  None). Reads no parameters of a workdir.
+
+  Raises CheckpointError (no checkpoint, unreadable config, bad export).
+  """
+  if kind(path) == EXPORTED:
+    if step is not None:
+      _exported(path, step)
+    try:
+      with open(os.path.join(path, export_lib.CONFIG_FILE), encoding="utf-8") as f:
+        hf = json.load(f)
+      cfg = export_lib.config_from_hf(hf, os.path.abspath(path))
+    except (OSError, ValueError) as e:     # ExportError is a ValueError
+      raise CheckpointError(f"cannot read the export in {path!r}: {e}") from e
+    return cfg, int((hf.get("mtp") or {}).get("step", 0))
+  ckpt = ckpt_lib.Checkpointer(path, read_only=True)
+  try:       # closed on errors too: an open manager spews asyncio errors at exit
+    step = ckpt.resolve_step(step)
+    return ckpt.restore_config(step), step
+  finally:
+    ckpt.close()
+
+
+def load_params(path: str, step: int | None, abstract_params):
+  """The parameters (an nnx State) of checkpoint ``step`` of ``path`` (a
+  workdir, or an exported directory with ``step`` None), placed like
+  ``abstract_params`` (a pytree of ``jax.ShapeDtypeStruct``, with shardings
+  where wanted: a workdir's arrays are restored straight into them).
+  Optimizer state, step and data position are not read.
+
+  Raises CheckpointError (missing, unreadable, non-finite or not matching
+  ``abstract_params``).
+  """
+  if kind(path) == EXPORTED:
+    _, model, _ = _exported(path, step)
+    params = nnx.state(model, nnx.Param)
+    try:
+      return jax.tree.map(lambda x, a: jax.device_put(x, getattr(a, "sharding", None)),
+                          params, abstract_params)
+    except ValueError as e:
+      raise CheckpointError(f"the export in {path!r} does not match the model: {e}") from e
+  ckpt = ckpt_lib.Checkpointer(path, read_only=True)
+  try:
+    params, _ = ckpt.restore(ckpt.resolve_step(step), abstract_params)
+  finally:
+    ckpt.close()
+  return params
+
+
+def load_model(path: str, step: int | None = None):
+  """Loads a trained model for inference from a training workdir (checkpoint
+  ``step``, default the latest) or from a directory written by ``python -m
+  mtp.export`` (``step`` must then be None).
+
+  Returns (config, model, step): ``model`` a ``mtp.model.Transformer`` with
+  its parameters on the default device. Raises CheckpointError when the
+  workdir has no readable checkpoint or the export cannot be read.
+  """
+  if kind(path) == EXPORTED:
+    return _exported(path, step)
+  ckpt = ckpt_lib.Checkpointer(path, read_only=True)
+  try:       # closed on errors too: an open manager spews asyncio errors at exit
+    step = ckpt.resolve_step(step)
+    cfg = ckpt.restore_config(step)
+    model = nnx.eval_shape(lambda: build_model(cfg))
+    graphdef, abstract_params = nnx.split(model, nnx.Param)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params)
+    params, _ = ckpt.restore(step, abstract)
+  finally:
+    ckpt.close()
+  return cfg, nnx.merge(graphdef, params), step

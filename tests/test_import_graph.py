@@ -1,0 +1,108 @@
+"""The import graph of mtp/, train/, decode/ and scripts/ has no cycle, with
+imports inside functions counted too (issue 20), and the rooms' arrows point
+one way (docs/design.md section 2): mtp imports neither train nor decode;
+train and decode do not import each other."""
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("mtp", "train", "decode", "scripts")
+
+
+def _modules() -> dict[str, str]:
+  """Dotted module name -> file, for every .py under PACKAGES."""
+  out = {}
+  for pkg in PACKAGES:
+    for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
+      for f in files:
+        if f.endswith(".py"):
+          rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].split(os.sep)
+          if rel[-1] == "__init__":
+            rel = rel[:-1]
+          out[".".join(rel)] = os.path.join(dirpath, f)
+  return out
+
+
+def import_graph() -> dict[str, set[str]]:
+  """Module -> the project modules it imports anywhere in its file (module
+  level or inside functions). ``from a import b`` counts as importing
+  ``a.b`` when that is a module, else ``a``. (Importing ``a.b`` also runs
+  package ``a``'s ``__init__``; that implicit step is not an edge: a package
+  that re-exports its submodules is not a circle.)"""
+  mods = _modules()
+  graph = {}
+  for name, path in mods.items():
+    is_pkg = path.endswith("__init__.py")
+    edges = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+      if isinstance(node, ast.Import):
+        targets = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+          parts = name.split(".")
+          anchor = parts if is_pkg else parts[:-1]
+          anchor = anchor[:len(anchor) - node.level + 1]
+          base = ".".join(anchor + ([base] if base else []))
+        targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+      else:
+        continue
+      for t in targets:
+        while t and t not in mods:      # import a.b.c where only a.b is ours: a.b
+          t = t.rpartition(".")[0]
+        if t and t != name:
+          edges.add(t)
+    graph[name] = edges
+  return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """One cycle as a list of modules (first == last), or None."""
+  state, stack = {}, []
+
+  def visit(m):
+    state[m] = 1
+    stack.append(m)
+    for n in sorted(graph.get(m, ())):
+      if state.get(n) == 1:
+        return stack[stack.index(n):] + [n]
+      if n not in state:
+        found = visit(n)
+        if found:
+          return found
+    stack.pop()
+    state[m] = 2
+    return None
+
+  for m in sorted(graph):
+    if m not in state:
+      found = visit(m)
+      if found:
+        return found
+  return None
+
+
+def test_find_cycle_finds_one():
+  assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+  assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_no_import_cycle():
+  graph = import_graph()
+  assert {"mtp.loading", "mtp.checkpoint", "mtp.export", "mtp.data.pipeline",
+          "train.workdir", "decode.run"} <= set(graph)
+  assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_rooms_import_one_way():
+  graph = import_graph()
+  room = lambda m: m.split(".")[0]
+  bad = sorted((m, n) for m, ns in graph.items() for n in ns
+               if (room(m) == "mtp" and room(n) in ("train", "decode", "scripts"))
+               or {room(m), room(n)} == {"train", "decode"}
+               or (room(m) != "scripts" and room(n) == "scripts"))
+  assert not bad, bad
+  # the loader sits above the two formats it tells apart
+  assert "mtp.loading" not in graph["mtp.checkpoint"] | graph["mtp.export"]
+  assert "mtp.export" not in graph["mtp.checkpoint"]

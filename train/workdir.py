@@ -1,0 +1,319 @@
+"""A training workdir's bookkeeping around the loop (``train.loop.train``):
+what may be resumed or started from, and the files a resumed run repairs.
+
+Files of ``WORKDIR`` (besides ``checkpoints/``, ``mtp.checkpoint``):
+
+- ``config.json``: the config of the latest run; a resumed run with another
+  config keeps the previous one as ``config.until_step<N>.json``;
+- ``metrics.jsonl``: one row per (step, split); a resumed run first drops
+  the rows after its checkpoint (left by a run killed after it);
+- ``final_metrics.json``: written atomically after the final evaluation;
+  a run whose file is complete for its latest step has nothing left to do;
+- ``train.lock``: a workdir has one writer (``WorkdirLock``). ``python -m
+  train`` holds an exclusive ``fcntl.flock`` on it while it runs, with the
+  holder's host, process id and start time written inside; a second run
+  stops at once naming the holder. The OS releases the flock when its
+  process dies, so a killed run leaves only the metadata: the next run
+  finds it stale and takes over with a one-line notice. Decoding and export
+  only read a workdir and never take the lock.
+
+Every check here runs before anything is written.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from mtp import checkpoint as ckpt_lib
+from mtp import config as config_lib
+from mtp import loading
+from mtp.config import Config, ConfigError
+
+LOCK_FILE = "train.lock"
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+FINAL_METRICS_FILE = "final_metrics.json"
+
+
+def check_workdir(cfg: Config, workdir: str) -> int | None:
+  """Refuses a workdir whose latest checkpoint was made by an incompatible
+  config (before anything is written). Returns the step to resume from, or
+  None for a fresh run. Raises ConfigError / CheckpointError (also when
+  ``train.init_from`` names the workdir itself: a stage writes elsewhere)."""
+  if cfg.train.init_from and os.path.abspath(cfg.train.init_from) == os.path.abspath(workdir):
+    raise ConfigError(f"train.init_from={cfg.train.init_from!r} is the run's own --workdir: a "
+                      "stage started from a trained workdir writes into a new one")
+  if not os.path.isdir(ckpt_lib.checkpoint_dir(workdir)):
+    return None
+  ckpt = ckpt_lib.Checkpointer(workdir, read_only=True)
+  try:
+    step = ckpt.latest_step()
+    if step is None:
+      return None
+    saved = ckpt.restore_config(step)
+  finally:
+    ckpt.close()
+  diffs = config_lib.architecture_mismatches(saved, cfg)
+  if saved.train.freeze_backbone != cfg.train.freeze_backbone:   # optimizer state differs
+    diffs.append(f"train.freeze_backbone: {saved.train.freeze_backbone!r} != "
+                 f"{cfg.train.freeze_backbone!r}")
+  if diffs:
+    raise ConfigError(f"workdir {workdir!r} holds a checkpoint (step {step}) from an incompatible "
+                      f"config (saved != requested): {'; '.join(diffs)}. Use a new --workdir or "
+                      "the saved config.")
+  return step
+
+
+def check_init_from(cfg: Config) -> int | None:
+  """Checks ``train.init_from`` (a trained workdir, or any directory
+  ``mtp.loading`` reads, whose parameters start this run) before anything is
+  written. Returns its latest checkpoint step, or None when ``init_from`` is
+  empty.
+
+  Raises:
+    CheckpointError: it has no checkpoint, or one from another architecture
+      (``config.architecture_mismatches``, listed in the message).
+  """
+  src = cfg.train.init_from
+  if not src:
+    return None
+  try:
+    saved, step = loading.load_config(src)
+  except ckpt_lib.CheckpointError as e:
+    raise ckpt_lib.CheckpointError(f"train.init_from={src!r}: {e}") from e
+  diffs = config_lib.architecture_mismatches(saved, cfg)
+  if diffs:
+    raise ckpt_lib.CheckpointError(
+        f"train.init_from={src!r}: its checkpoint (step {step}) has another architecture than "
+        f"this config (saved != requested): {'; '.join(diffs)}")
+  return step
+
+
+def restore_init_params(abstract_params, src: str, step: int):
+  """The parameters of checkpoint ``step`` of ``src`` (``train.init_from``),
+  restored straight into ``abstract_params``' shardings (a Trainer's
+  ``abstract_params``); optimizer state, step and data position are not
+  read. Raises CheckpointError."""
+  if loading.kind(src) == loading.EXPORTED:
+    step = None                        # one set of weights (check_init_from read its step)
+  return loading.load_params(src, step, abstract_params)
+
+
+def metric_rows(path: str) -> list[dict]:
+  """The rows of a metrics.jsonl file (empty when it does not exist)."""
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_metrics(path: str, step: int):
+  """Drops metric rows after ``step`` (left by a run killed after its last
+  checkpoint), so a resumed run's rows are not duplicated."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+  with open(path + ".tmp", "w") as f:
+    f.writelines(rows)
+  os.replace(path + ".tmp", path)
+
+
+def resume_metrics(workdir: str, step: int, eval_due: Callable[[int], bool]):
+  """Repairs ``metrics.jsonl`` for a run resumed at checkpoint ``step``
+  (``truncate_metrics``) and reads back what the result reports.
+
+  Returns (last_train, last_eval, eval_step, eval_pending): the last logged
+  train metrics ({} if none); the evaluation logged at ``step`` ({} if
+  none, e.g. a run stopped after its final evaluation, before
+  final_metrics.json, has one) and ``step`` or None; whether that
+  evaluation is still due (``eval_due(step)`` and none was logged).
+  """
+  path = os.path.join(workdir, METRICS_FILE)
+  truncate_metrics(path, step)
+  rows = metric_rows(path)
+  last_train, last_eval, eval_step, eval_pending = {}, {}, None, False
+  train_rows = [r for r in rows if r["split"] == "train"]
+  if train_rows:   # the result reports the last logged train metrics, as uninterrupted
+    last_train = {k: v for k, v in train_rows[-1].items() if k not in ("step", "split")}
+  logged = [r for r in rows if r["split"] == "eval" and r["step"] == step]
+  if logged:
+    last_eval = {k: v for k, v in logged[-1].items() if k not in ("step", "split")}
+    eval_step = step
+  else:
+    eval_pending = eval_due(step)
+  return last_train, last_eval, eval_step, eval_pending
+
+
+def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
+  """Dotted fields where two config dicts differ, as ``"field: old -> new"``
+  (sorted; a field missing on one side shows as ``<unset>``)."""
+  out = []
+  for k in sorted(set(old) | set(new)):
+    a, b = old.get(k, "<unset>"), new.get(k, "<unset>")
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += config_changes(a, b, f"{prefix}{k}.")
+    elif a != b:
+      out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+  return out
+
+
+def record_config(workdir: str, cfg: Config, resume_step: int | None) -> str:
+  """Writes ``cfg`` as ``config.json``. A run resumed at ``resume_step``
+  whose previous config.json differs keeps that one as
+  ``config.until_step<N>.json``; returns the note for the resume line
+  (``"; config changed since the last run (...)..."``), else ""."""
+  config_path = os.path.join(workdir, CONFIG_FILE)
+  note = ""
+  if resume_step is not None and os.path.exists(config_path):
+    with open(config_path) as f:
+      previous = f.read()
+    if previous != cfg.to_json():
+      kept = f"config.until_step{resume_step}.json"
+      changes = config_changes(json.loads(previous), cfg.to_dict())
+      os.replace(config_path, os.path.join(workdir, kept))
+      note = (f"; config changed since the last run ({'; '.join(changes)}); the previous "
+              f"one is kept as {kept}")
+  with open(config_path, "w") as f:
+    f.write(cfg.to_json())
+  return note
+
+
+def finished_result(workdir: str, step: int) -> dict | None:
+  """``workdir``'s final_metrics.json if it is complete for ``step`` (written
+  after the final evaluation at that step), else None (missing, unreadable,
+  another step, no evaluation, or left by an interrupted run)."""
+  try:
+    with open(os.path.join(workdir, FINAL_METRICS_FILE)) as f:
+      res = json.load(f)
+  except (OSError, ValueError):
+    return None
+  if isinstance(res, dict) and res.get("step") == step and res.get("eval") and not res.get("interrupted"):
+    return res
+  return None
+
+
+def write_final_metrics(workdir: str, result: dict[str, Any]) -> None:
+  """Writes ``final_metrics.json`` atomically (temporary file + rename)."""
+  path = os.path.join(workdir, FINAL_METRICS_FILE)
+  with open(path + ".tmp", "w") as f:
+    json.dump(result, f, indent=2)
+  os.replace(path + ".tmp", path)
+
+
+class WorkdirBusyError(RuntimeError):
+  """Another training run holds the workdir's lock (the message names it)."""
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:     # exists, owned by someone else
+    return True
+  return True
+
+
+class WorkdirLock:
+  """The one-writer lock of a training workdir: ``WORKDIR/train.lock``.
+
+  ``acquire()`` takes an exclusive, non-blocking ``fcntl.flock`` on the file
+  and writes ``{"host", "pid", "started"}`` (UTC, ISO 8601) into it;
+  ``release()`` empties the file and drops the flock (the file stays: it is
+  never deleted, so two runs cannot end up locking two different files).
+
+  Raises WorkdirBusyError from ``acquire`` when another process holds the
+  flock, or when the file names a live process on this host other than this
+  one (a file system that does not honour flock). A file naming a process
+  that is gone (killed, crashed: the OS dropped its flock) is stale: the
+  lock is taken over and ``log`` gets one notice line. Usable as a context
+  manager.
+  """
+
+  def __init__(self, workdir: str):
+    self.workdir = workdir
+    self.path = os.path.join(workdir, LOCK_FILE)
+    self._file = None
+
+  @property
+  def held(self) -> bool:
+    return self._file is not None
+
+  def _holder(self, info: dict) -> str:
+    return (f"host {info.get('host', '?')}, process id {info.get('pid', '?')}, started "
+            f"{info.get('started', '?')}")
+
+  def acquire(self, log: Callable[[str], None] | None = None) -> None:
+    if self._file is not None:
+      return
+    f = open(self.path, "a+", encoding="utf-8")
+    try:
+      try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        raise WorkdirBusyError(
+            f"workdir {self.workdir!r} is in use by another training run "
+            f"({self._holder(_read_lock(f))}; {self.path}): a workdir has one writer; wait for "
+            "that run to end or stop it, or use another --workdir") from None
+      previous = _read_lock(f)
+      host = socket.gethostname()
+      if previous:
+        pid = previous.get("pid")
+        if (previous.get("host") == host and isinstance(pid, int) and pid != os.getpid()
+            and _alive(pid)):
+          raise WorkdirBusyError(
+              f"workdir {self.workdir!r}: {self.path} names a live process "
+              f"({self._holder(previous)}) although its lock is free (a file system without "
+              "flock?); if that process is not a training run on this workdir, delete the file")
+        if log is not None:
+          log(f"note: taking over the lock of a training run that is gone "
+              f"({self._holder(previous)}): it was killed or crashed")
+      f.seek(0)
+      f.truncate()
+      json.dump({"host": host, "pid": os.getpid(),
+                 "started": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                     timespec="seconds")}, f)
+      f.write("\n")
+      f.flush()
+      os.fsync(f.fileno())
+    except BaseException:
+      f.close()
+      raise
+    self._file = f
+
+  def release(self) -> None:
+    f, self._file = self._file, None
+    if f is None:
+      return
+    try:
+      f.seek(0)
+      f.truncate()
+      f.flush()
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+      f.close()
+
+  def __enter__(self):
+    self.acquire()
+    return self
+
+  def __exit__(self, *exc):
+    self.release()
+
+
+def _read_lock(f) -> dict:
+  """The metadata in an open lock file ({} when empty or unreadable)."""
+  try:
+    f.seek(0)
+    text = f.read()
+    info = json.loads(text) if text.strip() else {}
+    return info if isinstance(info, dict) else {}
+  except (OSError, ValueError):
+    return {}
