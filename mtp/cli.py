@@ -1,0 +1,140 @@
+"""Command-line helpers shared by the scripts under scripts/: a help
+formatter, comma-list and range validation that fail like argparse (exit
+status 2, naming the flag), ``--quick`` defaults, the entry-point guard
+that prints input errors in one line, and the exit after an interrupted
+training run. Report writing lives in ``mtp.report``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+DATA_DIR_HELP = ("TFDS data dir (default: $MTP_DATA_DIR if set, else "
+                 "~/.cache/mtp/tensorflow_datasets)")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+  """Keeps the description's line breaks and appends "(default: X)" to every
+  flag's help that has a help text, a meaningful default (not None / False /
+  "") and does not mention its default already."""
+
+  def _get_help_string(self, action):
+    text = action.help or ""
+    if (action.option_strings and "default" not in text.lower()
+        and action.default not in (None, False, "", argparse.SUPPRESS)):
+      text += " (default: %(default)s)"
+    return text
+
+
+def _fmt(v) -> str:
+  return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def parse_list(ap: argparse.ArgumentParser, flag: str, text, typ=float, lo=None, hi=None,
+               choices=None, lo_open: bool = False, duplicates: str = "drop") -> list:
+  """Parses ``--flag``'s comma list of ``typ`` values, each in [lo, hi]
+  ((lo, hi] with ``lo_open``; None: unbounded on that side; floats must be
+  finite) or one of ``choices``.
+
+  Returns the values in order (``duplicates="drop"``: repeated values
+  dropped; ``"error"``: refused). Errors: ``ap.error`` (exit status 2) with
+  "--flag=TEXT: ..." naming the allowed values, for an empty list, a value
+  that is not a ``typ``, or one out of range.
+  """
+  if choices is not None:
+    allowed = "one of " + ", ".join(map(str, choices))
+  elif lo is not None and hi is not None:
+    allowed = f"in {'(' if lo_open else '['}{_fmt(lo)}, {_fmt(hi)}]"
+  elif lo is not None:
+    allowed = f"{'>' if lo_open else '>='} {_fmt(lo)}"
+  elif hi is not None:
+    allowed = f"<= {_fmt(hi)}"
+  else:
+    allowed = f"a {typ.__name__}"
+  kind = {int: "integers", float: "numbers"}.get(typ, "values")
+  try:
+    vals = [typ(x.strip()) for x in str(text if text is not None else "").split(",") if x.strip()]
+  except ValueError:
+    ap.error(f"--{flag}={text!r}: must be a comma list of {kind}, every value {allowed}")
+  if not vals:
+    ap.error(f"--{flag}={text!r}: empty; give a comma list of {kind}, every value {allowed}")
+
+  def ok(v):
+    if choices is not None:
+      return v in choices
+    if isinstance(v, float) and not math.isfinite(v):
+      return False
+    return ((lo is None or (v > lo if lo_open else v >= lo)) and (hi is None or v <= hi))
+  bad = [v for v in vals if not ok(v)]
+  if bad:
+    ap.error(f"--{flag}={text!r}: every value must be {allowed} (got {_fmt(bad[0])})")
+  if len(set(vals)) != len(vals):
+    if duplicates == "error":
+      ap.error(f"--{flag}={text!r}: duplicate values")
+    vals = list(dict.fromkeys(vals))
+  return vals
+
+
+def check_range(ap: argparse.ArgumentParser, args, **bounds) -> None:
+  """``ap.error`` unless every ``args.NAME`` lies in its bounds: ``NAME=lo``
+  (>= lo) or ``NAME=(lo, hi)`` ([lo, hi]; hi None: unbounded)."""
+  for name, b in bounds.items():
+    lo, hi = b if isinstance(b, tuple) else (b, None)
+    v = getattr(args, name)
+    if v is None or v < lo or (hi is not None and v > hi) or (isinstance(v, float) and not math.isfinite(v)):
+      rng = f"in [{_fmt(lo)}, {_fmt(hi)}]" if hi is not None else f">= {_fmt(lo)}"
+      ap.error(f"--{name}={v}: must be {rng}")
+
+
+def apply_quick(ap: argparse.ArgumentParser, args, **values) -> None:
+  """``--quick``: sets each ``args.NAME`` to ``values[NAME]`` only where the
+  user left it at the parser's default (compared by value: a flag given
+  explicitly with its default value counts as not given). Validate after
+  calling this."""
+  for name, v in values.items():
+    if getattr(args, name) == ap.get_default(name):
+      setattr(args, name, v)
+
+
+def input_errors() -> tuple:
+  """The ``mtp`` input-error types (bad config, data or checkpoint): a script
+  reports them in one line, without a traceback. (``mtp`` imports no
+  ``decode``: a script that decodes adds ``decode.speculative.DecodeError``
+  through ``main_guard(..., errors=...)``.)"""
+  from mtp.checkpoint import CheckpointError
+  from mtp.config import ConfigError
+  from mtp.data import DataError
+  return (ConfigError, DataError, CheckpointError)
+
+
+def main_guard(main, argv=None, errors: tuple = ()):
+  """Runs ``main(argv)`` as a script's entry point and exits: with ``main``'s
+  return value when it is an int (0 otherwise); with status 2 and one line
+  "error: ..." on stderr (no traceback) on an input error (``input_errors()``
+  and the types in ``errors``, e.g. ``(DecodeError,)``)."""
+  caught = input_errors() + tuple(errors)
+  try:
+    rc = main(argv)
+  except caught as e:
+    print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+    sys.exit(2)
+  sys.exit(rc if isinstance(rc, int) else 0)
+
+
+def exit_if_interrupted(result: dict, num_steps: int, what: str, workdir: str) -> None:
+  """After ``train.loop.train``: when the run stopped before ``num_steps``
+  (a SIGINT / SIGTERM makes ``train`` checkpoint and return early), prints
+  which run was interrupted and exits with 128 + signal (130 SIGINT, 143
+  SIGTERM; 130 when the signal is unknown) instead of going on with a
+  half-trained model."""
+  step = int(result.get("step") or 0)
+  if not result.get("interrupted") and step >= num_steps:
+    return
+  sig = result.get("signal") or 2
+  print(f"interrupted (signal {sig}): {what} in {workdir} stopped at step {step} of {num_steps} "
+        "(checkpoint saved); re-run the same command to resume it", file=sys.stderr, flush=True)
+  sys.exit(128 + int(sig))
+
+
