@@ -88,6 +88,11 @@ def check_range(ap: argparse.ArgumentParser, args, **bounds) -> None:
       ap.error(f"--{name}={v}: must be {rng}")
 
 
+def check_positive(ap: argparse.ArgumentParser, args, names) -> None:
+  """``ap.error`` naming the flag unless every ``args.NAME`` is >= 1."""
+  check_range(ap, args, **{name: 1 for name in names})
+
+
 def apply_quick(ap: argparse.ArgumentParser, args, **values) -> None:
   """``--quick``: sets each ``args.NAME`` to ``values[NAME]`` only where the
   user left it at the parser's default (compared by value: a flag given

@@ -41,7 +41,7 @@ import argparse
 
 import numpy as np
 
-from decode import bench
+from decode import bench_grid
 from decode import tree as tree_lib
 from decode.speculative import DecodeError
 from mtp import checkpoint as ckpt_lib
@@ -93,7 +93,7 @@ def markdown(results, meta) -> str:
               "repeats and rows):", ""]
     lines += [f"- T = {r['temperature']}, B = {r['batch_size']}, {r['form']}: "
               f"{r['draft_length_histogram']}" for r in auto]
-  comp = bench.tree_comparison(results, meta["bare_forward_in_loop_s_by_batch"])
+  comp = bench_grid.tree_comparison(results, meta["bare_forward_in_loop_s_by_batch"])
   if comp:
     lines += ["", "Trees beside the chain of their depth (G = m), same temperature, batch and form: "
               "tau ratio; ms per round; extra ms per extra node = (round_tree - round_chain) / "
@@ -180,11 +180,11 @@ def main(argv=None):
     ap.error("--num_draft_tokens=auto drafts with the MTP modules: --workdir has D = 0")
   prompts_all = data_lib.held_out_prompts(args.dataset, args.num_prompts or max(batch_sizes) * args.repeats,
                                  args.prompt_bytes, data_dir=args.data_dir)
-  settings = bench.DecodeBench(
+  settings = bench_grid.DecodeBench(
       target=target, draft=draft, gs=gs, trees=trees, prompts=prompts_all, batch_sizes=batch_sizes,
       temperatures=temps, forms=forms, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
       cache_len=64 * int(np.ceil((args.prompt_bytes + args.max_new_tokens + 64) / 64)))
-  results, bare, bare_loop = bench.run_decode_bench(settings, log=lambda s: print(s, flush=True))
+  results, bare, bare_loop = bench_grid.run_decode_bench(settings, log=lambda s: print(s, flush=True))
   meta = report.provenance(
       command=report.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),
