@@ -314,7 +314,7 @@ def ar_vs_mtp(model, prompts: list[str], temperatures, max_new_tokens: int, repe
   len(prompts), seed r). The drafting time behind c is probed once per G,
   at the first temperature (the temperature is a runtime argument of the
   same compiled step). Returns ``measure_point``'s rows, AR rows included."""
-  gs = sorted({1, model.cfg.mtp.depth})
+  gs = sorted({1, model.mtp_depth})
   decoders = {"ar": Decoder(model, "ar"), **{f"mtp_G{g}": Decoder(model, "mtp", g) for g in gs}}
   draft_cache, rows = {}, []
   for t in temperatures:

@@ -9,11 +9,13 @@ depth on random-weight targets).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from decode import stats as stats_lib
 from decode.bench import bare_forward_s, draft_flop_share, draft_time_s, measure_point
 from decode.speculative import Decoder, SamplingParams
 from mtp import config as config_lib
+from mtp.drafts import draft_config, param_count
 from mtp.model import build_model
 
 
@@ -44,7 +46,7 @@ class DecodeBench:
 def decoders_for(s: DecodeBench) -> dict[str, Decoder]:
   """{label: Decoder}: "ar", "mtp_G<g>" / "mtp_auto" (D >= 1), "mtp_tree<b1-b2-..>",
   "draft_G<g>" (with a draft model; no auto)."""
-  depth = s.target.cfg.mtp.depth
+  depth = s.target.mtp_depth
   decoders = {"ar": Decoder(s.target, "ar")}
   decoders.update({("mtp_auto" if g == "auto" else f"mtp_G{g}"): Decoder(s.target, "mtp", g)
                    for g in s.gs if depth})
@@ -214,3 +216,27 @@ def run_sweep(s: SweepDecode, log=print) -> dict[str, list[dict]]:
         f"B={p['batch_size']}: {spec}")
   return {name: [dict(r, sweep=name) for p in pts for r in measured[point_key(p)]]
           for name, pts in s.plan.items()}
+
+
+# -- compare_drafters: the cost-matched draft -------------------------------------------------
+
+def calibrate_cost_arch(target, target_cfg, candidates, prompt: str, max_new_tokens: int,
+                        num_draft_tokens: int, repeats: int) -> tuple[tuple[int, int], list]:
+  """The candidate (num_layers, d_model) whose drafting step is closest in
+  time (|log ratio|) to the MTP drafter's, i.e. whose cost ratio c is
+  closest to the MTP drafter's. Times: ``decode.bench.draft_time_s``
+  (median s per drafting step of G tokens, batch 1, T = 0) with
+  random-weight drafts (the time does not depend on the weights). Returns
+  (best, [{num_layers, d_model, params, draft_s, mtp_draft_s, time_ratio_to_mtp}])."""
+  sp = SamplingParams(temperature=0.0)
+  g = num_draft_tokens
+  mtp_s = draft_time_s(Decoder(target, "mtp", g), [prompt], max_new_tokens, sp, repeats)
+  rows = []
+  for layers, width in candidates:
+    dcfg = draft_config(target_cfg, layers, width)
+    s = draft_time_s(Decoder(target, "draft", g, build_model(dcfg)), [prompt], max_new_tokens, sp,
+                     repeats)
+    rows.append({"num_layers": layers, "d_model": width, "params": param_count(dcfg)["total"],
+                 "draft_s": s, "mtp_draft_s": mtp_s, "time_ratio_to_mtp": s / mtp_s})
+  best = min(rows, key=lambda r: abs(math.log(r["time_ratio_to_mtp"])))
+  return (best["num_layers"], best["d_model"]), rows

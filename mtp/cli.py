@@ -8,7 +8,9 @@ training run. Report writing lives in ``mtp.report``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import sys
 
 DATA_DIR_HELP = ("TFDS data dir (default: $MTP_DATA_DIR if set, else "
@@ -143,3 +145,23 @@ def exit_if_interrupted(result: dict, num_steps: int, what: str, workdir: str) -
   sys.exit(128 + int(sig))
 
 
+@contextlib.contextmanager
+def compile_cache(path: str | None):
+  """JAX's persistent compilation cache in ``path`` for the block (None: no
+  change); the previous setting is restored after. Cells of the same D and
+  lambda compile the same train step, and cells of the same D the same
+  decoding programs, so later cells load them from disk."""
+  if path is None:
+    yield
+    return
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache as cc
+  prev = jax.config.jax_compilation_cache_dir
+  os.makedirs(path, exist_ok=True)
+  cc.set_cache_dir(path)
+  cc.reset_cache()            # takes effect even if this process compiled before
+  try:
+    yield
+  finally:
+    cc.set_cache_dir(prev)
+    cc.reset_cache()
