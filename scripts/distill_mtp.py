@@ -67,14 +67,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from mtp import checkpoint as ckpt_lib  # noqa: E402
-from mtp import config as config_lib  # noqa: E402
-from mtp import data as data_lib  # noqa: E402
-from mtp import tokenizer as tok  # noqa: E402
-from mtp.config import Config, ConfigError  # noqa: E402
-from scripts import common  # noqa: E402
+from decode.speculative import DecodeError
+from mtp import checkpoint as ckpt_lib
+from mtp import cli, report
+from mtp import config as config_lib
+from mtp import data as data_lib
+from mtp import tokenizer as tok
+from mtp.config import Config, ConfigError
+from mtp.timing import format_spread, spread
 
 VARIANTS = {            # name: (distill weight: None = --distill_weight, data, recursive steps on)
     "data": (0.0, "corpus", False),
@@ -203,12 +203,12 @@ class Bench:
   def speed(self, prompts: list[str], gs: list[int], temperatures: list[float],
             max_new_tokens: int, repeats: int) -> list[dict]:
     """Speedup of MTP (G in ``gs``) over AR of the same model, batch 1,
-    while_loop form (``bench_decode.measure_point``; the drafting cost c is
+    while_loop form (``decode.bench.measure_point``; the drafting cost c is
     measured once per G and shared: same architecture); rows with label,
     method, num_draft_tokens, temperature, speedup, tau, wall_s_median,
     tokens_per_s, draft_cost_ratio_c."""
     from decode.speculative import SamplingParams
-    from scripts.bench_decode import measure_point
+    from decode.bench import measure_point
     decoders = {k: d for k, d in self.decoders.items()
                 if k == "ar" or int(k.split("G")[1]) in gs}
     rows = []
@@ -241,10 +241,8 @@ class Evaluator:
 # -- tables (pure) ---------------------------------------------------------------
 
 def _spread(values: list[float]) -> dict:
-  v = [x for x in values if x is not None]
-  if not v:
-    return {"mean": None, "min": None, "max": None, "n": 0}
-  return {"mean": float(np.mean(v)), "min": float(min(v)), "max": float(max(v)), "n": len(v)}
+  """mean, min, max, n of the values that are not None (``mtp.timing.spread``)."""
+  return spread([x for x in values if x is not None], ("mean", "min", "max", "n"))
 
 
 def acceptance_table(base_rows: list[dict], stages: list[dict]) -> list[dict]:
@@ -305,17 +303,15 @@ def targets(table: list[dict], depth: int) -> dict:
 
 
 def _ms(s: dict, fmt: str = ".3f") -> str:
-  if not s or s.get("mean") is None:
-    return "-"
-  f = lambda x: format(x, fmt)
-  return f(s["mean"]) if s["n"] == 1 else f"{f(s['mean'])} [{f(s['min'])}, {f(s['max'])}]"
+  """'mean [min, max]' of a spread over seeds, '-' when empty."""
+  return format_spread(s, fmt, center="mean")
 
 
 def markdown(meta: dict, results: dict) -> str:
   b, d = meta["budget"], meta["depth"]
   lines = [f"# MTP distillation from the main head: {meta['base_workdir']} (D = {d}, "
            f"{meta['base_params']} params, step {meta['base_step']})", "",
-           f"{common.machine(meta)}, JAX {meta['jax_version']}, commit {meta['commit']}, {meta['date']}. "
+           f"{report.machine(meta)}, JAX {meta['jax_version']}, commit {meta['commit']}, {meta['date']}. "
            f"Stages: frozen backbone, {b['num_steps']} steps x {b['batch_size']} x {b['seq_len']} tokens, "
            f"AdamW lr {b['learning_rate']:g} (warmup {b['warmup_steps']}, cosine), distill weight "
            f"{b['distill_weight']:g} ({b['distill_divergence']}), temperature "
@@ -385,10 +381,10 @@ def markdown(meta: dict, results: dict) -> str:
 
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained base workdir (read only)")
   ap.add_argument("--runs_dir", default="runs/distill", help="stage workdirs and the self-distilled data")
-  ap.add_argument("--data_dir", default="", help=common.DATA_DIR_HELP)
+  ap.add_argument("--data_dir", default="", help=cli.DATA_DIR_HELP)
   ap.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)} (default data,kl,kl_sd,kl_sd_rec)")
   ap.add_argument("--seeds", help="stage seeds (data order), comma list >= 0 (default 0,1)")
   ap.add_argument("--num_steps", type=int, help="steps per stage (default 400)")
@@ -420,10 +416,10 @@ def main(argv=None):
   for k, (full, quick) in DEFAULTS.items():
     if getattr(args, k) is None:
       setattr(args, k, quick if args.quick else full)
-  variants = common.parse_list(ap, "variants", args.variants, str, choices=tuple(VARIANTS))
-  seeds = common.parse_list(ap, "seeds", args.seeds, int, 0)
-  temps = common.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
-  common.check_range(ap, args, num_steps=1, batch_size=1, seq_len=0, warmup_steps=0, eval_batches=1,
+  variants = cli.parse_list(ap, "variants", args.variants, str, choices=tuple(VARIANTS))
+  seeds = cli.parse_list(ap, "seeds", args.seeds, int, 0)
+  temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
+  cli.check_range(ap, args, num_steps=1, batch_size=1, seq_len=0, warmup_steps=0, eval_batches=1,
                      recursive_steps=1, sd_docs=1, sd_prompt_bytes=1, sd_max_new_tokens=1,
                      sd_batch_size=1, prompts=1, prompt_bytes=1, max_new_tokens=1, speed_prompts=0,
                      speed_repeats=1, distill_weight=(0.0, 1.0))
@@ -511,7 +507,7 @@ def _run(args, argv, base_cfg, depth, variants, seeds, temps, cfgs, budget, prom
         st.update(diverged=str(e), train_wall_s=time.perf_counter() - t0)
         stages.append(st)
         continue
-      common.exit_if_interrupted(res, cfg.train.num_steps, f"stage {name}", workdir)
+      cli.exit_if_interrupted(res, cfg.train.num_steps, f"stage {name}", workdir)
       st.update(step=res["step"], train_wall_s=time.perf_counter() - t0, eval=res.get("eval"),
                 step_time_s=res.get("step_time_s"))
       cost_path = os.path.join(workdir, "stage_cost.json")
@@ -541,8 +537,8 @@ def _run(args, argv, base_cfg, depth, variants, seeds, temps, cfgs, budget, prom
   results = {"self_distilled": sd_meta, "base_eval": base_eval, "base_acceptance": base_acc,
              "base_speed": base_speed, "stages": stages, "acceptance_table": table,
              "targets": targets(table, depth)}
-  cmd = common.command_line(__file__, argv)
-  meta = common.provenance(
+  cmd = report.command_line(__file__, argv)
+  meta = report.provenance(
       command=cmd, quick=args.quick, base_workdir=args.workdir, base_step=base_step,
       base_config=base_cfg.to_dict(), base_params=sum(x.size for x in jax.tree.leaves(base_params)),
       depth=depth, max_depth=depth + args.recursive_steps, dataset=base_cfg.data.name,
@@ -552,10 +548,10 @@ def _run(args, argv, base_cfg, depth, variants, seeds, temps, cfgs, budget, prom
               "prompt_bytes": args.prompt_bytes, "max_new_tokens": args.max_new_tokens,
               "speed_prompts": args.speed_prompts, "speed_repeats": args.speed_repeats},
       wall_s=time.perf_counter() - t_start)
-  common.write_report(args.out, meta, results, markdown(meta, results))
+  report.write_report(args.out, meta, results, markdown(meta, results))
   log(f"done in {time.perf_counter() - t_start:.0f} s; wrote {args.out}.json and {args.out}.md")
   return 0
 
 
 if __name__ == "__main__":
-  common.main_guard(main)
+  cli.main_guard(main, errors=(DecodeError,))

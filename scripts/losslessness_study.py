@@ -62,8 +62,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 import time
 
 import matplotlib
@@ -74,14 +72,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from scipy import stats as sps  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from decode import sampling  # noqa: E402
-from decode.speculative import Decoder, SamplingParams  # noqa: E402
+from decode.speculative import DecodeError, Decoder, SamplingParams  # noqa: E402
 from mtp import checkpoint as ckpt_lib  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
+from mtp import cli, report  # noqa: E402
 from mtp import tokenizer as tok  # noqa: E402
-from scripts import common  # noqa: E402
 
 QUICK_PROMPTS = ("ace", "ef ")    # over the alphabet "abcdef " of tests/conftest.py's Markov source
 MIN_EXPECTED = 5.0
@@ -377,10 +373,10 @@ def plot_pvalues(path: str, correct: list[float], wrong: list[float]) -> None:
 # -- main ------------------------------------------------------------------------------
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained checkpoint with MTP depth >= 1")
   ap.add_argument("--dataset", default="python_stdlib", help="held-out prompt dataset")
-  ap.add_argument("--data_dir", default="", help=common.DATA_DIR_HELP)
+  ap.add_argument("--data_dir", default="", help=cli.DATA_DIR_HELP)
   ap.add_argument("--num_prompts", type=int, default=4, help="held-out prompts, in [1, 1000]")
   ap.add_argument("--prompt_bytes", type=int, default=48, help="bytes per held-out prompt, >= 1")
   ap.add_argument("--prompt", action="append", default=None,
@@ -401,11 +397,11 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.quick:        # only what the user did not give
     args.prompt = args.prompt or list(QUICK_PROMPTS)
-    common.apply_quick(ap, args, temperatures="0.7,1.0", num_samples=500, num_tokens=2)
-    common.apply_quick(ap, args, batch_size=len(args.prompt) * args.num_samples)
-  args.temperatures = common.parse_list(ap, "temperatures", args.temperatures or "0.7,1.0,1.3", float,
+    cli.apply_quick(ap, args, temperatures="0.7,1.0", num_samples=500, num_tokens=2)
+    cli.apply_quick(ap, args, batch_size=len(args.prompt) * args.num_samples)
+  args.temperatures = cli.parse_list(ap, "temperatures", args.temperatures or "0.7,1.0,1.3", float,
                                         0.0, 100.0, lo_open=True)
-  args.top_ps = common.parse_list(ap, "top_ps", args.top_ps or "1.0,0.9", float, 0.0, 1.0, lo_open=True)
+  args.top_ps = cli.parse_list(ap, "top_ps", args.top_ps or "1.0,0.9", float, 0.0, 1.0, lo_open=True)
   for flag, val, lo, hi in [("--num_samples", args.num_samples, 20, 10**7),
                             ("--num_tokens", args.num_tokens, 1, 64),
                             ("--batch_size", args.batch_size, 1, 10**5),
@@ -475,14 +471,14 @@ def main(argv=None):
       "tests": tests, "acceptance": acceptance, "seconds": time.perf_counter() - t0,
   }
   results["verdict"] = verdict(results["combined"]["correct"], results["combined"]["wrong"])
-  meta = common.provenance(
-      command=common.command_line(__file__, argv),
+  meta = report.provenance(
+      command=report.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),
       prompt_source="--prompt" if args.prompt else "held_out_prompts", dataset=args.dataset,
       prompt_bytes=args.prompt_bytes, num_prompts=len(texts), temperatures=args.temperatures,
       top_ps=args.top_ps, num_draft_tokens=g, num_samples=args.num_samples,
       num_tokens=args.num_tokens, batch_size=args.batch_size, seed=args.seed, quick=args.quick)
-  common.write_report(args.out, meta, results, markdown(results, meta))
+  report.write_report(args.out, meta, results, markdown(results, meta))
   plot_pvalues(args.out + "_pvalues.png", [t["pvalue"] for t in correct if t["pvalue"] is not None],
                [t["pvalue"] for t in wrong if t["pvalue"] is not None])
   c, w = results["combined"]["correct"], results["combined"]["wrong"]
@@ -496,4 +492,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  common.main_guard(main)
+  cli.main_guard(main, errors=(DecodeError,))

@@ -41,7 +41,6 @@ import argparse
 import json
 import math
 import os
-import sys
 
 import matplotlib
 
@@ -49,10 +48,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from decode import stats as stats_lib  # noqa: E402
-from scripts import common  # noqa: E402
+from decode.speculative import DecodeError  # noqa: E402
+from mtp import cli, report  # noqa: E402
 
 DEFAULT_COSTS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0)
 BENCH_FIELDS = ("method", "num_draft_tokens", "form", "tau", "alpha_iid", "draft_cost_ratio_c",
@@ -444,7 +442,7 @@ def plot_optimal_g(path: str, alphas, costs, g_max: int) -> None:
 # -- main ----------------------------------------------------------------------------
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--bench", action="append", default=[],
                   help="bench_decode JSON report to overlay (repeatable)")
   ap.add_argument("--costs", default=",".join(f"{c:g}" for c in DEFAULT_COSTS),
@@ -461,9 +459,9 @@ def main(argv=None):
                   help="tests: fills in --rounds 5000 --alpha_step 0.2 where not given")
   args = ap.parse_args(argv)
   if args.quick:
-    common.apply_quick(ap, args, rounds=5000, alpha_step=0.2)
-  args.costs = common.parse_list(ap, "costs", args.costs, float, 0.0)
-  args.curve_costs = common.parse_list(ap, "curve_costs", args.curve_costs, float, 0.0)
+    cli.apply_quick(ap, args, rounds=5000, alpha_step=0.2)
+  args.costs = cli.parse_list(ap, "costs", args.costs, float, 0.0)
+  args.curve_costs = cli.parse_list(ap, "curve_costs", args.curve_costs, float, 0.0)
   if not 0 <= args.alpha_min < args.alpha_max <= 1:
     ap.error(f"--alpha_min={args.alpha_min} and --alpha_max={args.alpha_max} must satisfy "
              "0 <= alpha_min < alpha_max <= 1")
@@ -503,9 +501,9 @@ def main(argv=None):
                       "frac_within_3se": float(np.mean(np.asarray(zs_tau) <= 3)), "rows": mc_rows},
       "optimal": optimal, "measured": measured, "deepseek_v3": deepseek_v3_check(),
   }
-  meta = common.provenance(command=common.command_line(__file__, argv),
+  meta = report.provenance(command=report.command_line(__file__, argv),
                            **{k: v for k, v in vars(args).items()})
-  common.write_report(args.out, meta, results, markdown(results, meta))
+  report.write_report(args.out, meta, results, markdown(results, meta))
   fine = np.linspace(args.alpha_min, args.alpha_max, 61)
   plot_curves(args.out + "_curves.png", fine, [g for g in (1, 2, 3, 4, 8) if g <= args.g_max],
               args.curve_costs, measured)
@@ -520,4 +518,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  common.main_guard(main)
+  cli.main_guard(main, errors=(DecodeError,))
