@@ -20,7 +20,7 @@ reused untouched, an interrupted one resumes):
   at d_model 128, 427,648 parameters vs 460,032 in the two MTP modules.
 - cost-matched: among one-layer drafts at widths d_model/4, /2, /1
   (``--cost_candidates 1x64,2x128,...`` searches others), the one whose
-  measured drafting step (``bench_decode.draft_time_s`` with random weights,
+  measured drafting step (``decode.bench.draft_time_s`` with random weights,
   G = D, T = 0, batch 1) is closest in time to the MTP drafter's, i.e. the
   draft whose cost ratio c is closest to the MTP drafter's
   (``calibrate_cost_arch``). A note says when none comes within 1.5x: on 2
@@ -45,8 +45,8 @@ runs, validation bits per byte (from each run's final_metrics.json), and
 for every G and temperature at batch 1 on held-out prompts: tau, alpha per
 position, the measured draft cost ratio c and its FLOP share, speedup over AR, the ideal
 speedup of Leviathan et al. (Theorem 3.8) and efficiency (cells decoded
-side by side with interleaved repeats: ``bench_decode.measure_point`` over
-``bench_decode.run_cells`` / ``summarize_cell``).
+side by side with interleaved repeats: ``decode.bench.measure_point`` over
+``run_cells`` / ``summarize_cell``).
 
 Writes OUT.json, OUT.md (tables + command) and OUT.png (tau and speedup vs G
 per drafter). Runtime on 2 shared CPU cores for runs/tiny: the two draft

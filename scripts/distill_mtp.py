@@ -40,7 +40,7 @@ From the trained base workdir (never written to) the script
    speculative decoding with G = D and G = D + R, for the base and every
    stage (all prompts decoded as one batch; acceptance does not depend on
    the batch). Speedup over AR of the same model (batch 1, while_loop form,
-   ``bench_decode.measure_point``) on the first ``--speed_prompts`` prompts.
+   ``decode.bench.measure_point``) on the first ``--speed_prompts`` prompts.
 4. reports per variant the mean over seeds [min, max] of alpha_k, tau and
    speedup, the ratio of tau to the base and to the ``data`` control, the
    validation KL to the main head and argmax agreement per depth, the cost

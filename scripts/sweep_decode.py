@@ -24,12 +24,12 @@ Identical settings shared by two sweeps are measured once. Every point
 decodes the same held-out prompts (``mtp.data.held_out_prompts``; a
 different prompt per repeat and row) with AR and with MTP in the same
 process and the same sampling settings, repeats interleaved
-(``scripts/bench_decode.run_cells``, while_loop form by default), and
+(``decode.bench.run_cells``, while_loop form by default), and
 reports tau, alpha per position, the measured draft cost ratio c (and the
 FLOP share c that drafting would have if time followed FLOPs), speedup
 over AR at the same batch and sampling (median wall time), and the ideal
 speedup of Leviathan et al. 2023 (Theorem 3.8) with the measured alpha and c
-(``scripts/bench_decode.summarize_cell``). The drafting time behind c is
+(``decode.bench.summarize_cell``). The drafting time behind c is
 probed at every point (``--draft_cost_probe point``, one compile each) or once
 per batch size (``batch``, what ``--quick`` uses).
 
