@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from decode import sampling
 from decode import stats as stats_lib
 from decode.speculative import Decoder, SamplingParams
 from mtp import tokenizer as tok
@@ -321,3 +322,39 @@ def ar_vs_mtp(model, prompts: list[str], temperatures, max_new_tokens: int, repe
     rows += measure_point(decoders, prompts, batch, max_new_tokens, SamplingParams(temperature=t),
                           repeats, draft_cache=draft_cache)
   return rows
+
+
+# -- a deliberately wrong decoder, for power checks (scripts/losslessness_study.py) ---------
+
+def argmax_accept(key, target_probs, draft_tokens):
+  """WRONG acceptance rule, for the power check: accept d_j while it equals
+  argmax p_{j-1}; the next token is sampled from p_a (the target row at the
+  first rejected position, or p_G as the bonus). Not lossless: it ignores q.
+
+  Args: key (jax.random key), target_probs [B, G+1, V] float, draft_tokens
+  [B, G] int. Returns (num_accepted [B] int32 in 0..G, next_token [B] int32).
+  """
+  p = jnp.asarray(target_probs, jnp.float32)
+  g = p.shape[1] - 1
+  best = jnp.argmax(p[:, :g], axis=-1).astype(jnp.int32)                 # [B, G]
+  match = draft_tokens.astype(jnp.int32) == best
+  a = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)      # [B]
+  p_row = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]         # [B, V]
+  return a.astype(jnp.int32), sampling.sample(key, p_row)
+
+
+class ArgmaxAcceptDecoder(Decoder):
+  """A speculative ``Decoder`` whose round uses ``argmax_accept`` instead of
+  the rejection rule of Leviathan et al. 2023 (Algorithm 1): same drafting,
+  verification and commit, wrong acceptance. For power checks only."""
+
+  def __init__(self, target, method="mtp", num_draft_tokens=2, draft=None, mesh=None):
+    if method == "ar":
+      raise ValueError("ArgmaxAcceptDecoder needs a speculative method (mtp or draft)")
+    super().__init__(target, method, num_draft_tokens, draft, mesh)
+
+  def _round(self, params, draft_params, state, warp):
+    target, draft = self._models(params, draft_params)
+    state, d_tok, _, p, h0, key = self._propose(target, draft, state, warp)
+    a, nxt = argmax_accept(key, p, d_tok)
+    return self._commit(state, d_tok, a, nxt, h0)

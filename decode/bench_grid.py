@@ -11,10 +11,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+from flax import nnx
+
 from decode import stats as stats_lib
 from decode.bench import bare_forward_s, draft_flop_share, draft_time_s, measure_point
 from decode.speculative import Decoder, SamplingParams
 from mtp import config as config_lib
+from mtp import tokenizer as tok
 from mtp.drafts import draft_config, param_count
 from mtp.model import build_model
 
@@ -240,3 +244,71 @@ def calibrate_cost_arch(target, target_cfg, candidates, prompt: str, max_new_tok
                  "draft_s": s, "mtp_draft_s": mtp_s, "time_ratio_to_mtp": s / mtp_s})
   best = min(rows, key=lambda r: abs(math.log(r["time_ratio_to_mtp"])))
   return (best["num_layers"], best["d_model"]), rows
+
+
+# -- distill_mtp: one architecture, many parameter sets -----------------------------------
+
+class ParamSwapBench:
+  """Decoders for AR and MTP (G in ``gs``) compiled once for one
+  architecture (scripts/distill_mtp.py: a base and its distilled stages);
+  ``use(model)`` swaps in another model's parameters (same shapes: a stage
+  of the same base), so every model is measured by the same compiled
+  programs.
+
+  Args:
+    model: a model of the architecture (its parameters are used until ``use``).
+    gs: draft lengths G >= 1.
+  """
+
+  def __init__(self, model, gs: list[int]):
+    self.gs = list(gs)
+    self.decoders = {"ar": Decoder(model, "ar"), **{f"mtp_G{g}": Decoder(model, "mtp", g) for g in gs}}
+    self.draft_cache, self.flops_cache = {}, {}
+
+  def use(self, model) -> "ParamSwapBench":
+    params = nnx.state(model, nnx.Param)
+    for dec in self.decoders.values():
+      dec.target_params = params
+    return self
+
+  def acceptance(self, prompts: list[str], temperatures: list[float], max_new_tokens: int,
+                 seed: int = 0) -> list[dict]:
+    """MTP speculative decoding of all ``prompts`` as one batch per (G, T).
+
+    Returns rows {num_draft_tokens, temperature, tau (emitted tokens per
+    target call), alpha (acceptance rate per position k = 1..G, None where
+    no round reached k), histogram (rounds per accepted count),
+    target_calls, tokens}."""
+    enc = [tok.ByteTokenizer().encode(p, add_bos=True) for p in prompts]
+    rows = []
+    for g in self.gs:
+      for t in temperatures:
+        gen = self.decoders[f"mtp_G{g}"].generate(enc, max_new_tokens, SamplingParams(temperature=t),
+                                                  seed=seed)
+        hist = gen.accepted_histogram.sum(0)
+        calls = int(gen.target_calls.sum())
+        rows.append({"num_draft_tokens": g, "temperature": t,
+                     "tau": float((hist * (np.arange(len(hist)) + 1)).sum() / max(calls, 1)),
+                     "alpha": stats_lib.acceptance_rates(hist),
+                     "histogram": [int(x) for x in hist], "target_calls": calls,
+                     "tokens": int(sum(len(x) for x in gen.tokens))})
+    return rows
+
+  def speed(self, prompts: list[str], gs: list[int], temperatures: list[float],
+            max_new_tokens: int, repeats: int) -> list[dict]:
+    """Speedup of MTP (G in ``gs``) over AR of the same model, batch 1,
+    while_loop form (``decode.bench.measure_point``; the drafting cost c is
+    measured once per G and shared: same architecture); rows with label,
+    method, num_draft_tokens, temperature, speedup, tau, wall_s_median,
+    tokens_per_s, draft_cost_ratio_c."""
+    decoders = {k: d for k, d in self.decoders.items()
+                if k == "ar" or int(k.split("G")[1]) in gs}
+    rows = []
+    for t in temperatures:
+      for r in measure_point(decoders, prompts, 1, max_new_tokens, SamplingParams(temperature=t),
+                             max(repeats, 1) * len(prompts), draft_cache=self.draft_cache,
+                             flops_cache=self.flops_cache):
+        rows.append({k: r.get(k) for k in ("label", "method", "num_draft_tokens", "temperature",
+                                           "speedup", "tau", "wall_s_median", "tokens_per_s",
+                                           "draft_cost_ratio_c")})
+    return rows

@@ -64,15 +64,14 @@ import sys
 import time
 
 import jax
-import numpy as np
 from flax import nnx
 
+from decode.bench_grid import ParamSwapBench
 from decode.speculative import DecodeError
 from mtp import checkpoint as ckpt_lib
 from mtp import cli, report
 from mtp import config as config_lib
 from mtp import data as data_lib
-from mtp import tokenizer as tok
 from mtp.config import Config, ConfigError
 from mtp.timing import format_spread, spread
 
@@ -150,76 +149,6 @@ def self_distilled_data(base_workdir: str, name: str, data_dir: str, out_dir: st
     return {**meta, "reused": True, "path": os.path.dirname(meta_path), "data_dir": out_dir}
   return {**self_distill.make_dataset(base_workdir, name, recipe, data_dir=data_dir, out_dir=out_dir,
                                      log=log), "reused": False}
-
-
-class Bench:
-  """Decoders for AR and MTP (G in ``gs``) compiled once for one
-  architecture; ``use(model)`` swaps in another model's parameters (same
-  shapes: a stage of the same base), so every model is measured by the same
-  compiled programs.
-
-  Args:
-    model: a model of the architecture (its parameters are used until ``use``).
-    gs: draft lengths G >= 1.
-  """
-
-  def __init__(self, model, gs: list[int]):
-    from decode.speculative import Decoder
-    self.gs = list(gs)
-    self.decoders = {"ar": Decoder(model, "ar"), **{f"mtp_G{g}": Decoder(model, "mtp", g) for g in gs}}
-    self.draft_cache, self.flops_cache = {}, {}
-
-  def use(self, model) -> "Bench":
-    params = nnx.state(model, nnx.Param)
-    for dec in self.decoders.values():
-      dec.target_params = params
-    return self
-
-  def acceptance(self, prompts: list[str], temperatures: list[float], max_new_tokens: int,
-                 seed: int = 0) -> list[dict]:
-    """MTP speculative decoding of all ``prompts`` as one batch per (G, T).
-
-    Returns rows {num_draft_tokens, temperature, tau (emitted tokens per
-    target call), alpha (acceptance rate per position k = 1..G, None where
-    no round reached k), histogram (rounds per accepted count),
-    target_calls, tokens}."""
-    from decode import stats as stats_lib
-    from decode.speculative import SamplingParams
-    enc = [tok.ByteTokenizer().encode(p, add_bos=True) for p in prompts]
-    rows = []
-    for g in self.gs:
-      for t in temperatures:
-        gen = self.decoders[f"mtp_G{g}"].generate(enc, max_new_tokens, SamplingParams(temperature=t),
-                                                  seed=seed)
-        hist = gen.accepted_histogram.sum(0)
-        calls = int(gen.target_calls.sum())
-        rows.append({"num_draft_tokens": g, "temperature": t,
-                     "tau": float((hist * (np.arange(len(hist)) + 1)).sum() / max(calls, 1)),
-                     "alpha": stats_lib.acceptance_rates(hist),
-                     "histogram": [int(x) for x in hist], "target_calls": calls,
-                     "tokens": int(sum(len(x) for x in gen.tokens))})
-    return rows
-
-  def speed(self, prompts: list[str], gs: list[int], temperatures: list[float],
-            max_new_tokens: int, repeats: int) -> list[dict]:
-    """Speedup of MTP (G in ``gs``) over AR of the same model, batch 1,
-    while_loop form (``decode.bench.measure_point``; the drafting cost c is
-    measured once per G and shared: same architecture); rows with label,
-    method, num_draft_tokens, temperature, speedup, tau, wall_s_median,
-    tokens_per_s, draft_cost_ratio_c."""
-    from decode.speculative import SamplingParams
-    from decode.bench import measure_point
-    decoders = {k: d for k, d in self.decoders.items()
-                if k == "ar" or int(k.split("G")[1]) in gs}
-    rows = []
-    for t in temperatures:
-      for r in measure_point(decoders, prompts, 1, max_new_tokens, SamplingParams(temperature=t),
-                             max(repeats, 1) * len(prompts), draft_cache=self.draft_cache,
-                             flops_cache=self.flops_cache):
-        rows.append({k: r.get(k) for k in ("label", "method", "num_draft_tokens", "temperature",
-                                           "speedup", "tau", "wall_s_median", "tokens_per_s",
-                                           "draft_cost_ratio_c")})
-    return rows
 
 
 class Evaluator:
@@ -451,12 +380,37 @@ def main(argv=None):
   data_dir = args.data_dir or base_cfg.data.data_dir
   prompts = data_lib.held_out_prompts(base_cfg.data.name, args.prompts, args.prompt_bytes,
                                       data_dir=data_dir)
-  return _run(args, argv, base_cfg, depth, variants, seeds, temps, cfgs, budget, prompts, sd_name,
-              sd_data_dir, data_dir)
+  return _run(args, argv, Plan(base_cfg, depth, variants, seeds, temps, cfgs, budget, prompts,
+                               sd_name, sd_data_dir, data_dir))
 
 
-def _run(args, argv, base_cfg, depth, variants, seeds, temps, cfgs, budget, prompts, sd_name,
-         sd_data_dir, data_dir):
+@dataclasses.dataclass
+class Plan:
+  """What one distillation run does, from the flags: the base's config and
+  MTP depth, the variants x seeds of stages and their configs ({(variant,
+  seed): Config}), the shared budget, the decoding temperatures and
+  held-out prompts, the self-distilled dataset (name, dir) and the corpus
+  data dir."""
+  base_cfg: Config
+  depth: int
+  variants: list[str]
+  seeds: list[int]
+  temperatures: list[float]
+  cfgs: dict
+  budget: dict
+  prompts: list[str]
+  sd_name: str
+  sd_data_dir: str
+  data_dir: str
+
+
+def _run(args, argv, plan: Plan):
+  """The stages: self-distilled data if needed, the base's metrics, then
+  every (variant, seed) stage trained, evaluated and decoded; the report."""
+  base_cfg, depth, variants, seeds, temps, cfgs, budget, prompts = (
+      plan.base_cfg, plan.depth, plan.variants, plan.seeds, plan.temperatures, plan.cfgs,
+      plan.budget, plan.prompts)
+  sd_name, sd_data_dir, data_dir = plan.sd_name, plan.sd_data_dir, plan.data_dir
   from decode import self_distill
   from train.loop import DivergedError, train
   log = lambda s: print(s, flush=True)
@@ -482,7 +436,7 @@ def _run(args, argv, base_cfg, depth, variants, seeds, temps, cfgs, budget, prom
   base_eval = evaluator(base_params)
   gs = sorted({depth, depth + args.recursive_steps})
   log(f"base {args.workdir} (step {base_step}): measuring acceptance at G={gs}, T={temps}")
-  bench = Bench(base_model, gs)
+  bench = ParamSwapBench(base_model, gs)
   base_acc = bench.acceptance(prompts, temps, args.max_new_tokens)
   base_speed = (bench.speed(prompts[:args.speed_prompts], [depth], temps, args.max_new_tokens,
                             args.speed_repeats) if args.speed_prompts else [])

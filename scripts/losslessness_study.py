@@ -67,12 +67,11 @@ import time
 import matplotlib
 
 matplotlib.use("Agg")
-import jax.numpy as jnp  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from scipy import stats as sps  # noqa: E402
 
-from decode import sampling  # noqa: E402
+from decode.bench import ArgmaxAcceptDecoder  # noqa: E402
 from decode.speculative import DecodeError, Decoder, SamplingParams  # noqa: E402
 from mtp import checkpoint as ckpt_lib  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
@@ -83,42 +82,6 @@ QUICK_PROMPTS = ("ace", "ef ")    # over the alphabet "abcdef " of tests/conftes
 MIN_EXPECTED = 5.0
 POWER_SETTING = (1.0, 1.0)        # (temperature, top_p) of the wrong-rule check
 SEED_STRIDE = 100_003             # seeds of different methods / settings never collide
-
-
-# -- the deliberately wrong rule ---------------------------------------------------
-
-def argmax_accept(key, target_probs, draft_tokens):
-  """WRONG acceptance rule, for the power check: accept d_j while it equals
-  argmax p_{j-1}; the next token is sampled from p_a (the target row at the
-  first rejected position, or p_G as the bonus). Not lossless: it ignores q.
-
-  Args: key (jax.random key), target_probs [B, G+1, V] float, draft_tokens
-  [B, G] int. Returns (num_accepted [B] int32 in 0..G, next_token [B] int32).
-  """
-  p = jnp.asarray(target_probs, jnp.float32)
-  g = p.shape[1] - 1
-  best = jnp.argmax(p[:, :g], axis=-1).astype(jnp.int32)                 # [B, G]
-  match = draft_tokens.astype(jnp.int32) == best
-  a = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)      # [B]
-  p_row = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]         # [B, V]
-  return a.astype(jnp.int32), sampling.sample(key, p_row)
-
-
-class ArgmaxAcceptDecoder(Decoder):
-  """A speculative ``Decoder`` whose round uses ``argmax_accept`` instead of
-  the rejection rule of Leviathan et al. 2023 (Algorithm 1): same drafting,
-  verification and commit, wrong acceptance. For power checks only."""
-
-  def __init__(self, target, method="mtp", num_draft_tokens=2, draft=None, mesh=None):
-    if method == "ar":
-      raise ValueError("ArgmaxAcceptDecoder needs a speculative method (mtp or draft)")
-    super().__init__(target, method, num_draft_tokens, draft, mesh)
-
-  def _round(self, params, draft_params, state, warp):
-    target, draft = self._models(params, draft_params)
-    state, d_tok, _, p, h0, key = self._propose(target, draft, state, warp)
-    a, nxt = argmax_accept(key, p, d_tok)
-    return self._commit(state, d_tok, a, nxt, h0)
 
 
 # -- sampling ------------------------------------------------------------------------
