@@ -3,11 +3,15 @@ side, the bare target forward, the drafting step alone, and the draft cost
 ratio c (measured and as a FLOP share).
 
 Used by scripts/bench_decode.py, sweep_decode.py, compare_drafters.py,
-bench_draft_cost.py, ablate_mtp.py and distill_mtp.py. Every timing goes
+bench_draft_cost.py, ablate_mtp.py, distill_mtp.py and
+losslessness_study.py (through decode/bench_grid.py too). Every timing goes
 through ``mtp.timing.interleaved_times`` (compile first, then interleaved
-repeats, median). The functions here that drive one drafting step or the
-prefill alone reach into ``Decoder``'s jitted pieces (``_prefill_fn``,
-``_models``); they are the only such call sites outside decode/.
+repeats, median). The drafting-step and FLOP probes reach into
+``Decoder``'s pieces (``_prefill_fn``, ``_models``) and
+``ArgmaxAcceptDecoder`` overrides ``_round`` with ``_models`` /
+``_propose`` / ``_commit``: with decode/bench_profile.py
+(``_prefill_fn``, ``_generate_fn``) the only such uses outside the engine,
+to be replaced by its public round functions.
 
 Terms (docs/design.md section 7): a *cell* is one decoder (method, G or
 tree) in one form ("while": one jitted while_loop; "stream": one jitted

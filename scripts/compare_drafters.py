@@ -196,7 +196,7 @@ def train_drafts(args, cfg, archs) -> list[dict]:
       _dump_json(walls_path, walls)
     # a SIGINT / SIGTERM makes train() checkpoint and return early: stop, do not report it as done
     cli.exit_if_interrupted(res, dcfg.train.num_steps, f"training of the {role}-matched draft {name}",
-                               workdir)
+                            workdir)
     drafts[name] = {"label": name, "role": role, "workdir": workdir, "trained_now": not already,
                     "wall_s": walls.get(name)}
   return list(drafts.values())
@@ -355,8 +355,8 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.quick:
     cli.apply_quick(ap, args, num_draft_tokens="2", repeats=1, calib_repeats=1,
-                       draft_cost_probe="once", max_new_tokens=8, prompt_bytes=48, probe_steps=1,
-                       probe_repeats=1, draft_steps=20)
+                    draft_cost_probe="once", max_new_tokens=8, prompt_bytes=48, probe_steps=1,
+                    probe_repeats=1, draft_steps=20)
   cli.check_positive(ap, args, ("batch_size", "prompt_bytes", "max_new_tokens", "repeats",
                             "calib_repeats", "probe_steps", "probe_repeats"))
   if args.draft_steps < 0:

@@ -349,9 +349,9 @@ def main(argv=None):
   seeds = cli.parse_list(ap, "seeds", args.seeds, int, 0)
   temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
   cli.check_range(ap, args, num_steps=1, batch_size=1, seq_len=0, warmup_steps=0, eval_batches=1,
-                     recursive_steps=1, sd_docs=1, sd_prompt_bytes=1, sd_max_new_tokens=1,
-                     sd_batch_size=1, prompts=1, prompt_bytes=1, max_new_tokens=1, speed_prompts=0,
-                     speed_repeats=1, distill_weight=(0.0, 1.0))
+                  recursive_steps=1, sd_docs=1, sd_prompt_bytes=1, sd_max_new_tokens=1,
+                  sd_batch_size=1, prompts=1, prompt_bytes=1, max_new_tokens=1, speed_prompts=0,
+                  speed_repeats=1, distill_weight=(0.0, 1.0))
   if args.distill_weight <= 0:
     ap.error(f"--distill_weight={args.distill_weight}: must be in (0, 1] (the data variant is w = 0)")
   ckpt = ckpt_lib.Checkpointer(args.workdir, read_only=True)

@@ -363,7 +363,7 @@ def main(argv=None):
     cli.apply_quick(ap, args, temperatures="0.7,1.0", num_samples=500, num_tokens=2)
     cli.apply_quick(ap, args, batch_size=len(args.prompt) * args.num_samples)
   args.temperatures = cli.parse_list(ap, "temperatures", args.temperatures or "0.7,1.0,1.3", float,
-                                        0.0, 100.0, lo_open=True)
+                                     0.0, 100.0, lo_open=True)
   args.top_ps = cli.parse_list(ap, "top_ps", args.top_ps or "1.0,0.9", float, 0.0, 1.0, lo_open=True)
   for flag, val, lo, hi in [("--num_samples", args.num_samples, 20, 10**7),
                             ("--num_tokens", args.num_tokens, 1, 64),
