@@ -246,6 +246,37 @@ def calibrate_cost_arch(target, target_cfg, candidates, prompt: str, max_new_tok
   return (best["num_layers"], best["d_model"]), rows
 
 
+def drafter_grid(target, drafts: dict, gs: list[int], temperatures: list[float], prompts: list[str],
+                 batch: int, max_new_tokens: int, repeats: int, probe_once: bool = False,
+                 log=print) -> list[dict]:
+  """AR, the target's MTP modules and every independent draft model
+  (``drafts``: {label: model}) at every G, side by side per temperature
+  (``measure_point``, while_loop form; the drafting time behind c probed at
+  every temperature, or once at the first with ``probe_once``). Returns
+  ``measure_point``'s rows with "drafter" ("ar", "mtp" or the draft's
+  label); ``log`` gets one line per speculative row."""
+  decoders = {"ar": Decoder(target, "ar")}
+  drafter_of = {"ar": "ar"}
+  for g in gs:
+    decoders[f"mtp_G{g}"] = Decoder(target, "mtp", g)
+    drafter_of[f"mtp_G{g}"] = "mtp"
+  for label, model in drafts.items():
+    for g in gs:
+      decoders[f"{label}_G{g}"] = Decoder(target, "draft", g, model)
+      drafter_of[f"{label}_G{g}"] = label
+  rows, draft_cache, flops_cache = [], ({} if probe_once else None), {}
+  for t in temperatures:
+    point = measure_point(decoders, prompts, batch, max_new_tokens, SamplingParams(temperature=t),
+                          repeats, ("while",), draft_cache, flops_cache)
+    for r in point:
+      r["drafter"] = drafter_of[r["label"]]
+      if r["method"] != "ar":
+        log(f"T={t:g} {r['label']:28s} tau {r['tau']:.2f}  c {r['draft_cost_ratio_c']:.2f}  "
+            f"speedup {r['speedup']:.2f}x")
+    rows += point
+  return rows
+
+
 # -- distill_mtp: one architecture, many parameter sets -----------------------------------
 
 class ParamSwapBench:

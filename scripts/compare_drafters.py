@@ -71,9 +71,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from decode.bench import measure_point  # noqa: E402
-from decode.bench_grid import calibrate_cost_arch  # noqa: E402
-from decode.speculative import DecodeError, Decoder, SamplingParams  # noqa: E402
+from decode.bench_grid import calibrate_cost_arch, drafter_grid  # noqa: E402
+from decode.speculative import DecodeError  # noqa: E402
 from mtp import checkpoint as ckpt_lib  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
@@ -210,6 +209,48 @@ def given_drafts(specs: list[str]) -> list[dict]:
     out.append({"label": label, "role": "given", "workdir": path, "trained_now": False,
                 "wall_s": None})
   return out
+
+
+def drafter_rows(cfg, counts: dict, workdir: str, drafts: list[dict], probe: dict) -> list[dict]:
+  """The drafters table: the target's MTP modules (``counts``: its
+  ``count_params``) and every draft (``drafts`` with cfg, model, step
+  loaded), with extra parameters, extra training cost from the train-step
+  ``probe`` (``train_step_costs`` of "target", "target_d0" and each draft
+  label) and their runs' final metrics."""
+  base_s, base_flops = probe["target_d0"]["step_s"], probe["target_d0"]["flops"]
+  flop_ratio = lambda name: (probe[name]["flops"] / base_flops
+                             if probe[name]["flops"] and base_flops else None)
+  target_final = final_metrics(workdir)
+  target_steps = cfg.train.num_steps
+  drafters = [{
+      "label": "mtp", "role": "target's MTP modules", "method": "mtp", "workdir": workdir,
+      "architecture": f"{cfg.mtp.depth} MTP modules (1 block each, shared embedding/head)",
+      "extra_params": counts["mtp"], "extra_params_ratio": counts["mtp"] / counts["backbone"],
+      "probe_step_s": probe["target"]["step_s"], "probe_step_s_d0": base_s,
+      "extra_train_cost_time": probe["target"]["step_s"] / base_s - 1,
+      "extra_train_cost_flops": (flop_ratio("target") - 1) if flop_ratio("target") else None,
+      "train_steps": target_steps, "run_step_time_s": (target_final or {}).get("step_time_s"),
+      "train_wall_s": None, "val_bpb": val_bpb(target_final)}]
+  for d in drafts:
+    dc, dcounts = d["cfg"], count_params(d["model"])
+    steps_ratio = dc.train.num_steps / target_steps
+    final = final_metrics(d["workdir"])
+    drafters.append({
+        "label": d["label"], "role": d["role"], "method": "draft", "workdir": d["workdir"],
+        "architecture": f"{dc.model.num_layers} layer{'s' * (dc.model.num_layers > 1)}, "
+                        f"d_model {dc.model.d_model}, "
+                        f"{dc.model.num_heads}/{dc.model.num_kv_heads} heads, MLP {dc.model.mlp_dim}"
+                        + ("" if dc.mtp.depth == 0 else f" (its D = {dc.mtp.depth} MTP modules unused)"),
+        "num_layers": dc.model.num_layers, "d_model": dc.model.d_model,
+        # the drafting model: backbone incl. its own embedding and head (nothing shared)
+        "extra_params": dcounts["backbone"], "extra_params_ratio": dcounts["backbone"] / counts["backbone"],
+        "probe_step_s": probe[d["label"]]["step_s"],
+        "extra_train_cost_time": probe[d["label"]]["step_s"] / base_s * steps_ratio,
+        "extra_train_cost_flops": (flop_ratio(d["label"]) * steps_ratio) if flop_ratio(d["label"]) else None,
+        "train_steps": dc.train.num_steps, "run_step_time_s": (final or {}).get("step_time_s"),
+        "train_wall_s": d["wall_s"], "trained_now": d["trained_now"], "val_bpb": val_bpb(final),
+        "checkpoint_step": d["step"]})
+  return drafters
 
 
 # -- report ----------------------------------------------------------------------------
@@ -398,61 +439,13 @@ def main(argv=None):
   probe_cfgs = {"target": cfg, "target_d0": cfg.replace(mtp=dict(depth=0)),
                 **{d["label"]: d["cfg"] for d in drafts}}
   probe = train_step_costs(probe_cfgs, args.probe_steps, args.probe_repeats)
-  base_s, base_flops = probe["target_d0"]["step_s"], probe["target_d0"]["flops"]
-  flop_ratio = lambda name: (probe[name]["flops"] / base_flops
-                             if probe[name]["flops"] and base_flops else None)
   target_final = final_metrics(args.workdir)
   target_steps = cfg.train.num_steps
-  drafters = [{
-      "label": "mtp", "role": "target's MTP modules", "method": "mtp", "workdir": args.workdir,
-      "architecture": f"{cfg.mtp.depth} MTP modules (1 block each, shared embedding/head)",
-      "extra_params": counts["mtp"], "extra_params_ratio": counts["mtp"] / counts["backbone"],
-      "probe_step_s": probe["target"]["step_s"], "probe_step_s_d0": base_s,
-      "extra_train_cost_time": probe["target"]["step_s"] / base_s - 1,
-      "extra_train_cost_flops": (flop_ratio("target") - 1) if flop_ratio("target") else None,
-      "train_steps": target_steps, "run_step_time_s": (target_final or {}).get("step_time_s"),
-      "train_wall_s": None, "val_bpb": val_bpb(target_final)}]
-  for d in drafts:
-    dc, dcounts = d["cfg"], count_params(d["model"])
-    steps_ratio = dc.train.num_steps / target_steps
-    final = final_metrics(d["workdir"])
-    drafters.append({
-        "label": d["label"], "role": d["role"], "method": "draft", "workdir": d["workdir"],
-        "architecture": f"{dc.model.num_layers} layer{'s' * (dc.model.num_layers > 1)}, "
-                        f"d_model {dc.model.d_model}, "
-                        f"{dc.model.num_heads}/{dc.model.num_kv_heads} heads, MLP {dc.model.mlp_dim}"
-                        + ("" if dc.mtp.depth == 0 else f" (its D = {dc.mtp.depth} MTP modules unused)"),
-        "num_layers": dc.model.num_layers, "d_model": dc.model.d_model,
-        # the drafting model: backbone incl. its own embedding and head (nothing shared)
-        "extra_params": dcounts["backbone"], "extra_params_ratio": dcounts["backbone"] / counts["backbone"],
-        "probe_step_s": probe[d["label"]]["step_s"],
-        "extra_train_cost_time": probe[d["label"]]["step_s"] / base_s * steps_ratio,
-        "extra_train_cost_flops": (flop_ratio(d["label"]) * steps_ratio) if flop_ratio(d["label"]) else None,
-        "train_steps": dc.train.num_steps, "run_step_time_s": (final or {}).get("step_time_s"),
-        "train_wall_s": d["wall_s"], "trained_now": d["trained_now"], "val_bpb": val_bpb(final),
-        "checkpoint_step": d["step"]})
-
+  drafters = drafter_rows(cfg, counts, args.workdir, drafts, probe)
   # decoding: AR, MTP and every draft at every G, side by side per temperature
-  decoders = {"ar": Decoder(target, "ar")}
-  drafter_of = {"ar": "ar"}
-  for g in gs:
-    decoders[f"mtp_G{g}"] = Decoder(target, "mtp", g)
-    drafter_of[f"mtp_G{g}"] = "mtp"
-  for d in drafts:
-    for g in gs:
-      decoders[f"{d['label']}_G{g}"] = Decoder(target, "draft", g, d["model"])
-      drafter_of[f"{d['label']}_G{g}"] = d["label"]
-  rows, draft_cache, flops_cache = [], ({} if args.draft_cost_probe == "once" else None), {}
-  for t in temps:
-    point = measure_point(decoders, prompts, args.batch_size, args.max_new_tokens,
-                          SamplingParams(temperature=t), args.repeats, ("while",), draft_cache,
-                          flops_cache)
-    for r in point:
-      r["drafter"] = drafter_of[r["label"]]
-      if r["method"] != "ar":
-        print(f"T={t:g} {r['label']:28s} tau {r['tau']:.2f}  c {r['draft_cost_ratio_c']:.2f}  "
-              f"speedup {r['speedup']:.2f}x", flush=True)
-    rows += point
+  rows = drafter_grid(target, {d["label"]: d["model"] for d in drafts}, gs, temps, prompts,
+                      args.batch_size, args.max_new_tokens, args.repeats,
+                      probe_once=args.draft_cost_probe == "once", log=lambda s: print(s, flush=True))
 
   meta = report.provenance(
       command=report.command_line(__file__, argv),
