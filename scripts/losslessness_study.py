@@ -61,6 +61,7 @@ decoders.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 
@@ -335,6 +336,64 @@ def plot_pvalues(path: str, correct: list[float], wrong: list[float]) -> None:
 
 # -- main ------------------------------------------------------------------------------
 
+@dataclasses.dataclass
+class Study:
+  """What to sample: the target (MTP depth D >= 1), the encoded prompts
+  (BOS included), the draft length G, the (temperature, top_p) settings,
+  samples per prompt / setting / method, tokens per sample, rows per
+  generate call and the seed."""
+  target: object
+  encoded: list
+  num_draft_tokens: int
+  settings: list[tuple[float, float]]
+  num_samples: int
+  num_tokens: int
+  batch_size: int
+  seed: int
+
+
+def stat_name(n: int) -> str:
+  """"first_token", "first_2_tokens", ...: the name of the first-n-tokens statistic."""
+  return "first_token" if n == 1 else f"first_{n}_tokens"
+
+
+def run_study(s: Study) -> tuple[list[dict], list[dict], list[int]]:
+  """AR vs MTP samples at every setting (and the wrong rule at
+  ``POWER_SETTING``), compared with ``two_sample_chi2`` per prompt on the
+  first 1, 2 and num_tokens tokens. Returns (tests, acceptance rows, the
+  token counts n compared)."""
+  t0 = time.perf_counter()
+  target, encoded, g, settings = s.target, s.encoded, s.num_draft_tokens, s.settings
+  decoders = {"ar": Decoder(target, "ar"), "mtp": Decoder(target, "mtp", g),
+              "wrong_argmax": ArgmaxAcceptDecoder(target, "mtp", g)}
+  draw = lambda name, k, sp, s_idx: sample_continuations(
+      decoders[name], encoded, s.num_samples, s.num_tokens, sp,
+      s.seed + SEED_STRIDE * (3 * s_idx + k), s.batch_size)
+  ns = sorted({1, min(2, s.num_tokens), s.num_tokens})
+  tests, acceptance = [], []
+
+  def compare(rule, s_idx, temp, top_p, spec, ar):
+    for i in range(len(encoded)):
+      for n in ns:
+        res = two_sample_chi2(categories(ar[i], n), categories(spec[i], n))
+        tests.append({"prompt_index": i, "temperature": temp, "top_p": top_p, "rule": rule,
+                      "num_draft_tokens": g, "statistic": stat_name(n), "n": n, **res})
+
+  all_settings = settings + ([POWER_SETTING] if POWER_SETTING not in settings else [])
+  for s_idx, (temp, top_p) in enumerate(all_settings):
+    sp = SamplingParams(temperature=temp, top_p=top_p)
+    ar, _ = draw("ar", 0, sp, s_idx)
+    runs = ([("mtp", 1)] if (temp, top_p) in settings else []) + \
+           ([("wrong_argmax", 2)] if (temp, top_p) == POWER_SETTING else [])
+    for rule, k in runs:
+      spec, hist = draw(rule, k, sp, s_idx)
+      compare(rule, s_idx, temp, top_p, spec, ar)
+      acceptance.append({"temperature": temp, "top_p": top_p, "rule": rule, "num_draft_tokens": g,
+                         "tau": tau_from_histogram(hist), "accepted_length_histogram": hist.tolist()})
+    print(f"T={temp:g} top-p={top_p:g}: done ({time.perf_counter() - t0:.1f} s)", flush=True)
+  return tests, acceptance, ns
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained checkpoint with MTP depth >= 1")
@@ -392,35 +451,8 @@ def main(argv=None):
   settings = [(t, p) for t in args.temperatures for p in args.top_ps]
 
   t0 = time.perf_counter()
-  decoders = {"ar": Decoder(target, "ar"), "mtp": Decoder(target, "mtp", g),
-              "wrong_argmax": ArgmaxAcceptDecoder(target, "mtp", g)}
-  draw = lambda name, k, sp, s_idx: sample_continuations(
-      decoders[name], encoded, args.num_samples, args.num_tokens, sp,
-      args.seed + SEED_STRIDE * (3 * s_idx + k), args.batch_size)
-  ns = sorted({1, min(2, args.num_tokens), args.num_tokens})
-  stat_name = lambda n: "first_token" if n == 1 else f"first_{n}_tokens"
-  tests, acceptance = [], []
-
-  def compare(rule, s_idx, temp, top_p, spec, ar):
-    for i in range(len(encoded)):
-      for n in ns:
-        res = two_sample_chi2(categories(ar[i], n), categories(spec[i], n))
-        tests.append({"prompt_index": i, "temperature": temp, "top_p": top_p, "rule": rule,
-                      "num_draft_tokens": g, "statistic": stat_name(n), "n": n, **res})
-
-  all_settings = settings + ([POWER_SETTING] if POWER_SETTING not in settings else [])
-  for s_idx, (temp, top_p) in enumerate(all_settings):
-    sp = SamplingParams(temperature=temp, top_p=top_p)
-    ar, _ = draw("ar", 0, sp, s_idx)
-    runs = ([("mtp", 1)] if (temp, top_p) in settings else []) + \
-           ([("wrong_argmax", 2)] if (temp, top_p) == POWER_SETTING else [])
-    for rule, k in runs:
-      spec, hist = draw(rule, k, sp, s_idx)
-      compare(rule, s_idx, temp, top_p, spec, ar)
-      acceptance.append({"temperature": temp, "top_p": top_p, "rule": rule, "num_draft_tokens": g,
-                         "tau": tau_from_histogram(hist), "accepted_length_histogram": hist.tolist()})
-    print(f"T={temp:g} top-p={top_p:g}: done ({time.perf_counter() - t0:.1f} s)", flush=True)
-
+  tests, acceptance, ns = run_study(Study(target, encoded, g, settings, args.num_samples,
+                                          args.num_tokens, args.batch_size, args.seed))
   correct = [t for t in tests if t["rule"] == "mtp"]
   wrong = [t for t in tests if t["rule"] == "wrong_argmax"]
   results = {
