@@ -384,6 +384,38 @@ def main(argv=None):
                                sd_name, sd_data_dir, data_dir))
 
 
+def train_stage(cfg: Config, variant: str, seed: int, name: str, workdir: str, log,
+                t_start: float) -> dict:
+  """Trains (or resumes, or reuses) one stage in ``workdir``; returns its
+  record {name, variant, seed, workdir, reused, tokens, step, train_wall_s
+  (what the stage cost when it ran: stage_cost.json), eval, step_time_s},
+  or with "diverged" (message) when the loss became non-finite. Exits
+  (128 + signal) when the training was interrupted."""
+  from train.loop import DivergedError, train
+  finished = os.path.exists(os.path.join(workdir, "final_metrics.json"))
+  log(f"[stage {name}] training {cfg.train.num_steps} steps (elapsed "
+      f"{time.perf_counter() - t_start:.0f} s)")
+  t0 = time.perf_counter()
+  st = {"name": name, "variant": variant, "seed": seed, "workdir": workdir, "reused": finished,
+        "tokens": cfg.train.num_steps * cfg.train.batch_size * cfg.train.seq_len}
+  try:
+    res = train(cfg, workdir, log=lambda x: log(f"  {x}"))
+  except DivergedError as e:
+    st.update(diverged=str(e), train_wall_s=time.perf_counter() - t0)
+    return st
+  cli.exit_if_interrupted(res, cfg.train.num_steps, f"stage {name}", workdir)
+  st.update(step=res["step"], train_wall_s=time.perf_counter() - t0, eval=res.get("eval"),
+            step_time_s=res.get("step_time_s"))
+  cost_path = os.path.join(workdir, "stage_cost.json")
+  if finished and os.path.exists(cost_path):     # what the stage cost when it ran
+    with open(cost_path) as f:
+      st["train_wall_s"] = json.load(f)["train_wall_s"]
+  elif not res.get("interrupted"):
+    with open(cost_path, "w") as f:
+      json.dump({"train_wall_s": st["train_wall_s"], "step": res["step"]}, f)
+  return st
+
+
 @dataclasses.dataclass
 class Plan:
   """What one distillation run does, from the flags: the base's config and
@@ -412,7 +444,6 @@ def _run(args, argv, plan: Plan):
       plan.budget, plan.prompts)
   sd_name, sd_data_dir, data_dir = plan.sd_name, plan.sd_data_dir, plan.data_dir
   from decode import self_distill
-  from train.loop import DivergedError, train
   log = lambda s: print(s, flush=True)
   t_start = time.perf_counter()
   sd_meta = None
@@ -449,28 +480,10 @@ def _run(args, argv, plan: Plan):
     for s in seeds:
       cfg, name = cfgs[(v, s)], stage_name(v, s)
       workdir = os.path.join(args.runs_dir, name)
-      finished = os.path.exists(os.path.join(workdir, "final_metrics.json"))
-      log(f"[stage {name}] training {cfg.train.num_steps} steps (elapsed "
-          f"{time.perf_counter() - t_start:.0f} s)")
-      t0 = time.perf_counter()
-      st = {"name": name, "variant": v, "seed": s, "workdir": workdir, "reused": finished,
-            "tokens": cfg.train.num_steps * cfg.train.batch_size * cfg.train.seq_len}
-      try:
-        res = train(cfg, workdir, log=lambda x: log(f"  {x}"))
-      except DivergedError as e:
-        st.update(diverged=str(e), train_wall_s=time.perf_counter() - t0)
+      st = train_stage(cfg, v, s, name, workdir, log, t_start)
+      if "diverged" in st:
         stages.append(st)
         continue
-      cli.exit_if_interrupted(res, cfg.train.num_steps, f"stage {name}", workdir)
-      st.update(step=res["step"], train_wall_s=time.perf_counter() - t0, eval=res.get("eval"),
-                step_time_s=res.get("step_time_s"))
-      cost_path = os.path.join(workdir, "stage_cost.json")
-      if finished and os.path.exists(cost_path):     # what the stage cost when it ran
-        with open(cost_path) as f:
-          st["train_wall_s"] = json.load(f)["train_wall_s"]
-      elif not res.get("interrupted"):
-        with open(cost_path, "w") as f:
-          json.dump({"train_wall_s": st["train_wall_s"], "step": res["step"]}, f)
       model = ckpt_lib.load_model(workdir)[1]
       st["eval_base_data"] = evaluator(nnx.state(model, nnx.Param))   # the base's validation batches
       bench.use(model)
