@@ -258,10 +258,6 @@ def deepseek_v3_check(spec: dict = DEEPSEEK_V3) -> dict:
 
 # -- report --------------------------------------------------------------------------
 
-def _fmt(x, spec=".3f"):
-  return "-" if x is None else format(x, spec)
-
-
 def deepseek_markdown(ds: dict) -> list[str]:
   lo, hi = ds["ends"][0], ds["ends"][-1]
   target = ds["inputs"]["reported_speedup"]
