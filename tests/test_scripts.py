@@ -213,3 +213,17 @@ def test_markdown_starts_with_the_quoted_command(tmp_path):
   assert text == f"Command: ``{cmd}``\n\n# Title\n"      # a fence longer than the backticks inside
   with pytest.raises(ValueError, match="command"):
     report.write_report(str(tmp_path / "s"), {}, [], "# Title\n")
+
+
+def test_scripts_import_no_script_and_leave_sys_path_alone():
+  """Scripts are thin CLIs over the packages: none imports another script
+  (what they share lives in mtp/, train/, decode/) or edits sys.path."""
+  import ast
+  import glob
+  for path in glob.glob(os.path.join(REPO, "scripts", "*.py")):
+    src = open(path).read()
+    assert "sys.path" not in src, path
+    for node in ast.walk(ast.parse(src)):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+      assert not any(n == "scripts" or n.startswith("scripts.") for n in names), (path, names)
