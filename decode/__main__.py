@@ -91,5 +91,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from mtp.cli_flags import parse_flags_or_exit
+  from mtp.cli import parse_flags_or_exit
   app.run(main, flags_parser=parse_flags_or_exit)

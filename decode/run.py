@@ -26,6 +26,7 @@ from decode.speculative import DecodeError, Decoder, SamplingParams
 from decode.stops import StopConditions
 from mtp import loading
 from mtp import tokenizer as tok
+from mtp.timing import interleaved_times
 
 
 def read_prompt_file(path: str) -> list[str]:
@@ -314,10 +315,11 @@ def _compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: s
   kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples, seed=seed)
   ar_gen = decode_texts(ar, prompts, warmup=True, **kw)       # compiles AR; not timed below
   times = {"ar": [], method: []}
-  for i in range(repeats):   # alternate the order so that drift hits both alike
-    for name in (("ar", method) if i % 2 == 0 else (method, "ar")):
-      g = decode_texts(ar if name == "ar" else decoder, prompts, warmup=False, **kw)
-      times[name].append(g.wall_time_s)
+
+  def timed(name, dec):       # records the decoder's own wall time of each call
+    return lambda: times[name].append(decode_texts(dec, prompts, warmup=False, **kw).wall_time_s)
+  # interleaved, the order alternating (ar, method / method, ar) so that drift hits both alike
+  interleaved_times({"ar": timed("ar", ar), method: timed(method, decoder)}, repeats, warmup=0)
   ratios = [a / b for a, b in zip(times["ar"], times[method])]
   speedup = float(np.median(times["ar"]) / np.median(times[method]))
   ar_summary = stats_lib.summarize(ar_gen)

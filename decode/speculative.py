@@ -240,6 +240,13 @@ class Decoder:
 
   # -- host side -----------------------------------------------------------------
 
+  def lowered(self, state: DecodeState, prefill_len: int, sp: SamplingParams):
+    """(prefill, generate) as ``jax.stages.Lowered`` for these shapes (read
+    their HLO, e.g. to map ops to named scopes: decode/bench_profile.py)."""
+    p, dp = self.target_params, self.draft_params
+    return (self._prefill_jit.lower(p, dp, state, prefill_len),
+            self._generate_jit.lower(p, dp, state, sp))
+
   def prefill(self, state: DecodeState, prefill_len: int) -> DecodeState:
     """The jitted prefill of ``prepare``'s state (donated)."""
     return self._prefill_jit(self.target_params, self.draft_params, state, prefill_len)

@@ -1,47 +1,129 @@
-"""Interleaved timing: the one timer the benchmarks, the CLI's ``--compare``
-and the decoder's round-cost calibration share.
+"""The one interleaved-repeats timer and the one spread / format helper.
 
-``interleaved_times`` calls every function once per round, in turn, so
-noise on a shared machine (bursts, frequency drift, another job) hits
-every variant alike; results keep the round index so per-round ratios can
-be taken.
+Every benchmark in this project (scripts/, ``python -m decode --compare``,
+the decoder's round-cost calibration) times several variants the same way:
+compile each once, then ``repeats`` rounds in which every variant runs
+once, so that machine noise (a burst of another process, a slow drift in
+clock speed) hits all variants alike, and report the median over rounds
+(docs/design.md section 7). ``interleaved_times`` is that loop;
+``spread`` summarizes any list of numbers (timings or per-seed metrics)
+and ``format_spread`` prints one summary as "center [min, max]".
+
+This module imports neither ``train`` nor ``decode``; JAX only for
+``xla_flops``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
+
+# every statistic ``spread`` knows, in its default order
+STATS = ("n", "mean", "std", "min", "p10", "median", "p90", "max")
 
 
 def interleaved_times(fns: Mapping[str, Callable[[], object]], repeats: int, *,
                       warmup: int = 1) -> dict[str, np.ndarray]:
-  """Seconds per call of each function, measured interleaved.
+  """Seconds per call of every function, timed in interleaved rounds.
 
-  Every fn is first called ``warmup`` times (compilation, caches), then
-  ``repeats`` rounds run in which every fn is called once, in the mapping's
-  order. Each fn must block until its work is done (wrap device work with
-  ``jax.block_until_ready``).
+  First every function is called ``warmup`` times (in the mapping's order;
+  compilation and first-call costs land there, untimed). Then ``repeats``
+  rounds: in round r every function is called once, timed with
+  ``time.perf_counter``, in the mapping's order rotated to start at
+  function ``r mod len(fns)`` (with two functions: A B, B A, A B, ...; a
+  slow drift then hits no function always first or always last). Each
+  function must block until its work is done: wrap JAX calls with
+  ``jax.block_until_ready``.
 
   Args:
-    fns: name -> zero-argument callable.
+    fns: {name: zero-argument callable}; its return value is ignored. A
+      function that must know which round it is in can count its own calls
+      (the warm-up calls come first, then one call per round).
     repeats: timed rounds, >= 1.
-    warmup: untimed calls per fn before the first round, >= 0.
+    warmup: untimed calls of each function before the rounds, >= 0.
   Returns:
-    name -> float64 array [repeats] of seconds; index r is round r.
+    {name: float64 array [repeats]} of seconds; index r is round r, so
+    per-round ratios (``times["ar"] / times["mtp"]``) pair calls made close
+    together in time.
   Raises:
-    ValueError: repeats < 1 or warmup < 0.
+    ValueError: ``repeats`` < 1, ``warmup`` < 0, or no functions.
   """
-  if repeats < 1 or warmup < 0:
-    raise ValueError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0")
-  for fn in fns.values():
-    for _ in range(warmup):
-      fn()
-  out = {name: np.zeros(repeats, np.float64) for name in fns}
-  for r in range(repeats):
-    for name, fn in fns.items():
+  names = list(fns)
+  if not names:
+    raise ValueError("interleaved_times: no functions to time")
+  if int(repeats) != repeats or repeats < 1:
+    raise ValueError(f"interleaved_times: repeats={repeats!r} must be an integer >= 1")
+  if int(warmup) != warmup or warmup < 0:
+    raise ValueError(f"interleaved_times: warmup={warmup!r} must be an integer >= 0")
+  for _ in range(int(warmup)):
+    for name in names:
+      fns[name]()
+  out = {name: np.zeros(int(repeats), np.float64) for name in names}
+  for r in range(int(repeats)):
+    k = r % len(names)
+    for name in names[k:] + names[:k]:
       t0 = time.perf_counter()
-      fn()
+      fns[name]()
       out[name][r] = time.perf_counter() - t0
   return out
+
+
+def spread(values: Sequence[float] | np.ndarray, stats: Sequence[str] = STATS,
+           prefix: str = "") -> dict:
+  """Summary statistics of a list of numbers (seconds, rates, per-seed metrics).
+
+  Args:
+    values: the numbers (any length, NaN not allowed to mean "missing":
+      leave missing values out).
+    stats: which statistics, from ``STATS``: n (count, int), mean, std
+      (population), min, p10, median, p90, max (floats; percentiles with
+      numpy's linear interpolation).
+    prefix: prepended to every key (``spread(t, ("median", "min", "max"),
+      "wall_s_")`` gives wall_s_median, wall_s_min, wall_s_max).
+  Returns:
+    {prefix + stat: value} in the order of ``stats``; every float stat is
+    None (n is 0) when ``values`` is empty.
+  Raises:
+    ValueError: a name not in ``STATS``.
+  """
+  bad = [s for s in stats if s not in STATS]
+  if bad:
+    raise ValueError(f"spread: unknown statistic {bad[0]!r}; known: {', '.join(STATS)}")
+  v = np.asarray(values, np.float64).reshape(-1)
+  if v.size == 0:
+    return {prefix + s: (0 if s == "n" else None) for s in stats}
+  calc = {"n": lambda: int(v.size), "mean": lambda: float(v.mean()), "std": lambda: float(v.std()),
+          "min": lambda: float(v.min()), "max": lambda: float(v.max()),
+          "median": lambda: float(np.median(v)), "p10": lambda: float(np.percentile(v, 10)),
+          "p90": lambda: float(np.percentile(v, 90))}
+  return {prefix + s: calc[s]() for s in stats}
+
+
+def format_spread(s: dict, fmt: str = ".3f", scale: float = 1.0, signed: bool = False,
+                  center: str | None = None) -> str:
+  """One ``spread`` as "center [min, max]" (e.g. "1.250 [1.100, 1.400]").
+
+  ``center``: the statistic shown first (default: "median" when ``s`` has
+  it, else "mean"); values are multiplied by ``scale`` (1e3: seconds shown
+  as ms) and formatted with ``fmt`` (with a sign when ``signed``). Only the
+  center is shown when ``s`` counts one value (n == 1) or has no min/max;
+  "-" when it is empty or missing.
+  """
+  if center is None:
+    center = "median" if "median" in s else "mean"
+  if not s or s.get(center) is None:
+    return "-"
+  f = lambda x: format(x * scale, ("+" if signed else "") + fmt)
+  if s.get("n") == 1 or s.get("min") is None or s.get("max") is None:
+    return f(s[center])
+  return f"{f(s[center])} [{f(s['min'])}, {f(s['max'])}]"
+
+
+def xla_flops(compiled) -> float | None:
+  """FLOPs of a compiled JAX program (``jax.jit(f).lower(...).compile()``)
+  from XLA's cost analysis; None when XLA reports none."""
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost["flops"]) if cost and "flops" in cost else None

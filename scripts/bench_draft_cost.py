@@ -22,54 +22,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from decode import stats as stats_lib  # noqa: E402
-from decode.speculative import Decoder, SamplingParams  # noqa: E402
+from decode.bench_grid import ALPHAS, draft_cost_vs_depth  # noqa: E402
+from decode.speculative import DecodeError  # noqa: E402
+from mtp import cli, report  # noqa: E402
 from mtp import config as config_lib  # noqa: E402
-from mtp.model import build_model  # noqa: E402
-from scripts import common  # noqa: E402
-from scripts.bench_decode import bare_forward_s, draft_flop_share, draft_time_s  # noqa: E402
-
-PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    return 0\n"
-ALPHAS = (0.6, 0.8, 0.9)
-
-
-def measure(cfg: config_lib.Config, layers: int, gs: list[int], repeats: int, max_new: int) -> list[dict]:
-  """Rows {layers, num_draft_tokens, c, c_flops, overhead, draft_s, forward_s, ideal_speedup}
-  for a random target with ``layers`` layers and MTP depth max(gs)."""
-  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers),
-                            mtp=dataclasses.replace(cfg.mtp, depth=max(gs)))
-  target = build_model(config_lib.validate(cfg))
-  cache_len = 64 * -(-(len(PROMPT) + 1 + max_new + 64) // 64)
-  fwd = bare_forward_s(target, 1, 1, cache_len, repeats, in_loop=True)
-  sp = SamplingParams(temperature=0.0)
-  rows = []
-  for g in gs:
-    dec = Decoder(target, "mtp", g)
-    draft_s = draft_time_s(dec, [PROMPT], max_new, sp, repeats)
-    c = draft_s / (g * fwd)
-    c_flops = draft_flop_share(dec, [PROMPT], max_new, sp)
-    rows.append({"layers": layers, "num_draft_tokens": g, "c": c, "c_flops": c_flops,
-                 "overhead": c / c_flops, "draft_s": draft_s, "forward_s": fwd,
-                 "ideal_speedup": {str(a): stats_lib.ideal_speedup(a, g, c) for a in ALPHAS}})
-    print(f"L={layers:3d} G={g}: c {c:.3f}  c(FLOPs) {c_flops:.3f}  forward {fwd * 1e3:.3f} ms  "
-          f"draft {draft_s * 1e3:.3f} ms", flush=True)
-  return rows
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
   lines = [f"Drafting cost ratio c vs target depth: random-init copies of {meta['config_file']} "
-           f"(d_model {meta['d_model']}), batch 1, T=0; {common.machine(meta)}, "
+           f"(d_model {meta['d_model']}), batch 1, T=0; {report.machine(meta)}, "
            f"JAX {meta['jax_version']}, commit {meta['commit']}, {meta['date']}; median of "
-           f"{common.plural(meta['repeats'], 'repeat')} of 20 in-loop steps.", "",
+           f"{report.plural(meta['repeats'], 'repeat')} of 20 in-loop steps.", "",
            "| L | G | target forward ms | drafting ms | c | c (FLOPs) | c / c (FLOPs) | "
            + " | ".join(f"ideal speedup alpha={a}" for a in ALPHAS) + " |",
            "|---|---|---|---|---|---|---|" + "---|" * len(ALPHAS)]
@@ -99,7 +68,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--config", default="configs/tiny.py", help="config file (d_model, heads, MLP)")
   ap.add_argument("--layers", default="2,4,8,16", help="comma list of target depths L >= 1")
   ap.add_argument("--num_draft_tokens", default="1,2", help="comma list of G >= 1")
@@ -111,10 +80,10 @@ def main(argv=None):
                        "--repeats 1 --max_new_tokens 8 where not given")
   args = ap.parse_args(argv)
   if args.quick:
-    common.apply_quick(ap, args, repeats=1, max_new_tokens=8)
-  common.check_range(ap, args, repeats=1, max_new_tokens=1)
-  layers = common.parse_list(ap, "layers", args.layers, int, 1)
-  gs = common.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1)
+    cli.apply_quick(ap, args, repeats=1, max_new_tokens=8)
+  cli.check_range(ap, args, repeats=1, max_new_tokens=1)
+  layers = cli.parse_list(ap, "layers", args.layers, int, 1)
+  gs = cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1)
   if not os.path.isfile(args.config):
     ap.error(f"--config={args.config!r}: no such file")
   try:
@@ -125,14 +94,15 @@ def main(argv=None):
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=256))
     layers, gs = layers[:2], gs[:1]
-  rows = [r for n in layers for r in measure(cfg, n, gs, args.repeats, args.max_new_tokens)]
-  meta = common.provenance(config_file=args.config, d_model=cfg.model.d_model, layers=layers,
+  rows = [r for n in layers for r in draft_cost_vs_depth(cfg, n, gs, args.repeats, args.max_new_tokens,
+                                                         log=lambda s: print(s, flush=True))]
+  meta = report.provenance(config_file=args.config, d_model=cfg.model.d_model, layers=layers,
                            num_draft_tokens=gs, repeats=args.repeats,
-                           command=common.command_line(__file__, argv))
-  common.write_report(args.out, meta, rows, markdown(rows, meta))
+                           command=report.command_line(__file__, argv))
+  report.write_report(args.out, meta, rows, markdown(rows, meta))
   plot(rows, args.out + ".png")
   print(f"wrote {args.out}.json, {args.out}.md and {args.out}.png")
 
 
 if __name__ == "__main__":
-  common.main_guard(main)
+  cli.main_guard(main, errors=(DecodeError,))

@@ -38,122 +38,18 @@ apart (once per generation). Writes ``OUT.json`` (with provenance) and
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import gzip
-import json
 import os
-import re
-import sys
 import tempfile
 
-import jax
-import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from scripts import common  # noqa: E402
-from decode import tree as tree_lib  # noqa: E402
-from decode.speculative import Decoder, SamplingParams  # noqa: E402
-from mtp import loading  # noqa: E402
-from mtp import config as config_lib  # noqa: E402
-from mtp import data as data_lib  # noqa: E402
-from mtp import tokenizer as tok  # noqa: E402
-from mtp.model import build_model  # noqa: E402
-
-_OP = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name="([^"]*)"')
-_SCOPES = ("draft", "verify", "accept", "commit", "rng", "prefill")
-_CONTAINERS = ("while", "conditional", "call")
-
-
-def op_scopes(hlo_text: str) -> dict[str, str]:
-  """{HLO instruction name: op_name metadata} for every instruction of a
-  compiled program's text (``compiled.as_text()``)."""
-  out = {}
-  for line in hlo_text.splitlines():
-    m = _OP.match(line)
-    if m:
-      out[m.group(1)] = m.group(2)
-  return out
-
-
-def piece_of(op_name: str) -> str:
-  """The breakdown row of an op_name: the first scope of ``_SCOPES`` in its
-  path, with the sub-scope for draft/ and verify/ (``draft/module1``);
-  "loop" when it carries none."""
-  parts = op_name.split("/")
-  for i, part in enumerate(parts):
-    if part in _SCOPES:
-      if part in ("draft", "verify") and i + 1 < len(parts):
-        return f"{part}/{parts[i + 1]}"
-      return part
-  return "loop"
-
-
-def trace_events(trace_dir: str) -> list[dict]:
-  """Complete ('X') events of the newest trace under ``trace_dir``."""
-  files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
-                 key=os.path.getmtime)
-  if not files:
-    raise RuntimeError(f"jax.profiler wrote no trace under {trace_dir}")
-  with gzip.open(files[-1]) as f:
-    return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-
-
-def breakdown(events: list[dict], scopes: dict[str, str]) -> dict:
-  """Aggregates thunk events by piece. Returns {"pieces": {piece: {"us": total
-  microseconds, "ops": count}}, "prefill": {...}}: an operation belongs to
-  the round when its op_name lies in the while_loop body, to "prefill" when
-  it carries that scope; container thunks (while, conditional, call) are
-  not counted themselves, only what runs inside them."""
-  pieces: dict[str, dict] = collections.defaultdict(lambda: {"us": 0.0, "ops": 0})
-  prefill = {"us": 0.0, "ops": 0}
-  for e in events:
-    name = e["name"]
-    if name not in scopes or name.split(".")[0] in _CONTAINERS:
-      continue
-    op_name = scopes[name]
-    if "prefill" in op_name.split("/"):
-      prefill["us"] += e["dur"]
-      prefill["ops"] += 1
-    elif "/while/body/" in op_name:
-      piece = piece_of(op_name.split("/while/body/", 1)[1])
-      pieces[piece]["us"] += e["dur"]
-      pieces[piece]["ops"] += 1
-  return {"pieces": dict(pieces), "prefill": prefill}
-
-
-def profile_generation(decoder: Decoder, prompts, max_new: int, sp: SamplingParams, seed: int,
-                       trace_dir: str) -> tuple[dict, int]:
-  """Runs one (already compiled) ``generate`` under the profiler; returns
-  (breakdown, rounds) with rounds = target calls of the longest row."""
-  state, prefill_len = decoder.prepare(prompts, max_new, seed)
-  warp = sp.as_arrays()
-  scopes = op_scopes(decoder._prefill_fn.lower(decoder.target_params, decoder.draft_params, state,
-                                               prefill_len).compile().as_text())
-  scopes.update(op_scopes(decoder._generate_fn.lower(decoder.target_params, decoder.draft_params,
-                                                     state, warp).compile().as_text()))
-  decoder.generate(prompts, max_new, sp, seed)        # warm (same shapes)
-  options = jax.profiler.ProfileOptions()
-  options.python_tracer_level = 0                    # device (thunk) events only
-  jax.profiler.start_trace(trace_dir, profiler_options=options)
-  try:
-    gen = decoder.generate(prompts, max_new, sp, seed)
-  finally:
-    jax.profiler.stop_trace()
-  return breakdown(trace_events(trace_dir), scopes), int(gen.target_calls.max())
-
-
-def round_time_s(decoder: Decoder, prompts, max_new: int, sp: SamplingParams, repeats: int):
-  """Median seconds per round of the decoding phase ((wall - prefill) /
-  rounds) and median seconds per generation, without the profiler."""
-  decoder.generate(prompts, max_new, sp, 0)
-  walls, per_round = [], []
-  for r in range(repeats):
-    gen = decoder.generate(prompts, max_new, sp, r)
-    walls.append(gen.wall_time_s)
-    per_round.append((gen.wall_time_s - gen.prefill_time_s) / int(gen.target_calls.max()))
-  return float(np.median(per_round)), float(np.median(walls))
+from decode import bench_profile
+from decode import tree as tree_lib
+from decode.speculative import DecodeError
+from mtp import loading
+from mtp import cli, report
+from mtp import config as config_lib
+from mtp import data as data_lib
+from mtp import tokenizer as tok
+from mtp.model import build_model
 
 
 PIECE_ORDER = ["draft/module1", "draft/module2", "draft/module3", "draft/module4", "draft/head",
@@ -167,7 +63,7 @@ def markdown(results, meta) -> str:
                     for t, g, tr in cols)
   pieces = [p for p in PIECE_ORDER if any(p in r["pieces"] for r in results)]
   pieces += sorted({p for r in results for p in r["pieces"]} - set(pieces))
-  lines = [f"Round-cost breakdown: {meta['model']} on {common.machine(meta)}, JAX {meta['jax_version']}, "
+  lines = [f"Round-cost breakdown: {meta['model']} on {report.machine(meta)}, JAX {meta['jax_version']}, "
            f"commit {meta['commit']}, {meta['date']}; batch {meta['batch_size']}, "
            f"{meta['max_new_tokens']} new tokens, prompts of ~{meta['prompt_bytes']} bytes; "
            f"while_loop form.", "",
@@ -192,13 +88,13 @@ def markdown(results, meta) -> str:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   src = ap.add_mutually_exclusive_group(required=True)
   src.add_argument("--workdir", help="trained checkpoint to decode with")
   src.add_argument("--config", help="config file: decode a randomly initialised model of it "
                                     "(costs only; acceptance is meaningless)")
   ap.add_argument("--dataset", default="python_stdlib", help="held-out prompt dataset")
-  ap.add_argument("--data_dir", default="", help=common.DATA_DIR_HELP)
+  ap.add_argument("--data_dir", default="", help=cli.DATA_DIR_HELP)
   ap.add_argument("--prompt_bytes", type=int, default=256, help="bytes per prompt, >= 1")
   ap.add_argument("--max_new_tokens", type=int, default=128, help="new tokens per row, >= 1")
   ap.add_argument("--batch_size", type=int, default=1, help="rows per generation, >= 1")
@@ -214,9 +110,9 @@ def main(argv=None):
                        "--temperatures 0,1 and G = 1 where not given")
   args = ap.parse_args(argv)
   if args.quick:
-    common.apply_quick(ap, args, max_new_tokens=8, prompt_bytes=32, repeats=1)
-  common.check_range(ap, args, prompt_bytes=1, max_new_tokens=1, batch_size=1, repeats=1)
-  temps = common.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
+    cli.apply_quick(ap, args, max_new_tokens=8, prompt_bytes=32, repeats=1)
+  cli.check_range(ap, args, prompt_bytes=1, max_new_tokens=1, batch_size=1, repeats=1)
+  temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
   if args.workdir:
     cfg, model, step = loading.load_model(args.workdir)
     name = f"{args.workdir} (step {step})"
@@ -228,7 +124,7 @@ def main(argv=None):
   depth = cfg.mtp.depth
   if depth < 1:
     ap.error(f"the model has MTP depth D = 0: there is no MTP round to break down")
-  gs = (common.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1)
+  gs = (cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1)
         if args.num_draft_tokens is not None else ([1] if args.quick else list(range(1, depth + 1))))
   trees = []
   for text in ([] if args.trees is None else args.trees.split(";")):
@@ -239,39 +135,17 @@ def main(argv=None):
   texts = data_lib.held_out_prompts(args.dataset, args.batch_size, args.prompt_bytes,
                                     data_dir=args.data_dir)
   prompts = [tok.ByteTokenizer().encode(t, add_bos=True) for t in texts]
-  results = []
   with tempfile.TemporaryDirectory() as trace_root:
-    for t in temps:
-      sp = SamplingParams(temperature=t)
-      ar_us = None
-      for g, tree in [(0, None)] + [(g, None) for g in gs] + [(len(t), t) for t in trees]:
-        dec = (Decoder(model, "ar") if g == 0 else Decoder(model, "mtp", g) if tree is None
-               else Decoder(model, "mtp", tree=tree))
-        label = "AR" if g == 0 else f"G={g}" if tree is None else f"tree {','.join(map(str, tree))}"
-        round_s, wall_s = round_time_s(dec, prompts, args.max_new_tokens, sp, args.repeats)
-        bd, rounds = profile_generation(dec, prompts, args.max_new_tokens, sp, 0,
-                                        os.path.join(trace_root, f"t{t}_{label.replace(' ', '_')}"))
-        pieces = {p: {"us_per_round": v["us"] / rounds, "ops_per_round": v["ops"] / rounds}
-                  for p, v in bd["pieces"].items()}
-        total = sum(v["us_per_round"] for v in pieces.values())
-        draft = sum(v["us_per_round"] for p, v in pieces.items() if p.startswith("draft/"))
-        ar_us = round_s * 1e6 if g == 0 else ar_us
-        results.append({"temperature": t, "num_draft_tokens": g,
-                        "tree": None if tree is None else ",".join(map(str, tree)), "pieces": pieces,
-                        "profiled_us_per_round": total, "round_us": round_s * 1e6,
-                        "round_over_ar": round_s * 1e6 / ar_us, "draft_share": draft / total,
-                        "generation_s": wall_s, "rounds": rounds,
-                        "prefill_us": bd["prefill"]["us"]})
-        print(f"T={t:g} {label}: round {round_s * 1e6:.0f} us "
-              f"({round_s * 1e6 / ar_us:.2f} AR steps), drafting {draft / total:.0%} of the "
-              f"profiled round", flush=True)
-  meta = common.provenance(command=common.command_line(__file__, argv), model=name, checkpoint_step=step, config=cfg.to_dict(),
+    results = bench_profile.round_breakdown(model, prompts, temps, gs, trees, args.max_new_tokens,
+                                            args.repeats, trace_root,
+                                            log=lambda s: print(s, flush=True))
+  meta = report.provenance(command=report.command_line(__file__, argv), model=name, checkpoint_step=step, config=cfg.to_dict(),
                            batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                            prompt_bytes=args.prompt_bytes, dataset=args.dataset,
                            repeats=args.repeats)
-  common.write_report(args.out, meta, results, markdown(results, meta))
+  report.write_report(args.out, meta, results, markdown(results, meta))
   print(f"wrote {args.out}.json and {args.out}.md")
 
 
 if __name__ == "__main__":
-  common.main_guard(main)
+  cli.main_guard(main, errors=(DecodeError,))

@@ -20,7 +20,7 @@ reused untouched, an interrupted one resumes):
   at d_model 128, 427,648 parameters vs 460,032 in the two MTP modules.
 - cost-matched: among one-layer drafts at widths d_model/4, /2, /1
   (``--cost_candidates 1x64,2x128,...`` searches others), the one whose
-  measured drafting step (``bench_decode.draft_time_s`` with random weights,
+  measured drafting step (``decode.bench.draft_time_s`` with random weights,
   G = D, T = 0, batch 1) is closest in time to the MTP drafter's, i.e. the
   draft whose cost ratio c is closest to the MTP drafter's
   (``calibrate_cost_arch``). A note says when none comes within 1.5x: on 2
@@ -45,8 +45,8 @@ runs, validation bits per byte (from each run's final_metrics.json), and
 for every G and temperature at batch 1 on held-out prompts: tau, alpha per
 position, the measured draft cost ratio c and its FLOP share, speedup over AR, the ideal
 speedup of Leviathan et al. (Theorem 3.8) and efficiency (cells decoded
-side by side with interleaved repeats: ``bench_decode.measure_point`` over
-``bench_decode.run_cells`` / ``summarize_cell``).
+side by side with interleaved repeats: ``decode.bench.measure_point`` over
+``run_cells`` / ``summarize_cell``).
 
 Writes OUT.json, OUT.md (tables + command) and OUT.png (tau and speedup vs G
 per drafter). Runtime on 2 shared CPU cores for runs/tiny: the two draft
@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -70,115 +69,20 @@ import time
 import matplotlib
 
 matplotlib.use("Agg")
-import jax  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from decode.speculative import Decoder, SamplingParams  # noqa: E402
+from decode.bench_grid import calibrate_cost_arch, drafter_grid  # noqa: E402
+from decode.speculative import DecodeError  # noqa: E402
 from mtp import loading  # noqa: E402
-from mtp import config as config_lib  # noqa: E402
+from mtp import cli, report  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
-from mtp import sharding as shard_lib  # noqa: E402
-from mtp.model import build_model, count_params  # noqa: E402
-from scripts import common  # noqa: E402
-from scripts.bench_decode import draft_time_s, measure_point  # noqa: E402
-from scripts.bench_train import synthetic_batch  # noqa: E402
-from scripts.sweep_decode import _f, check_positive  # noqa: E402
-from train.loop import Trainer, train  # noqa: E402
+from mtp.drafts import arch_name, cost_candidates, draft_config, param_count, param_matched_arch  # noqa: E402
+from mtp.model import count_params  # noqa: E402
+from train.bench import train_step_costs  # noqa: E402
+from train.loop import train  # noqa: E402
 
 SELECTION_FILE = "arch_selection.json"
 WALLS_FILE = "train_walls.json"
-
-
-# -- draft architectures -------------------------------------------------------------
-
-def draft_config(target_cfg: config_lib.Config, num_layers: int, d_model: int,
-                 num_steps: int | None = None, data_dir: str | None = None) -> config_lib.Config:
-  """The target's config turned into a plain LM (mtp.depth = 0) of
-  ``num_layers`` blocks at width ``d_model``: head_dim = min(target head_dim,
-  d_model), num_heads = d_model // head_dim, the target's query/KV head ratio
-  (num_kv_heads a divisor of num_heads), the target's MLP/width ratio; same
-  vocabulary, tie_embeddings, max_seq_len, data, train and checkpoint
-  settings (``num_steps`` / ``data_dir`` override those). Raises ConfigError
-  for an invalid result (e.g. an odd head_dim)."""
-  m = target_cfg.model
-  head_dim = min(m.head_dim, d_model)
-  heads = max(1, d_model // head_dim)
-  kv = max(1, heads // max(1, m.num_heads // m.num_kv_heads))
-  while heads % kv:
-    kv -= 1
-  mlp = max(1, round(d_model * m.mlp_dim / m.d_model))
-  sections = {"model": dict(num_layers=num_layers, d_model=d_model, num_heads=heads,
-                            num_kv_heads=kv, head_dim=head_dim, mlp_dim=mlp),
-              "mtp": dict(depth=0)}
-  if num_steps is not None:
-    sections["train"] = dict(num_steps=num_steps)
-  if data_dir:
-    sections["data"] = dict(data_dir=data_dir)
-  return target_cfg.replace(**sections)
-
-
-def param_count(cfg: config_lib.Config) -> dict[str, int]:
-  """``count_params`` of the model ``cfg`` describes, without allocating it."""
-  return count_params(nnx.eval_shape(lambda: build_model(cfg)))
-
-
-def param_matched_arch(target_cfg: config_lib.Config, budget: int,
-                       tolerance: float = 0.1) -> tuple[tuple[int, int], list]:
-  """(num_layers, d_model) of the param-matched draft, over 1..L_target layers
-  and widths k * head_dim <= d_model: among the candidates whose total
-  parameter count is within ``tolerance`` (relative) of ``budget``, the
-  shallowest (fewest sequential blocks per drafted token, the usual shape of
-  a draft model), then the closest; without any, the closest overall. Also
-  returns the 5 closest candidates as [{num_layers, d_model, params}] for
-  the report. configs/tiny.py (budget 460,032): 2 x 128 (427,648, -7 %)
-  rather than 4 x 96 (456,288), which would draft at nearly the cost of the
-  4 x 128 target itself."""
-  m = target_cfg.model
-  cands = []
-  for layers in range(1, m.num_layers + 1):
-    for width in range(m.head_dim, m.d_model + 1, m.head_dim):
-      try:
-        p = param_count(draft_config(target_cfg, layers, width))["total"]
-      except config_lib.ConfigError:
-        continue
-      cands.append({"num_layers": layers, "d_model": width, "params": p})
-  cands.sort(key=lambda c: (abs(c["params"] - budget), c["num_layers"], c["d_model"]))
-  within = [c for c in cands if abs(c["params"] - budget) <= tolerance * budget]
-  best = min(within, key=lambda c: c["num_layers"]) if within else cands[0]   # stable: closest first
-  return (best["num_layers"], best["d_model"]), cands[:5]
-
-
-def cost_candidates(target_cfg: config_lib.Config) -> list[tuple[int, int]]:
-  """One-layer drafts at widths d_model/4, d_model/2, d_model (even, >= 2)."""
-  d = target_cfg.model.d_model
-  widths = sorted({max(2, (d // f) // 2 * 2) for f in (4, 2, 1)})
-  return [(1, w) for w in widths]
-
-
-def calibrate_cost_arch(target, target_cfg, candidates, prompt: str, max_new_tokens: int,
-                        num_draft_tokens: int, repeats: int) -> tuple[tuple[int, int], list]:
-  """The candidate (num_layers, d_model) whose drafting step is closest in
-  time (|log ratio|) to the MTP drafter's, i.e. whose cost ratio c is
-  closest to the MTP drafter's. Times: ``bench_decode.draft_time_s``
-  (median s per drafting step of G tokens, batch 1, T = 0) with
-  random-weight drafts (the time does not depend on the weights). Returns
-  (best, [{num_layers, d_model, params, draft_s, mtp_draft_s, time_ratio_to_mtp}])."""
-  sp = SamplingParams(temperature=0.0)
-  g = num_draft_tokens
-  mtp_s = draft_time_s(Decoder(target, "mtp", g), [prompt], max_new_tokens, sp, repeats)
-  rows = []
-  for layers, width in candidates:
-    dcfg = draft_config(target_cfg, layers, width)
-    s = draft_time_s(Decoder(target, "draft", g, build_model(dcfg)), [prompt], max_new_tokens, sp,
-                     repeats)
-    rows.append({"num_layers": layers, "d_model": width, "params": param_count(dcfg)["total"],
-                 "draft_s": s, "mtp_draft_s": mtp_s, "time_ratio_to_mtp": s / mtp_s})
-  best = min(rows, key=lambda r: abs(math.log(r["time_ratio_to_mtp"])))
-  return (best["num_layers"], best["d_model"]), rows
 
 
 def parse_arch(ap: argparse.ArgumentParser, flag: str, text: str) -> tuple[int, int] | None:
@@ -193,48 +97,6 @@ def parse_arch(ap: argparse.ArgumentParser, flag: str, text: str) -> tuple[int, 
     ap.error(f"--{flag}={text!r}: give 'auto' or LAYERSxD_MODEL with LAYERS >= 1 and D_MODEL >= 2 "
              "(e.g. 2x128)")
   return layers, width
-
-
-def arch_name(layers: int, width: int, steps: int) -> str:
-  return f"draft_L{layers}_d{width}_{steps}steps"
-
-
-# -- training cost ----------------------------------------------------------------------
-
-def train_step_costs(cfgs: dict[str, config_lib.Config], steps: int, repeats: int) -> dict[str, dict]:
-  """Seconds per jitted train step of each config on its own synthetic batch
-  (``bench_train.synthetic_batch``: cfg.train.batch_size x seq_len), after
-  compilation, ``steps`` steps per repeat, repeats interleaved across configs
-  so machine noise hits them alike (the approach of scripts/bench_train.py),
-  plus XLA's FLOP count of the compiled step. Identical configs are
-  measured once and share the result. Returns
-  {name: {"step_s": median, "step_s_min", "step_s_max", "flops"}}."""
-  runs, same = {}, {}
-  for name, cfg in cfgs.items():
-    key = cfg.to_json()
-    if key in same:             # an identical config compiles to the same step: measure once
-      continue
-    same[key] = name
-    trainer = Trainer(cfg)
-    state = trainer.init_state()
-    batch = shard_lib.global_batch(synthetic_batch(cfg), trainer.mesh)
-    compiled = trainer._step.lower(state.params, state.opt_state, batch).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    params, opt, metrics = compiled(state.params, state.opt_state, batch)
-    jax.block_until_ready(metrics)
-    runs[name] = {"fn": compiled, "params": params, "opt": opt, "batch": batch, "times": [],
-                  "flops": float(cost["flops"]) if cost and "flops" in cost else None}
-  for _ in range(repeats):
-    for r in runs.values():
-      t0 = time.perf_counter()
-      for _ in range(steps):
-        r["params"], r["opt"], metrics = r["fn"](r["params"], r["opt"], r["batch"])
-      jax.block_until_ready(metrics)
-      r["times"].append((time.perf_counter() - t0) / steps)
-  out = {name: {"step_s": float(np.median(r["times"])), "step_s_min": float(min(r["times"])),
-                "step_s_max": float(max(r["times"])), "flops": r["flops"]} for name, r in runs.items()}
-  return {name: out[same[cfg.to_json()]] for name, cfg in cfgs.items()}
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -332,8 +194,8 @@ def train_drafts(args, cfg, archs) -> list[dict]:
       walls[name] = walls.get(name, 0.0) + wall   # resumed runs add up their pieces
       _dump_json(walls_path, walls)
     # a SIGINT / SIGTERM makes train() checkpoint and return early: stop, do not report it as done
-    common.exit_if_interrupted(res, dcfg.train.num_steps, f"training of the {role}-matched draft {name}",
-                               workdir)
+    cli.exit_if_interrupted(res, dcfg.train.num_steps, f"training of the {role}-matched draft {name}",
+                            workdir)
     drafts[name] = {"label": name, "role": role, "workdir": workdir, "trained_now": not already,
                     "wall_s": walls.get(name)}
   return list(drafts.values())
@@ -349,16 +211,58 @@ def given_drafts(specs: list[str]) -> list[dict]:
   return out
 
 
+def drafter_rows(cfg, counts: dict, workdir: str, drafts: list[dict], probe: dict) -> list[dict]:
+  """The drafters table: the target's MTP modules (``counts``: its
+  ``count_params``) and every draft (``drafts`` with cfg, model, step
+  loaded), with extra parameters, extra training cost from the train-step
+  ``probe`` (``train_step_costs`` of "target", "target_d0" and each draft
+  label) and their runs' final metrics."""
+  base_s, base_flops = probe["target_d0"]["step_s"], probe["target_d0"]["flops"]
+  flop_ratio = lambda name: (probe[name]["flops"] / base_flops
+                             if probe[name]["flops"] and base_flops else None)
+  target_final = final_metrics(workdir)
+  target_steps = cfg.train.num_steps
+  drafters = [{
+      "label": "mtp", "role": "target's MTP modules", "method": "mtp", "workdir": workdir,
+      "architecture": f"{cfg.mtp.depth} MTP modules (1 block each, shared embedding/head)",
+      "extra_params": counts["mtp"], "extra_params_ratio": counts["mtp"] / counts["backbone"],
+      "probe_step_s": probe["target"]["step_s"], "probe_step_s_d0": base_s,
+      "extra_train_cost_time": probe["target"]["step_s"] / base_s - 1,
+      "extra_train_cost_flops": (flop_ratio("target") - 1) if flop_ratio("target") else None,
+      "train_steps": target_steps, "run_step_time_s": (target_final or {}).get("step_time_s"),
+      "train_wall_s": None, "val_bpb": val_bpb(target_final)}]
+  for d in drafts:
+    dc, dcounts = d["cfg"], count_params(d["model"])
+    steps_ratio = dc.train.num_steps / target_steps
+    final = final_metrics(d["workdir"])
+    drafters.append({
+        "label": d["label"], "role": d["role"], "method": "draft", "workdir": d["workdir"],
+        "architecture": f"{dc.model.num_layers} layer{'s' * (dc.model.num_layers > 1)}, "
+                        f"d_model {dc.model.d_model}, "
+                        f"{dc.model.num_heads}/{dc.model.num_kv_heads} heads, MLP {dc.model.mlp_dim}"
+                        + ("" if dc.mtp.depth == 0 else f" (its D = {dc.mtp.depth} MTP modules unused)"),
+        "num_layers": dc.model.num_layers, "d_model": dc.model.d_model,
+        # the drafting model: backbone incl. its own embedding and head (nothing shared)
+        "extra_params": dcounts["backbone"], "extra_params_ratio": dcounts["backbone"] / counts["backbone"],
+        "probe_step_s": probe[d["label"]]["step_s"],
+        "extra_train_cost_time": probe[d["label"]]["step_s"] / base_s * steps_ratio,
+        "extra_train_cost_flops": (flop_ratio(d["label"]) * steps_ratio) if flop_ratio(d["label"]) else None,
+        "train_steps": dc.train.num_steps, "run_step_time_s": (final or {}).get("step_time_s"),
+        "train_wall_s": d["wall_s"], "trained_now": d["trained_now"], "val_bpb": val_bpb(final),
+        "checkpoint_step": d["step"]})
+  return drafters
+
+
 # -- report ----------------------------------------------------------------------------
 
 def markdown(drafters: list[dict], rows: list[dict], meta: dict) -> str:
   t = meta["target"]
   lines = [f"# MTP drafting vs independent draft models: {meta['workdir']} (step {meta['checkpoint_step']})",
            "",
-           f"{common.machine(meta)}, JAX {meta['jax_version']}, commit "
+           f"{report.machine(meta)}, JAX {meta['jax_version']}, commit "
            f"{meta['commit']}, {meta['date']}. Target: {t['num_layers']} layers, d_model "
            f"{t['d_model']}, D = {t['depth']} MTP modules, backbone {t['params']['backbone']:,} "
-           f"params, validation bpb {_f(t['val_bpb'], '.3f')}. Drafts trained on {t['dataset']} "
+           f"params, validation bpb {report.fmt(t['val_bpb'], '.3f')}. Drafts trained on {t['dataset']} "
            f"with the target's batch and schedule ({meta['draft_steps']} steps) unless given with "
            "--draft_workdir.", "",
            "## Drafters", "",
@@ -374,10 +278,10 @@ def markdown(drafters: list[dict], rows: list[dict], meta: dict) -> str:
     lines.append(
         f"| {d['label']} | {d['role']} | {d['architecture']} | {d['extra_params']:,} | "
         f"{d['extra_params_ratio']:.2f} | {pct(d['extra_train_cost_time'])} | "
-        f"{pct(d['extra_train_cost_flops'])} | {_f(d['probe_step_s'] and d['probe_step_s'] * 1e3, '.1f')} | "
-        f"{_f(d['run_step_time_s'] and d['run_step_time_s'] * 1e3, '.1f')} | "
-        f"{_f(d['train_wall_s'] and d['train_wall_s'] / 60, '.1f')}{'' if d['train_wall_s'] is None else ' min'} | "
-        f"{_f(d['val_bpb'], '.3f')} |")
+        f"{pct(d['extra_train_cost_flops'])} | {report.fmt(d['probe_step_s'] and d['probe_step_s'] * 1e3, '.1f')} | "
+        f"{report.fmt(d['run_step_time_s'] and d['run_step_time_s'] * 1e3, '.1f')} | "
+        f"{report.fmt(d['train_wall_s'] and d['train_wall_s'] / 60, '.1f')}{'' if d['train_wall_s'] is None else ' min'} | "
+        f"{report.fmt(d['val_bpb'], '.3f')} |")
   sel = meta.get("selection")
   if sel:
     lines += ["", "## Draft selection", "",
@@ -399,7 +303,7 @@ def markdown(drafters: list[dict], rows: list[dict], meta: dict) -> str:
                    f"{sel['cost_calibration'][0]['mtp_draft_s'] * 1e3:.3f} | 1.00 |")
   lines += ["", f"## Decoding (batch {meta['batch_size']}, {meta['max_new_tokens']} new tokens, "
             f"held-out prompts of ~{meta['prompt_bytes']} bytes, median of "
-            f"{common.plural(meta['repeats'], 'interleaved repeat')}, while_loop form)", "",
+            f"{report.plural(meta['repeats'], 'interleaved repeat')}, while_loop form)", "",
             "c: drafting time per draft token / one AR step (drafting time measured inside a "
             "fori_loop, probed "
             + ("at every temperature" if meta["draft_cost_probe"] == "point" else "once, at the first "
@@ -409,12 +313,12 @@ def markdown(drafters: list[dict], rows: list[dict], meta: dict) -> str:
             "| T | drafter | G | tau | alpha_k | c | c (FLOPs) | speedup | ideal | eff. | tok/s |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    alphas = "/".join(_f(a) for a in r["acceptance_rate_per_position"]) or "-"
+    alphas = "/".join(report.fmt(a) for a in r["acceptance_rate_per_position"]) or "-"
     lines.append(
         f"| {r['temperature']:g} | {r['drafter']} | {r['num_draft_tokens'] or '-'} | {r['tau']:.2f} | "
-        f"{alphas} | {_f(r.get('draft_cost_ratio_c'))} | {_f(r.get('draft_cost_ratio_c_flops'))} | "
+        f"{alphas} | {report.fmt(r.get('draft_cost_ratio_c'))} | {report.fmt(r.get('draft_cost_ratio_c_flops'))} | "
         f"{r['speedup']:.2f}x | "
-        f"{_f(r.get('ideal_speedup'))} | {_f(r.get('efficiency'))} | {r['tokens_per_s']:.0f} |")
+        f"{report.fmt(r.get('ideal_speedup'))} | {report.fmt(r.get('efficiency'))} | {r['tokens_per_s']:.0f} |")
   return "\n".join(lines) + "\n"
 
 
@@ -458,7 +362,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained MTP target (mtp.depth >= 1)")
   ap.add_argument("--runs_dir", default="runs/drafters", help="where the draft runs live")
   ap.add_argument("--draft_workdir", action="append", default=[], metavar="[LABEL=]PATH",
@@ -469,7 +373,7 @@ def main(argv=None):
                   help="'auto' (1 layer at d_model/4, /2, /1) or a comma list of LAYERSxD_MODEL "
                        "searched for the cost-matched draft")
   ap.add_argument("--draft_steps", type=int, default=0, help="draft training steps (default: the target's)")
-  ap.add_argument("--data_dir", default="", help=common.DATA_DIR_HELP)
+  ap.add_argument("--data_dir", default="", help=cli.DATA_DIR_HELP)
   ap.add_argument("--num_draft_tokens", default="1,2,3", help="comma list of G >= 1")
   ap.add_argument("--temperatures", default="0,1", help="comma list of temperatures >= 0 (0: greedy)")
   ap.add_argument("--batch_size", type=int, default=1, help="rows per decode call, >= 1")
@@ -491,15 +395,15 @@ def main(argv=None):
                        "--probe_steps 1 --probe_repeats 1 --draft_steps 20 where not given")
   args = ap.parse_args(argv)
   if args.quick:
-    common.apply_quick(ap, args, num_draft_tokens="2", repeats=1, calib_repeats=1,
-                       draft_cost_probe="once", max_new_tokens=8, prompt_bytes=48, probe_steps=1,
-                       probe_repeats=1, draft_steps=20)
-  check_positive(ap, args, ("batch_size", "prompt_bytes", "max_new_tokens", "repeats",
+    cli.apply_quick(ap, args, num_draft_tokens="2", repeats=1, calib_repeats=1,
+                    draft_cost_probe="once", max_new_tokens=8, prompt_bytes=48, probe_steps=1,
+                    probe_repeats=1, draft_steps=20)
+  cli.check_positive(ap, args, ("batch_size", "prompt_bytes", "max_new_tokens", "repeats",
                             "calib_repeats", "probe_steps", "probe_repeats"))
   if args.draft_steps < 0:
     ap.error(f"--draft_steps={args.draft_steps} is out of range: must be >= 1 (0 = the target's)")
-  gs = common.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1)
-  temps = common.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
+  gs = cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1)
+  temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
   for flag in ("param_arch", "cost_arch"):
     parse_arch(ap, flag, getattr(args, flag))
   if args.cost_candidates != "auto":
@@ -535,64 +439,16 @@ def main(argv=None):
   probe_cfgs = {"target": cfg, "target_d0": cfg.replace(mtp=dict(depth=0)),
                 **{d["label"]: d["cfg"] for d in drafts}}
   probe = train_step_costs(probe_cfgs, args.probe_steps, args.probe_repeats)
-  base_s, base_flops = probe["target_d0"]["step_s"], probe["target_d0"]["flops"]
-  flop_ratio = lambda name: (probe[name]["flops"] / base_flops
-                             if probe[name]["flops"] and base_flops else None)
   target_final = final_metrics(args.workdir)
   target_steps = cfg.train.num_steps
-  drafters = [{
-      "label": "mtp", "role": "target's MTP modules", "method": "mtp", "workdir": args.workdir,
-      "architecture": f"{cfg.mtp.depth} MTP modules (1 block each, shared embedding/head)",
-      "extra_params": counts["mtp"], "extra_params_ratio": counts["mtp"] / counts["backbone"],
-      "probe_step_s": probe["target"]["step_s"], "probe_step_s_d0": base_s,
-      "extra_train_cost_time": probe["target"]["step_s"] / base_s - 1,
-      "extra_train_cost_flops": (flop_ratio("target") - 1) if flop_ratio("target") else None,
-      "train_steps": target_steps, "run_step_time_s": (target_final or {}).get("step_time_s"),
-      "train_wall_s": None, "val_bpb": val_bpb(target_final)}]
-  for d in drafts:
-    dc, dcounts = d["cfg"], count_params(d["model"])
-    steps_ratio = dc.train.num_steps / target_steps
-    final = final_metrics(d["workdir"])
-    drafters.append({
-        "label": d["label"], "role": d["role"], "method": "draft", "workdir": d["workdir"],
-        "architecture": f"{dc.model.num_layers} layer{'s' * (dc.model.num_layers > 1)}, "
-                        f"d_model {dc.model.d_model}, "
-                        f"{dc.model.num_heads}/{dc.model.num_kv_heads} heads, MLP {dc.model.mlp_dim}"
-                        + ("" if dc.mtp.depth == 0 else f" (its D = {dc.mtp.depth} MTP modules unused)"),
-        "num_layers": dc.model.num_layers, "d_model": dc.model.d_model,
-        # the drafting model: backbone incl. its own embedding and head (nothing shared)
-        "extra_params": dcounts["backbone"], "extra_params_ratio": dcounts["backbone"] / counts["backbone"],
-        "probe_step_s": probe[d["label"]]["step_s"],
-        "extra_train_cost_time": probe[d["label"]]["step_s"] / base_s * steps_ratio,
-        "extra_train_cost_flops": (flop_ratio(d["label"]) * steps_ratio) if flop_ratio(d["label"]) else None,
-        "train_steps": dc.train.num_steps, "run_step_time_s": (final or {}).get("step_time_s"),
-        "train_wall_s": d["wall_s"], "trained_now": d["trained_now"], "val_bpb": val_bpb(final),
-        "checkpoint_step": d["step"]})
-
+  drafters = drafter_rows(cfg, counts, args.workdir, drafts, probe)
   # decoding: AR, MTP and every draft at every G, side by side per temperature
-  decoders = {"ar": Decoder(target, "ar")}
-  drafter_of = {"ar": "ar"}
-  for g in gs:
-    decoders[f"mtp_G{g}"] = Decoder(target, "mtp", g)
-    drafter_of[f"mtp_G{g}"] = "mtp"
-  for d in drafts:
-    for g in gs:
-      decoders[f"{d['label']}_G{g}"] = Decoder(target, "draft", g, d["model"])
-      drafter_of[f"{d['label']}_G{g}"] = d["label"]
-  rows, draft_cache, flops_cache = [], ({} if args.draft_cost_probe == "once" else None), {}
-  for t in temps:
-    point = measure_point(decoders, prompts, args.batch_size, args.max_new_tokens,
-                          SamplingParams(temperature=t), args.repeats, ("while",), draft_cache,
-                          flops_cache)
-    for r in point:
-      r["drafter"] = drafter_of[r["label"]]
-      if r["method"] != "ar":
-        print(f"T={t:g} {r['label']:28s} tau {r['tau']:.2f}  c {r['draft_cost_ratio_c']:.2f}  "
-              f"speedup {r['speedup']:.2f}x", flush=True)
-    rows += point
+  rows = drafter_grid(target, {d["label"]: d["model"] for d in drafts}, gs, temps, prompts,
+                      args.batch_size, args.max_new_tokens, args.repeats,
+                      probe_once=args.draft_cost_probe == "once", log=lambda s: print(s, flush=True))
 
-  meta = common.provenance(
-      command=common.command_line(__file__, argv),
+  meta = report.provenance(
+      command=report.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(), runs_dir=args.runs_dir,
       target={"num_layers": cfg.model.num_layers, "d_model": cfg.model.d_model, "depth": cfg.mtp.depth,
               "params": counts, "dataset": dataset, "val_bpb": val_bpb(target_final),
@@ -604,10 +460,10 @@ def main(argv=None):
       prompt_bytes=args.prompt_bytes, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
       prompt_seed=args.seed, draft_cost_probe=args.draft_cost_probe, quick=args.quick)
   results = {"drafters": drafters, "decode": rows}
-  common.write_report(args.out, meta, results, markdown(drafters, rows, meta))
+  report.write_report(args.out, meta, results, markdown(drafters, rows, meta))
   plot(rows, args.out + ".png")
   print(f"wrote {args.out}.json, {args.out}.md and {args.out}.png")
 
 
 if __name__ == "__main__":
-  common.main_guard(main)
+  cli.main_guard(main, errors=(DecodeError,))

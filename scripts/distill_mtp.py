@@ -40,7 +40,7 @@ From the trained base workdir (never written to) the script
    speculative decoding with G = D and G = D + R, for the base and every
    stage (all prompts decoded as one batch; acceptance does not depend on
    the batch). Speedup over AR of the same model (batch 1, while_loop form,
-   ``bench_decode.measure_point``) on the first ``--speed_prompts`` prompts.
+   ``decode.bench.measure_point``) on the first ``--speed_prompts`` prompts.
 4. reports per variant the mean over seeds [min, max] of alpha_k, tau and
    speedup, the ratio of tau to the base and to the ``data`` control, the
    validation KL to the main head and argmax agreement per depth, the cost
@@ -64,17 +64,16 @@ import sys
 import time
 
 import jax
-import numpy as np
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from mtp import loading  # noqa: E402
-from mtp import config as config_lib  # noqa: E402
-from mtp import data as data_lib  # noqa: E402
-from mtp import tokenizer as tok  # noqa: E402
-from mtp.config import Config, ConfigError  # noqa: E402
-from scripts import common  # noqa: E402
+from decode.bench_grid import ParamSwapBench
+from decode.speculative import DecodeError
+from mtp import loading
+from mtp import cli, report
+from mtp import config as config_lib
+from mtp import data as data_lib
+from mtp.config import Config, ConfigError
+from mtp.timing import format_spread, spread
 
 VARIANTS = {            # name: (distill weight: None = --distill_weight, data, recursive steps on)
     "data": (0.0, "corpus", False),
@@ -152,76 +151,6 @@ def self_distilled_data(base_workdir: str, name: str, data_dir: str, out_dir: st
                                      log=log), "reused": False}
 
 
-class Bench:
-  """Decoders for AR and MTP (G in ``gs``) compiled once for one
-  architecture; ``use(model)`` swaps in another model's parameters (same
-  shapes: a stage of the same base), so every model is measured by the same
-  compiled programs.
-
-  Args:
-    model: a model of the architecture (its parameters are used until ``use``).
-    gs: draft lengths G >= 1.
-  """
-
-  def __init__(self, model, gs: list[int]):
-    from decode.speculative import Decoder
-    self.gs = list(gs)
-    self.decoders = {"ar": Decoder(model, "ar"), **{f"mtp_G{g}": Decoder(model, "mtp", g) for g in gs}}
-    self.draft_cache, self.flops_cache = {}, {}
-
-  def use(self, model) -> "Bench":
-    params = nnx.state(model, nnx.Param)
-    for dec in self.decoders.values():
-      dec.target_params = params
-    return self
-
-  def acceptance(self, prompts: list[str], temperatures: list[float], max_new_tokens: int,
-                 seed: int = 0) -> list[dict]:
-    """MTP speculative decoding of all ``prompts`` as one batch per (G, T).
-
-    Returns rows {num_draft_tokens, temperature, tau (emitted tokens per
-    target call), alpha (acceptance rate per position k = 1..G, None where
-    no round reached k), histogram (rounds per accepted count),
-    target_calls, tokens}."""
-    from decode import stats as stats_lib
-    from decode.speculative import SamplingParams
-    enc = [tok.ByteTokenizer().encode(p, add_bos=True) for p in prompts]
-    rows = []
-    for g in self.gs:
-      for t in temperatures:
-        gen = self.decoders[f"mtp_G{g}"].generate(enc, max_new_tokens, SamplingParams(temperature=t),
-                                                  seed=seed)
-        hist = gen.accepted_histogram.sum(0)
-        calls = int(gen.target_calls.sum())
-        rows.append({"num_draft_tokens": g, "temperature": t,
-                     "tau": float((hist * (np.arange(len(hist)) + 1)).sum() / max(calls, 1)),
-                     "alpha": stats_lib.acceptance_rates(hist),
-                     "histogram": [int(x) for x in hist], "target_calls": calls,
-                     "tokens": int(sum(len(x) for x in gen.tokens))})
-    return rows
-
-  def speed(self, prompts: list[str], gs: list[int], temperatures: list[float],
-            max_new_tokens: int, repeats: int) -> list[dict]:
-    """Speedup of MTP (G in ``gs``) over AR of the same model, batch 1,
-    while_loop form (``bench_decode.measure_point``; the drafting cost c is
-    measured once per G and shared: same architecture); rows with label,
-    method, num_draft_tokens, temperature, speedup, tau, wall_s_median,
-    tokens_per_s, draft_cost_ratio_c."""
-    from decode.speculative import SamplingParams
-    from scripts.bench_decode import measure_point
-    decoders = {k: d for k, d in self.decoders.items()
-                if k == "ar" or int(k.split("G")[1]) in gs}
-    rows = []
-    for t in temperatures:
-      for r in measure_point(decoders, prompts, 1, max_new_tokens, SamplingParams(temperature=t),
-                             max(repeats, 1) * len(prompts), draft_cache=self.draft_cache,
-                             flops_cache=self.flops_cache):
-        rows.append({k: r.get(k) for k in ("label", "method", "num_draft_tokens", "temperature",
-                                           "speedup", "tau", "wall_s_median", "tokens_per_s",
-                                           "draft_cost_ratio_c")})
-    return rows
-
-
 class Evaluator:
   """Validation metrics (``train.losses.summarize``: per depth loss,
   accuracy, teacher_kl, teacher_agreement; main bits per byte) of any
@@ -241,10 +170,8 @@ class Evaluator:
 # -- tables (pure) ---------------------------------------------------------------
 
 def _spread(values: list[float]) -> dict:
-  v = [x for x in values if x is not None]
-  if not v:
-    return {"mean": None, "min": None, "max": None, "n": 0}
-  return {"mean": float(np.mean(v)), "min": float(min(v)), "max": float(max(v)), "n": len(v)}
+  """mean, min, max, n of the values that are not None (``mtp.timing.spread``)."""
+  return spread([x for x in values if x is not None], ("mean", "min", "max", "n"))
 
 
 def acceptance_table(base_rows: list[dict], stages: list[dict]) -> list[dict]:
@@ -305,17 +232,15 @@ def targets(table: list[dict], depth: int) -> dict:
 
 
 def _ms(s: dict, fmt: str = ".3f") -> str:
-  if not s or s.get("mean") is None:
-    return "-"
-  f = lambda x: format(x, fmt)
-  return f(s["mean"]) if s["n"] == 1 else f"{f(s['mean'])} [{f(s['min'])}, {f(s['max'])}]"
+  """'mean [min, max]' of a spread over seeds, '-' when empty."""
+  return format_spread(s, fmt, center="mean")
 
 
 def markdown(meta: dict, results: dict) -> str:
   b, d = meta["budget"], meta["depth"]
   lines = [f"# MTP distillation from the main head: {meta['base_workdir']} (D = {d}, "
            f"{meta['base_params']} params, step {meta['base_step']})", "",
-           f"{common.machine(meta)}, JAX {meta['jax_version']}, commit {meta['commit']}, {meta['date']}. "
+           f"{report.machine(meta)}, JAX {meta['jax_version']}, commit {meta['commit']}, {meta['date']}. "
            f"Stages: frozen backbone, {b['num_steps']} steps x {b['batch_size']} x {b['seq_len']} tokens, "
            f"AdamW lr {b['learning_rate']:g} (warmup {b['warmup_steps']}, cosine), distill weight "
            f"{b['distill_weight']:g} ({b['distill_divergence']}), temperature "
@@ -385,10 +310,10 @@ def markdown(meta: dict, results: dict) -> str:
 
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained base workdir (read only)")
   ap.add_argument("--runs_dir", default="runs/distill", help="stage workdirs and the self-distilled data")
-  ap.add_argument("--data_dir", default="", help=common.DATA_DIR_HELP)
+  ap.add_argument("--data_dir", default="", help=cli.DATA_DIR_HELP)
   ap.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)} (default data,kl,kl_sd,kl_sd_rec)")
   ap.add_argument("--seeds", help="stage seeds (data order), comma list >= 0 (default 0,1)")
   ap.add_argument("--num_steps", type=int, help="steps per stage (default 400)")
@@ -420,13 +345,13 @@ def main(argv=None):
   for k, (full, quick) in DEFAULTS.items():
     if getattr(args, k) is None:
       setattr(args, k, quick if args.quick else full)
-  variants = common.parse_list(ap, "variants", args.variants, str, choices=tuple(VARIANTS))
-  seeds = common.parse_list(ap, "seeds", args.seeds, int, 0)
-  temps = common.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
-  common.check_range(ap, args, num_steps=1, batch_size=1, seq_len=0, warmup_steps=0, eval_batches=1,
-                     recursive_steps=1, sd_docs=1, sd_prompt_bytes=1, sd_max_new_tokens=1,
-                     sd_batch_size=1, prompts=1, prompt_bytes=1, max_new_tokens=1, speed_prompts=0,
-                     speed_repeats=1, distill_weight=(0.0, 1.0))
+  variants = cli.parse_list(ap, "variants", args.variants, str, choices=tuple(VARIANTS))
+  seeds = cli.parse_list(ap, "seeds", args.seeds, int, 0)
+  temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
+  cli.check_range(ap, args, num_steps=1, batch_size=1, seq_len=0, warmup_steps=0, eval_batches=1,
+                  recursive_steps=1, sd_docs=1, sd_prompt_bytes=1, sd_max_new_tokens=1,
+                  sd_batch_size=1, prompts=1, prompt_bytes=1, max_new_tokens=1, speed_prompts=0,
+                  speed_repeats=1, distill_weight=(0.0, 1.0))
   if args.distill_weight <= 0:
     ap.error(f"--distill_weight={args.distill_weight}: must be in (0, 1] (the data variant is w = 0)")
   base_cfg, _ = loading.load_config(args.workdir)
@@ -451,14 +376,70 @@ def main(argv=None):
   data_dir = args.data_dir or base_cfg.data.data_dir
   prompts = data_lib.held_out_prompts(base_cfg.data.name, args.prompts, args.prompt_bytes,
                                       data_dir=data_dir)
-  return _run(args, argv, base_cfg, depth, variants, seeds, temps, cfgs, budget, prompts, sd_name,
-              sd_data_dir, data_dir)
+  return _run(args, argv, Plan(base_cfg, depth, variants, seeds, temps, cfgs, budget, prompts,
+                               sd_name, sd_data_dir, data_dir))
 
 
-def _run(args, argv, base_cfg, depth, variants, seeds, temps, cfgs, budget, prompts, sd_name,
-         sd_data_dir, data_dir):
-  from decode import self_distill
+def train_stage(cfg: Config, variant: str, seed: int, name: str, workdir: str, log,
+                t_start: float) -> dict:
+  """Trains (or resumes, or reuses) one stage in ``workdir``; returns its
+  record {name, variant, seed, workdir, reused, tokens, step, train_wall_s
+  (what the stage cost when it ran: stage_cost.json), eval, step_time_s},
+  or with "diverged" (message) when the loss became non-finite. Exits
+  (128 + signal) when the training was interrupted."""
   from train.loop import DivergedError, train
+  finished = os.path.exists(os.path.join(workdir, "final_metrics.json"))
+  log(f"[stage {name}] training {cfg.train.num_steps} steps (elapsed "
+      f"{time.perf_counter() - t_start:.0f} s)")
+  t0 = time.perf_counter()
+  st = {"name": name, "variant": variant, "seed": seed, "workdir": workdir, "reused": finished,
+        "tokens": cfg.train.num_steps * cfg.train.batch_size * cfg.train.seq_len}
+  try:
+    res = train(cfg, workdir, log=lambda x: log(f"  {x}"))
+  except DivergedError as e:
+    st.update(diverged=str(e), train_wall_s=time.perf_counter() - t0)
+    return st
+  cli.exit_if_interrupted(res, cfg.train.num_steps, f"stage {name}", workdir)
+  st.update(step=res["step"], train_wall_s=time.perf_counter() - t0, eval=res.get("eval"),
+            step_time_s=res.get("step_time_s"))
+  cost_path = os.path.join(workdir, "stage_cost.json")
+  if finished and os.path.exists(cost_path):     # what the stage cost when it ran
+    with open(cost_path) as f:
+      st["train_wall_s"] = json.load(f)["train_wall_s"]
+  elif not res.get("interrupted"):
+    with open(cost_path, "w") as f:
+      json.dump({"train_wall_s": st["train_wall_s"], "step": res["step"]}, f)
+  return st
+
+
+@dataclasses.dataclass
+class Plan:
+  """What one distillation run does, from the flags: the base's config and
+  MTP depth, the variants x seeds of stages and their configs ({(variant,
+  seed): Config}), the shared budget, the decoding temperatures and
+  held-out prompts, the self-distilled dataset (name, dir) and the corpus
+  data dir."""
+  base_cfg: Config
+  depth: int
+  variants: list[str]
+  seeds: list[int]
+  temperatures: list[float]
+  cfgs: dict
+  budget: dict
+  prompts: list[str]
+  sd_name: str
+  sd_data_dir: str
+  data_dir: str
+
+
+def _run(args, argv, plan: Plan):
+  """The stages: self-distilled data if needed, the base's metrics, then
+  every (variant, seed) stage trained, evaluated and decoded; the report."""
+  base_cfg, depth, variants, seeds, temps, cfgs, budget, prompts = (
+      plan.base_cfg, plan.depth, plan.variants, plan.seeds, plan.temperatures, plan.cfgs,
+      plan.budget, plan.prompts)
+  sd_name, sd_data_dir, data_dir = plan.sd_name, plan.sd_data_dir, plan.data_dir
+  from decode import self_distill
   log = lambda s: print(s, flush=True)
   t_start = time.perf_counter()
   sd_meta = None
@@ -482,7 +463,7 @@ def _run(args, argv, base_cfg, depth, variants, seeds, temps, cfgs, budget, prom
   base_eval = evaluator(base_params)
   gs = sorted({depth, depth + args.recursive_steps})
   log(f"base {args.workdir} (step {base_step}): measuring acceptance at G={gs}, T={temps}")
-  bench = Bench(base_model, gs)
+  bench = ParamSwapBench(base_model, gs)
   base_acc = bench.acceptance(prompts, temps, args.max_new_tokens)
   base_speed = (bench.speed(prompts[:args.speed_prompts], [depth], temps, args.max_new_tokens,
                             args.speed_repeats) if args.speed_prompts else [])
@@ -495,28 +476,10 @@ def _run(args, argv, base_cfg, depth, variants, seeds, temps, cfgs, budget, prom
     for s in seeds:
       cfg, name = cfgs[(v, s)], stage_name(v, s)
       workdir = os.path.join(args.runs_dir, name)
-      finished = os.path.exists(os.path.join(workdir, "final_metrics.json"))
-      log(f"[stage {name}] training {cfg.train.num_steps} steps (elapsed "
-          f"{time.perf_counter() - t_start:.0f} s)")
-      t0 = time.perf_counter()
-      st = {"name": name, "variant": v, "seed": s, "workdir": workdir, "reused": finished,
-            "tokens": cfg.train.num_steps * cfg.train.batch_size * cfg.train.seq_len}
-      try:
-        res = train(cfg, workdir, log=lambda x: log(f"  {x}"))
-      except DivergedError as e:
-        st.update(diverged=str(e), train_wall_s=time.perf_counter() - t0)
+      st = train_stage(cfg, v, s, name, workdir, log, t_start)
+      if "diverged" in st:
         stages.append(st)
         continue
-      common.exit_if_interrupted(res, cfg.train.num_steps, f"stage {name}", workdir)
-      st.update(step=res["step"], train_wall_s=time.perf_counter() - t0, eval=res.get("eval"),
-                step_time_s=res.get("step_time_s"))
-      cost_path = os.path.join(workdir, "stage_cost.json")
-      if finished and os.path.exists(cost_path):     # what the stage cost when it ran
-        with open(cost_path) as f:
-          st["train_wall_s"] = json.load(f)["train_wall_s"]
-      elif not res.get("interrupted"):
-        with open(cost_path, "w") as f:
-          json.dump({"train_wall_s": st["train_wall_s"], "step": res["step"]}, f)
       model = loading.load_model(workdir)[1]
       st["eval_base_data"] = evaluator(nnx.state(model, nnx.Param))   # the base's validation batches
       bench.use(model)
@@ -537,8 +500,8 @@ def _run(args, argv, base_cfg, depth, variants, seeds, temps, cfgs, budget, prom
   results = {"self_distilled": sd_meta, "base_eval": base_eval, "base_acceptance": base_acc,
              "base_speed": base_speed, "stages": stages, "acceptance_table": table,
              "targets": targets(table, depth)}
-  cmd = common.command_line(__file__, argv)
-  meta = common.provenance(
+  cmd = report.command_line(__file__, argv)
+  meta = report.provenance(
       command=cmd, quick=args.quick, base_workdir=args.workdir, base_step=base_step,
       base_config=base_cfg.to_dict(), base_params=sum(x.size for x in jax.tree.leaves(base_params)),
       depth=depth, max_depth=depth + args.recursive_steps, dataset=base_cfg.data.name,
@@ -548,10 +511,10 @@ def _run(args, argv, base_cfg, depth, variants, seeds, temps, cfgs, budget, prom
               "prompt_bytes": args.prompt_bytes, "max_new_tokens": args.max_new_tokens,
               "speed_prompts": args.speed_prompts, "speed_repeats": args.speed_repeats},
       wall_s=time.perf_counter() - t_start)
-  common.write_report(args.out, meta, results, markdown(meta, results))
+  report.write_report(args.out, meta, results, markdown(meta, results))
   log(f"done in {time.perf_counter() - t_start:.0f} s; wrote {args.out}.json and {args.out}.md")
   return 0
 
 
 if __name__ == "__main__":
-  common.main_guard(main)
+  cli.main_guard(main, errors=(DecodeError,))

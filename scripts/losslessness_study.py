@@ -61,69 +61,29 @@ decoders.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
-import os
-import sys
 import time
 
 import matplotlib
 
 matplotlib.use("Agg")
-import jax.numpy as jnp  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from scipy import stats as sps  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from decode import sampling  # noqa: E402
-from decode.speculative import Decoder, SamplingParams  # noqa: E402
+from decode.bench import ArgmaxAcceptDecoder  # noqa: E402
+from decode.speculative import DecodeError, Decoder, SamplingParams  # noqa: E402
 from mtp import checkpoint as ckpt_lib  # noqa: E402
 from mtp import loading  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
+from mtp import cli, report  # noqa: E402
 from mtp import tokenizer as tok  # noqa: E402
-from scripts import common  # noqa: E402
 
 QUICK_PROMPTS = ("ace", "ef ")    # over the alphabet "abcdef " of tests/conftest.py's Markov source
 MIN_EXPECTED = 5.0
 POWER_SETTING = (1.0, 1.0)        # (temperature, top_p) of the wrong-rule check
 SEED_STRIDE = 100_003             # seeds of different methods / settings never collide
-
-
-# -- the deliberately wrong rule ---------------------------------------------------
-
-def argmax_accept(key, target_probs, draft_tokens):
-  """WRONG acceptance rule, for the power check: accept d_j while it equals
-  argmax p_{j-1}; the next token is sampled from p_a (the target row at the
-  first rejected position, or p_G as the bonus). Not lossless: it ignores q.
-
-  Args: key (jax.random key), target_probs [B, G+1, V] float, draft_tokens
-  [B, G] int. Returns (num_accepted [B] int32 in 0..G, next_token [B] int32).
-  """
-  p = jnp.asarray(target_probs, jnp.float32)
-  g = p.shape[1] - 1
-  best = jnp.argmax(p[:, :g], axis=-1).astype(jnp.int32)                 # [B, G]
-  match = draft_tokens.astype(jnp.int32) == best
-  a = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)      # [B]
-  p_row = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]         # [B, V]
-  return a.astype(jnp.int32), sampling.sample(key, p_row)
-
-
-class ArgmaxAcceptDecoder(Decoder):
-  """A speculative ``Decoder`` whose round uses ``argmax_accept`` instead of
-  the rejection rule of Leviathan et al. 2023 (Algorithm 1): same drafting,
-  verification and commit, wrong acceptance. For power checks only."""
-
-  def __init__(self, target, method="mtp", num_draft_tokens=2, draft=None, mesh=None):
-    if method == "ar":
-      raise ValueError("ArgmaxAcceptDecoder needs a speculative method (mtp or draft)")
-    super().__init__(target, method, num_draft_tokens, draft, mesh)
-
-  def _round(self, params, draft_params, state, warp):
-    target, draft = self._models(params, draft_params)
-    state, d_tok, _, p, h0, key = self._propose(target, draft, state, warp)
-    a, nxt = argmax_accept(key, p, d_tok)
-    return self._commit(state, d_tok, a, nxt, h0)
 
 
 # -- sampling ------------------------------------------------------------------------
@@ -377,11 +337,69 @@ def plot_pvalues(path: str, correct: list[float], wrong: list[float]) -> None:
 
 # -- main ------------------------------------------------------------------------------
 
+@dataclasses.dataclass
+class Study:
+  """What to sample: the target (MTP depth D >= 1), the encoded prompts
+  (BOS included), the draft length G, the (temperature, top_p) settings,
+  samples per prompt / setting / method, tokens per sample, rows per
+  generate call and the seed."""
+  target: object
+  encoded: list
+  num_draft_tokens: int
+  settings: list[tuple[float, float]]
+  num_samples: int
+  num_tokens: int
+  batch_size: int
+  seed: int
+
+
+def stat_name(n: int) -> str:
+  """"first_token", "first_2_tokens", ...: the name of the first-n-tokens statistic."""
+  return "first_token" if n == 1 else f"first_{n}_tokens"
+
+
+def run_study(s: Study) -> tuple[list[dict], list[dict], list[int]]:
+  """AR vs MTP samples at every setting (and the wrong rule at
+  ``POWER_SETTING``), compared with ``two_sample_chi2`` per prompt on the
+  first 1, 2 and num_tokens tokens. Returns (tests, acceptance rows, the
+  token counts n compared)."""
+  t0 = time.perf_counter()
+  target, encoded, g, settings = s.target, s.encoded, s.num_draft_tokens, s.settings
+  decoders = {"ar": Decoder(target, "ar"), "mtp": Decoder(target, "mtp", g),
+              "wrong_argmax": ArgmaxAcceptDecoder(target, "mtp", g)}
+  draw = lambda name, k, sp, s_idx: sample_continuations(
+      decoders[name], encoded, s.num_samples, s.num_tokens, sp,
+      s.seed + SEED_STRIDE * (3 * s_idx + k), s.batch_size)
+  ns = sorted({1, min(2, s.num_tokens), s.num_tokens})
+  tests, acceptance = [], []
+
+  def compare(rule, s_idx, temp, top_p, spec, ar):
+    for i in range(len(encoded)):
+      for n in ns:
+        res = two_sample_chi2(categories(ar[i], n), categories(spec[i], n))
+        tests.append({"prompt_index": i, "temperature": temp, "top_p": top_p, "rule": rule,
+                      "num_draft_tokens": g, "statistic": stat_name(n), "n": n, **res})
+
+  all_settings = settings + ([POWER_SETTING] if POWER_SETTING not in settings else [])
+  for s_idx, (temp, top_p) in enumerate(all_settings):
+    sp = SamplingParams(temperature=temp, top_p=top_p)
+    ar, _ = draw("ar", 0, sp, s_idx)
+    runs = ([("mtp", 1)] if (temp, top_p) in settings else []) + \
+           ([("wrong_argmax", 2)] if (temp, top_p) == POWER_SETTING else [])
+    for rule, k in runs:
+      spec, hist = draw(rule, k, sp, s_idx)
+      compare(rule, s_idx, temp, top_p, spec, ar)
+      acceptance.append({"temperature": temp, "top_p": top_p, "rule": rule, "num_draft_tokens": g,
+                         "tau": tau_from_histogram(hist), "accepted_length_histogram": hist.tolist()})
+    print(f"T={temp:g} top-p={top_p:g}: done ({time.perf_counter() - t0:.1f} s)", flush=True)
+  return tests, acceptance, ns
+
+
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained checkpoint with MTP depth >= 1")
   ap.add_argument("--dataset", default="python_stdlib", help="held-out prompt dataset")
-  ap.add_argument("--data_dir", default="", help=common.DATA_DIR_HELP)
+  ap.add_argument("--data_dir", default="", help=cli.DATA_DIR_HELP)
   ap.add_argument("--num_prompts", type=int, default=4, help="held-out prompts, in [1, 1000]")
   ap.add_argument("--prompt_bytes", type=int, default=48, help="bytes per held-out prompt, >= 1")
   ap.add_argument("--prompt", action="append", default=None,
@@ -402,11 +420,11 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.quick:        # only what the user did not give
     args.prompt = args.prompt or list(QUICK_PROMPTS)
-    common.apply_quick(ap, args, temperatures="0.7,1.0", num_samples=500, num_tokens=2)
-    common.apply_quick(ap, args, batch_size=len(args.prompt) * args.num_samples)
-  args.temperatures = common.parse_list(ap, "temperatures", args.temperatures or "0.7,1.0,1.3", float,
-                                        0.0, 100.0, lo_open=True)
-  args.top_ps = common.parse_list(ap, "top_ps", args.top_ps or "1.0,0.9", float, 0.0, 1.0, lo_open=True)
+    cli.apply_quick(ap, args, temperatures="0.7,1.0", num_samples=500, num_tokens=2)
+    cli.apply_quick(ap, args, batch_size=len(args.prompt) * args.num_samples)
+  args.temperatures = cli.parse_list(ap, "temperatures", args.temperatures or "0.7,1.0,1.3", float,
+                                     0.0, 100.0, lo_open=True)
+  args.top_ps = cli.parse_list(ap, "top_ps", args.top_ps or "1.0,0.9", float, 0.0, 1.0, lo_open=True)
   for flag, val, lo, hi in [("--num_samples", args.num_samples, 20, 10**7),
                             ("--num_tokens", args.num_tokens, 1, 64),
                             ("--batch_size", args.batch_size, 1, 10**5),
@@ -434,35 +452,8 @@ def main(argv=None):
   settings = [(t, p) for t in args.temperatures for p in args.top_ps]
 
   t0 = time.perf_counter()
-  decoders = {"ar": Decoder(target, "ar"), "mtp": Decoder(target, "mtp", g),
-              "wrong_argmax": ArgmaxAcceptDecoder(target, "mtp", g)}
-  draw = lambda name, k, sp, s_idx: sample_continuations(
-      decoders[name], encoded, args.num_samples, args.num_tokens, sp,
-      args.seed + SEED_STRIDE * (3 * s_idx + k), args.batch_size)
-  ns = sorted({1, min(2, args.num_tokens), args.num_tokens})
-  stat_name = lambda n: "first_token" if n == 1 else f"first_{n}_tokens"
-  tests, acceptance = [], []
-
-  def compare(rule, s_idx, temp, top_p, spec, ar):
-    for i in range(len(encoded)):
-      for n in ns:
-        res = two_sample_chi2(categories(ar[i], n), categories(spec[i], n))
-        tests.append({"prompt_index": i, "temperature": temp, "top_p": top_p, "rule": rule,
-                      "num_draft_tokens": g, "statistic": stat_name(n), "n": n, **res})
-
-  all_settings = settings + ([POWER_SETTING] if POWER_SETTING not in settings else [])
-  for s_idx, (temp, top_p) in enumerate(all_settings):
-    sp = SamplingParams(temperature=temp, top_p=top_p)
-    ar, _ = draw("ar", 0, sp, s_idx)
-    runs = ([("mtp", 1)] if (temp, top_p) in settings else []) + \
-           ([("wrong_argmax", 2)] if (temp, top_p) == POWER_SETTING else [])
-    for rule, k in runs:
-      spec, hist = draw(rule, k, sp, s_idx)
-      compare(rule, s_idx, temp, top_p, spec, ar)
-      acceptance.append({"temperature": temp, "top_p": top_p, "rule": rule, "num_draft_tokens": g,
-                         "tau": tau_from_histogram(hist), "accepted_length_histogram": hist.tolist()})
-    print(f"T={temp:g} top-p={top_p:g}: done ({time.perf_counter() - t0:.1f} s)", flush=True)
-
+  tests, acceptance, ns = run_study(Study(target, encoded, g, settings, args.num_samples,
+                                          args.num_tokens, args.batch_size, args.seed))
   correct = [t for t in tests if t["rule"] == "mtp"]
   wrong = [t for t in tests if t["rule"] == "wrong_argmax"]
   results = {
@@ -476,14 +467,14 @@ def main(argv=None):
       "tests": tests, "acceptance": acceptance, "seconds": time.perf_counter() - t0,
   }
   results["verdict"] = verdict(results["combined"]["correct"], results["combined"]["wrong"])
-  meta = common.provenance(
-      command=common.command_line(__file__, argv),
+  meta = report.provenance(
+      command=report.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),
       prompt_source="--prompt" if args.prompt else "held_out_prompts", dataset=args.dataset,
       prompt_bytes=args.prompt_bytes, num_prompts=len(texts), temperatures=args.temperatures,
       top_ps=args.top_ps, num_draft_tokens=g, num_samples=args.num_samples,
       num_tokens=args.num_tokens, batch_size=args.batch_size, seed=args.seed, quick=args.quick)
-  common.write_report(args.out, meta, results, markdown(results, meta))
+  report.write_report(args.out, meta, results, markdown(results, meta))
   plot_pvalues(args.out + "_pvalues.png", [t["pvalue"] for t in correct if t["pvalue"] is not None],
                [t["pvalue"] for t in wrong if t["pvalue"] is not None])
   c, w = results["combined"]["correct"], results["combined"]["wrong"]
@@ -497,4 +488,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  common.main_guard(main)
+  cli.main_guard(main, errors=(DecodeError,))

@@ -15,7 +15,7 @@ target call plus G draft steps, i.e. G c + 1 target-step units of time
 - tau(alpha, G) = E[a + 1] = (1 - alpha^(G+1)) / (1 - alpha)    (eq. 1)
 - speedup(alpha, G, c) = tau / (G c + 1)                        (Theorem 3.8)
 
-(``decode.stats.expected_accepted_length`` / ``ideal_speedup``). The script
+(``decode.theory``). The script
 
 1. tabulates both over alpha (grid 0.3..0.9), G = 1..G_max and several c;
 2. simulates the round process (``simulate_rounds``) and reports how many
@@ -41,7 +41,6 @@ import argparse
 import json
 import math
 import os
-import sys
 
 import matplotlib
 
@@ -49,10 +48,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from decode import stats as stats_lib  # noqa: E402
-from scripts import common  # noqa: E402
+from decode.theory import accepted_length_law, closed_form_speedup, closed_form_tau  # noqa: E402
+from decode.speculative import DecodeError  # noqa: E402
+from mtp import cli, report  # noqa: E402
 
 DEFAULT_COSTS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0)
 BENCH_FIELDS = ("method", "num_draft_tokens", "form", "tau", "alpha_iid", "draft_cost_ratio_c",
@@ -66,31 +64,6 @@ DEEPSEEK_V3 = {
     "alpha_range": [0.85, 0.90], "num_draft_tokens": 1, "reported_speedup": 1.8,
     "num_layers": 61, "hidden": 7168, "vocab": 129280, "activated_params": 37e9,
 }
-
-
-# -- closed forms (vectorised wrappers of decode.stats) ---------------------------
-
-def closed_form_tau(alpha, g):
-  """tau(alpha, G) = (1 - alpha^(G+1)) / (1 - alpha), tokens per target call
-  (Leviathan et al. 2023, eq. 1). alpha in [0, 1], G >= 0 int; broadcasts
-  (numpy arrays or scalars) -> float64 array of the broadcast shape."""
-  return np.vectorize(stats_lib.expected_accepted_length, otypes=[np.float64])(alpha, g)
-
-
-def closed_form_speedup(alpha, g, c):
-  """Expected walltime improvement tau(alpha, G) / (G c + 1) (Leviathan et al.
-  2023, Theorem 3.8); c >= 0 = draft time per token / target step.
-  Broadcasts -> float64 array."""
-  return np.vectorize(stats_lib.ideal_speedup, otypes=[np.float64])(alpha, g, c)
-
-
-def accepted_length_law(alpha: float, g: int) -> np.ndarray:
-  """P(a = k), k = 0..G [G+1] float64, under i.i.d. acceptance:
-  alpha^k (1 - alpha) for k < G and alpha^G for k = G."""
-  k = np.arange(g + 1)
-  law = alpha ** k * (1 - alpha)
-  law[g] = alpha ** g
-  return law
 
 
 # -- Monte Carlo -----------------------------------------------------------------
@@ -259,10 +232,6 @@ def deepseek_v3_check(spec: dict = DEEPSEEK_V3) -> dict:
 
 
 # -- report --------------------------------------------------------------------------
-
-def _fmt(x, spec=".3f"):
-  return "-" if x is None else format(x, spec)
-
 
 def deepseek_markdown(ds: dict) -> list[str]:
   lo, hi = ds["ends"][0], ds["ends"][-1]
@@ -444,7 +413,7 @@ def plot_optimal_g(path: str, alphas, costs, g_max: int) -> None:
 # -- main ----------------------------------------------------------------------------
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--bench", action="append", default=[],
                   help="bench_decode JSON report to overlay (repeatable)")
   ap.add_argument("--costs", default=",".join(f"{c:g}" for c in DEFAULT_COSTS),
@@ -461,9 +430,9 @@ def main(argv=None):
                   help="tests: fills in --rounds 5000 --alpha_step 0.2 where not given")
   args = ap.parse_args(argv)
   if args.quick:
-    common.apply_quick(ap, args, rounds=5000, alpha_step=0.2)
-  args.costs = common.parse_list(ap, "costs", args.costs, float, 0.0)
-  args.curve_costs = common.parse_list(ap, "curve_costs", args.curve_costs, float, 0.0)
+    cli.apply_quick(ap, args, rounds=5000, alpha_step=0.2)
+  args.costs = cli.parse_list(ap, "costs", args.costs, float, 0.0)
+  args.curve_costs = cli.parse_list(ap, "curve_costs", args.curve_costs, float, 0.0)
   if not 0 <= args.alpha_min < args.alpha_max <= 1:
     ap.error(f"--alpha_min={args.alpha_min} and --alpha_max={args.alpha_max} must satisfy "
              "0 <= alpha_min < alpha_max <= 1")
@@ -503,9 +472,9 @@ def main(argv=None):
                       "frac_within_3se": float(np.mean(np.asarray(zs_tau) <= 3)), "rows": mc_rows},
       "optimal": optimal, "measured": measured, "deepseek_v3": deepseek_v3_check(),
   }
-  meta = common.provenance(command=common.command_line(__file__, argv),
+  meta = report.provenance(command=report.command_line(__file__, argv),
                            **{k: v for k, v in vars(args).items()})
-  common.write_report(args.out, meta, results, markdown(results, meta))
+  report.write_report(args.out, meta, results, markdown(results, meta))
   fine = np.linspace(args.alpha_min, args.alpha_max, 61)
   plot_curves(args.out + "_curves.png", fine, [g for g in (1, 2, 3, 4, 8) if g <= args.g_max],
               args.curve_costs, measured)
@@ -520,4 +489,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  common.main_guard(main)
+  cli.main_guard(main, errors=(DecodeError,))

@@ -24,12 +24,12 @@ Identical settings shared by two sweeps are measured once. Every point
 decodes the same held-out prompts (``mtp.data.held_out_prompts``; a
 different prompt per repeat and row) with AR and with MTP in the same
 process and the same sampling settings, repeats interleaved
-(``scripts/bench_decode.run_cells``, while_loop form by default), and
+(``decode.bench.run_cells``, while_loop form by default), and
 reports tau, alpha per position, the measured draft cost ratio c (and the
 FLOP share c that drafting would have if time followed FLOPs), speedup
 over AR at the same batch and sampling (median wall time), and the ideal
 speedup of Leviathan et al. 2023 (Theorem 3.8) with the measured alpha and c
-(``scripts/bench_decode.summarize_cell``). The drafting time behind c is
+(``decode.bench.summarize_cell``). The drafting time behind c is
 probed at every point (``--draft_cost_probe point``, one compile each) or once
 per batch size (``batch``, what ``--quick`` uses).
 
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 
 import matplotlib
@@ -53,59 +52,21 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from decode.speculative import Decoder, SamplingParams  # noqa: E402
+from decode import bench_grid  # noqa: E402
+from decode.bench_grid import DOMAIN_KIND, SweepDecode  # noqa: E402
+from decode.speculative import DecodeError  # noqa: E402
 from mtp import loading  # noqa: E402
+from mtp import cli, report  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
-from scripts import common  # noqa: E402
-from scripts.bench_decode import measure_point  # noqa: E402
-
-SWEEPS = ("temperature", "top_p", "batch", "domain")
-DOMAIN_KIND = {"python_stdlib": "code", "python_docs": "prose"}
-
-
-# -- measurement -------------------------------------------------------------------
-
-def sweep_points(base: dict, temperatures, top_ps, batch_sizes, batch_temperatures,
-                 domains) -> dict[str, list[dict]]:
-  """The settings of each sweep: {sweep name: [point, ...]}, each point a
-  dict with keys domain, temperature, top_p, batch_size; every point equals
-  ``base`` except on its sweep's axes (temperature sweep: T x domain; top_p:
-  p; batch: B x T in ``batch_temperatures``; domain: domain x T in {0, 1}).
-  Pure; points repeat across sweeps where the settings coincide."""
-  pt = lambda **kw: {**base, **kw}
-  return {
-      "temperature": [pt(domain=d, temperature=t) for d in domains for t in temperatures],
-      "top_p": [pt(top_p=p) for p in top_ps],
-      "batch": [pt(batch_size=b, temperature=t) for t in batch_temperatures for b in batch_sizes],
-      "domain": [pt(domain=d, temperature=t) for t in (0.0, 1.0) for d in domains],
-  }
-
-
-def point_key(p: dict) -> tuple:
-  return (p["domain"], float(p["temperature"]), float(p["top_p"]), int(p["batch_size"]))
-
-
-# -- flags ---------------------------------------------------------------------------
-
-def check_positive(ap: argparse.ArgumentParser, args, names) -> None:
-  """``ap.error`` naming the flag unless every ``args.NAME`` is >= 1."""
-  common.check_range(ap, args, **{name: 1 for name in names})
-
 
 # -- report ----------------------------------------------------------------------------
 
-def _f(x, spec=".2f"):
-  return "-" if x is None else format(x, spec)
-
-
 def markdown(sweeps: dict, meta: dict) -> str:
   lines = [f"# Decode sweeps: {meta['workdir']} (step {meta['checkpoint_step']})", "",
-           f"{common.machine(meta)}, JAX {meta['jax_version']}, commit "
+           f"{report.machine(meta)}, JAX {meta['jax_version']}, commit "
            f"{meta['commit']}, {meta['date']}. MTP with G = {meta['num_draft_tokens']} (D = "
            f"{meta['depth']}), {meta['max_new_tokens']} new tokens per row, held-out prompts of "
-           f"~{meta['prompt_bytes']} bytes, median of {common.plural(meta['repeats'], 'interleaved repeat')}, "
+           f"~{meta['prompt_bytes']} bytes, median of {report.plural(meta['repeats'], 'interleaved repeat')}, "
            f"form {'/'.join(meta['forms'])}. Base point: T = {meta['base']['temperature']}, top-p "
            f"{meta['base']['top_p']}, batch {meta['base']['batch_size']}, {meta['base']['domain']}. "
            "Speedup: AR wall time / MTP wall time at the same batch and sampling; c: drafting "
@@ -121,13 +82,13 @@ def markdown(sweeps: dict, meta: dict) -> str:
               "ideal | eff. |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-      alphas = "/".join(_f(a) for a in r["acceptance_rate_per_position"]) or "-"
+      alphas = "/".join(report.fmt(a) for a in r["acceptance_rate_per_position"]) or "-"
       lines.append(
           f"| {r['domain']} | {r['temperature']:g} | {r['top_p']:g} | {r['batch_size']} | "
           f"{r['method']} | {r['num_draft_tokens'] or '-'} | {r['tokens_per_s']:.0f} | "
-          f"{r['speedup']:.2f}x | {r['tau']:.2f} | {alphas} | {_f(r.get('draft_cost_ratio_c'))} | "
-          f"{_f(r.get('draft_cost_ratio_c_flops'))} | {_f(r.get('ideal_speedup'))} | "
-          f"{_f(r.get('efficiency'))} |")
+          f"{r['speedup']:.2f}x | {r['tau']:.2f} | {alphas} | {report.fmt(r.get('draft_cost_ratio_c'))} | "
+          f"{report.fmt(r.get('draft_cost_ratio_c_flops'))} | {report.fmt(r.get('ideal_speedup'))} | "
+          f"{report.fmt(r.get('efficiency'))} |")
     lines.append("")
   return "\n".join(lines)
 
@@ -186,9 +147,9 @@ def plot_batch(rows: list[dict], path: str) -> None:
 
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained MTP target (mtp.depth >= 1)")
-  ap.add_argument("--data_dir", default="", help=common.DATA_DIR_HELP)
+  ap.add_argument("--data_dir", default="", help=cli.DATA_DIR_HELP)
   ap.add_argument("--domains", default="python_stdlib,python_docs",
                   help="held-out prompt datasets; the first is the base point's")
   ap.add_argument("--temperatures", default="0,0.3,0.7,1,1.3",
@@ -214,15 +175,15 @@ def main(argv=None):
                        "--max_new_tokens 8 --prompt_bytes 48 --draft_cost_probe batch where not given")
   args = ap.parse_args(argv)
   if args.quick:
-    common.apply_quick(ap, args, temperatures="0,1", batch_sizes="1,2", repeats=1, max_new_tokens=8,
-                       prompt_bytes=48, draft_cost_probe="batch")
-  check_positive(ap, args, ("prompt_bytes", "max_new_tokens", "repeats"))
-  temps = common.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
-  top_ps = common.parse_list(ap, "top_ps", args.top_ps, float, 0.0, 1.0, lo_open=True)
-  batches = common.parse_list(ap, "batch_sizes", args.batch_sizes, int, 1)
-  batch_temps = common.parse_list(ap, "batch_temperatures", args.batch_temperatures, float, 0.0)
-  forms = common.parse_list(ap, "forms", args.forms, str, choices=("while", "stream"))
-  domains = common.parse_list(ap, "domains", args.domains, str)
+    cli.apply_quick(ap, args, temperatures="0,1", batch_sizes="1,2", repeats=1, max_new_tokens=8,
+                    prompt_bytes=48, draft_cost_probe="batch")
+  cli.check_positive(ap, args, ("prompt_bytes", "max_new_tokens", "repeats"))
+  temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
+  top_ps = cli.parse_list(ap, "top_ps", args.top_ps, float, 0.0, 1.0, lo_open=True)
+  batches = cli.parse_list(ap, "batch_sizes", args.batch_sizes, int, 1)
+  batch_temps = cli.parse_list(ap, "batch_temperatures", args.batch_temperatures, float, 0.0)
+  forms = cli.parse_list(ap, "forms", args.forms, str, choices=("while", "stream"))
+  domains = cli.parse_list(ap, "domains", args.domains, str)
   if not (math.isfinite(args.base_temperature) and args.base_temperature >= 0):
     ap.error(f"--base_temperature={args.base_temperature} is out of range: must be a finite number >= 0")
 
@@ -230,46 +191,35 @@ def main(argv=None):
   depth = cfg.mtp.depth
   if depth < 1:
     ap.error(f"--workdir={args.workdir} holds a model with mtp.depth = 0: the sweep needs MTP modules")
-  gs = common.parse_list(ap, "num_draft_tokens", args.num_draft_tokens or str(depth), int, 1)
+  gs = cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens or str(depth), int, 1)
   if args.prompt_bytes + args.max_new_tokens + 64 > cfg.model.max_seq_len:
     ap.error(f"--prompt_bytes + --max_new_tokens = {args.prompt_bytes + args.max_new_tokens} leaves "
              f"no room within the model's max_seq_len={cfg.model.max_seq_len} (keep 64 spare)")
 
   base = {"domain": domains[0], "temperature": args.base_temperature, "top_p": 1.0,
           "batch_size": 1}
-  plan = sweep_points(base, temps, top_ps, batches, batch_temps, domains)
-  unique = {point_key(p): p for pts in plan.values() for p in pts}
+  plan = bench_grid.sweep_points(base, temps, top_ps, batches, batch_temps, domains)
+  unique = {bench_grid.point_key(p): p for pts in plan.values() for p in pts}
   num_prompts = max(p["batch_size"] for p in unique.values()) * args.repeats
   prompts = {d: data_lib.held_out_prompts(d, num_prompts, args.prompt_bytes, seed=args.seed,
                                           data_dir=args.data_dir) for d in domains}
-  # One decoder per method: its jitted functions compile once per batch shape.
-  decoders = {"ar": Decoder(target, "ar"), **{f"mtp_G{g}": Decoder(target, "mtp", g) for g in gs}}
-  measured, draft_cache, flops_cache = {}, ({} if args.draft_cost_probe == "batch" else None), {}
-  for i, (key, p) in enumerate(sorted(unique.items(), key=lambda kv: (kv[0][3], kv[0]))):
-    sp = SamplingParams(temperature=p["temperature"], top_p=p["top_p"])
-    rows = measure_point(decoders, prompts[p["domain"]], p["batch_size"], args.max_new_tokens, sp,
-                         args.repeats, forms, draft_cache, flops_cache)
-    for r in rows:
-      r["domain"] = p["domain"]
-    measured[key] = rows
-    spec = " ".join(f"{r['label']} tau {r['tau']:.2f} x{r['speedup']:.2f}" for r in _spec_rows(rows))
-    print(f"[{i + 1}/{len(unique)}] {p['domain']} T={p['temperature']:g} top_p={p['top_p']:g} "
-          f"B={p['batch_size']}: {spec}", flush=True)
-  sweeps = {name: [dict(r, sweep=name) for p in pts for r in measured[point_key(p)]]
-            for name, pts in plan.items()}
-  meta = common.provenance(
-      command=common.command_line(__file__, argv),
+  settings = SweepDecode(target=target, gs=gs, plan=plan, prompts=prompts, forms=forms,
+                         max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                         draft_cost_probe=args.draft_cost_probe)
+  sweeps = bench_grid.run_sweep(settings, log=lambda s: print(s, flush=True))
+  meta = report.provenance(
+      command=report.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(), depth=depth,
       num_draft_tokens=gs, domains=domains, temperatures=temps, top_ps=top_ps, batch_sizes=batches,
       batch_temperatures=batch_temps, base=base, forms=forms, prompt_bytes=args.prompt_bytes,
       max_new_tokens=args.max_new_tokens, repeats=args.repeats, prompt_seed=args.seed,
       draft_cost_probe=args.draft_cost_probe,
       num_points=len(unique), quick=args.quick)
-  common.write_report(args.out, meta, sweeps, markdown(sweeps, meta))
+  report.write_report(args.out, meta, sweeps, markdown(sweeps, meta))
   plot_temperature(sweeps["temperature"], args.out + "_temperature.png")
   plot_batch(sweeps["batch"], args.out + "_batch.png")
   print(f"wrote {args.out}.json, {args.out}.md, {args.out}_temperature.png and {args.out}_batch.png")
 
 
 if __name__ == "__main__":
-  common.main_guard(main)
+  cli.main_guard(main, errors=(DecodeError,))

@@ -9,6 +9,7 @@ import pytest
 
 from tests.conftest import md_command
 from tests.test_scripts import _script
+from train import ablation
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,7 @@ def test_quick_grid_resumes_and_reports(ablate, data_dir, tmp_path, capsys):
 
 
 def test_grid_has_one_baseline_per_seed(ablate):
-  cells = ablate.grid([0, 1, 2, 3, 4], [0.1, 0.3, 1.0], [0, 1])
+  cells = ablation.grid([0, 1, 2, 3, 4], [0.1, 0.3, 1.0], [0, 1])
   assert len(cells) == 26
   assert [c["name"] for c in cells if c["depth"] == 0] == ["D0_s0", "D0_s1"]
   assert cells[1]["name"] == "D1_lam0.1_s0" and cells[-1]["name"] == "D4_lam1_s1"
@@ -121,7 +122,7 @@ def test_train_table_pairs_same_seeds(ablate):
   cells = [cell(0, None, 0, 3.0), cell(0, None, 1, 2.0, 0.2),
            cell(1, 0.3, 0, 2.9, 0.15), cell(1, 0.3, 1, 2.2, 0.3), cell(1, 0.3, 2, 1.0),
            cell(2, 0.3, 0, None, diverged="nan"), cell(2, 0.3, 1, 1.8)]
-  rows = {(r["depth"], r["loss_weight"]): r for r in ablate.train_table(cells)}
+  rows = {(r["depth"], r["loss_weight"]): r for r in ablation.train_table(cells)}
   r = rows[(1, 0.3)]
   # seed 2 has no baseline: in the mean bpb, not in the deltas
   assert r["seeds"] == [0, 1, 2] and r["delta_seeds"] == [0, 1]
@@ -163,7 +164,7 @@ def test_decode_table_aggregates_seeds(ablate):
       {"depth": 2, "loss_weight": 0.3, "seed": 1, "decode": [
           row("ar", 0, 0.0, 1.0, [], 1.0), row("mtp", 1, 0.0, 1.7, [0.7], 0.9),
           row("mtp", 2, 0.0, 1.6, [0.6, None], 1.1)]}]
-  rows = {(r["depth"], r["num_draft_tokens"]): r for r in ablate.decode_table(cells)}
+  rows = {(r["depth"], r["num_draft_tokens"]): r for r in ablation.decode_table(cells)}
   assert set(rows) == {(2, 1), (2, 2)}            # no AR rows, no D=0 rows
   r = rows[(2, 2)]
   assert r["seeds"] == [0, 1] and r["tau"]["mean"] == pytest.approx(1.8)

@@ -291,7 +291,7 @@ def _rows(workdir, split):
 
 
 def test_stage_from_a_workdir_resumes_exactly(markov_workdir, data_dir, tmp_path):
-  from scripts.ablate_mtp import compile_cache
+  from mtp.cli import compile_cache
   with compile_cache(str(tmp_path / "jax_cache")):      # the three runs compile the same programs
     _stage_resumes_exactly(markov_workdir, data_dir, tmp_path)
 

@@ -103,11 +103,11 @@ def test_bench_draft_cost_quick(tmp_path):
   assert all(r["c"] > 0 for r in rows) and os.path.getsize(out + ".png") < 150_000
 
 
-# -- shared command-line helpers (scripts/common.py) ----------------------------------------
+# -- shared command-line and report helpers (mtp/cli.py, mtp/report.py) -------------------
 
 import argparse  # noqa: E402
 
-from scripts import common  # noqa: E402
+from mtp import cli, report  # noqa: E402
 
 
 def _ap():
@@ -116,9 +116,9 @@ def _ap():
 
 def test_parse_list_values_and_errors(capsys):
   ap = _ap()
-  assert common.parse_list(ap, "t", "0, 1,1,0.5", float, 0.0) == [0.0, 1.0, 0.5]   # duplicates dropped
-  assert common.parse_list(ap, "f", "while", str, choices=("while", "stream")) == ["while"]
-  assert common.parse_list(ap, "p", "1", float, 0.0, 1.0, lo_open=True) == [1.0]
+  assert cli.parse_list(ap, "t", "0, 1,1,0.5", float, 0.0) == [0.0, 1.0, 0.5]   # duplicates dropped
+  assert cli.parse_list(ap, "f", "while", str, choices=("while", "stream")) == ["while"]
+  assert cli.parse_list(ap, "p", "1", float, 0.0, 1.0, lo_open=True) == [1.0]
   for args, needle in [(("d", "", int, 0, 16), "--d=''"), (("d", "0,17", int, 0, 16), "in [0, 16]"),
                        (("d", "x", int, 0), "comma list of integers"), (("t", "nan", float, 0.0), ">= 0"),
                        (("p", "0", float, 0.0, 1.0), "in (0, 1]"),
@@ -128,7 +128,7 @@ def test_parse_list_values_and_errors(capsys):
     if args[0] == "s":
       kw = {"duplicates": "error"}
     with pytest.raises(SystemExit) as e:
-      common.parse_list(ap, *args, **kw)
+      cli.parse_list(ap, *args, **kw)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"--{args[0]}=" in err and needle in err, err
@@ -139,15 +139,15 @@ def test_apply_quick_keeps_given_values():
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--temperatures", default="0,1")
   args = ap.parse_args(["--temperatures", "-1"])
-  common.apply_quick(ap, args, repeats=1, temperatures="0")
+  cli.apply_quick(ap, args, repeats=1, temperatures="0")
   assert (args.repeats, args.temperatures) == (1, "-1")
 
 
 def test_exit_if_interrupted(capsys, tmp_path):
-  common.exit_if_interrupted({"step": 10, "interrupted": False, "signal": None}, 10, "run", str(tmp_path))
+  cli.exit_if_interrupted({"step": 10, "interrupted": False, "signal": None}, 10, "run", str(tmp_path))
   for sig, code in ((2, 130), (15, 143)):
     with pytest.raises(SystemExit) as e:
-      common.exit_if_interrupted({"step": 3, "interrupted": True, "signal": sig}, 10, "draft run x",
+      cli.exit_if_interrupted({"step": 3, "interrupted": True, "signal": sig}, 10, "draft run x",
                                  str(tmp_path))
     assert e.value.code == code
     err = capsys.readouterr().err
@@ -155,9 +155,9 @@ def test_exit_if_interrupted(capsys, tmp_path):
 
 
 def test_provenance_has_cpu_model():
-  meta = common.provenance()
-  assert meta["cpu_model"] and meta["platform"] and "CPUs: " in common.machine(meta)
-  assert common.plural(1, "repeat") == "1 repeat" and common.plural(2, "repeat") == "2 repeats"
+  meta = report.provenance()
+  assert meta["cpu_model"] and meta["platform"] and "CPUs: " in report.machine(meta)
+  assert report.plural(1, "repeat") == "1 repeat" and report.plural(2, "repeat") == "2 repeats"
 
 
 @pytest.mark.parametrize("name,flags,needle", [
@@ -190,7 +190,7 @@ def test_bench_bad_flags_fail_before_loading(name, flags, needle, capsys, tmp_pa
 
 def test_main_guard_one_line_error(capsys, tmp_path):
   with pytest.raises(SystemExit) as e:
-    common.main_guard(_script("bench_decode").main, ["--workdir", str(tmp_path / "nope"), "--quick"])
+    cli.main_guard(_script("bench_decode").main, ["--workdir", str(tmp_path / "nope"), "--quick"])
   assert e.value.code == 2
   err = capsys.readouterr().err
   assert err.startswith("error: CheckpointError") and "Traceback" not in err and err.count("\n") == 1
@@ -206,10 +206,24 @@ def test_help_keeps_usage_lines_and_defaults(capsys):
 
 def test_markdown_starts_with_the_quoted_command(tmp_path):
   script = os.path.join(REPO, "scripts", "bench_decode.py")
-  cmd = common.command_line(script, ["--prompt", "it's `x`", "--quick"])
+  cmd = report.command_line(script, ["--prompt", "it's `x`", "--quick"])
   assert cmd == "python scripts/bench_decode.py --prompt 'it'\"'\"'s `x`' --quick"
-  common.write_report(str(tmp_path / "r"), {"command": cmd}, [], "# Title\n")
+  report.write_report(str(tmp_path / "r"), {"command": cmd}, [], "# Title\n")
   text = open(tmp_path / "r.md").read()
   assert text == f"Command: ``{cmd}``\n\n# Title\n"      # a fence longer than the backticks inside
   with pytest.raises(ValueError, match="command"):
-    common.write_report(str(tmp_path / "s"), {}, [], "# Title\n")
+    report.write_report(str(tmp_path / "s"), {}, [], "# Title\n")
+
+
+def test_scripts_import_no_script_and_leave_sys_path_alone():
+  """Scripts are thin CLIs over the packages: none imports another script
+  (what they share lives in mtp/, train/, decode/) or edits sys.path."""
+  import ast
+  import glob
+  for path in glob.glob(os.path.join(REPO, "scripts", "*.py")):
+    src = open(path).read()
+    assert "sys.path" not in src, path
+    for node in ast.walk(ast.parse(src)):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+      assert not any(n == "scripts" or n.startswith("scripts.") for n in names), (path, names)

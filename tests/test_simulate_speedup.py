@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from decode import theory
 from tests.conftest import md_command
 from tests.test_scripts import _script
 
@@ -28,19 +29,19 @@ CASES = [(a, g) for a in (0.3, 0.6, 0.9) for g in (1, 3, 8)]
 def test_monte_carlo_matches_closed_forms(sim, alpha, g):
   c = 0.1
   r = sim.simulate_rounds(alpha, g, c, 40_000, np.random.default_rng(1000 * g + int(10 * alpha)))
-  tau = float(sim.closed_form_tau(alpha, g))
+  tau = float(theory.closed_form_tau(alpha, g))
   assert tau == pytest.approx((1 - alpha ** (g + 1)) / (1 - alpha))
   assert abs(r["tau_hat"] - tau) < 4 * r["tau_stderr"]
-  sp = float(sim.closed_form_speedup(alpha, g, c))
+  sp = float(theory.closed_form_speedup(alpha, g, c))
   assert sp == pytest.approx(tau / (g * c + 1))
   assert abs(r["speedup_hat"] - sp) < 4 * r["speedup_stderr"]
   # A wrong formula (one draft too many) is far outside the Monte Carlo error bars
   # wherever it differs materially (by alpha^(G+1) >= 0.05).
-  wrong = float(sim.closed_form_tau(alpha, g + 1))
+  wrong = float(theory.closed_form_tau(alpha, g + 1))
   if alpha ** (g + 1) >= 0.05:
     assert abs(r["tau_hat"] - wrong) > 8 * r["tau_stderr"]
   # The accepted-length histogram follows alpha^k (1 - alpha), alpha^G at k = G.
-  law = sim.accepted_length_law(alpha, g)
+  law = theory.accepted_length_law(alpha, g)
   assert law.sum() == pytest.approx(1.0)
   hist = np.asarray(r["histogram"])
   assert hist.sum() == 40_000 and len(hist) == g + 1
@@ -67,7 +68,7 @@ def test_optimal_num_draft_tokens(sim):
   costs = np.array([0.0, 0.05, 0.25, 1.0])
   a, c = np.meshgrid(alphas, costs)
   g_opt, best = sim.optimal_num_draft_tokens(a, c, 8)
-  brute = np.array([[max(range(1, 9), key=lambda g: sim.closed_form_speedup(x, g, y))
+  brute = np.array([[max(range(1, 9), key=lambda g: theory.closed_form_speedup(x, g, y))
                      for x in alphas] for y in costs])
   np.testing.assert_array_equal(g_opt, brute)
   assert (g_opt[0] == 8).all()                           # c = 0: more drafts always help
@@ -84,7 +85,7 @@ def test_deepseek_v3_check(sim):
   assert lo["tau"] == pytest.approx(1.85) and hi["tau"] == pytest.approx(1.90)
   assert lo["speedup_c0"] == pytest.approx(1.85)
   for e in ds["ends"]:
-    assert float(sim.closed_form_speedup(e["alpha"], 1, e["c_for_reported"])) == pytest.approx(1.8)
+    assert float(theory.closed_form_speedup(e["alpha"], 1, e["c_for_reported"])) == pytest.approx(1.8)
   assert ds["c_range_for_reported"] == pytest.approx([1.85 / 1.8 - 1, 1.90 / 1.8 - 1])
   assert not ds["reproduces_at_c0"]                       # 1.85-1.90 > 1.8
   assert ds["c_one_layer"] == pytest.approx(1 / 61)

@@ -93,14 +93,20 @@ class _StopProposer(drafters_lib.DraftModelDrafter):
     return state, tokens, d, jax.nn.one_hot(d, 264, dtype=jnp.float32)
 
 
-def _decoders(target, stop_ids):
+@pytest.fixture(scope="module")
+def shared_decoders(target):
+  """Decoders compiled once for the module (stop strings change no shape)."""
   return {"ar": Decoder(target, "ar"), "mtp3": Decoder(target, "mtp", 3),
-          "tree": Decoder(target, "mtp", tree=(2, 2)),
-          "proposer": Decoder(target, "draft", 3, target, drafter=_StopProposer(stop_ids))}
+          "tree": Decoder(target, "mtp", tree=(2, 2))}
 
 
-@pytest.mark.parametrize("where", [0, 4, 13, 37])
-def test_stop_string_output_equals_ar_however_it_falls(target, reference, where):
+def _decoders(shared, target, stop_ids):
+  return {**shared, "proposer": Decoder(target, "draft", 3, target,
+                                        drafter=_StopProposer(stop_ids))}
+
+
+@pytest.mark.parametrize("where", [0, 13, 37])
+def test_stop_string_output_equals_ar_however_it_falls(target, shared_decoders, reference, where):
   """A stop string taken from row 0's AR output at offset ``where`` (37 =
   at the budget's end): every method, both forms, gives AR's tokens cut
   after the token completing the stop, text cut before it; the stream
@@ -114,7 +120,7 @@ def test_stop_string_output_equals_ar_however_it_falls(target, reference, where)
     cut, found = cut_at_stop_strings(ids, [stop], BYTES)
     want.append((cut, found))
   assert want[0][1]
-  for name, dec in _decoders(target, row0[where:where + 3]).items():
+  for name, dec in _decoders(shared_decoders, target, row0[where:where + 3]).items():
     gen = dec.generate(prompts, 40, GREEDY, stops=stops)
     streamed_ids = [[] for _ in prompts]
     streamed_text = [b"" for _ in prompts]
@@ -132,11 +138,11 @@ def test_stop_string_output_equals_ar_however_it_falls(target, reference, where)
       assert len(sgen.emit_times[b]) == len(cut)
 
 
-def test_stop_token_id_kept_and_equal_to_ar(target, reference):
+def test_stop_token_id_kept_and_equal_to_ar(target, shared_decoders, reference):
   prompts, ref = reference
   stop_id = int(ref.tokens[1][6])
   stops = StopConditions(token_ids=(stop_id,))
-  for name, dec in _decoders(target, [stop_id] * 3).items():
+  for name, dec in _decoders(shared_decoders, target, [stop_id] * 3).items():
     for form in ("generate", "stream"):
       gen = getattr(dec, form)(prompts, 40, GREEDY, stops=stops)
       for b, ids in enumerate(ref.tokens):

@@ -68,4 +68,5 @@ if __name__ == "__main__":
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  app.run(main)
+  from mtp.cli import parse_flags_or_exit
+  app.run(main, flags_parser=parse_flags_or_exit)

@@ -37,4 +37,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from mtp.cli import parse_flags_or_exit
+  app.run(main, flags_parser=parse_flags_or_exit)

@@ -1,72 +1,19 @@
-"""Shared plumbing for the benchmark and experiment scripts: provenance
-metadata and report files. (Scripts put the repository root on sys.path so
-they run as ``python scripts/NAME.py`` from a checkout.)"""
+"""Command-line helpers shared by the scripts under scripts/: a help
+formatter, comma-list and range validation that fail like argparse (exit
+status 2, naming the flag), ``--quick`` defaults, the entry-point guard
+that prints input errors in one line, and the exit after an interrupted
+training run; and for the absl CLIs (``python -m train``, ``decode``,
+``mtp.export``) the flag parser that exits with the documented bad-input
+status 2 (absl's own exits 1). Report writing lives in ``mtp.report``.
+"""
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
+import contextlib
 import math
 import os
-import platform
-import re
-import resource
-import shlex
-import subprocess
 import sys
-
-import jax
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def git_commit() -> str:
-  """Short commit of the checkout ("+dirty" when tracked files changed), or "unknown"."""
-  try:
-    run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=REPO)
-    commit = run("rev-parse", "--short", "HEAD").stdout.strip()
-    if commit and run("status", "--porcelain", "--untracked-files=no").stdout.strip():
-      commit += "+dirty"
-    return commit or "unknown"
-  except OSError:
-    return "unknown"
-
-
-def cpu_model() -> str:
-  """The CPU's model name (Linux: /proc/cpuinfo "model name"; else
-  platform.processor()), or "unknown"."""
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.lower().startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
-
-
-def provenance(**extra) -> dict:
-  """commit, jax_version, device_kind, device_count, cpu_count, cpu_model,
-  platform, date (ISO), peak_rss_mb of this process so far, plus ``extra``."""
-  return {"commit": git_commit(), "jax_version": jax.__version__,
-          "device_kind": jax.devices()[0].device_kind, "device_count": jax.device_count(),
-          "cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
-          "date": datetime.date.today().isoformat(),
-          "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **extra}
-
-
-def machine(meta: dict) -> str:
-  """"DEVICE (N CPUs: MODEL)" for report headers, from ``provenance()``."""
-  return f"{meta['device_kind']} ({meta['cpu_count']} CPUs: {meta.get('cpu_model', 'unknown')})"
-
-
-def plural(n, word: str, words: str | None = None) -> str:
-  """"1 repeat", "2 repeats" (``words``: irregular plural)."""
-  return f"{n} {word if n == 1 else (words or word + 's')}"
-
-
-# -- command line ------------------------------------------------------------------------
 
 DATA_DIR_HELP = ("TFDS data dir (default: $MTP_DATA_DIR if set, else "
                  "~/.cache/mtp/tensorflow_datasets)")
@@ -145,6 +92,11 @@ def check_range(ap: argparse.ArgumentParser, args, **bounds) -> None:
       ap.error(f"--{name}={v}: must be {rng}")
 
 
+def check_positive(ap: argparse.ArgumentParser, args, names) -> None:
+  """``ap.error`` naming the flag unless every ``args.NAME`` is >= 1."""
+  check_range(ap, args, **{name: 1 for name in names})
+
+
 def apply_quick(ap: argparse.ArgumentParser, args, **values) -> None:
   """``--quick``: sets each ``args.NAME`` to ``values[NAME]`` only where the
   user left it at the parser's default (compared by value: a flag given
@@ -156,24 +108,25 @@ def apply_quick(ap: argparse.ArgumentParser, args, **values) -> None:
 
 
 def input_errors() -> tuple:
-  """The project's input-error types (bad config, data, checkpoint or decode
-  request): a script reports them in one line, without a traceback."""
-  from decode.speculative import DecodeError
+  """The ``mtp`` input-error types (bad config, data or checkpoint): a script
+  reports them in one line, without a traceback. (``mtp`` imports no
+  ``decode``: a script that decodes adds ``decode.speculative.DecodeError``
+  through ``main_guard(..., errors=...)``.)"""
   from mtp.checkpoint import CheckpointError
   from mtp.config import ConfigError
   from mtp.data import DataError
-  return (ConfigError, DataError, CheckpointError, DecodeError)
+  return (ConfigError, DataError, CheckpointError)
 
 
-def main_guard(main, argv=None):
+def main_guard(main, argv=None, errors: tuple = ()):
   """Runs ``main(argv)`` as a script's entry point and exits: with ``main``'s
   return value when it is an int (0 otherwise); with status 2 and one line
-  "error: ..." on stderr (no traceback) on an input error
-  (``input_errors()``)."""
-  errors = input_errors()
+  "error: ..." on stderr (no traceback) on an input error (``input_errors()``
+  and the types in ``errors``, e.g. ``(DecodeError,)``)."""
+  caught = input_errors() + tuple(errors)
   try:
     rc = main(argv)
-  except errors as e:
+  except caught as e:
     print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
     sys.exit(2)
   sys.exit(rc if isinstance(rc, int) else 0)
@@ -194,36 +147,38 @@ def exit_if_interrupted(result: dict, num_steps: int, what: str, workdir: str) -
   sys.exit(128 + int(sig))
 
 
-def command_line(script_file: str, argv=None) -> str:
-  """The command that ran a script, as a user would retype it:
-  ``python scripts/NAME.py ARG ...`` (``script_file``: the script's
-  ``__file__``; ``argv``: its arguments, default ``sys.argv[1:]``; each
-  shell-quoted)."""
-  args = list(sys.argv[1:] if argv is None else argv)
-  rel = os.path.relpath(os.path.abspath(script_file), REPO)
-  return " ".join(["python", shlex.quote(rel), *(shlex.quote(str(a)) for a in args)])
+@contextlib.contextmanager
+def compile_cache(path: str | None):
+  """JAX's persistent compilation cache in ``path`` for the block (None: no
+  change); the previous setting is restored after. Cells of the same D and
+  lambda compile the same train step, and cells of the same D the same
+  decoding programs, so later cells load them from disk."""
+  if path is None:
+    yield
+    return
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache as cc
+  prev = jax.config.jax_compilation_cache_dir
+  os.makedirs(path, exist_ok=True)
+  cc.set_cache_dir(path)
+  cc.reset_cache()            # takes effect even if this process compiled before
+  try:
+    yield
+  finally:
+    cc.set_cache_dir(prev)
+    cc.reset_cache()
 
 
-def _code_span(text: str) -> str:
-  """``text`` as a markdown code span (a fence longer than any backtick run inside)."""
-  longest = max((len(run) for run in re.findall("`+", text)), default=0)
-  fence = "`" * (longest + 1)
-  pad = " " if text.startswith("`") or text.endswith("`") else ""
-  return f"{fence}{pad}{text}{pad}{fence}"
+BAD_INPUT = 2
 
 
-def write_report(out: str, meta: dict, results, markdown: str | None = None) -> None:
-  """Writes ``out.json`` ({"meta", "results"}) and, if given, ``out.md``,
-  whose first line is the command that produced it (``meta["command"]``,
-  from ``command_line``).
-
-  Raises ValueError when ``markdown`` is given and ``meta`` has no command.
-  """
-  if markdown is not None and not meta.get("command"):
-    raise ValueError("write_report: meta['command'] (common.command_line) is required with markdown")
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  with open(out + ".json", "w") as f:
-    json.dump({"meta": meta, "results": results}, f, indent=2)
-  if markdown is not None:
-    with open(out + ".md", "w") as f:
-      f.write(f"Command: {_code_span(meta['command'])}\n\n{markdown}")
+def parse_flags_or_exit(argv: list[str]) -> list[str]:
+  """absl ``flags.FLAGS(argv)`` for ``app.run(main, flags_parser=...)``: on
+  an unknown or malformed flag prints one line ``error: ...`` (and a hint)
+  to stderr and exits with status 2, the project's bad-input status."""
+  from absl import flags
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(f"error: {e}\nPass --helpfull to see the flags.", file=sys.stderr)
+    sys.exit(BAD_INPUT)

@@ -1,0 +1,364 @@
+r"""Decoding benchmarks as library functions: AR vs speculative cells side by
+side, the bare target forward, the drafting step alone, and the draft cost
+ratio c (measured and as a FLOP share).
+
+Used by scripts/bench_decode.py, sweep_decode.py, compare_drafters.py,
+bench_draft_cost.py, ablate_mtp.py, distill_mtp.py and
+losslessness_study.py (through decode/bench_grid.py too). Every timing goes
+through ``mtp.timing.interleaved_times`` (compile first, then interleaved
+repeats, median). The drafting-step and FLOP probes use the decoder's
+public pieces (``Decoder.prefill``, ``Decoder.models``, its ``drafter``);
+``ArgmaxAcceptDecoder`` is a ``Decoder`` with a wrong ``accept_rule``.
+
+Terms (docs/design.md section 7): a *cell* is one decoder (method, G or
+tree) in one form ("while": one jitted while_loop; "stream": one jitted
+round per step); tau = tokens per target call; c = drafting time per
+draft token / one AR step of the decoding phase; ideal speedup = Leviathan
+et al. 2023, Theorem 3.8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from decode import sampling, theory, verify
+from decode import stats as stats_lib
+from decode.speculative import Decoder, SamplingParams
+from decode.tree_spec import TreeSpec
+from mtp import tokenizer as tok
+from mtp.model import init_layer_caches
+from mtp.timing import interleaved_times, spread, xla_flops
+
+
+# -- bare pieces: one target forward, one drafting step -------------------------------------
+
+def _median_per_iter(fn, args, iters: int, repeats: int) -> float:
+  """Median seconds per iteration of ``fn(*args) -> args`` (donated carry,
+  threaded through the calls), after one compiling call; each timed call
+  runs ``iters`` iterations."""
+  carry = [args]
+
+  def step():
+    carry[0] = fn(*carry[0])
+    jax.block_until_ready(carry[0])
+  times = interleaved_times({"fn": step}, repeats, warmup=1)["fn"]
+  return float(np.median(times / iters))
+
+
+def bare_forward_s(model, batch: int, length: int, cache_len: int, repeats: int,
+                   in_loop: bool = False, iters: int = 20) -> float:
+  """Median seconds of one target forward (backbone + head) over ``length``
+  new tokens with a KV cache (donated), batch ``batch``. ``in_loop=False``:
+  one jitted call per forward (includes the host dispatch, ~0.1-0.2 ms on
+  CPU), max(repeats, 5) x 10 timed calls; ``in_loop=True``: ``iters``
+  forwards inside one ``lax.fori_loop`` (device time only, comparable with
+  the while_loop decoding form), max(repeats, 5) timed calls. Positions
+  advance by one per iteration, as they do in decoding."""
+  graphdef, params = nnx.split(model, nnx.Param)
+
+  def forward(params, cache, toks, pos):
+    m = nnx.merge(graphdef, params)
+    h, cache = m.backbone(toks, pos, cache=cache)
+    return m.head(h), cache
+
+  def body(_, carry):
+    params, cache, toks, pos = carry
+    logits, cache = forward(params, cache, toks, pos)
+    toks = jnp.argmax(logits, -1).astype(jnp.int32)      # data dependence: no hoisting
+    # positions move on as in decoding (fixed ones would let XLA hoist the
+    # RoPE angles and the attention mask out of the loop)
+    return params, cache, toks, jnp.where(pos[:, -1:] + 1 < cache_len, pos + 1, pos - 16)
+  if in_loop:
+    fn = jax.jit(lambda *c: jax.lax.fori_loop(0, iters, body, c), donate_argnums=(1,))
+  else:
+    fn = jax.jit(lambda *c: body(0, c), donate_argnums=(1,))
+    iters = 1
+  cache = init_layer_caches(model.cfg, model.cfg.num_layers, batch, cache_len)
+  toks = jnp.zeros((batch, length), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32) + cache_len // 2, (batch, length))
+  return _median_per_iter(fn, (params, cache, toks, pos), iters, max(repeats, 5) * (1 if in_loop else 10))
+
+
+def _draft_step(decoder: Decoder, sp: SamplingParams):
+  """``(params, dparams, dstate, tokens, n, key) -> drafter.draft(...)``: one
+  drafting step of ``decoder`` (its MTP modules or its draft model) at its
+  draft length G."""
+  def draft_step(params, dparams, dstate, tokens, n, key):
+    target, draft = decoder.models(params, dparams)
+    model = target if decoder.method == "mtp" else draft
+    return decoder.drafter.draft(model, dstate, tokens, n, key, sp, decoder.G)
+  return draft_step
+
+
+def draft_time_s(decoder: Decoder, prompts, max_new: int, sp: SamplingParams, repeats: int,
+                 iters: int = 20) -> float:
+  """Median seconds of one drafting step alone (G draft tokens, the drafter's
+  forward passes, warps and samples), measured as ``iters`` steps inside one
+  ``lax.fori_loop`` so that, like the while_loop decoding form, no host
+  dispatch is counted; max(repeats, 5) timed calls after the prefill of
+  ``prompts``. The cost ratio c is this over G AR steps."""
+  encoded = [tok.ByteTokenizer().encode(p, add_bos=True) for p in prompts]
+  state, prefill_len = decoder.prepare(encoded, max_new, 0)
+  state = decoder.prefill(state, prefill_len)
+  draft_step = _draft_step(decoder, sp)
+
+  def body(_, carry):
+    params, dparams, dstate, tokens, n, key = carry
+    key, sub = jax.random.split(key)
+    dstate, tokens, _, _ = draft_step(params, dparams, dstate, tokens, n, sub)
+    return params, dparams, dstate, tokens, n, key
+  fn = jax.jit(lambda *c: jax.lax.fori_loop(0, iters, body, c), donate_argnums=(2, 3))
+  args = (decoder.target_params, decoder.draft_params, state.drafter, state.tokens,
+          state.length, state.key)
+  return _median_per_iter(fn, args, iters, max(repeats, 5))
+
+
+def _flops(fn, *args) -> float:
+  return xla_flops(jax.jit(fn).lower(*args).compile()) or 0.0
+
+
+def draft_flop_share(decoder: Decoder, prompts, max_new: int, sp: SamplingParams) -> float:
+  """XLA-counted FLOPs of one drafting step / (G x FLOPs of one target
+  forward over 1 token with the same cache): the cost ratio c that drafting
+  would have if time followed FLOPs (NaN when XLA counts no target FLOPs)."""
+  encoded = [tok.ByteTokenizer().encode(p, add_bos=True) for p in prompts]
+  state, _ = decoder.prepare(encoded, max_new, 0)
+
+  def forward(params, cache, tokens, n):
+    target, _ = decoder.models(params)
+    h, cache = target.backbone(tokens[:, :1], n[:, None], cache=cache)
+    return target.head(h), cache
+  d = _flops(_draft_step(decoder, sp), decoder.target_params, decoder.draft_params,
+             state.drafter, state.tokens, state.length, state.key)
+  f = _flops(forward, decoder.target_params, state.cache, state.tokens, state.length)
+  return d / (decoder.G * f) if f else float("nan")
+
+
+# -- cells: decoders side by side ---------------------------------------------------------
+
+@dataclasses.dataclass
+class Cell:
+  """One decoder in one form, and what its timed repeats produced."""
+  name: str
+  method: str
+  g: int | str           # G, "auto", or the tree depth m
+  form: str              # "while" or "stream"
+  decoder: Decoder
+  tree: tuple | None = None
+  walls: list = dataclasses.field(default_factory=list)
+  decode_walls: list = dataclasses.field(default_factory=list)   # wall - prefill
+  gens: list = dataclasses.field(default_factory=list)
+
+
+def run_cells(cells: list[Cell], prompts, batch: int, max_new: int, sp: SamplingParams,
+              repeats: int) -> None:
+  """Decodes ``repeats`` rounds with every cell, interleaved
+  (``interleaved_times``), appending each call's wall time, decoding-phase
+  wall time (wall - prefill) and ``Generation`` to the cell. Repeat r
+  decodes prompts[r*batch .. r*batch+batch-1] (cycling) with seed r in every
+  cell, so all cells see the same prompts and the sample grows with the
+  repeats; before the rounds every prompt-length bucket the repeats will
+  hit is compiled (untimed). Times are the decoder's own (``wall_time_s``,
+  ``prefill_time_s``)."""
+  encoded = [tok.ByteTokenizer().encode(p, add_bos=True) for p in prompts]
+  rows = lambda r: [encoded[(r * batch + i) % len(encoded)] for i in range(batch)]
+  call = lambda c, r: (c.decoder.generate if c.form == "while" else c.decoder.stream)(
+      rows(r), max_new, sp, seed=r)
+  # compile every prompt-length bucket that the repeats will hit
+  bucket = lambda r: -(-max(len(x) for x in rows(r)) // 64)
+  warm = {bucket(r): r for r in range(repeats)}.values()
+  for c in cells:
+    for r in warm:
+      call(c, r)
+
+  def timed(c: Cell):
+    def one_repeat():            # the cell's r-th call decodes repeat r
+      gen = call(c, len(c.gens))
+      c.walls.append(gen.wall_time_s)
+      c.decode_walls.append(gen.wall_time_s - gen.prefill_time_s)
+      c.gens.append(gen)
+    return one_repeat
+  interleaved_times({str(i): timed(c) for i, c in enumerate(cells)}, repeats, warmup=0)
+
+
+def _median(values) -> float:
+  return spread(values, ("median",))["median"]
+
+
+def round_s(c: Cell) -> float:
+  """Median seconds per round of the decoding phase (one target call for
+  the whole batch) over the cell's repeats."""
+  return _median([d / int(g.target_calls.max()) for d, g in zip(c.decode_walls, c.gens)])
+
+
+def summarize_cell(c: Cell, ar_wall: float, ar_decode_wall: float, ar_step_s: float,
+                   draft_s: float | None) -> dict:
+  """Row of the table. ``ar_wall`` / ``ar_decode_wall``: the AR cell's
+  median seconds end to end / of the decoding phase (same form);
+  ``ar_step_s``: one AR step of the decoding phase (one target call) in the
+  while_loop form, the "target step" of the cost ratio c."""
+  hist = sum(g.accepted_histogram.sum(0) for g in c.gens)
+  calls = int(sum(g.target_calls.sum() for g in c.gens))
+  auto = c.g == "auto"
+  tokens = sum(sum(len(t) for t in g.tokens) for g in c.gens) / len(c.gens)
+  wall = _median(c.walls)
+  decode = _median(c.decode_walls)
+  tau = float((hist * (np.arange(len(hist)) + 1)).sum() / calls)
+  row = {"name": c.name, "method": c.method, "num_draft_tokens": c.g, "form": c.form,
+         **spread(c.walls, ("median", "min", "max"), "wall_s_"),
+         "decode_s_median": decode,
+         "prefill_s_median": _median([g.prefill_time_s for g in c.gens]),
+         "tokens_per_s": tokens / wall, "decode_tokens_per_s": tokens / decode,
+         "speedup": ar_wall / wall, "speedup_decode": ar_decode_wall / decode, "tau": tau,
+         "acceptance_rate_per_position": stats_lib.acceptance_rates(hist),
+         "accepted_length_histogram": [int(x) for x in hist]}
+  if auto:      # G varies by round: alpha_k from the rounds that tested d_k
+    tested = sum(g.position_tested.sum(0) for g in c.gens)
+    passed = sum(g.position_accepted.sum(0) for g in c.gens)
+    row["acceptance_rate_per_position"] = [float(p / t) if t else None for p, t in zip(passed, tested)]
+    row["draft_length_histogram"] = [int(x) for x in sum(g.draft_length_histogram.sum(0)
+                                                         for g in c.gens)]
+  row["round_s"] = round_s(c)
+  if c.tree is not None:
+    row.update({"tree": ",".join(map(str, c.tree)), "nodes_per_round": TreeSpec(c.tree).num_nodes,
+                "draft_cost_ratio_c": draft_s / (c.g * ar_step_s)})
+  elif c.g and not auto:
+    cost = draft_s / (c.g * ar_step_s)
+    alpha = theory.alpha_from_tau(tau, c.g)
+    ideal = theory.ideal_speedup(alpha, c.g, cost)
+    row.update({"draft_cost_ratio_c": cost, "alpha_iid": alpha, "ideal_speedup": ideal,
+                "efficiency": row["speedup_decode"] / ideal})
+  if c.form == "stream":
+    s = [stats_lib.summarize(g) for g in c.gens]
+    for k in ("ttft_s", "itl_p50_s", "itl_p90_s"):
+      vals = [x[k] for x in s if x[k] is not None]
+      row[k] = _median(vals) if vals else None
+  return row
+
+
+def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens: int,
+                  sp: SamplingParams, repeats: int, forms=("while",),
+                  draft_cache: dict | None = None, flops_cache: dict | None = None) -> list[dict]:
+  """Decodes one setting with every decoder, side by side, and summarizes.
+
+  Args:
+    decoders: {label: Decoder}; exactly one must have method "ar" (the
+      baseline of the speedups). Labels name the rows.
+    prompts: held-out prompt texts; repeat r decodes rows r*batch..r*batch+batch-1
+      (cycling), identical in every cell (``run_cells``).
+    batch: rows per generate call (B).
+    max_new_tokens: token budget per row.
+    sp: sampling settings, the same for every cell (AR included).
+    repeats: interleaved timed repeats per cell (after a compile warm-up).
+    forms: "while" (one jitted while_loop) and/or "stream" (jitted round per step).
+    draft_cache: optional {(label, batch): draft_s}; a hit skips the drafting
+      probe (``draft_time_s`` compiles afresh on every call), a miss is
+      measured at ``sp`` and stored. None: measure at every call.
+    flops_cache: optional {(label, batch): FLOP share c}, the same for
+      ``draft_flop_share`` (XLA FLOP counts do not depend on the sampling
+      values, so one entry per decoder and batch suffices).
+  Returns:
+    one row per (label, form): ``summarize_cell``'s fields (wall_s_median,
+    tokens_per_s, speedup over AR in the same form, tau,
+    acceptance_rate_per_position, draft_cost_ratio_c, ideal_speedup,
+    efficiency, ...) plus label, temperature, top_p, batch_size, draft_s (s
+    per drafting step of G tokens) and ar_step_s (s per AR step, the "target
+    step" of c) and draft_cost_ratio_c_flops (the c that drafting would have
+    if time followed XLA-counted FLOPs).
+  Raises:
+    ValueError: no AR decoder, or more than one.
+  """
+  ar_labels = [k for k, d in decoders.items() if d.method == "ar"]
+  if len(ar_labels) != 1:
+    raise ValueError(f"measure_point needs exactly one AR decoder, got {len(ar_labels)}")
+  pairs = [(label, Cell(f"{label}_{form}", dec.method, dec.num_draft_tokens, form, dec,
+                        None if dec.tree is None else dec.tree.branching))
+           for label, dec in decoders.items() for form in forms]
+  cells = [c for _, c in pairs]
+  run_cells(cells, prompts, batch, max_new_tokens, sp, repeats)
+  ar_cells = {c.form: c for c in cells if c.method == "ar"}
+  ar_wall = {form: _median(c.walls) for form, c in ar_cells.items()}
+  ar_decode = {form: _median(c.decode_walls) for form, c in ar_cells.items()}
+  ar_step = round_s(ar_cells.get("while", next(iter(ar_cells.values()))))
+  probe = prompts[:batch] if len(prompts) >= batch else [prompts[i % len(prompts)] for i in range(batch)]
+  draft_s = {}
+  for label, dec in decoders.items():
+    if dec.method == "ar" or dec.num_draft_tokens == "auto":   # auto: G varies, no single c
+      continue
+    if draft_cache is not None and (label, batch) in draft_cache:
+      draft_s[label] = draft_cache[label, batch]
+    else:
+      draft_s[label] = draft_time_s(dec, probe, max_new_tokens, sp, repeats)
+      if draft_cache is not None:
+        draft_cache[label, batch] = draft_s[label]
+  flops_cache = {} if flops_cache is None else flops_cache
+  for label, dec in decoders.items():
+    if dec.method != "ar" and dec.num_draft_tokens != "auto" and (label, batch) not in flops_cache:
+      flops_cache[label, batch] = draft_flop_share(dec, probe, max_new_tokens, sp)
+  rows = []
+  for label, c in pairs:
+    row = summarize_cell(c, ar_wall[c.form], ar_decode[c.form], ar_step, draft_s.get(label))
+    row.update({"label": label, "temperature": sp.temperature, "top_p": sp.top_p,
+                "batch_size": batch, "draft_s": draft_s.get(label), "ar_step_s": ar_step,
+                "draft_cost_ratio_c_flops": flops_cache.get((label, batch))})
+    rows.append(row)
+  return rows
+
+
+def ar_vs_mtp(model, prompts: list[str], temperatures, max_new_tokens: int, repeats: int,
+              batch: int = 1) -> list[dict]:
+  """AR vs MTP speculative decoding with G = 1 and G = D of one model with
+  D >= 1 MTP modules, while_loop form, ``measure_point`` at every
+  temperature (``repeats`` interleaved decodes per method: prompt r mod
+  len(prompts), seed r). The drafting time behind c is probed once per G,
+  at the first temperature (the temperature is a runtime argument of the
+  same compiled step). Returns ``measure_point``'s rows, AR rows included."""
+  gs = sorted({1, model.mtp_depth})
+  decoders = {"ar": Decoder(model, "ar"), **{f"mtp_G{g}": Decoder(model, "mtp", g) for g in gs}}
+  draft_cache, rows = {}, []
+  for t in temperatures:
+    rows += measure_point(decoders, prompts, batch, max_new_tokens, SamplingParams(temperature=t),
+                          repeats, draft_cache=draft_cache)
+  return rows
+
+
+# -- a deliberately wrong decoder, for power checks (scripts/losslessness_study.py) ---------
+
+def argmax_accept(key, target_probs, draft_tokens):
+  """WRONG acceptance rule, for the power check: accept d_j while it equals
+  argmax p_{j-1}; the next token is sampled from p_a (the target row at the
+  first rejected position, or p_G as the bonus). Not lossless: it ignores q.
+
+  Args: key (jax.random key), target_probs [B, G+1, V] float, draft_tokens
+  [B, G] int. Returns (num_accepted [B] int32 in 0..G, next_token [B] int32).
+  """
+  p = jnp.asarray(target_probs, jnp.float32)
+  g = p.shape[1] - 1
+  best = jnp.argmax(p[:, :g], axis=-1).astype(jnp.int32)                 # [B, G]
+  match = draft_tokens.astype(jnp.int32) == best
+  a = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)      # [B]
+  p_row = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]         # [B, V]
+  return a.astype(jnp.int32), sampling.sample(key, p_row)
+
+
+def _argmax_rule(key, p, q, draft_tokens, params):
+  """``argmax_accept`` as a ``Decoder`` accept_rule (AR steps as the real rule)."""
+  if draft_tokens is None or params.greedy:
+    return verify.accept(key, p, q, draft_tokens, params)
+  return argmax_accept(key, p, draft_tokens)
+
+
+class ArgmaxAcceptDecoder(Decoder):
+  """A speculative ``Decoder`` whose round uses ``argmax_accept`` instead of
+  the rejection rule of Leviathan et al. 2023 (Algorithm 1): same drafting,
+  verification and commit, wrong acceptance. For power checks only."""
+
+  def __init__(self, target, method="mtp", num_draft_tokens=2, draft=None, mesh=None):
+    if method == "ar":
+      raise ValueError("ArgmaxAcceptDecoder needs a speculative method (mtp or draft)")
+    super().__init__(target, method, num_draft_tokens, draft, mesh, accept_rule=_argmax_rule)
