@@ -81,7 +81,9 @@ def make_ours(model, cfg, batch: int, prompt_len: int, n: int):
   return run
 
 
-def bench(gguf_path: str, batch_sizes: list[int], n: int, repeats: int) -> dict:
+def bench(gguf_path: str, batch_sizes: list[int], n: int, repeats: int, on_row=None) -> dict:
+  """Rows per batch size (module docstring); ``on_row(result so far)`` is
+  called after each, so an interrupted run keeps what it measured."""
   import torch
   import transformers
   from mtp.importers.gguf import load_gguf
@@ -130,9 +132,12 @@ def bench(gguf_path: str, batch_sizes: list[int], n: int, repeats: int) -> dict:
           f"{row['transformers_tokens_per_s']:.1f} tok/s, x{row['speedup']:.2f}, identical "
           f"{row['identical_tokens']}", flush=True)
     rows.append(row)
-  return {"model": prov, "rows": rows, "torch_version": torch.__version__,
-          "transformers_version": transformers.__version__,
-          "torch_threads": torch.get_num_threads()}
+    result = {"model": prov, "rows": rows, "torch_version": torch.__version__,
+              "transformers_version": transformers.__version__,
+              "torch_threads": torch.get_num_threads()}
+    if on_row is not None:
+      on_row(result)
+  return result
 
 
 def markdown(result: dict) -> str:
@@ -168,10 +173,12 @@ def main(argv=None):
     batch_sizes, n, repeats = [1], 8, 1
   if n < 1 or repeats < 1 or min(batch_sizes) < 1:
     ap.error("--max_new_tokens, --repeats and --batch_sizes must be >= 1")
-  result = bench(path, batch_sizes, n, repeats)
-  meta = common.provenance(command=common.command_line(__file__, argv), gguf=path,
-                           dtype="float32", repeats=repeats)
-  common.write_report(args.out, meta, result, markdown(result))
+  def write(result):
+    meta = common.provenance(command=common.command_line(__file__, argv), gguf=path,
+                             dtype="float32", repeats=repeats, load_average=os.getloadavg())
+    common.write_report(args.out, meta, result, markdown(result))
+
+  bench(path, batch_sizes, n, repeats, on_row=write)
   print(f"wrote {args.out}.json and {args.out}.md")
   return 0
 
