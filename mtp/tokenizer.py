@@ -27,12 +27,26 @@ Every Unicode string round-trips exactly through ``encode``/``decode``.
 multi-byte character becomes U+FFFD instead of raising. ``StreamDecoder``
 emits text incrementally and holds back an incomplete UTF-8 sequence until
 its remaining bytes arrive.
+
+Tokenizer interface (``ByteTokenizer`` here, ``mtp.bpe.BPETokenizer`` for a
+Hugging Face ``tokenizers`` BPE): ``kind``, ``encode(text, add_bos=,
+add_eos=)``, ``decode(ids)``, ``stream_decoder()`` (``push(ids) -> str``,
+``flush() -> str``), ``bos_id``/``eos_id``/``pad_id``, ``stop_ids`` (the ids
+that end a generation), ``vocab_size`` (real tokens), ``emittable_mask(V)``,
+``chat_template`` (None for bytes) and ``apply_chat_template(messages)``.
+A workdir stores its tokenizer under ``tokenizer/`` (``save_tokenizer``;
+``load_tokenizer`` gives the byte tokenizer for a workdir without one).
+The head's never-emitted ids come from the model config (``head_mask``), so
+a model never needs its tokenizer files to mask its logits.
 """
 
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable, Sequence
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -62,10 +76,27 @@ def emittable_mask(vocab_size: int) -> np.ndarray:
 class ByteTokenizer:
   """UTF-8 byte tokenizer with PAD/BOS/EOS. Stateless; cheap to construct."""
 
+  kind = "byte"
   pad_id = PAD_ID
   bos_id = BOS_ID
   eos_id = EOS_ID
   vocab_size = VOCAB_SIZE
+  stop_ids = (EOS_ID,)
+  eos_ids = stop_ids
+  never_emitted_ids = NEVER_EMITTED_IDS
+  chat_template = None
+
+  def emittable_mask(self, vocab_size: int) -> np.ndarray:
+    """bool [vocab_size]; module-level ``emittable_mask``."""
+    return emittable_mask(vocab_size)
+
+  def apply_chat_template(self, messages, *, add_generation_prompt: bool = True) -> np.ndarray:
+    """The byte tokenizer has no chat template: raises ValueError."""
+    raise ValueError("the byte tokenizer has no chat template (use a raw prompt, or a workdir "
+                     "imported with a BPE tokenizer: python -m mtp.importers)")
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"kind": "byte"}
 
   def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> np.ndarray:
     """Encodes ``text`` to int32 ids [T] (T = UTF-8 byte count + specials).
@@ -110,3 +141,79 @@ class StreamDecoder:
 
   def flush(self) -> str:
     return self._dec.decode(b"", final=True)
+
+
+# ----------------------------------------------------------------------------
+# The model's head mask and a workdir's tokenizer
+# ----------------------------------------------------------------------------
+
+TOKENIZER_DIR = "tokenizer"          # WORKDIR/tokenizer/
+META_FILE = "tokenizer_meta.json"    # kind, special ids, stop ids, chat template
+HF_TOKENIZER_FILE = "tokenizer.json"  # the `tokenizers` model (kind "bpe")
+
+
+class TokenizerError(ValueError):
+  """A missing, unreadable or inconsistent tokenizer (the message names the file)."""
+
+
+def head_mask(model_cfg) -> np.ndarray:
+  """bool [model_cfg.vocab_size]: the ids the model's head may emit (others
+  get logit -inf in ``mtp.model.Transformer.head``).
+
+  ``model.tokenizer == "byte"``: ``emittable_mask`` (unchanged behaviour).
+  ``"bpe"``: ids < ``model.num_tokens`` except ``model.never_emitted``.
+  """
+  if model_cfg.tokenizer == "byte":
+    return emittable_mask(model_cfg.vocab_size)
+  from mtp.config import parse_id_list
+  mask = np.arange(model_cfg.vocab_size) < model_cfg.num_tokens
+  mask[list(parse_id_list(model_cfg.never_emitted, "model.never_emitted"))] = False
+  return mask
+
+
+def save_tokenizer(tokenizer, workdir: str) -> str:
+  """Writes ``tokenizer`` to ``WORKDIR/tokenizer/`` (``tokenizer_meta.json``,
+  plus ``tokenizer.json`` for a BPE tokenizer). Returns the folder."""
+  folder = os.path.join(workdir, TOKENIZER_DIR)
+  os.makedirs(folder, exist_ok=True)
+  meta = tokenizer.to_dict()
+  if meta["kind"] != "byte":
+    tokenizer.save_model_file(os.path.join(folder, HF_TOKENIZER_FILE))
+  with open(os.path.join(folder, META_FILE), "w", encoding="utf-8") as f:
+    json.dump(meta, f, indent=2, ensure_ascii=False)
+    f.write("\n")
+  return folder
+
+
+def tokenizer_from_meta(meta: Mapping[str, Any], folder: str):
+  """The tokenizer described by ``meta`` (a ``tokenizer_meta.json`` dict)
+  whose files lie in ``folder``. Raises TokenizerError."""
+  kind = meta.get("kind")
+  if kind == "byte":
+    return ByteTokenizer()
+  if kind == "bpe":
+    from mtp import bpe
+    return bpe.BPETokenizer.from_files(folder, meta)
+  raise TokenizerError(f"{os.path.join(folder, META_FILE)}: unknown tokenizer kind {kind!r} "
+                       "(expected 'byte' or 'bpe')")
+
+
+def load_tokenizer(workdir: str):
+  """The tokenizer saved in ``workdir`` (``save_tokenizer``); the byte
+  tokenizer when the workdir has no ``tokenizer/`` folder (older workdirs
+  and ``mtp.export`` directories).
+
+  Raises TokenizerError for an unreadable or inconsistent tokenizer.
+  """
+  folder = os.path.join(workdir, TOKENIZER_DIR)
+  meta_path = os.path.join(folder, META_FILE)
+  if not os.path.isfile(meta_path):
+    return ByteTokenizer()
+  try:
+    with open(meta_path, encoding="utf-8") as f:
+      meta = json.load(f)
+  except (OSError, ValueError) as e:
+    raise TokenizerError(f"{meta_path}: unreadable ({e})") from e
+  if not isinstance(meta, dict):
+    raise TokenizerError(f"{meta_path}: expected a JSON object")
+  return tokenizer_from_meta(meta, folder)

@@ -62,7 +62,8 @@ SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 # is refused by check_exportable until the exporter learns to write it.
 _EXPORTABLE_MODEL_FIELDS = frozenset({
     "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-    "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings", "dtype", "param_dtype"})
+    "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings", "dtype", "param_dtype",
+    "tokenizer", "num_tokens", "never_emitted"})
 
 # How a tensor is stored, from our parameter to the HF tensor:
 #   "copy":      same array ([V, D] embeddings, [D] RMSNorm scales)
@@ -161,6 +162,9 @@ def check_exportable(cfg: Config) -> None:
   """Raises ExportError naming the first ``model.*`` field that config.json
   cannot express (any field this exporter does not know). Every current
   ModelConfig setting maps onto LlamaConfig (docs/export.md)."""
+  if cfg.model.tokenizer != "byte":   # TODO(issue 21): export the workdir's BPE tokenizer
+    raise ExportError(f"model.tokenizer={cfg.model.tokenizer!r}: mtp.export writes only the byte "
+                      "tokenizer's files so far")
   for f in dataclasses.fields(cfg.model):
     if f.name not in _EXPORTABLE_MODEL_FIELDS:
       raise ExportError(f"model.{f.name}={getattr(cfg.model, f.name)!r} has no LlamaForCausalLM "
