@@ -27,15 +27,13 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from mtp.model import init_layer_caches  # noqa: E402
-from scripts import common  # noqa: E402
+from mtp import report  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France?",
@@ -174,9 +172,9 @@ def main(argv=None):
   if n < 1 or repeats < 1 or min(batch_sizes) < 1:
     ap.error("--max_new_tokens, --repeats and --batch_sizes must be >= 1")
   def write(result):
-    meta = common.provenance(command=common.command_line(__file__, argv), gguf=path,
+    meta = report.provenance(command=report.command_line(__file__, argv), gguf=path,
                              dtype="float32", repeats=repeats, load_average=os.getloadavg())
-    common.write_report(args.out, meta, result, markdown(result))
+    report.write_report(args.out, meta, result, markdown(result))
 
   bench(path, batch_sizes, n, repeats, on_row=write)
   print(f"wrote {args.out}.json and {args.out}.md")

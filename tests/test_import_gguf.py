@@ -15,7 +15,7 @@ tokenizers = pytest.importorskip("tokenizers")
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp import checkpoint as ckpt_lib
+from mtp import loading
 from mtp import config as config_lib
 from mtp import tokenizer as tok
 from mtp.bpe import BPETokenizer
@@ -118,7 +118,7 @@ def test_import_workdir_loads_and_masks(tmp_path, tok_meta):
   path = tmp_path / "m.gguf"
   _write(path, tok_meta, tensors=_tensors(tied=False), theta=5000.0, eps=1e-6)
   out = gi.import_gguf(str(path), str(tmp_path / "wd"), mtp_depth=1)
-  cfg, model, step = ckpt_lib.load_model(out)
+  cfg, model, step = loading.load_model(out)
   assert step == 0 and cfg.mtp.depth == 1 and not cfg.model.tie_embeddings
   assert cfg.model.rope_theta == 5000.0 and cfg.model.norm_eps == pytest.approx(1e-6)
   tk = tok.load_tokenizer(out)
@@ -191,7 +191,7 @@ def test_cli(tmp_path, tok_meta, capsys):
   wd = tmp_path / "wd"
   assert cli.main(["--gguf", str(path), "--workdir", str(wd), "--dtype", "bfloat16",
                    "--never_emitted", "0,3"]) == 0
-  cfg, model, _ = ckpt_lib.load_model(str(wd))
+  cfg, model, _ = loading.load_model(str(wd))
   assert cfg.model.param_dtype == "bfloat16" and cfg.model.never_emitted == "0,3"
   assert cli.main(["--gguf", str(path), "--workdir", str(wd)]) == 2   # exists
   err = capsys.readouterr().err.strip()

@@ -35,7 +35,7 @@ else:
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp import checkpoint as ckpt_lib
+from mtp import loading
 from mtp import tokenizer as tok
 from mtp.importers import ModelImportError
 from mtp.importers import gguf as gi
@@ -218,7 +218,7 @@ def test_smollm_workdir_cli(tmp_path):
   path = _require_smollm()
   out = tmp_path / "smollm"
   assert cli.main(["--gguf", path, "--workdir", str(out)]) == 0
-  cfg, model, step = ckpt_lib.load_model(str(out))
+  cfg, model, step = loading.load_model(str(out))
   tk = tok.load_tokenizer(str(out))
   assert step == 0 and cfg.model.num_layers == 30 and tk.kind == "bpe"
   prompt = tk.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
@@ -275,7 +275,7 @@ def test_hf_dir_import_matches_transformers(hf_dirs, tmp_path, case):
   if HF_CASES[case]["shard"]:
     assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
   out = hi.import_hf_dir(path, str(tmp_path / "wd"))
-  cfg, model, _ = ckpt_lib.load_model(out)
+  cfg, model, _ = loading.load_model(out)
   tk = tok.load_tokenizer(out)
   assert cfg.model.tie_embeddings == HF_CASES[case]["tie"]
   assert cfg.model.num_tokens == len(fast) and cfg.model.vocab_size == len(fast) + 20

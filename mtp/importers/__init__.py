@@ -3,7 +3,7 @@
 ``python -m mtp.importers --gguf FILE --workdir DIR`` (``mtp.importers.gguf``)
 or ``--hf DIR`` (``mtp.importers.hf``: ``LlamaForCausalLM`` /
 ``MistralForCausalLM`` safetensors) writes a workdir that
-``mtp.checkpoint.load_model`` (and ``python -m decode --workdir DIR``,
+``mtp.loading.load_model`` (and ``python -m decode --workdir DIR``,
 ``train.init_from``) reads like a trained one:
 
 - ``checkpoints/0/``: an orbax checkpoint at step 0 (parameters; an empty
