@@ -17,6 +17,9 @@ from absl import app, flags, logging
 _WORKDIR = flags.DEFINE_string("workdir", None, "Trained run directory (target model), or a "
                                 "directory written by python -m mtp.export.")
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (use --prompt_file for a batch).")
+_CHAT = flags.DEFINE_string("chat", None, "A user message: rendered with the model's chat "
+                            "template (its end-of-turn token ends the reply); only the reply "
+                            "is printed. Needs a workdir with a chat template (mtp.importers).")
 _PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "UTF-8 file, one prompt per line, taken "
                                    "literally (batched; prompt i is line i+1; no blank lines).")
 _METHOD = flags.DEFINE_enum("method", "mtp", ["ar", "mtp", "draft"],
@@ -59,12 +62,14 @@ def main(argv):
   try:
     num_draft_tokens = parse_num_draft_tokens(_G.value)
     stops = parse_stops(_STOP.value, _STOP_IDS.value)
-    if (_PROMPT.value is None) == (_PROMPT_FILE.value is None):
-      raise DecodeError("give exactly one of --prompt or --prompt_file")
+    given_prompts = [f for f in (_PROMPT, _PROMPT_FILE, _CHAT) if f.value is not None]
+    if len(given_prompts) != 1:
+      raise DecodeError("give exactly one of --prompt, --prompt_file or --chat")
     if _JSON.value and not os.path.isdir(os.path.dirname(os.path.abspath(_JSON.value))):
       raise DecodeError(f"--json={_JSON.value!r}: directory "
                         f"{os.path.dirname(os.path.abspath(_JSON.value))!r} does not exist")
-    prompts = [_PROMPT.value] if _PROMPT.value is not None else read_prompt_file(_PROMPT_FILE.value)
+    prompts = ([_PROMPT.value] if _PROMPT.value is not None else [_CHAT.value]
+               if _CHAT.value is not None else read_prompt_file(_PROMPT_FILE.value))
     given = {name for name in flags.FLAGS if flags.FLAGS[name].present}
     if _TREE.value is not None and "num_draft_tokens" in given:
       raise DecodeError("--tree and --num_draft_tokens exclude each other: a tree's depth (its "
@@ -77,7 +82,8 @@ def main(argv):
                  draft_workdir=_DRAFT_WORKDIR.value, max_new_tokens=_MAX_NEW.value,
                  sampling=SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value),
                  num_samples=_NUM_SAMPLES.value, seed=_SEED.value, compare=_COMPARE.value,
-                 repeats=_REPEATS.value, tree=_TREE.value, stops=stops)
+                 repeats=_REPEATS.value, tree=_TREE.value, stops=stops,
+                 chat=_CHAT.value is not None)
   except (DecodeError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -68,15 +68,16 @@ def split_keys(state: DecodeState, params: SamplingParams):
   return state.replace(key=key), k_draft, k_accept
 
 
-def flag_non_finite(state: DecodeState, target_logits, draft_q, n, positions=None) -> DecodeState:
+def flag_non_finite(state: DecodeState, target_logits, draft_q, n, positions=None, *,
+                    allowed) -> DecodeState:
   """Sets ``error``/``error_pos`` of rows (still active and not yet failed)
   whose target logits [B, T, V] or draft q [B, G, V] (probabilities or
-  logits) hold NaN or +-inf at an emittable id (``tok.emittable_mask``;
-  the head's -inf at never-emitted ids is by design). error_pos is the
+  logits) hold NaN or +-inf at an emittable id (``allowed`` [V] bool, the
+  model's ``tok.head_mask``; the head's -inf at never-emitted ids is by
+  design). error_pos is the
   position whose logits were bad: n-1+j for target block row j (or
   ``positions[:, j]``, [B, T] int32, for a token tree's block), n-1 for
   the drafter (its drafts for the round starting at n)."""
-  allowed = tok.emittable_mask(target_logits.shape[-1])
   bad_t = jnp.any(~jnp.isfinite(target_logits) & allowed, -1)          # [B, T]
   code = jnp.where(jnp.any(bad_t, -1), ERROR_TARGET, ERROR_NONE)
   row = jnp.argmax(bad_t, -1).astype(jnp.int32)
@@ -135,7 +136,7 @@ def propose(drafter, target: Transformer, draft: Transformer | None, state: Deco
   h0, logits, p, cache = verify_block(target, state, gather_rows(tokens, block_pos), block_pos,
                                       params)
   with jax.named_scope("check"):
-    state = flag_non_finite(state, logits, d_q, n)
+    state = flag_non_finite(state, logits, d_q, n, allowed=tok.head_mask(target.cfg))
   return state.replace(tokens=tokens, cache=cache), Proposal(d_tok, d_q, p, h0, k_accept)
 
 

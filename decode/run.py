@@ -154,16 +154,33 @@ def check_run_args(*, max_new_tokens, num_samples, seed, repeats, max_draft_toke
     sampling.validate()
 
 
-def encode_prompts(prompts: Sequence[str]) -> list[np.ndarray]:
-  """[BOS] + UTF-8 bytes per prompt. Raises DecodeError for an empty prompt
-  or text that is not valid UTF-8 (``check_prompt_text``)."""
-  check_prompt_text(prompts)
-  tk = tok.ByteTokenizer()
+def encode_prompts(prompts: Sequence[str], tokenizer=None, chat: bool = False) -> list[np.ndarray]:
+  """Token ids per prompt with ``tokenizer`` (default the byte tokenizer):
+  raw text (BOS first where the tokenizer adds one: always for the byte
+  tokenizer), or with ``chat`` one user message rendered with the
+  tokenizer's chat template (generation prompt appended). Text is always
+  encoded as text: a prompt that spells a special token (``<|im_start|>``)
+  never becomes the control token; only the template emits those.
+
+  Raises DecodeError for an empty prompt, text that is not valid UTF-8
+  (``check_prompt_text``) or ``chat`` with a tokenizer that has no template.
+  """
+  check_prompt_text(prompts, "--chat" if chat else "--prompt")
+  tk = tokenizer or tok.ByteTokenizer()
+  if chat and not tk.chat_template:
+    raise DecodeError("--chat needs a tokenizer with a chat template (a workdir imported with "
+                      "python -m mtp.importers); this model's tokenizer has none: use --prompt")
   out = []
   for i, p in enumerate(prompts):
     if not p:
       raise DecodeError(f"--prompt (prompt {i}) is empty: give at least one character")
-    out.append(tk.encode(p, add_bos=True))
+    if chat:
+      ids = tk.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+    elif tk.kind == "byte":
+      ids = tk.encode(p, add_bos=True)
+    else:
+      ids = tk.encode(p)
+    out.append(np.asarray(ids, np.int32))
   return out
 
 
@@ -179,6 +196,10 @@ def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
     raise DecodeError(f"--tree needs --method=mtp (the MTP modules draft the tree); got "
                       f"--method={method}")
   cfg, target, _ = loading.load_model(workdir)
+  try:
+    tokenizer = tok.load_tokenizer(workdir)
+  except tok.TokenizerError as e:
+    raise DecodeError(str(e)) from None
   trained = target.mtp_depth + (getattr(cfg.mtp, "recursive_steps", 0) if target.mtp_depth else 0)
   draft = None
   if method == "draft":
@@ -188,28 +209,33 @@ def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
   kw = {"max_draft_tokens": max_draft_tokens} if num_draft_tokens == "auto" else {}
   if tree is not None:
     kw["tree"] = tree
-  return Decoder(target, method, num_draft_tokens if method != "ar" else 1, draft, **kw), trained
+  return Decoder(target, method, num_draft_tokens if method != "ar" else 1, draft,
+                 tokenizer=tokenizer, **kw), trained
 
 
 def decode_texts(decoder: Decoder, prompts: Sequence[str], *, max_new_tokens: int,
                  sampling: SamplingParams, num_samples: int = 1, seed: int = 0,
                  warmup: bool = True, out: TextIO | None = None,
-                 stops: StopConditions | None = None):
+                 stops: StopConditions | None = None, chat: bool = False):
   """Decodes every prompt ``num_samples`` times in one batch (stream form).
 
   With one prompt and one sample, text is streamed to ``out`` as it is
-  emitted (never past a stop string). ``warmup`` first runs the same shapes
-  once so timings exclude compilation. Returns the ``Generation``.
+  emitted (never past a stop string), after the prompt (raw prompts) or
+  alone (``chat``: the reply to one user message). ``warmup`` first runs
+  the same shapes once so timings exclude compilation. Returns the
+  ``Generation``.
   """
   if not (isinstance(num_samples, int) and num_samples >= 1):
     raise DecodeError(f"--num_samples={num_samples!r} must be an integer >= 1")
-  encoded = [p for p in encode_prompts(prompts) for _ in range(num_samples)]
+  encoded = [p for p in encode_prompts(prompts, decoder.tokenizer, chat)
+             for _ in range(num_samples)]
   if warmup:
     decoder.stream(encoded, max_new_tokens, sampling, seed, stops=stops)
   on_text = None
   if out is not None and len(encoded) == 1:
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    out.write(prompts[0])
+    if not chat:
+      out.write(prompts[0])
     def on_text(row, data):
       out.write(utf8.decode(data))
       out.flush()
@@ -224,7 +250,8 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
         draft_workdir: str | None = None, max_new_tokens: int = 128,
         sampling: SamplingParams = SamplingParams(), num_samples: int = 1, seed: int = 0,
         compare: bool = False, repeats: int = 3, out: TextIO | None = None,
-        err: TextIO | None = None, tree=None, stops: StopConditions | None = None) -> dict:
+        err: TextIO | None = None, tree=None, stops: StopConditions | None = None,
+        chat: bool = False) -> dict:
   """Everything ``python -m decode`` does; returns the JSON report.
 
   Generated text goes to ``out`` (default stdout): with one prompt and one
@@ -246,6 +273,8 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
 
   ``stops``: stop token ids and stop strings (``decode.stops``); each
   result records its ``finish_reason`` ("eos", "stop" or "length").
+  ``chat``: every prompt is one user message rendered with the model's chat
+  template (its end-of-turn token ends the reply); else raw text.
 
   Raises DecodeError / CheckpointError for bad arguments or checkpoints
   (every numeric setting and the prompt text are checked before anything
@@ -273,7 +302,7 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   if stops is not None:
     stops.validate(decoder.target_cfg.vocab_size)
   gen = decode_texts(decoder, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                     num_samples=num_samples, seed=seed, out=out, stops=stops)
+                     num_samples=num_samples, seed=seed, out=out, stops=stops, chat=chat)
   results = []
   for r, ids in enumerate(gen.tokens):
     results.append({"prompt_index": r // num_samples, "prompt": prompts[r // num_samples],
@@ -284,7 +313,7 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   if len(gen.tokens) > 1:
     for res in results:
       out.write(f"--- prompt {res['prompt_index']} sample {res['sample']}: "
-                f"{res['prompt']!r}\n{res['prompt']}{res['text']}\n")
+                f"{res['prompt']!r}\n{'' if chat else res['prompt']}{res['text']}\n")
     out.flush()
   err.write(stats_lib.format_summary(method, summary) + f"\n  seed {seed}\n")
   report = {"config": {"workdir": workdir, "method": method,
@@ -295,24 +324,26 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
                        "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
                        "top_k": sampling.top_k, "top_p": sampling.top_p,
                        "num_samples": num_samples, "seed": seed, "batch_size": len(gen.tokens),
-                       "stop": [] if stops is None else list(stops.strings),
+                       "chat": chat, "stop": [] if stops is None else list(stops.strings),
                        "stop_token_ids": [] if stops is None else [int(i) for i in stops.token_ids],
                        "device": jax.devices()[0].device_kind},
             "results": results, "stats": summary}
   if compare and method != "ar":
     report.update(_compare_with_ar(decoder, gen, prompts, method=method, repeats=repeats,
                                    max_new_tokens=max_new_tokens, sampling=sampling,
-                                   num_samples=num_samples, seed=seed, err=err))
+                                   num_samples=num_samples, seed=seed, err=err, stops=stops,
+                                   chat=chat))
   return report
 
 
 def _compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: str, repeats: int,
                      max_new_tokens: int, sampling: SamplingParams, num_samples: int, seed: int,
-                     err: TextIO) -> dict:
+                     err: TextIO, stops: StopConditions | None = None, chat: bool = False) -> dict:
   """``repeats`` interleaved AR / ``decoder`` runs (see ``run``); returns the
   report keys ar_stats, speedup, speedup_per_repeat, repeats, wall_times_s."""
-  ar = Decoder(decoder.models()[0], "ar")
-  kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples, seed=seed)
+  ar = Decoder(decoder.models()[0], "ar", tokenizer=decoder.tokenizer)
+  kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples, seed=seed,
+            stops=stops, chat=chat)
   ar_gen = decode_texts(ar, prompts, warmup=True, **kw)       # compiles AR; not timed below
   times = {"ar": [], method: []}
 

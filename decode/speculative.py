@@ -146,9 +146,10 @@ class Decoder:
       ``decode.drafters``; for tests and experiments).
     accept_rule: the chain's acceptance rule (default ``verify.accept``;
       tests swap in wrong rules to check that the statistics catch them).
-    tokenizer: the model's tokenizer (default the byte tokenizer): its
-      EOS id ends a row; its ``decode_bytes`` gives the text stop strings
-      are matched against.
+    tokenizer: the model's tokenizer (``mtp.tokenizer.load_tokenizer``;
+      default the byte tokenizer, required for a BPE model): its stop ids
+      (EOS, end of turn) end a row; its ``decode_bytes`` gives the text
+      stop strings are matched against.
   Raises:
     DecodeError: unknown method, G < 1, "mtp" with D = 0, "auto" with
       another method or a bad G_max / costs, a draft model with another
@@ -166,8 +167,13 @@ class Decoder:
         schedule=schedule, auto_costs=auto_costs, tree=tree)
     self.drafter = drafter or self.drafter
     self.accept_rule = accept_rule
+    if tokenizer is None and target.cfg.tokenizer != "byte":
+      raise DecodeError(f"a model with model.tokenizer={target.cfg.tokenizer!r} needs its "
+                        "tokenizer: Decoder(..., tokenizer=mtp.tokenizer.load_tokenizer(workdir))")
     self.tokenizer = tokenizer or tok.ByteTokenizer()
-    self.eos_ids = (int(self.tokenizer.eos_id),)
+    self.eos_ids = tuple(int(i) for i in self.tokenizer.stop_ids)
+    pad = self.tokenizer.pad_id
+    self.pad_id = int(pad) if pad is not None and pad < target.cfg.vocab_size else self.eos_ids[0]
     self.target_graphdef, self.target_params = nnx.split(target, nnx.Param)
     self.target_cfg = target.cfg
     self.draft_graphdef, self.draft_params = (nnx.split(draft, nnx.Param) if method == "draft"
@@ -276,7 +282,7 @@ class Decoder:
     state = state_lib.init_state(self.target_cfg, prompts, max_new_tokens, seed, cache_len,
                                  self.G, dstate,
                                  state_lib.init_auto(self.schedule, b) if self.schedule else None,
-                                 stop_ids=stop_ids)
+                                 stop_ids=stop_ids, pad_id=self.pad_id)
     if self.mesh is not None:
       state = decode_mesh.shard_state(self.mesh, state)
     return state, p_len - 1
@@ -420,7 +426,8 @@ def _check_prompts(prompts, max_new_tokens, max_len: int, mesh) -> None:
     raise DecodeError(f"--max_new_tokens={max_new_tokens!r} must be an integer >= 1")
   for i, p in enumerate(prompts):
     if len(p) < 2:
-      raise DecodeError(f"prompt {i} is empty: give at least one byte of text after BOS")
+      raise DecodeError(f"prompt {i} is empty or has a single token: give at least 2 tokens "
+                        "(one byte of text after BOS with the byte tokenizer)")
     if len(p) + max_new_tokens > max_len:
       room = max_len - len(p)
       raise DecodeError(

@@ -147,14 +147,16 @@ def cache_length(prompt_len: int, max_new_tokens: int, headroom: int) -> tuple[i
 
 def init_state(model_cfg, prompts, max_new_tokens: int, seed: int, cache_len: int,
                num_draft_tokens: int, drafter_state=None, auto: AutoState | None = None,
-               stop_ids=None) -> DecodeState:
+               stop_ids=None, pad_id: int = tok.PAD_ID) -> DecodeState:
   """The state before prefill: prompts [B] int32 arrays (BOS included)
-  written left-aligned into a PAD buffer of ``cache_len`` slots, an empty
-  target cache, zeroed statistics for ``num_draft_tokens`` G; stop_ids
-  [B, K] int32 (default: EOS alone)."""
+  written left-aligned into a ``pad_id`` buffer of ``cache_len`` slots (any
+  id of the vocabulary: slots past a row's length are never read as
+  committed tokens), an empty target cache, zeroed statistics for
+  ``num_draft_tokens`` G; stop_ids [B, K] int32 (default: the byte
+  tokenizer's EOS alone)."""
   b = len(prompts)
   lengths = np.asarray([len(p) for p in prompts], np.int32)
-  tokens = np.full((b, cache_len), tok.PAD_ID, np.int32)
+  tokens = np.full((b, cache_len), pad_id, np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
   return DecodeState(

@@ -71,6 +71,7 @@ from decode.drafters import MTPDrafter, MTPDraftState, gather_rows
 from decode.sampling import SamplingParams
 from decode.state import DecodeState
 from decode.tree_spec import TreeSpec
+from mtp import tokenizer as tok
 from mtp.model import Transformer, write_cache
 
 MAX_BRANCHING = 64       # children per node, per depth
@@ -290,7 +291,8 @@ def tree_propose(drafter: TreeMTPDrafter, target: Transformer, state: DecodeStat
   h0, logits, p, cache = round_lib.verify_block(target, state, block, pos, params,
                                                 write_offsets=n - 1, mask=mask)
   with jax.named_scope("check"):
-    state = round_lib.flag_non_finite(state, logits, q, n, positions=pos)
+    state = round_lib.flag_non_finite(state, logits, q, n, positions=pos,
+                                      allowed=tok.head_mask(target.cfg))
   state = state.replace(tokens=tokens, cache=cache, drafter=dstate)
   return state, round_lib.Proposal(node_tok, q, p, h0, k_accept)
 

@@ -340,6 +340,26 @@ class BPETokenizer:
       ids = ids + [self.eos_id]
     return np.asarray(ids, np.int32)
 
+  def decode_bytes(self, ids: Iterable[int]) -> bytes:
+    """The output bytes of ``ids``: byte-level BPE tokens mapped back to
+    their bytes (GPT-2's byte alphabet), other added tokens as UTF-8, special
+    tokens and unknown ids dropped. A character split over tokens stays split
+    (stop strings are matched on these bytes: ``decode.stops``)."""
+    if not hasattr(self, "_byte_of"):
+      self._byte_of = {c: b for b, c in bytes_to_unicode().items()}
+      self._special_id_set = set(self._special_ids.values())
+    out = bytearray()
+    for i in ids:
+      i = int(i)
+      piece = self._tok.id_to_token(i)
+      if piece is None or i in self._special_id_set:
+        continue
+      try:
+        out += bytes(self._byte_of[c] for c in piece)
+      except KeyError:
+        out += piece.encode("utf-8")
+    return bytes(out)
+
   def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
     """Text of ``ids`` (ids outside the vocabulary, i.e. padding, dropped)."""
     ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]

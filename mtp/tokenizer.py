@@ -17,8 +17,8 @@ training targets (``train.losses.shifted_targets``):
   document boundary, so BOS is never the token that follows a position;
 - the 13 bytes that no UTF-8 text contains (RFC 3629: 0xC0 and 0xC1, which
   could only start overlong forms, and 0xF5..0xFF, beyond U+10FFFF):
-  ``encode`` only takes ``str``, so every training byte sequence is valid
-  UTF-8 (lone surrogates, kept by ``surrogatepass``, encode to ED A0..BF xx).
+  ``encode`` only takes valid Unicode ``str`` (a lone surrogate, which has
+  no UTF-8 form, is refused), so every training byte sequence is valid UTF-8.
 
 EOS is a target (it ends every document) and stays emittable.
 
@@ -104,10 +104,18 @@ class ByteTokenizer:
     Raises:
       TypeError: if ``text`` is not a ``str`` (bytes must be decoded by the
         caller, who decides how to treat invalid UTF-8).
+      ValueError: if ``text`` holds a lone surrogate (U+D800..U+DFFF: no
+        UTF-8 form; Python makes them of undecodable command-line bytes),
+        naming its position.
     """
     if not isinstance(text, str):
       raise TypeError(f"ByteTokenizer.encode expects str, got {type(text).__name__}")
-    ids = np.frombuffer(text.encode("utf-8", errors="surrogatepass"), dtype=np.uint8).astype(np.int32)
+    try:
+      raw = text.encode("utf-8")
+    except UnicodeEncodeError as e:
+      raise ValueError(f"text is not valid Unicode: lone surrogate U+{ord(text[e.start]):04X} at "
+                       f"character {e.start} (it has no UTF-8 form)") from None
+    ids = np.frombuffer(raw, dtype=np.uint8).astype(np.int32)
     parts = []
     if add_bos:
       parts.append(np.array([BOS_ID], np.int32))

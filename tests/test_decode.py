@@ -349,7 +349,8 @@ def test_a_row_failing_mid_generation_keeps_what_came_before(target):
   state, _ = dec.prepare(_prompts([4, 6]), 10, 0)
   logits = jnp.zeros((2, 1, target.cfg.vocab_size)).at[1, 0, 5].set(jnp.inf)
   state = state.replace(length=jnp.asarray([7, 9], jnp.int32))
-  state = _flag_non_finite(state, logits, None, state.length)
+  state = _flag_non_finite(state, logits, None, state.length,
+                           allowed=tok.head_mask(target.cfg))
   np.testing.assert_array_equal(state.error, [0, ERROR_TARGET])
   np.testing.assert_array_equal(state.error_pos[1], 8)
   out = round_lib.commit(None, state, None, jnp.zeros(2, jnp.int32), jnp.asarray([97, 98], jnp.int32),
@@ -359,7 +360,8 @@ def test_a_row_failing_mid_generation_keeps_what_came_before(target):
   # -inf at a never-emitted id (the head's own mask) is not an error
   masked = jnp.zeros((2, 1, target.cfg.vocab_size)).at[:, 0, tok.BOS_ID].set(-jnp.inf)
   state, _ = dec.prepare(_prompts([4, 6]), 10, 0)
-  assert not _flag_non_finite(state, masked, None, state.length).error.any()
+  assert not _flag_non_finite(state, masked, None, state.length,
+                          allowed=tok.head_mask(target.cfg)).error.any()
 
 
 def test_high_temperature_never_emits_never_emitted_ids(target):

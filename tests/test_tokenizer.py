@@ -32,3 +32,13 @@ def test_split_multibyte_never_raises_and_streams():
 def test_encode_rejects_bytes():
   with pytest.raises(TypeError, match="expects str"):
     tok.ByteTokenizer().encode(b"abc")
+
+
+def test_lone_surrogates_are_refused_not_encoded():
+  """Issue 23.4: '\\ud800' has no UTF-8 form; encode used to return its
+  surrogatepass bytes (ED A0 80), which are not UTF-8."""
+  import pytest
+  with pytest.raises(ValueError, match="lone surrogate U\\+D800 at character 2"):
+    tok.ByteTokenizer().encode("ab\ud800c")
+  with pytest.raises(ValueError, match="U\\+DCFF"):
+    tok.ByteTokenizer().encode("def \udcff(")      # an undecodable argv byte 0xFF
