@@ -178,18 +178,18 @@ def step_ratios(rows: list[dict]) -> list[dict]:
   return out
 
 
-def demo_models(cfg: config_lib.Config, impls: list[str], max_len: int, block: int, seed: int = 0):
-  """{impl: Transformer} with identical random parameters (``cfg`` with
-  ``model.max_seq_len`` >= max_len and the EOS embedding row zeroed: its
-  logit is exactly 0 while the largest of the others is positive, so greedy
-  decoding runs to its token budget)."""
+def demo_models(cfg: config_lib.Config, variants, max_len: int, seed: int = 0) -> dict:
+  """{variant name: Transformer} for (impl, block) ``variants``, identical
+  random parameters (``cfg`` with ``model.max_seq_len`` >= max_len and the
+  EOS embedding row zeroed: its logit is exactly 0 while the largest of the
+  others is positive, so greedy decoding runs to its token budget)."""
   out = {}
-  for impl in impls:
+  for impl, block in variants:
     m_cfg = with_impl(dataclasses.replace(cfg.model, max_seq_len=max(cfg.model.max_seq_len, max_len)),
-                      impl, block if impl == "blockwise" else None)
+                      impl, block)
     model = build_model(config_lib.validate(dataclasses.replace(cfg, model=m_cfg)), seed)
     model.embed.embedding[...] = model.embed.embedding[...].at[tok.EOS_ID].set(0.0)
-    out[impl] = model
+    out[variant_name(impl, block)] = model
   return out
 
 
@@ -288,8 +288,8 @@ def markdown(results: dict, meta: dict) -> str:
   if results.get("generation"):
     lines += ["", "## (b) End-to-end tokens/s (`Decoder.generate`, greedy, B = 1)", "",
               f"Model: {meta['demo_config']} shape, randomly initialised (EOS row zeroed so decoding "
-              f"runs to the budget), max_seq_len {meta['demo_max_seq_len']}; blockwise block size "
-              f"{meta['demo_block_size']}; MTP drafts G = 2 with its D = 2 modules; tokens/s = new "
+              f"runs to the budget), max_seq_len {meta['demo_max_seq_len']}; blockwise/C: block size "
+              f"C; MTP drafts G = 2 with its D = 2 modules; tokens/s = new "
               f"tokens / median wall time (prefill included); "
               f"{common.plural(meta['gen_repeats'], 'repeat')}.", "",
               "| method | prompt | new | impl | tokens/s | wall ms | prefill ms | tau | same tokens | "
@@ -334,7 +334,7 @@ def plot(results: dict, meta: dict, path: str) -> None:
                         and r[fixed_key] == fixed), key=lambda r: r[xkey])
           if len(sel) > 1 or (sel and xkey == "new_tokens"):
             ax.plot([r[xkey] for r in sel], [r["tokens_per_s"] for r in sel],
-                    "o-" if impl == "blockwise" else "s--", label=f"{method} {impl}")
+                    "o-" if impl.startswith("blockwise") else "s--", label=f"{method} {impl}")
       ax.set_xscale("log", base=2)
       ax.set_xlabel(label)
       ax.set_ylabel("tokens / s (end to end)")
@@ -365,8 +365,8 @@ def main(argv=None):
                   help="(b): comma list of prompt lengths (--prompt_new_tokens new tokens)")
   ap.add_argument("--prompt_new_tokens", type=int, default=128, help="(b): new tokens of the prompt sweep")
   ap.add_argument("--gen_repeats", type=int, default=3, help="(b): timed generations per cell")
-  ap.add_argument("--demo_block_size", type=int, default=None,
-                  help="(b): blockwise block size (default: the first of --block_sizes)")
+  ap.add_argument("--demo_block_sizes", default="",
+                  help="(b): comma list of blockwise block sizes (default: --block_sizes)")
   ap.add_argument("--skip_steps", action="store_true", help="skip (a)")
   ap.add_argument("--skip_generation", action="store_true", help="skip (b)")
   ap.add_argument("--out", default="results/bench_cache_length", help="output prefix")
@@ -388,7 +388,8 @@ def main(argv=None):
   methods = common.parse_list(ap, "methods", args.methods, str, choices=("ar", "mtp"))
   new_tokens = common.parse_list(ap, "new_tokens", args.new_tokens, int, 1)
   prompt_tokens = common.parse_list(ap, "prompt_tokens", args.prompt_tokens, int, 1)
-  demo_block = args.demo_block_size or blocks[0]
+  demo_blocks = (common.parse_list(ap, "demo_block_sizes", args.demo_block_sizes, int, 1)
+                 if args.demo_block_sizes else blocks)
   if not os.path.isfile(args.config):
     ap.error(f"--config={args.config!r}: no such file")
   try:
@@ -414,7 +415,7 @@ def main(argv=None):
              + [(p, args.prompt_new_tokens) for p in prompt_tokens])
     cases = list(dict.fromkeys(cases))
     max_len = max(p + n for p, n in cases) + 64
-    models = demo_models(cfg, impls, max_len, demo_block)
+    models = demo_models(cfg, impl_variants(impls, demo_blocks), max_len)
     results["generation"] = generation_speed(models, methods, cases, args.gen_repeats)
     results["generation_speedups"] = generation_speedups(results["generation"])
   meta = common.provenance(
@@ -425,7 +426,7 @@ def main(argv=None):
                                                          [(args.short_prompt, max(new_tokens)),
                                                           (max(prompt_tokens), args.prompt_new_tokens)]])
                                                     + 64),
-      demo_block_size=demo_block, gen_repeats=args.gen_repeats,
+      demo_block_sizes=demo_blocks, gen_repeats=args.gen_repeats,
       prompt_sweep_new_tokens=args.prompt_new_tokens,
       machine_note=("Machine shared with other jobs (2 CPU cores under load from other engineers' "
                     "processes): absolute times are noisy; compare within a table."))
