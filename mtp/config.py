@@ -44,7 +44,7 @@ class ModelConfig:
   # masks every slot (the original path), "cudnn" is jax.nn.dot_product_attention's
   # cuDNN kernel over every slot (NVIDIA GPU, bfloat16/float16 only).
   attention_impl: str = "blockwise"
-  attention_block_size: int = 256  # cache slots per block of "blockwise"
+  attention_block_size: int = 128  # cache slots per block of "blockwise" (results/bench_cache_length.md)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -123,7 +123,7 @@ def _slot_limit(positions, mask, s: int):
   return jnp.max(jnp.where(jnp.any(mask, axis=(0, 1)), slots, 0))
 
 
-def blockwise_attention(q, keys, values, positions, mask=None, *, block_size: int = 256):
+def blockwise_attention(q, keys, values, positions, mask=None, *, block_size: int = 128):
   """Attention of q over a KV cache reading only the blocks that can be
   visible, with an online softmax across blocks (Milakov & Gimelshein 2018,
   "Online normalizer calculation for softmax"; FlashAttention, Dao et al.
@@ -190,7 +190,7 @@ def blockwise_attention(q, keys, values, positions, mask=None, *, block_size: in
 
 
 def cached_attention(q, keys, values, positions, mask=None, *, impl: str = "blockwise",
-                     block_size: int = 256):
+                     block_size: int = 128):
   """Attention of the queries of a cached call over the whole cache.
 
   q: [B, T, N, H]; keys, values: [B, S, K, H] (after this call's write);

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -256,6 +257,31 @@ def generation_speedups(rows: list[dict], base: str = "dense") -> list[dict]:
   return out
 
 
+def targets(results: dict, short_prompt: int) -> list[dict]:
+  """The issue's targets, per blockwise variant: step(S_max) / step(S_min)
+  at each T (<= 1.15), end-to-end speedup vs dense at (short prompt, 1024
+  new) per method (>= 1.3) and at (256, 128) (no regression). Rows {target,
+  impl, T or method, value: {min, median, max}, goal}."""
+  out = []
+  for r in results["step_ratios"]:
+    if r["kind"] != "vs_smallest_cache" or r["impl"] == "dense":
+      continue
+    top = max(x["cache_slots"] for x in results["step_ratios"] if x["kind"] == "vs_smallest_cache")
+    if r["cache_slots"] == top:
+      out.append({"target": f"step S={top} / S={r['base_cache_slots']}", "impl":
+                  variant_name(r["impl"], r["block_size"]), "case": f"T={r['T']}",
+                  "value": r["ratio"], "goal": "<= 1.15"})
+  for r in results["generation_speedups"]:
+    if (r["prompt_tokens"], r["new_tokens"]) == (short_prompt, 1024):
+      out.append({"target": f"{r['method']} {short_prompt}-token prompt, 1024 new: speedup vs dense",
+                  "impl": r["impl"], "case": r["method"], "value": r["speedup"], "goal": ">= 1.3"})
+    if (r["prompt_tokens"], r["new_tokens"]) == (256, 128):
+      out.append({"target": f"{r['method']} 256-token prompt, 128 new: speedup vs dense",
+                  "impl": r["impl"], "case": r["method"], "value": r["speedup"],
+                  "goal": ">= 1 (no regression beyond noise)"})
+  return out
+
+
 def _fmt_stat(st: dict, scale: float = 1.0, prec: int = 2) -> str:
   return (f"{st['median'] * scale:.{prec}f} [{st['min'] * scale:.{prec}f}, "
           f"{st['max'] * scale:.{prec}f}]")
@@ -266,7 +292,14 @@ def markdown(results: dict, meta: dict) -> str:
   lines = [f"KV-cache reading: dense masked attention over every slot vs blockwise attention "
            f"over the visible blocks (issue 24). {common.machine(meta)}, JAX {meta['jax_version']}, "
            f"commit {meta['commit']}, {meta['date']}. {meta['machine_note']}", "",
-           "Figures are median [min, max] over interleaved repeats.", "",
+           "Figures are median [min, max] over interleaved repeats (ratios: of the per-repeat "
+           "ratios, repeats paired in order).", ""]
+  if results.get("targets"):
+    lines += ["## Targets (issue 24)", "", "| target | impl | value | goal |", "|---|---|---|---|"]
+    lines += [f"| {r['target']} ({r['case']}) | {r['impl']} | {_fmt_stat(r['value'])} | {r['goal']} |"
+              for r in results["targets"]]
+    lines.append("")
+  lines += [
            f"## (a) Step cost at position ~{meta['position']} against cache slots S",
            "",
            f"Shape: {meta['step_shape_name']} ({sh['num_layers']} layers, d_model {sh['d_model']}, "
@@ -287,7 +320,7 @@ def markdown(results: dict, meta: dict) -> str:
                  f"{_fmt_stat(sp) if sp else '-'} |")
   if results.get("generation"):
     lines += ["", "## (b) End-to-end tokens/s (`Decoder.generate`, greedy, B = 1)", "",
-              f"Model: {meta['demo_config']} shape, randomly initialised (EOS row zeroed so decoding "
+              f"Model: {meta.get('demo_shape', meta['demo_config'] + ' shape')}, randomly initialised (EOS row zeroed so decoding "
               f"runs to the budget), max_seq_len {meta['demo_max_seq_len']}; blockwise/C: block size "
               f"C; MTP drafts G = 2 with its D = 2 modules; tokens/s = new "
               f"tokens / median wall time (prefill included); "
@@ -338,7 +371,7 @@ def plot(results: dict, meta: dict, path: str) -> None:
       ax.set_xscale("log", base=2)
       ax.set_xlabel(label)
       ax.set_ylabel("tokens / s (end to end)")
-      ax.set_title(f"{meta['demo_config']} (random init)", fontsize=9)
+      ax.set_title(f"{meta.get('demo_shape', meta['demo_config'])} (random init)", fontsize=9)
       ax.grid(alpha=0.3)
       ax.legend(fontsize=7)
   fig.tight_layout()
@@ -350,7 +383,7 @@ def plot(results: dict, meta: dict, path: str) -> None:
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=common.HelpFormatter)
   ap.add_argument("--impls", default="dense,blockwise", help="comma list of model.attention_impl values")
-  ap.add_argument("--block_sizes", default="256", help="comma list of blockwise block sizes (slots)")
+  ap.add_argument("--block_sizes", default="128", help="comma list of blockwise block sizes (slots)")
   ap.add_argument("--cache_slots", default="512,2048,8192", help="(a): comma list of cache sizes S")
   ap.add_argument("--query_lengths", default="1,4", help="(a): comma list of T (1 = AR step, 4 = verify)")
   ap.add_argument("--position", type=int, default=200, help="(a): position of the first step")
@@ -371,10 +404,21 @@ def main(argv=None):
   ap.add_argument("--skip_generation", action="store_true", help="skip (b)")
   ap.add_argument("--out", default="results/bench_cache_length", help="output prefix")
   ap.add_argument("--plot", default="docs/bench_cache_length.png", help="plot path")
+  ap.add_argument("--render", default="",
+                  help="measure nothing: rewrite --out's markdown (with the targets) and --plot "
+                       "from this JSON of an earlier run")
   ap.add_argument("--quick", action="store_true",
                   help="tiny sizes for tests: a 2-layer d_model 32 model for (a) and (b), S 64,256, "
                        "position 20, 2 steps, 1 repeat, 16/32 new tokens, prompts 16/48")
   args = ap.parse_args(argv)
+  if args.render:
+    report = json.load(open(args.render))
+    meta, results = report["meta"], report["results"]
+    results["targets"] = targets(results, meta.get("short_prompt", args.short_prompt))
+    common.write_report(args.out, meta, results, markdown(results, meta))
+    plot(results, meta, args.plot)
+    print(f"wrote {args.out}.json, {args.out}.md and {args.plot} from {args.render}")
+    return
   if args.quick:
     common.apply_quick(ap, args, cache_slots="64,256", position=20, steps=2, repeats=1,
                        new_tokens="16,32", prompt_tokens="16,48", prompt_new_tokens=16, gen_repeats=1,
@@ -400,7 +444,8 @@ def main(argv=None):
   shape_name = "quick test shape" if args.quick else "SmolLM2-135M"
   if args.quick:
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **QUICK_SHAPE))
-  results = {"steps": [], "step_ratios": [], "generation": [], "generation_speedups": []}
+  results = {"steps": [], "step_ratios": [], "generation": [], "generation_speedups": [],
+             "targets": []}
   if not args.skip_steps:
     step_cfg = config_lib.validate(config_lib.Config(model=config_lib.ModelConfig(**shape),
                                                      mtp=config_lib.MTPConfig(depth=0))).model
@@ -418,10 +463,13 @@ def main(argv=None):
     models = demo_models(cfg, impl_variants(impls, demo_blocks), max_len)
     results["generation"] = generation_speed(models, methods, cases, args.gen_repeats)
     results["generation_speedups"] = generation_speedups(results["generation"])
+  results["targets"] = targets(results, args.short_prompt)
   meta = common.provenance(
       command=common.command_line(__file__, argv), step_shape=shape, step_shape_name=shape_name,
       impls=impls, block_sizes=blocks, position=args.position, steps=args.steps, repeats=args.repeats,
-      demo_config=args.config, demo_max_seq_len=max(cfg.model.max_seq_len,
+      demo_config=args.config, short_prompt=args.short_prompt,
+      demo_shape="quick test shape" if args.quick else f"{args.config} shape",
+      demo_max_seq_len=max(cfg.model.max_seq_len,
                                                     max([p + n for p, n in
                                                          [(args.short_prompt, max(new_tokens)),
                                                           (max(prompt_tokens), args.prompt_new_tokens)]])
