@@ -405,15 +405,27 @@ def main(argv=None):
   ap.add_argument("--out", default="results/bench_cache_length", help="output prefix")
   ap.add_argument("--plot", default="docs/bench_cache_length.png", help="plot path")
   ap.add_argument("--render", default="",
-                  help="measure nothing: rewrite --out's markdown (with the targets) and --plot "
-                       "from this JSON of an earlier run")
+                  help="measure nothing: rewrite --out (JSON, markdown with the targets) and --plot "
+                       "from the JSON of an earlier run, or a comma list of JSONs of runs that "
+                       "measured parts apart (--skip_steps / --skip_generation), merged")
   ap.add_argument("--quick", action="store_true",
                   help="tiny sizes for tests: a 2-layer d_model 32 model for (a) and (b), S 64,256, "
                        "position 20, 2 steps, 1 repeat, 16/32 new tokens, prompts 16/48")
   args = ap.parse_args(argv)
   if args.render:
-    report = json.load(open(args.render))
-    meta, results = report["meta"], report["results"]
+    meta, results = {}, {}
+    for path in args.render.split(","):      # parts of one study run apart: (a) and (b)
+      report = json.load(open(path))
+      for k, v in report["meta"].items():
+        if k == "command" and meta.get("command"):
+          meta[k] = f"{meta[k]} && {v}"
+        elif k not in meta or k in ("demo_config", "demo_shape", "demo_max_seq_len", "demo_block_sizes",
+                                     "gen_repeats", "prompt_sweep_new_tokens", "short_prompt"):
+          if k not in meta or report["results"].get("generation"):
+            meta[k] = v
+      for k, v in report["results"].items():
+        if v or k not in results:
+          results[k] = v
     results["targets"] = targets(results, meta.get("short_prompt", args.short_prompt))
     common.write_report(args.out, meta, results, markdown(results, meta))
     plot(results, meta, args.plot)

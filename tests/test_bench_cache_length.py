@@ -26,5 +26,14 @@ def test_bench_cache_length_quick(tmp_path):
     assert r["emitted"] == r["new_tokens"] and r["tokens_equal"] and r["tokens_per_s"] > 0
   assert len(res["generation_speedups"]) == len(gen) // 2
   md = open(out + ".md").read()
-  assert "## (a) Step cost" in md and "## (b) End-to-end tokens/s" in md
+  assert "## (a) Step cost" in md and "## (b) End-to-end tokens/s" in md and "## Targets" in md
   assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+  # --render rewrites the report (with the targets table) from the JSON alone
+  out2 = str(tmp_path / "bcl2")
+  importlib.import_module("scripts.bench_cache_length").main(
+      ["--render", out + ".json", "--out", out2, "--plot", str(tmp_path / "bcl2.png")])
+  md2 = open(out2 + ".md").read()
+  assert md_command(out2 + ".md") == md_command(out + ".md")
+  assert "## Targets (issue 24)" in md2 and "speedup vs dense" in md2
+  targets = json.load(open(out2 + ".json"))["results"]["targets"]
+  assert {(t["case"], t["goal"]) for t in targets} == {("T=1", "<= 1.15"), ("T=4", "<= 1.15")}
