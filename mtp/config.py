@@ -45,6 +45,13 @@ class ModelConfig:
   tokenizer: str = "byte"
   num_tokens: int = 0             # the tokenizer's real vocabulary size; 0 with tokenizer="byte"
   never_emitted: str = ""         # comma-separated ids < num_tokens never emitted (tokenizer="bpe")
+  # Attention over a KV cache (decoding; training never uses a cache), see
+  # mtp.model.cached_attention: "blockwise" reads only the cache blocks that
+  # can be visible (online softmax, cost follows the filled length), "dense"
+  # masks every slot (the original path), "cudnn" is jax.nn.dot_product_attention's
+  # cuDNN kernel over every slot (NVIDIA GPU, bfloat16/float16 only).
+  attention_impl: str = "blockwise"
+  attention_block_size: int = 128  # cache slots per block of "blockwise" (results/bench_cache_length.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +138,8 @@ class Config:
 # Fields that describe the model's parameters: a checkpoint can only be
 # restored into a config that agrees on all of these.
 ARCHITECTURE_FIELDS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
-                            if f.name not in ("dtype", "max_seq_len")) + ("mtp.depth",)
+                            if f.name not in ("dtype", "max_seq_len", "attention_impl",
+                                              "attention_block_size")) + ("mtp.depth",)
 
 _DTYPES = ("float32", "bfloat16", "float16")
 TOKENIZER_KINDS = ("byte", "bpe")   # model.tokenizer
@@ -146,6 +154,7 @@ def parse_id_list(text: str, field: str = "ids") -> tuple[int, ...]:
     return tuple(sorted({int(x) for x in text.split(",")}))
   except ValueError:
     raise ConfigError(f"{field}={text!r} must be comma-separated integer ids") from None
+ATTENTION_IMPLS = ("blockwise", "dense", "cudnn")   # model.attention_impl
 DIVERGENCES = ("kl", "tv")      # mtp.distill_divergence
 
 
@@ -231,6 +240,14 @@ def validate(cfg: Config) -> Config:
   _check(0 < m.norm_eps < 1, "model.norm_eps", "in (0, 1)", m.norm_eps)
   _check(m.dtype in _DTYPES, "model.dtype", f"one of {_DTYPES}", m.dtype)
   _check(m.param_dtype in _DTYPES, "model.param_dtype", f"one of {_DTYPES}", m.param_dtype)
+  _check(m.attention_impl in ATTENTION_IMPLS, "model.attention_impl",
+         f"one of {ATTENTION_IMPLS} (blockwise: only the cache blocks that can be visible; dense: "
+         "every cache slot, masked; cudnn: jax.nn.dot_product_attention's cuDNN kernel, GPU only)",
+         m.attention_impl)
+  _check(m.attention_impl != "cudnn" or m.dtype in ("bfloat16", "float16"), "model.attention_impl",
+         "'blockwise' or 'dense' unless model.dtype is bfloat16 or float16 (cuDNN attention has "
+         f"no {m.dtype} kernel)", m.attention_impl)
+  _check(m.attention_block_size >= 1, "model.attention_block_size", ">= 1", m.attention_block_size)
   _check(0 <= cfg.mtp.depth <= 16, "mtp.depth", "an int in [0, 16]", cfg.mtp.depth)
   _check(cfg.mtp.loss_weight >= 0, "mtp.loss_weight", ">= 0", cfg.mtp.loss_weight)
   _check(0 <= cfg.mtp.distill_weight <= 1, "mtp.distill_weight",

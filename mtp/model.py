@@ -37,6 +37,19 @@ RoPE still uses ``positions`` (which then need not be contiguous: the nodes
 of a tree share positions), and ``mask`` [B, T, S] bool replaces the
 positional mask (query t sees slot s iff ``mask[b, t, s]``; every query must
 see at least one slot). The cache layout is unchanged.
+
+Reading the cache (``cached_attention``, chosen by ``model.attention_impl``):
+"blockwise" (default) walks the cache in blocks of
+``model.attention_block_size`` slots up to the furthest slot any query of
+the call can see (``max(positions)``, or the last slot any ``mask`` row
+allows), with an online softmax across blocks (Milakov & Gimelshein 2018;
+FlashAttention, Dao et al. 2022; FlashDecoding's split over the keys), so
+a step's cost follows the filled length, not S. "dense" attends over all S
+slots with the mask (``jax.nn.dot_product_attention``, XLA), "cudnn" the
+same through its cuDNN kernel (GPU, 16-bit). All agree to float rounding
+wherever a query sees at least one slot (a query that sees none gets zeros
+from "blockwise", the mean of all values from "dense"). Training (no
+cache) is unaffected by the choice.
 """
 
 from __future__ import annotations
@@ -100,6 +113,107 @@ def write_cache(cache: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Arr
       cache, new.astype(cache.dtype), offsets)
 
 
+def _slot_limit(positions, mask, s: int):
+  """One past the furthest cache slot any query of the call can see: int32
+  scalar in [0, S]. Default rule: max(positions) + 1; with ``mask`` [B, T, S]:
+  one past the last slot any row allows."""
+  if mask is None:
+    return jnp.clip(jnp.max(positions) + 1, 0, s).astype(jnp.int32)
+  slots = jnp.arange(1, s + 1, dtype=jnp.int32)
+  return jnp.max(jnp.where(jnp.any(mask, axis=(0, 1)), slots, 0))
+
+
+def blockwise_attention(q, keys, values, positions, mask=None, *, block_size: int = 128):
+  """Attention of q over a KV cache reading only the blocks that can be
+  visible, with an online softmax across blocks (Milakov & Gimelshein 2018,
+  "Online normalizer calculation for softmax"; FlashAttention, Dao et al.
+  2022, Algorithm 1; FlashDecoding splits the keys the same way).
+
+  q: [B, T, N, H]; keys, values: [B, S, K, H] (the cache after this call's
+  write; N % K == 0, grouped-query attention as ``jax.nn.dot_product_attention``);
+  positions: [B, T] int32; mask: [B, T, S] bool or None (default: query t
+  sees slot s iff s <= positions[b, t]). Returns [B, T, N, H] in q's dtype.
+
+  Blocks of C = min(block_size, S) slots; the loop runs
+  ceil(limit / C) blocks (at least one), limit = ``_slot_limit`` (traced:
+  one compiled program serves every length). Block i reads slots
+  [i*C, i*C + C); the last block of an S that C does not divide is read
+  from S - C with its already-counted slots masked. Scores, running max,
+  normaliser and accumulator are float32; scaling 1/sqrt(H) as
+  ``jax.nn.dot_product_attention``. A query that sees no slot gets zeros.
+  Forward only (a ``while_loop`` with a traced trip count): decoding, not
+  training.
+  """
+  b, t, n, h = q.shape
+  s, kv = keys.shape[1], keys.shape[2]
+  g = n // kv
+  c = min(block_size, s)
+  r = g * t                       # query rows per KV head, ordered (group, query)
+  # [B, K, G*T, H]: the layout of a batched matmul against a [B, C, K, H] block
+  # (measured faster on CPU than contracting [B, T, K, G, H] inside the loop)
+  qg = (q.reshape(b, t, kv, g, h).astype(jnp.float32) * jnp.float32(1.0 / math.sqrt(h)))
+  qg = qg.transpose(0, 2, 3, 1, 4).reshape(b, kv, r, h)
+  n_blocks = jnp.clip((_slot_limit(positions, mask, s) + c - 1) // c, 1, -(-s // c))
+  offs = jnp.arange(c, dtype=jnp.int32)
+  if mask is None:
+    row_pos = jnp.broadcast_to(positions[:, None, :], (b, g, t)).reshape(b, 1, r)
+
+  def body(i, carry):
+    m_run, l_run, acc = carry                          # [B,K,R], [B,K,R], [B,K,R,H]
+    first = i * c
+    start = jnp.minimum(first, s - c)
+    kb = jax.lax.dynamic_slice_in_dim(keys, start, c, axis=1).astype(jnp.float32)   # [B,C,K,H]
+    vb = jax.lax.dynamic_slice_in_dim(values, start, c, axis=1).astype(jnp.float32)
+    slots = start + offs                                                     # [C]
+    if mask is None:
+      vis = slots[None, None, None, :] <= row_pos[..., None]                 # [B,1,R,C]
+    else:
+      mb = jax.lax.dynamic_slice_in_dim(mask, start, c, axis=2)              # [B,T,C]
+      vis = jnp.broadcast_to(mb[:, None], (b, g, t, c)).reshape(b, 1, r, c)
+    vis &= slots >= first
+    sc = jnp.einsum("bkrh,bckh->bkrc", qg, kb)
+    sc = jnp.where(vis, sc, -jnp.inf)
+    m_new = jnp.maximum(m_run, jnp.max(sc, -1))
+    m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)       # no inf - inf while nothing is seen
+    p = jnp.exp(sc - m_safe[..., None])
+    corr = jnp.exp(m_run - m_safe)
+    l_new = l_run * corr + jnp.sum(p, -1)
+    acc = acc * corr[..., None] + jnp.einsum("bkrc,bckh->bkrh", p, vb)
+    return m_new, l_new, acc
+
+  init = (jnp.full((b, kv, r), -jnp.inf, jnp.float32), jnp.zeros((b, kv, r), jnp.float32),
+          jnp.zeros((b, kv, r, h), jnp.float32))
+  _, l_run, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+  out = acc / jnp.where(l_run > 0, l_run, 1.0)[..., None]
+  out = out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4)
+  return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def cached_attention(q, keys, values, positions, mask=None, *, impl: str = "blockwise",
+                     block_size: int = 128):
+  """Attention of the queries of a cached call over the whole cache.
+
+  q: [B, T, N, H]; keys, values: [B, S, K, H] (after this call's write);
+  positions: [B, T] int32; mask: [B, T, S] bool or None (default: slot s
+  visible to query t iff s <= positions[b, t]). impl (``model.attention_impl``):
+  "blockwise" (``blockwise_attention``: cost follows the visible length),
+  "dense" (every slot, masked: ``jax.nn.dot_product_attention``, XLA) or
+  "cudnn" (the same through cuDNN; NVIDIA GPU, bfloat16/float16 only).
+  Returns [B, T, N, H] in q's dtype. Raises ValueError for another impl.
+  """
+  if impl == "blockwise":
+    return blockwise_attention(q, keys, values, positions, mask, block_size=block_size)
+  if impl not in ("dense", "cudnn"):
+    raise ValueError(f"model.attention_impl={impl!r}: must be one of 'blockwise', 'dense', 'cudnn'")
+  b, s = keys.shape[0], keys.shape[1]
+  if mask is None:
+    mask = attention_mask(positions, jnp.broadcast_to(jnp.arange(s), (b, s)))
+  else:
+    mask = mask[:, None]
+  return jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=mask,
+                                      implementation=None if impl == "dense" else "cudnn")
+
+
 class Attention(nnx.Module):
   """Causal multi-head attention with RoPE and grouped-query attention."""
 
@@ -115,6 +229,8 @@ class Attention(nnx.Module):
     self.o_proj = lin(n * h, d, out_scale)
     self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
     self.rope_theta = cfg.rope_theta
+    self.attention_impl = cfg.attention_impl
+    self.attention_block_size = cfg.attention_block_size
 
   def project(self, x, positions):
     """Rotated queries and keys and the values of x [B, T, D] at positions
@@ -163,18 +279,15 @@ class Attention(nnx.Module):
       if segment_ids is None:   # positions alone: also require key index <= query index
         idx = jnp.arange(t)
         mask &= (idx[None, :] <= idx[:, None])[None, None]
-      keys, values, new_cache = k, v, None
-    else:
+      y = jax.nn.dot_product_attention(q, k, v, mask=mask)
+      new_cache = None
+    else:             # write the new entries first, then read the cache (model.attention_impl)
       offsets = positions[:, 0] if write_offsets is None else write_offsets
       keys = write_cache(cache["k"], k, offsets)
       values = write_cache(cache["v"], v, offsets)
       new_cache = {"k": keys, "v": values}
-      s = keys.shape[1]
-      if mask is None:
-        mask = attention_mask(positions, jnp.broadcast_to(jnp.arange(s), (b, s)))
-      else:
-        mask = mask[:, None]
-    y = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=mask)
+      y = cached_attention(q, keys, values, positions, mask, impl=self.attention_impl,
+                           block_size=self.attention_block_size)
     return self.o_proj(y.reshape(b, t, self.num_heads * self.head_dim)), new_cache
 
 
