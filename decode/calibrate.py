@@ -41,3 +41,24 @@ def round_costs(run_rounds: Callable[[int], None], max_draft_tokens: int, *,
   t = np.stack([times[g] for g in range(max_draft_tokens + 1)]) / rounds     # [G+1, repeats]
   costs = np.median(t / t[:1], axis=1) * t[0].min()
   return np.maximum.accumulate(costs)
+
+
+def decoder_round_costs(decoder, state, sp, form: str) -> np.ndarray:
+  """``round_costs`` of a ``Decoder`` with "auto", after the prefill
+  ``state`` (not donated). While_loop form: ``CALIBRATION_ROUNDS`` rounds
+  inside one jitted fori_loop (no host dispatch). Stream form: rounds called
+  one by one from Python with the host sync the stream loop makes (its host
+  overhead is part of a round's cost there, which favours longer drafts)."""
+  import jax
+  import jax.numpy as jnp
+  p, dp = decoder.target_params, decoder.draft_params
+  if form == "while":
+    def run_rounds(g):
+      jax.block_until_ready(decoder._calibrate_jit(p, dp, state, sp, g))
+  else:
+    def run_rounds(g):
+      s = jax.tree.map(jnp.copy, state)
+      for _ in range(CALIBRATION_ROUNDS):
+        s = decoder._round_jit(p, dp, s, sp, g)
+        jax.device_get((s.length, s.done, s.error))
+  return round_costs(run_rounds, decoder.G)

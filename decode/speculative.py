@@ -298,7 +298,8 @@ class Decoder:
       probe, prefill_len = self.prepare(prompts, max_new_tokens, 0)
       key = (len(prompts), probe.tokens.shape[1], sp.greedy, sp.filtering, form)
       if key not in self._costs:
-        self._costs[key] = self._measure_costs(self.prefill(probe, prefill_len), sp, form)
+        self._costs[key] = calibrate.decoder_round_costs(self, self.prefill(probe, prefill_len),
+                                                          sp, form)
       costs = self._costs[key]
     costs = jnp.asarray(costs, jnp.float32)
     if self.mesh is not None:
@@ -306,47 +307,16 @@ class Decoder:
     auto = state.auto
     return state.replace(auto=auto.replace(schedule={**auto.schedule, "costs": costs}))
 
-  def _measure_costs(self, state: DecodeState, sp: SamplingParams, form: str) -> np.ndarray:
-    """Seconds per round for g = 0..G_max (``decode.calibrate``). While_loop
-    form: rounds inside one jitted fori_loop (no host dispatch). Stream
-    form: rounds called one by one from Python with the host sync the
-    stream loop makes (its host overhead is part of a round's cost there,
-    which favours longer drafts)."""
-    p, dp = self.target_params, self.draft_params
-    if form == "while":
-      def run_rounds(g):
-        jax.block_until_ready(self._calibrate_jit(p, dp, state, sp, g))
-    else:
-      def run_rounds(g):
-        s = jax.tree.map(jnp.copy, state)
-        for _ in range(calibrate.CALIBRATION_ROUNDS):
-          s = self._round_jit(p, dp, s, sp, g)
-          jax.device_get((s.length, s.done, s.error))
-    return calibrate.round_costs(run_rounds, self.G)
-
   def token_bytes(self, token_id: int) -> bytes:
     """The bytes one id stands for in the output (b"" for specials)."""
     return self.tokenizer.decode_bytes([token_id])
 
-  def _result(self, state, emit_times, wall, prefill, stops: StopConditions | None,
-              max_new_tokens: int) -> Generation:
+  def _result(self, state, emit_times, wall, prefill, stops: StopConditions | None) -> Generation:
     """The ``Generation``: rows cut at stop strings, finish reasons, texts."""
     gen = state_lib.to_generation(state, emit_times=emit_times, wall=wall, prefill=prefill,
                                   num_draft_tokens=self.G,
                                   tree=None if self.tree is None else self.tree.branching)
-    stops = stops or StopConditions()
-    gen.finish_reasons, gen.texts = [], []
-    for i, ids in enumerate(gen.tokens):
-      ids, by_string = stops_lib.cut_at_stop_strings(ids, stops.strings, self.token_bytes)
-      gen.tokens[i] = ids
-      if gen.emit_times is not None:
-        gen.emit_times[i] = gen.emit_times[i][:len(ids)]
-      m = stops_lib.StopMatcher(stops.strings, self.token_bytes)
-      gen.texts.append(m.feed(ids)[1] + m.flush())
-      gen.finish_reasons.append(stops_lib.finish_reason(
-          ids, eos_ids=self.eos_ids, stop_ids=stops.token_ids,
-          stopped_by_string=by_string, error=False))
-    return gen
+    return stops_lib.finish_rows(gen, stops, self.token_bytes, self.eos_ids)
 
   def generate(self, prompts, max_new_tokens: int, sampling_params: SamplingParams,
                seed: int = 0, stops: StopConditions | None = None) -> Generation:
@@ -367,7 +337,7 @@ class Decoder:
     t1 = time.perf_counter()
     state = self._generate_jit(self.target_params, self.draft_params, state, sp)
     jax.block_until_ready(state.length)
-    return self._result(state, None, time.perf_counter() - t0, t1 - t0, stops, max_new_tokens)
+    return self._result(state, None, time.perf_counter() - t0, t1 - t0, stops)
 
   def stream(self, prompts, max_new_tokens: int, sampling_params: SamplingParams, seed: int = 0,
              on_tokens: Callable[[int, np.ndarray], None] | None = None,
@@ -393,26 +363,13 @@ class Decoder:
     state = self.prefill(state, prefill_len)
     prefill = time.perf_counter() - t0
     step = lambda s, g: self._round_jit(self.target_params, self.draft_params, s, sp, g)
-    matchers = [stops_lib.StopMatcher(strings, self.token_bytes) for _ in prompts]
-
-    def on_new(row, ids):
-      keep, text, stopped = matchers[row].feed(ids)
-      if on_tokens is not None and keep:
-        on_tokens(row, ids[:keep])
-      if on_text is not None and text:
-        on_text(row, text)
-      return keep, stopped
-    callbacks = strings or on_tokens is not None or on_text is not None
+    watch = stops_lib.StreamStops(strings, self.token_bytes, len(prompts), on_tokens, on_text)
     state, emit_times = loops.stream_rounds(
-        step, state, max_new_tokens, t0=t0, on_new=on_new if callbacks else None,
+        step, state, max_new_tokens, t0=t0, on_new=watch.on_new if watch.needed else None,
         stop_rows=lambda s, n, m: self._stop_rows_jit(s, jnp.asarray(n), jnp.asarray(m)),
         choose_fn=self._choose_jit if self.schedule is not None else None)
-    if on_text is not None:
-      for row, m in enumerate(matchers):
-        if (rest := m.flush()):
-          on_text(row, rest)
-    return self._result(state, emit_times, time.perf_counter() - t0, prefill, stops,
-                        max_new_tokens)
+    watch.flush()
+    return self._result(state, emit_times, time.perf_counter() - t0, prefill, stops)
 
 
 def _check_prompts(prompts, max_new_tokens, max_len: int, mesh) -> None:

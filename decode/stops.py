@@ -153,3 +153,50 @@ def finish_reason(ids: np.ndarray, *, eos_ids: Sequence[int],
   if len(ids) and int(ids[-1]) in set(stop_ids):
     return "stop"
   return "length"
+
+
+class StreamStops:
+  """The stream form's per-row stop-string matching and callbacks: ``on_new``
+  (for ``decode.loops.stream_rounds``) feeds each row's new ids to its
+  ``StopMatcher``, hands the kept ids to ``on_tokens(row, ids)`` and the
+  released text to ``on_text(row, bytes)``; ``flush`` releases what was
+  held back at the end. ``needed`` is False when there is nothing to watch
+  (no stop strings, no callbacks: the loop then never reads tokens back)."""
+
+  def __init__(self, strings, token_bytes, batch: int, on_tokens=None, on_text=None):
+    self.matchers = [StopMatcher(strings, token_bytes) for _ in range(batch)]
+    self.on_tokens, self.on_text = on_tokens, on_text
+    self.needed = bool(strings) or on_tokens is not None or on_text is not None
+
+  def on_new(self, row: int, ids: np.ndarray) -> tuple[int, bool]:
+    keep, text, stopped = self.matchers[row].feed(ids)
+    if self.on_tokens is not None and keep:
+      self.on_tokens(row, ids[:keep])
+    if self.on_text is not None and text:
+      self.on_text(row, text)
+    return keep, stopped
+
+  def flush(self) -> None:
+    if self.on_text is not None:
+      for row, m in enumerate(self.matchers):
+        if (rest := m.flush()):
+          self.on_text(row, rest)
+
+
+def finish_rows(gen, stops: StopConditions | None, token_bytes, eos_ids):
+  """A ``Generation`` with rows cut at stop strings (the while_loop form
+  stops at ids only; the stream form's rows are already cut and are found
+  again at their end), each row's ``texts`` (output bytes, cut before a
+  stop string) and ``finish_reasons``. Returns ``gen``."""
+  stops = stops or StopConditions()
+  gen.finish_reasons, gen.texts = [], []
+  for i, ids in enumerate(gen.tokens):
+    ids, by_string = cut_at_stop_strings(ids, stops.strings, token_bytes)
+    gen.tokens[i] = ids
+    if gen.emit_times is not None:
+      gen.emit_times[i] = gen.emit_times[i][:len(ids)]
+    m = StopMatcher(stops.strings, token_bytes)
+    gen.texts.append(m.feed(ids)[1] + m.flush())
+    gen.finish_reasons.append(finish_reason(ids, eos_ids=eos_ids, stop_ids=stops.token_ids,
+                                            stopped_by_string=by_string, error=False))
+  return gen

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from decode import tree as tree_lib
-from decode.sampling import TreeSpec
+from decode.tree_spec import TreeSpec
 from mtp import config as config_lib
 from mtp import model as model_lib
 from tests.conftest import tiny_config
