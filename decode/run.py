@@ -355,7 +355,7 @@ def _compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: s
   speedup = float(np.median(times["ar"]) / np.median(times[method]))
   ar_summary = stats_lib.summarize(ar_gen)
   same = all(np.array_equal(a, b) for a, b in zip(ar_gen.tokens, gen.tokens))
-  err.write(stats_lib.format_summary("ar", ar_summary) + "\n")
+  err.write(stats_lib.format_summary("ar", ar_summary) + f"\n  seed {seed}\n")
   err.write(f"speedup over AR: {speedup:.2f}x (median wall time of "
             f"{repeats} interleaved repeat{'s' if repeats != 1 else ''}, per repeat "
             f"{min(ratios):.2f}x-{max(ratios):.2f}x; same prompts and budget, after compilation"

@@ -429,15 +429,15 @@ def main(argv=None):
   if args.render:
     meta, results = {}, {}
     for path in args.render.split(","):      # parts of one study run apart: (a) and (b)
-      report = json.load(open(path))
-      for k, v in report["meta"].items():
+      saved = json.load(open(path))
+      for k, v in saved["meta"].items():
         if k == "command" and meta.get("command"):
           meta[k] = f"{meta[k]} && {v}"
         elif k not in meta or k in ("demo_config", "demo_shape", "demo_max_seq_len", "demo_block_sizes",
                                      "gen_repeats", "prompt_sweep_new_tokens", "short_prompt"):
-          if k not in meta or report["results"].get("generation"):
+          if k not in meta or saved["results"].get("generation"):
             meta[k] = v
-      for k, v in report["results"].items():
+      for k, v in saved["results"].items():
         if v or k not in results:
           results[k] = v
     results["targets"] = targets(results, meta.get("short_prompt", args.short_prompt))
