@@ -105,10 +105,10 @@ def _decoders(shared, target, stop_ids):
                                         drafter=_StopProposer(stop_ids))}
 
 
-@pytest.mark.parametrize("where", [0, 13, 37])
+@pytest.mark.parametrize("where", [4, 37])
 def test_stop_string_output_equals_ar_however_it_falls(target, shared_decoders, reference, where):
-  """A stop string taken from row 0's AR output at offset ``where`` (37 =
-  at the budget's end): every method, both forms, gives AR's tokens cut
+  """A stop string taken from row 0's AR output at offset ``where`` (the
+  rows' other stops fall anywhere; 37 = at the budget's end): every method, both forms, gives AR's tokens cut
   after the token completing the stop, text cut before it; the stream
   never hands on a token or byte past the stop."""
   prompts, ref = reference
