@@ -127,17 +127,16 @@ def test_first_two_tokens_follow_the_target_law(bpe_model, bpe_tok, states, sp):
   law = _pair_law(bpe_model, prompt, sp)
   dec = (Decoder(bpe_model, "mtp", 2, tokenizer=bpe_tok) if sp.top_k == 0 else
          Decoder(bpe_model, "mtp", tree=(2, 2), tokenizer=bpe_tok))
-  for _ in range(1):
-    gen = dec.generate([prompt] * 4000, 2, sp, seed=11)
-    pairs = np.stack([np.pad(t, (0, 2 - len(t)), constant_values=bpe_tok.eos_id)[:2]
-                      for t in gen.tokens])
-    # a first token that is EOS ends the row: its pair is (EOS, EOS) by the padding,
-    # so fold the law's EOS row onto (EOS, EOS) the same way
-    lw = law.copy()
-    lw[bpe_tok.eos_id] = 0
-    lw[bpe_tok.eos_id, bpe_tok.eos_id] = law[bpe_tok.eos_id].sum()
-    assert chi_square_pvalue(pairs, lw) > ALPHA
-    assert gen.accepted_histogram[:, 1:].sum() > 0
+  gen = dec.generate([prompt] * 4000, 2, sp, seed=11)
+  pairs = np.stack([np.pad(t, (0, 2 - len(t)), constant_values=bpe_tok.eos_id)[:2]
+                    for t in gen.tokens])
+  # a first token that is EOS ends the row: its pair is (EOS, EOS) by the padding,
+  # so fold the law's EOS row onto (EOS, EOS) the same way
+  lw = law.copy()
+  lw[bpe_tok.eos_id] = 0
+  lw[bpe_tok.eos_id, bpe_tok.eos_id] = law[bpe_tok.eos_id].sum()
+  assert chi_square_pvalue(pairs, lw) > ALPHA
+  assert gen.accepted_histogram[:, 1:].sum() > 0
 
 
 def test_stop_string_on_bpe_bytes(bpe_model, bpe_tok, states):
