@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from mtp.tokenizer import HF_TOKENIZER_FILE, META_FILE, TokenizerError
+from mtp.tokenizer_files import HF_TOKENIZER_FILE, META_FILE, TokenizerError
 
 # GGUF token types (llama.cpp's llama_token_type).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6

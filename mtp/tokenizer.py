@@ -155,13 +155,8 @@ class StreamDecoder:
 # The model's head mask and a workdir's tokenizer
 # ----------------------------------------------------------------------------
 
-TOKENIZER_DIR = "tokenizer"          # WORKDIR/tokenizer/
-META_FILE = "tokenizer_meta.json"    # kind, special ids, stop ids, chat template
-HF_TOKENIZER_FILE = "tokenizer.json"  # the `tokenizers` model (kind "bpe")
-
-
-class TokenizerError(ValueError):
-  """A missing, unreadable or inconsistent tokenizer (the message names the file)."""
+from mtp.tokenizer_files import (HF_TOKENIZER_FILE, META_FILE, TOKENIZER_DIR,  # noqa: E402
+                                 TokenizerError)
 
 
 def head_mask(model_cfg) -> np.ndarray:
@@ -173,9 +168,9 @@ def head_mask(model_cfg) -> np.ndarray:
   """
   if model_cfg.tokenizer == "byte":
     return emittable_mask(model_cfg.vocab_size)
-  from mtp.config import parse_id_list
   mask = np.arange(model_cfg.vocab_size) < model_cfg.num_tokens
-  mask[list(parse_id_list(model_cfg.never_emitted, "model.never_emitted"))] = False
+  never = [int(x) for x in model_cfg.never_emitted.split(",") if x.strip()]   # validated in config
+  mask[never] = False
   return mask
 
 

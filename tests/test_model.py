@@ -44,9 +44,12 @@ def test_never_emitted_ids():
   never = set(np.nonzero(~allowed)[0])
   assert never == {tok.PAD_ID, tok.BOS_ID, 0xC0, 0xC1, *range(0xF5, 0x100), *range(259, 264)}
   assert allowed[tok.EOS_ID] and allowed[ord("a")] and allowed[0x80] and allowed[0xF4]
-  # no UTF-8 text contains a never-emitted byte (every code point, surrogates included)
-  text = "".join(map(chr, range(0x110000)))
+  # no UTF-8 text contains a never-emitted byte (every code point; the lone
+  # surrogates have no UTF-8 form and are refused, issue 23)
+  text = "".join(chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF)
   used = set(tok.ByteTokenizer().encode(text, add_bos=False).tolist())
+  with pytest.raises(ValueError, match="lone surrogate"):
+    tok.ByteTokenizer().encode(chr(0xD800))
   assert used.isdisjoint(never) and used == set(range(256)) - set(tok.INVALID_UTF8_BYTES)
   with pytest.raises(ValueError, match="vocab_size"):
     tok.emittable_mask(100)
