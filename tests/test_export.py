@@ -198,7 +198,7 @@ def test_eh_proj_follows_deepseek_input_order(exported):
 def test_tokenizer_vocab_maps_bytes_to_our_ids():
   files = ex.tokenizer_files()
   vocab = files["tokenizer.json"]["model"]["vocab"]
-  byte_chars = ex._bytes_to_unicode()
+  byte_chars = ex.bytes_to_unicode()
   assert len(set(byte_chars.values())) == 256
   assert all(vocab[byte_chars[b]] == b for b in range(256))
   assert {vocab[n]: n for n in ("<pad>", "<bos>", "<eos>")} == tok.SPECIAL_NAMES

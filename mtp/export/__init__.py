@@ -46,6 +46,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from mtp.bpe import bytes_to_unicode
 from mtp import config as config_lib
 from mtp import tokenizer as tok
 from mtp.config import Config, ModelConfig
@@ -236,26 +237,12 @@ def _generation_config(cfg: Config) -> dict[str, Any]:
           "suppress_tokens": [int(i) for i in never]}
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-  """GPT-2's reversible byte -> printable character table, which the
-  ``tokenizers`` ByteLevel pre-tokenizer and decoder use."""
-  bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1))
-        + list(range(ord("\u00ae"), ord("\u00ff") + 1)))
-  cs, n = list(bs), 0
-  for b in range(256):
-    if b not in bs:
-      bs.append(b)
-      cs.append(256 + n)
-      n += 1
-  return {b: chr(c) for b, c in zip(bs, cs)}
-
-
 def tokenizer_files() -> dict[str, dict[str, Any]]:
   """The tokenizer files (name -> JSON object): a ``tokenizers`` byte-level
   BPE with no merges whose vocabulary maps byte b to id b, plus ``<pad>``,
   ``<bos>``, ``<eos>`` at ``mtp.tokenizer``'s ids and a post-processor that
   prepends ``<bos>`` (as ``python -m decode`` does)."""
-  byte_chars = _bytes_to_unicode()
+  byte_chars = bytes_to_unicode()
   vocab = {byte_chars[b]: b for b in range(tok.NUM_BYTES)}
   specials = sorted(tok.SPECIAL_NAMES.items())
   vocab.update({name: i for i, name in specials})
