@@ -192,25 +192,8 @@ def bpe_export(tmp_path_factory):
   from mtp.importers import hf as hi
   from tests import tiny_bpe
   root = tmp_path_factory.mktemp("bpe_export")
-  bpe = tiny_bpe.train_tiny_bpe(300)
-  ids = {name: bpe.token_to_id(name) for name in ("<|im_start|>", "<|im_end|>", "<pad>")}
-  config = transformers.LlamaConfig(
-      vocab_size=bpe.get_vocab_size() + 20, hidden_size=64, intermediate_size=96,
-      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-      max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=5000.0,
-      tie_word_embeddings=False, initializer_range=0.2, bos_token_id=ids["<|im_start|>"],
-      eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<pad>"])
-  torch.manual_seed(3)
-  src_model = transformers.LlamaForCausalLM(config).eval()
-  with torch.no_grad():                    # non-trivial norms
-    for n, p in src_model.named_parameters():
-      if n.endswith("norm.weight"):
-        p.add_(0.2 * torch.randn_like(p))
   src = str(root / "src")
-  src_model.save_pretrained(src)
-  transformers.PreTrainedTokenizerFast(
-      tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<pad>",
-      chat_template=tiny_bpe.CHAT_TEMPLATE).save_pretrained(src)
+  tiny_bpe.write_tiny_hf_llama(src, seed=3)
   wd = hi.import_hf_dir(src, str(root / "wd"))
   out = export_run.export(wd, str(root / "export"))
   return src, wd, out
