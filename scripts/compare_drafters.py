@@ -360,8 +360,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 # -- main ---------------------------------------------------------------------------------
 
-def main(argv=None):
-  argv = list(sys.argv[1:] if argv is None else argv)
+def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained MTP target (mtp.depth >= 1)")
   ap.add_argument("--runs_dir", default="runs/drafters", help="where the draft runs live")
@@ -393,6 +392,12 @@ def main(argv=None):
                   help="tiny sizes for tests: fills in --num_draft_tokens 2 --repeats 1 "
                        "--calib_repeats 1 --draft_cost_probe once --max_new_tokens 8 --prompt_bytes 48 "
                        "--probe_steps 1 --probe_repeats 1 --draft_steps 20 where not given")
+  return ap
+
+
+def main(argv=None):
+  argv = list(sys.argv[1:] if argv is None else argv)
+  ap = parser()
   args = ap.parse_args(argv)
   if args.quick:
     cli.apply_quick(ap, args, num_draft_tokens="2", repeats=1, calib_repeats=1,

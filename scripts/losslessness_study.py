@@ -395,7 +395,7 @@ def run_study(s: Study) -> tuple[list[dict], list[dict], list[int]]:
   return tests, acceptance, ns
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained checkpoint with MTP depth >= 1")
   ap.add_argument("--dataset", default="python_stdlib", help="held-out prompt dataset")
@@ -417,6 +417,11 @@ def main(argv=None):
   ap.add_argument("--quick", action="store_true",
                   help=f"for the tests' Markov model: prompts {QUICK_PROMPTS}, temperatures 0.7,1.0, "
                   "500 samples of 2 tokens, one batch per setting")
+  return ap
+
+
+def main(argv=None):
+  ap = parser()
   args = ap.parse_args(argv)
   if args.quick:        # only what the user did not give
     args.prompt = args.prompt or list(QUICK_PROMPTS)
