@@ -16,20 +16,11 @@ from decode.speculative import DecodeError, Decoder, SamplingParams
 from mtp import data, loading
 from mtp import tokenizer as tok
 from mtp.config import DataConfig
-from mtp.importers import gguf as gi
 from tests import tiny_bpe
-
-DIMS = dict(heads=4, kv=2, hd=8, layers=2, d=32, ff=64)
-
 
 @pytest.fixture(scope="module")
 def bpe_workdir(tmp_path_factory):
-  d = tmp_path_factory.mktemp("bpe_wd")
-  meta = tiny_bpe.gguf_tokenizer_metadata(tiny_bpe.train_tiny_bpe(300))
-  tensors = tiny_bpe.random_llama_tensors(vocab=320, d=32, layers=2, heads=4, kv=2, hd=8, ff=64,
-                                          tied=True, seed=0)
-  tiny_bpe.write_gguf(str(d / "m.gguf"), tensors, tokenizer_meta=meta, ctx=1024, **DIMS)
-  return gi.import_gguf(str(d / "m.gguf"), str(d / "wd"))
+  return tiny_bpe.import_tiny_workdir(str(tmp_path_factory.mktemp("bpe_wd")))
 
 
 RECIPE = sd.ChatRecipe(chat_prompts=5, val_prompts=3, temperatures=(0.0, 1.0), max_new_tokens=6,
