@@ -403,6 +403,7 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
     speedups = None
     if compare and method != "ar":
       speedups = {}
+      ar = Decoder(decoder.models()[0], "ar", tokenizer=decoder.tokenizer)
       for cat, idx in stats_lib.group_rows(categories).items():
         sub = types.SimpleNamespace(tokens=[gen.tokens[i * num_samples + s] for i in idx
                                             for s in range(num_samples)])
@@ -410,7 +411,7 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
                                repeats=repeats, max_new_tokens=max_new_tokens, sampling=sampling,
                                num_samples=num_samples, seed=seed, err=io.StringIO(), stops=stops,
                                chat=chat, systems=None if systems is None else
-                               [systems[i] for i in idx])
+                               [systems[i] for i in idx], ar=ar)
         speedups[cat] = res["speedup"]
     report["per_category"] = stats_lib.summarize_by_category(gen, row_cats, speedups)
     err.write(stats_lib.format_by_category(report["per_category"]) + "\n")
@@ -420,10 +421,13 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
 def _compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: str, repeats: int,
                      max_new_tokens: int, sampling: SamplingParams, num_samples: int, seed: int,
                      err: TextIO, stops: StopConditions | None = None, chat: bool = False,
-                     systems: Sequence[str | None] | None = None) -> dict:
+                     systems: Sequence[str | None] | None = None,
+                     ar: Decoder | None = None) -> dict:
   """``repeats`` interleaved AR / ``decoder`` runs (see ``run``); returns the
-  report keys ar_stats, speedup, speedup_per_repeat, repeats, wall_times_s."""
-  ar = Decoder(decoder.models()[0], "ar", tokenizer=decoder.tokenizer)
+  report keys ar_stats, speedup, speedup_per_repeat, repeats, wall_times_s.
+  ``ar``: the AR decoder to time (default a new one; passing one reuses its
+  compilations)."""
+  ar = ar or Decoder(decoder.models()[0], "ar", tokenizer=decoder.tokenizer)
   kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples, seed=seed,
             stops=stops, chat=chat, systems=systems)
   ar_gen = decode_texts(ar, prompts, warmup=True, **kw)       # compiles AR; not timed below

@@ -82,15 +82,16 @@ def test_system_message_goes_before_the_user_message(bpe_workdir):
     encode_prompts(["hello"], tk, chat=False, systems=["be brief"])
 
 
+@pytest.mark.slow
 def test_run_reports_per_category(bpe_workdir):
   prompts = [{"category": "code", "prompt": "def f(x):"},
              {"category": "math", "prompt": "2 + 2 =", "system": "Answer with a number."},
-             {"category": "code", "prompt": "import os"}]
+             {"category": "code", "prompt": "import os"}, {"category": "math", "prompt": "3 * 3"}]
   err = io.StringIO()
   report = run(bpe_workdir, prompts, method="mtp", num_draft_tokens=1, max_new_tokens=4,
                compare=True, repeats=1, chat=None, out=io.StringIO(), err=err)
   assert report["config"]["chat"] is True
-  assert [r["category"] for r in report["results"]] == ["code", "math", "code"]
+  assert [r["category"] for r in report["results"]] == ["code", "math", "code", "math"]
   per = report["per_category"]
   assert list(per) == ["code", "math"] and per["code"]["rows"] == 2
   assert per["code"]["num_tokens"] + per["math"]["num_tokens"] == report["stats"]["num_tokens"]
