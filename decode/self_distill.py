@@ -61,9 +61,13 @@ the prompt index). Split ``validation`` holds answers to ``--val_prompts``
 prompts built the same way from the corpora's *validation* documents (not
 the held-out evaluation set, ``mtp/data/heldout_chat.jsonl``). Prompts
 longer than ``max_seq_len - max_new_tokens`` tokens are skipped (counted
-in the metadata). The metadata records the workdir, recipe, seed, counts
-and wall time. Re-running with the same arguments when the dataset exists
-does nothing (it says so); other arguments with an existing name are refused.
+in the metadata). The metadata records the workdir, recipe, seed, counts,
+wall time and peak memory. An interrupted run resumes: every finished batch
+is kept in ``OUT_DIR/.OUT_NAME.partial/`` and re-running with the same
+arguments decodes only the rest (the same results: batches and seeds are
+deterministic); the folder is removed once the dataset is written.
+Re-running with the same arguments when the dataset exists does nothing (it
+says so); other arguments with an existing name (or partial run) are refused.
 The data pipeline packs such a dataset as is and carries ``loss_mask``
 (``mtp.data.pipeline``; read it with the model's tokenizer).
 """
@@ -75,6 +79,8 @@ import dataclasses
 import datetime
 import json
 import os
+import resource
+import shutil
 import sys
 import time
 
@@ -272,7 +278,8 @@ def parse_temperatures(text: str) -> tuple[float, ...]:
 
 
 def answer_examples(decoder: Decoder, prompts: list[dict], recipe: ChatRecipe, *,
-                    max_prompt_tokens: int, seed_offset: int = 0, log=None
+                    max_prompt_tokens: int, seed_offset: int = 0, log=None,
+                    cache_dir: str | None = None, cache_tag: str = "train"
                     ) -> tuple[list[tuple[str, dict]], dict]:
   """Samples the model's answer to each chat prompt (``{"category",
   "messages"}``) and returns token examples and counts.
@@ -283,6 +290,11 @@ def answer_examples(decoder: Decoder, prompts: list[dict], recipe: ChatRecipe, *
   batches of ``recipe.batch_size`` (sorted by prompt length; the last batch
   filled with copies whose answers are dropped, so every call has the same
   batch size). Prompts with P > ``max_prompt_tokens`` are skipped.
+  ``cache_dir``: each finished batch's answers are saved there
+  (``{cache_tag}-{temperature index}-{first row}.npz``) and a batch whose
+  file exists is loaded instead of decoded, so an interrupted run resumes
+  where it stopped with the same results (batches and seeds are
+  deterministic for a recipe).
 
   Returns:
     (examples, stats): examples ``[(key, {"tokens": int32 [P + A],
@@ -298,22 +310,36 @@ def answer_examples(decoder: Decoder, prompts: list[dict], recipe: ChatRecipe, *
   keep = [i for i, e in enumerate(encoded) if len(e) <= max_prompt_tokens]
   temps = recipe.temperatures
   results: dict[int, np.ndarray] = {}
-  calls = n_stop = 0
+  calls = n_stop = resumed = 0
   t0 = time.perf_counter()
   for ti, temp in enumerate(temps):
     rows = sorted((i for i in keep if i % len(temps) == ti), key=lambda i: (len(encoded[i]), i))
     sp = SamplingParams(temp, recipe.top_k, recipe.top_p)
     for start in range(0, len(rows), recipe.batch_size):
       chunk = rows[start:start + recipe.batch_size]
-      batch = [encoded[i] for i in chunk]
-      if len(rows) > recipe.batch_size:          # one batch shape: no recompilation
-        batch += [batch[0]] * (recipe.batch_size - len(batch))
-      gen = decoder.generate(batch, recipe.max_new_tokens, sp,
-                             seed=(recipe.seed * 1_000_003 + seed_offset + start) * 31 + ti)
+      cached = (os.path.join(cache_dir, f"{cache_tag}-{ti}-{start:07d}.npz") if cache_dir
+                else None)
+      if cached and os.path.exists(cached):
+        with np.load(cached) as f:
+          answers = [f[f"a{j}"] for j in range(len(chunk))]
+          row_calls = f["calls"]
+        resumed += 1
+      else:
+        batch = [encoded[i] for i in chunk]
+        if len(rows) > recipe.batch_size:          # one batch shape: no recompilation
+          batch += [batch[0]] * (recipe.batch_size - len(batch))
+        gen = decoder.generate(batch, recipe.max_new_tokens, sp,
+                               seed=(recipe.seed * 1_000_003 + seed_offset + start) * 31 + ti)
+        answers = [np.asarray(gen.tokens[j], np.int32) for j in range(len(chunk))]
+        row_calls = np.asarray(gen.target_calls[:len(chunk)], np.int64)
+        if cached:
+          tmp = cached + ".tmp.npz"
+          np.savez(tmp, calls=row_calls, **{f"a{j}": a for j, a in enumerate(answers)})
+          os.replace(tmp, cached)
       for j, i in enumerate(chunk):
-        ids = np.asarray(gen.tokens[j], np.int32)
+        ids = answers[j]
         results[i] = ids
-        calls += int(gen.target_calls[j])
+        calls += int(row_calls[j])
         n_stop += bool(ids.size and int(ids[-1]) in decoder.eos_ids)
       if log is not None:
         log(f"answered {len(results)}/{len(keep)} prompts (T={temp:g}, "
@@ -332,7 +358,7 @@ def answer_examples(decoder: Decoder, prompts: list[dict], recipe: ChatRecipe, *
   stats = {"prompts": len(keep), "skipped_too_long": len(prompts) - len(keep),
            "prompt_tokens": int(sum(len(encoded[i]) for i in keep)),
            "answer_tokens": int(answer_tokens), "stopped_fraction": n_stop / max(len(keep), 1),
-           "tau": answer_tokens / max(calls, 1), "wall_s": wall}
+           "tau": answer_tokens / max(calls, 1), "wall_s": wall, "batches_resumed": resumed}
   return examples, stats
 
 
@@ -400,6 +426,7 @@ def make_chat_dataset(workdir: str, out_name: str, recipe: ChatRecipe, *, data_d
                       f"the model's max_seq_len={cfg.model.max_seq_len}")
   kw = dict(seed=recipe.seed, data_dir=src_dir, categories=recipe.categories,
             max_context_chars=recipe.max_context_chars)
+  partial = _partial_dir(out_dir, out_name, workdir, recipe_json, log)
   t0 = time.perf_counter()
   splits, per_split = {}, {}
   for split, n, offset in (("train", recipe.chat_prompts, 0),
@@ -410,7 +437,8 @@ def make_chat_dataset(workdir: str, out_name: str, recipe: ChatRecipe, *, data_d
     if log is not None:
       log(f"{split}: {n} chat prompts")
     splits[split], per_split[split] = answer_examples(
-        decoder, prompts, recipe, max_prompt_tokens=max_prompt, seed_offset=offset, log=log)
+        decoder, prompts, recipe, max_prompt_tokens=max_prompt, seed_offset=offset, log=log,
+        cache_dir=partial, cache_tag=split)
     per_split[split]["categories"] = {c: sum(1 for _, e in splits[split] if e["category"] == c)
                                       for c in recipe.categories}
   meta = {"generator": "decode.self_distill (chat)", "workdir": os.path.abspath(workdir),
@@ -419,10 +447,36 @@ def make_chat_dataset(workdir: str, out_name: str, recipe: ChatRecipe, *, data_d
           "features": {"tokens": "int32 [n]", "loss_mask": "int32 [n]", "category": "str",
                        "name": "str"},
           "splits": per_split, "wall_s": time.perf_counter() - t0,
+          "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
           "tokens_generated": sum(v["answer_tokens"] for v in per_split.values()),
           "date": datetime.date.today().isoformat()}
   path = data_lib.write_token_dataset(out_name, out_dir, splits, meta)
+  shutil.rmtree(partial, ignore_errors=True)
   return {**meta, "path": path, "data_dir": out_dir, "skipped": False}
+
+
+def _partial_dir(out_dir: str, out_name: str, workdir: str, recipe_json: dict, log) -> str:
+  """``OUT_DIR/.OUT_NAME.partial``: the answers of finished batches of an
+  unfinished run (``answer_examples(cache_dir=...)``), with the recipe that
+  made them; a run with another workdir or recipe is refused (DataError)."""
+  folder = os.path.join(out_dir, f".{out_name}.partial")
+  want = {"workdir": os.path.abspath(workdir), "recipe": recipe_json}
+  stamp = os.path.join(folder, "recipe.json")
+  if os.path.exists(stamp):
+    with open(stamp) as f:
+      have = json.load(f)
+    if have != want:
+      raise data_lib.DataError(
+          f"{folder} holds the partial output of another run ({have}); resume it with the same "
+          "arguments or delete that folder")
+    n = len([f for f in os.listdir(folder) if f.endswith(".npz") and ".tmp" not in f])
+    if log is not None and n:
+      log(f"resuming: {n} finished batches in {folder}")
+  else:
+    os.makedirs(folder, exist_ok=True)
+    with open(stamp, "w") as f:
+      json.dump(want, f)
+  return folder
 
 
 def main(argv=None) -> int:

@@ -121,3 +121,39 @@ def test_cli_chat_mode_bad_flag(bpe_workdir, tmp_path, capsys):
   assert sd.main(["--workdir", bpe_workdir, "--out_name", "cli_sd", "--chat_prompts", "2",
                   "--temperatures", "0,hot", "--out_dir", str(tmp_path)]) == 2
   assert "'hot' is not a number" in capsys.readouterr().err
+
+
+def _records(out, name="chat_sd", split="train"):
+  src = data.load_source(DataConfig(name=name, data_dir=out), split)
+  return {bytes(src[i]["name"]).decode(): src[i]["tokens"] for i in range(len(src))}
+
+
+def test_interrupted_run_resumes_with_the_same_results(made, bpe_workdir, data_dir, tmp_path,
+                                                       monkeypatch):
+  _, ref_out = made
+  out = str(tmp_path)
+  real = sd.Decoder.generate
+  calls = []
+
+  def failing(self, *a, **k):
+    calls.append(1)
+    if len(calls) == 2:
+      raise RuntimeError("interrupted")
+    return real(self, *a, **k)
+  monkeypatch.setattr(sd.Decoder, "generate", failing)
+  with pytest.raises(RuntimeError, match="interrupted"):
+    sd.make_chat_dataset(bpe_workdir, "chat_sd", RECIPE, data_dir=data_dir, out_dir=out, log=None)
+  partial = os.path.join(out, ".chat_sd.partial")
+  assert len([f for f in os.listdir(partial) if f.endswith(".npz")]) == 1
+  with pytest.raises(data.DataError, match="partial output of another run"):
+    sd.make_chat_dataset(bpe_workdir, "chat_sd", sd.ChatRecipe(**{**RECIPE.__dict__, "seed": 3}),
+                         data_dir=data_dir, out_dir=out, log=None)
+  monkeypatch.setattr(sd.Decoder, "generate", real)
+  meta = sd.make_chat_dataset(bpe_workdir, "chat_sd", RECIPE, data_dir=data_dir, out_dir=out,
+                              log=None)
+  assert meta["splits"]["train"]["batches_resumed"] == 1 and not os.path.exists(partial)
+  for split in ("train", "validation"):
+    got, want = _records(out, split=split), _records(ref_out, split=split)
+    assert got.keys() == want.keys()
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k])
