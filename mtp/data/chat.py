@@ -22,9 +22,10 @@ windows) and ``python_docs`` (pydoc topics: paragraph windows), by category:
 
 Every context is cut to at most ``max_context_chars`` characters (default
 1200, about 300-400 BPE tokens of SmolLM2's tokenizer for code and prose),
-at a line boundary. The stream is deterministic for (split, seed, n,
-categories) and the interpreter's stdlib; prompt i does not depend on n
-(a longer list extends a shorter one).
+at a line boundary. No two prompts of one list are equal (a repeat is
+drawn again). The stream is deterministic for (split, seed, categories)
+and the interpreter's stdlib; prompt i does not depend on n (a longer list
+extends a shorter one).
 
 Held-out prompts (``heldout_chat_prompts``): written by hand for this
 project, not generated from the corpora; eight or more per category in
@@ -319,18 +320,19 @@ def chat_prompts(n: int, *, seed: int = 0, split: str = "train", data_dir: str =
   if n == 0:
     return []
   corpus = _Corpus(split, data_dir)
-  out = []
+  out, seen = [], set()
   for i in range(n):
     category = categories[i % len(categories)]
     rng = np.random.default_rng([seed, i, CATEGORIES.index(category)])
     for _ in range(200):
       got = _one_prompt(corpus, category, rng, max_context_chars)
-      if got is not None:
+      if got is not None and got[0] not in seen:
         break
     else:
-      raise DataError(f"no document of split '{split}' gives a '{category}' prompt "
+      raise DataError(f"no document of split '{split}' gives a new '{category}' prompt "
                       "(200 draws)")
     content, source = got
+    seen.add(content)
     out.append({"category": category, "messages": [{"role": "user", "content": content}],
                 "source": source})
   return out
