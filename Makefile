@@ -64,6 +64,7 @@ test: $(STAMP)
 # MTP_REQUIRE_HF=1: a missing torch/transformers fails instead of skipping.
 test-hf: $(HF_STAMP) $(SMOLLM_STAMP)
 	MTP_REQUIRE_HF=1 $(PY) -m pytest -q tests/test_export_hf.py tests/test_import_hf.py \
+	  tests/test_chat_smollm.py \
 	  tests/test_bench_hf.py
 
 clean-demo:

@@ -166,6 +166,22 @@ def write_gguf(path: str, tensors: dict[str, np.ndarray], *, heads: int, kv: int
   return held
 
 
+def import_tiny_workdir(folder: str, *, vocab: int = 320, ctx: int = 1024, mtp_depth: int = 0,
+                        seed: int = 0) -> str:
+  """A workdir imported (``mtp.importers.gguf.import_gguf``) from a random
+  2-layer Llama GGUF with the tiny BPE tokenizer (its ChatML-like template;
+  ``<|im_end|>`` the end-of-turn / stop id) in ``folder``; returns its path."""
+  import os
+  from mtp.importers import gguf as gi
+  meta = gguf_tokenizer_metadata(train_tiny_bpe(300))
+  dims = dict(heads=4, kv=2, hd=8, layers=2, d=32, ff=64)
+  tensors = random_llama_tensors(vocab=vocab, d=32, layers=2, heads=4, kv=2, hd=8, ff=64,
+                                 tied=True, seed=seed)
+  path = os.path.join(folder, "m.gguf")
+  write_gguf(path, tensors, tokenizer_meta=meta, ctx=ctx, **dims)
+  return gi.import_gguf(path, os.path.join(folder, "wd"), mtp_depth=mtp_depth)
+
+
 def write_tiny_hf_llama(path: str, *, seed: int = 3, tie: bool = False, vocab_size: int = 300,
                         padding: int = 20):
   """A tiny random ``LlamaForCausalLM`` written by transformers to ``path``
