@@ -4,6 +4,7 @@ copy of its last block reading the hidden state through M = [s * I; 0]."""
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -30,8 +31,12 @@ def _model(init, scale=1.0):
                                 mtp_init_scale=scale)
 
 
+def _rms_normed(h):
+  return h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-5)
+
+
 def _module_vs_last_block(model, scale=1.0):
-  """(module 1's output, the last block applied to s * RMSNorm_final(h0), its
+  """(module 1's output, the last block applied to s * h0 / rms(h0), its
   output with other next tokens) on one random row."""
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, 300, (1, 12)), jnp.int32)
@@ -40,7 +45,7 @@ def _module_vs_last_block(model, scale=1.0):
   h0 = model.backbone(tokens, pos)[0]
   h1 = model.mtp_forward(1, h0, tokens, pos)[0]
   h1_other = model.mtp_forward(1, h0, other, pos)[0]
-  ref = model.blocks[L - 1](scale * model.final_norm(h0), pos)[0]
+  ref = model.blocks[L - 1](scale * _rms_normed(h0), pos)[0]
   return np.asarray(h1), np.asarray(ref), np.asarray(h1_other)
 
 
@@ -57,6 +62,7 @@ def test_last_block_init_is_the_last_block_on_the_normed_hidden_state(scale):
     np.testing.assert_array_equal(np.asarray(m.out_norm.scale[...]),
                                   np.asarray(model.final_norm.scale[...]))
     np.testing.assert_array_equal(np.asarray(m.embed_norm.scale[...]), np.ones(D))
+    np.testing.assert_array_equal(np.asarray(m.hidden_norm.scale[...]), np.ones(D))
     np.testing.assert_array_equal(np.asarray(m.block.mlp.down.kernel[...]),
                                   np.asarray(model.blocks[L - 1].mlp.down.kernel[...]))
   # module 1's logits: the main head on one more last-block layer
@@ -66,7 +72,7 @@ def test_last_block_init_is_the_last_block_on_the_normed_hidden_state(scale):
   h0 = model.backbone(tokens, pos)[0]
   np.testing.assert_allclose(
       np.asarray(model.mtp_head(1, model.mtp_forward(1, h0, tokens, pos)[0])),
-      np.asarray(model.head(model.blocks[L - 1](scale * model.final_norm(h0), pos)[0])),
+      np.asarray(model.head(model.blocks[L - 1](scale * _rms_normed(h0), pos)[0])),
       rtol=1e-5, atol=1e-5)
 
 
