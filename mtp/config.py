@@ -95,6 +95,10 @@ class TrainConfig:
   eval_batches: int = 8
   init_from: str = ""             # workdir whose latest checkpoint's params start a fresh run
   freeze_backbone: bool = False   # train only the MTP modules (embedding, blocks, head frozen)
+  # With freeze_backbone: run the frozen backbone once over the train split's
+  # rows (mtp.data.epoch_rows), store h^0 in WORKDIR/hidden_cache/ and train
+  # the modules from it (train.hidden_cache; Transformer.forward_from_hidden).
+  hidden_cache: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +269,9 @@ def validate(cfg: Config) -> Config:
          "0 when mtp.depth = 0 (there is no module D to reuse)", cfg.mtp.recursive_steps)
   _check(not t.freeze_backbone or cfg.mtp.depth >= 1, "train.freeze_backbone",
          "False when mtp.depth = 0 (nothing would be trained)", t.freeze_backbone)
+  _check(not t.hidden_cache or t.freeze_backbone, "train.hidden_cache",
+         "False unless train.freeze_backbone=True (cached backbone states are only valid for "
+         "a frozen backbone)", t.hidden_cache)
   _check(bool(cfg.data.name), "data.name", "a non-empty dataset name", cfg.data.name)
   if cfg.data.name == "text_files":
     patterns = cfg.data.files.split(",")

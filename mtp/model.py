@@ -66,6 +66,13 @@ from mtp.config import Config, ModelConfig
 
 LayerCache = dict[str, jax.Array]          # {"k": [B,S,K,H], "v": [B,S,K,H]}
 
+# The token an MTP module reads past the end of a row (module k at the last k
+# positions, recursive steps past T): any valid id, since those positions'
+# targets do not exist and the loss masks them; nothing else attends to them
+# (they are the last positions of their segment). 0 exists in every
+# vocabulary (the byte tokenizer's PAD 256 is an ordinary token of a BPE one).
+MTP_FILL_ID = 0
+
 
 @dataclasses.dataclass
 class ModelOutput:
@@ -450,8 +457,8 @@ class Transformer(nnx.Module):
       steps: R >= 0.
     Returns:
       tuple of R logits [B, T, V] float32; entry r-1 at chain i predicts
-      t_{i+D+r+1} (positions whose token inputs run past T read PAD; the loss
-      masks them).
+      t_{i+D+r+1} (positions whose token inputs run past T read ``MTP_FILL_ID``;
+      the loss masks them).
     Raises ValueError when D = 0.
     """
     d = self.mtp_depth
@@ -460,7 +467,7 @@ class Transformer(nnx.Module):
     b, t = tokens.shape
     module = self.mtp[d - 1]
     attn = module.block.attn
-    padded = jnp.concatenate([tokens, jnp.full((b, d + steps), tok.PAD_ID, tokens.dtype)], 1)
+    padded = jnp.concatenate([tokens, jnp.full((b, d + steps), MTP_FILL_ID, tokens.dtype)], 1)
     shift = lambda k: padded[:, k:k + t]                                  # t_{i+k} at i
     x0 = module.block_input(h_prev, self.embed(shift(d)))
     _, ctx_k, ctx_v = attn.project(module.block.attn_norm(x0), positions)
@@ -489,16 +496,38 @@ class Transformer(nnx.Module):
     recursive_steps: R >= 0 extra steps of module D (``mtp_recursive``),
     appended to ``mtp_logits`` (D + R entries; entry k-1 at i predicts
     t_{i+k+1}).
-    Module k at i reads t_{i+k}; the last k positions read PAD (their targets
-    do not exist and the loss masks them).
+    Module k at i reads t_{i+k}; the last k positions read ``MTP_FILL_ID``
+    (their targets do not exist and the loss masks them).
+    Equal to ``forward_from_hidden`` on the backbone's h^0 (same operations).
     """
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     h, _ = self.backbone(tokens, positions, segment_ids)
+    return self.forward_from_hidden(tokens, positions, segment_ids, h, recursive_steps)
+
+  def forward_from_hidden(self, tokens, positions, segment_ids, h0,
+                          recursive_steps: int = 0) -> ModelOutput:
+    """``__call__`` from a precomputed backbone output, without running the
+    backbone: the frozen-backbone stage with cached hidden states
+    (``train.hidden_cache``; Medusa-1 and FastMTP train their heads on a
+    frozen target the same way).
+
+    tokens, positions: [B, T] int32; segment_ids: [B, T] int32 (0 = padding)
+    or None; h0: [B, T, D] the backbone's last block output (before the
+    final norm, what ``backbone`` returns; activation dtype, cast to it
+    here); recursive_steps: R >= 0 as in ``__call__``.
+    Returns the ``ModelOutput`` of ``__call__``: logits = head(final_norm(h0))
+    (the main head, the distillation teacher), the D + R module logits
+    (DeepSeek-V3 eq. 21-23, then ``mtp_recursive``) and hidden (h0, h^1..h^D).
+    """
+    b, t = tokens.shape
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    h = h0.astype(_dtype(self.cfg.dtype))
     hidden, mtp_logits = [h], []
     for k in range(1, self.mtp_depth + 1):
-      shifted = jnp.concatenate([tokens[:, k:], jnp.full((b, k), tok.PAD_ID, tokens.dtype)], 1)
+      shifted = jnp.concatenate([tokens[:, k:], jnp.full((b, k), MTP_FILL_ID, tokens.dtype)], 1)
       h, _ = self.mtp_forward(k, h, shifted, positions, segment_ids)
       hidden.append(h)
       mtp_logits.append(self.mtp_head(k, h))

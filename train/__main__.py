@@ -37,6 +37,7 @@ def main(argv):
   from mtp.config import ConfigError, from_dict
   from mtp.data import DataError
   from mtp.sharding import initialize_distributed
+  from mtp.tokenizer_files import TokenizerError
   from train.loop import DivergedError, train
   from train.workdir import WorkdirBusyError
   try:
@@ -44,7 +45,7 @@ def main(argv):
     initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                            force=_DISTRIBUTED.value)
     result = train(cfg, _WORKDIR.value)
-  except (ConfigError, DataError, CheckpointError, WorkdirBusyError) as e:
+  except (ConfigError, DataError, CheckpointError, TokenizerError, WorkdirBusyError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except DivergedError as e:
@@ -52,7 +53,9 @@ def main(argv):
     return 3
   ev = result["eval"]
   if ev:
-    print(f"step {result['step']}: validation bits/byte {ev['main/bits_per_byte']:.4f}, "
+    rate = (f"bits/byte {ev['main/bits_per_byte']:.4f}" if "main/bits_per_byte" in ev
+            else f"nats/token {ev['main/loss']:.4f}")
+    print(f"step {result['step']}: validation {rate}, "
           f"main top-1 {ev['main/accuracy']:.3f}" + "".join(
               f", MTP depth {k} top-1 {ev[f'mtp_{k}/accuracy']:.3f}"
               for k in range(1, cfg.mtp.depth + 1)))

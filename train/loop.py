@@ -31,8 +31,10 @@ from tqdm import tqdm
 from mtp import checkpoint as ckpt_lib
 from mtp import data as data_lib
 from mtp import sharding as shard_lib
-from mtp.config import Config, MTPConfig, TrainConfig
+from mtp import tokenizer as tok_lib
+from mtp.config import Config, ConfigError, MTPConfig, TrainConfig
 from mtp.model import build_model, count_params
+from train import hidden_cache as cache_lib
 from train import losses
 from train import workdir as workdir_lib
 
@@ -84,21 +86,32 @@ def learning_rate(t: TrainConfig, step: int) -> float:
   return end + (t.learning_rate - end) * 0.5 * (1 + np.cos(np.pi * frac))
 
 
-def make_loss_fn(graphdef, loss_weight: float, mtp_cfg: MTPConfig | None = None):
+def make_loss_fn(graphdef, loss_weight: float, mtp_cfg: MTPConfig | None = None, *,
+                 byte_level: bool = True):
   """(params, batch) -> (loss, head sums); batch holds tokens, positions,
-  segment_ids [B, T] int32. ``mtp_cfg`` adds distillation from the main head
-  and the recursive steps past D (``train.losses.mtp_loss``); None = the
-  data-only objective over the model's D depths."""
+  segment_ids [B, T] int32, optionally loss_mask [B, T] int32 (1 = may be a
+  target; ``train.losses.shifted_targets``) and h0 [B, T, D] (the frozen
+  backbone's cached output, ``train.hidden_cache``: the model then runs
+  ``forward_from_hidden`` and skips the backbone). ``mtp_cfg`` adds
+  distillation from the main head and the recursive steps past D
+  (``train.losses.mtp_loss``); None = the data-only objective over the
+  model's D depths. ``byte_level``: the model's tokenizer is the byte one
+  (``model.tokenizer == "byte"``: PAD never a target, bits per byte)."""
   m = mtp_cfg or MTPConfig(loss_weight=loss_weight)
 
   def loss_fn(params, batch):
     model = nnx.merge(graphdef, params)
-    out = model(batch["tokens"], batch["positions"], batch["segment_ids"],
-                recursive_steps=m.recursive_steps if model.mtp_depth else 0)
+    steps = m.recursive_steps if model.mtp_depth else 0
+    if "h0" in batch:
+      out = model.forward_from_hidden(batch["tokens"], batch["positions"], batch["segment_ids"],
+                                      batch["h0"], recursive_steps=steps)
+    else:
+      out = model(batch["tokens"], batch["positions"], batch["segment_ids"], recursive_steps=steps)
     return losses.mtp_loss(out, batch["tokens"], batch["segment_ids"], loss_weight,
                            depth=model.mtp_depth, distill_weight=m.distill_weight,
                            distill_temperature=m.distill_temperature,
-                           distill_divergence=m.distill_divergence)
+                           distill_divergence=m.distill_divergence,
+                           loss_mask=batch.get("loss_mask"), byte_level=byte_level)
   return loss_fn
 
 
@@ -121,6 +134,33 @@ class TrainState:
   params: Any
   opt_state: Any
   step: int
+
+
+def run_tokenizer(cfg: Config, workdir: str, resumed: bool):
+  """The tokenizer of a run: the one saved in ``workdir`` when resuming
+  (``mtp.tokenizer.save_tokenizer`` at the start), else
+  ``train.init_from``'s (``load_tokenizer``: the byte tokenizer when it has
+  no ``tokenizer/``), else the byte tokenizer.
+
+  Raises ConfigError when it disagrees with ``model.tokenizer`` (kind) or
+  ``model.num_tokens`` (a BPE tokenizer's vocabulary), naming both; the
+  tokenizer's TokenizerError for an unreadable one."""
+  m = cfg.model
+  if resumed and os.path.isdir(os.path.join(workdir, tok_lib.TOKENIZER_DIR)):
+    where, tk = f"--workdir={workdir!r}", tok_lib.load_tokenizer(workdir)
+  elif cfg.train.init_from:
+    where, tk = f"train.init_from={cfg.train.init_from!r}", tok_lib.load_tokenizer(cfg.train.init_from)
+  else:
+    where, tk = "the default (no train.init_from)", tok_lib.ByteTokenizer()
+  kind = tk.to_dict()["kind"]
+  if kind != m.tokenizer:
+    raise ConfigError(f"model.tokenizer={m.tokenizer!r} but the tokenizer of {where} is {kind!r}"
+                      + ("" if cfg.train.init_from else "; a BPE model trains from an imported "
+                         "workdir: set train.init_from (python -m mtp.importers)"))
+  if kind != "byte" and tk.vocab_size != m.num_tokens:
+    raise ConfigError(f"model.num_tokens={m.num_tokens} but the tokenizer of {where} has "
+                      f"{tk.vocab_size} ids")
+  return tk
 
 
 class Trainer:
@@ -152,7 +192,9 @@ class Trainer:
     self.opt_shardings = shard_lib.state_shardings(self.mesh, abstract_opt)   # mu/nu like params
     batch_sharding = shard_lib.batch_sharding(self.mesh)
     replicated = shard_lib.replicated(self.mesh)
-    loss_fn = make_loss_fn(self.graphdef, cfg.mtp.loss_weight, cfg.mtp)
+    loss_fn = make_loss_fn(self.graphdef, cfg.mtp.loss_weight, cfg.mtp,
+                           byte_level=cfg.model.tokenizer == "byte")
+    graphdef = self.graphdef
     tx = self.tx
 
     def step_fn(params, opt_state, batch):
@@ -170,6 +212,10 @@ class Trainer:
     def eval_fn(params, batch):
       return loss_fn(params, batch)[1]
 
+    def hidden_fn(params, batch):
+      model = nnx.merge(graphdef, params)
+      return model.backbone(batch["tokens"], batch["positions"], batch["segment_ids"])[0]
+
     def init_fn():
       params = nnx.state(build_model(cfg, cfg.train.seed), nnx.Param)
       return params, tx.init(split_trainable(cfg, params)[0])
@@ -182,6 +228,8 @@ class Trainer:
                          donate_argnums=(0, 1))
     self._eval = jax.jit(eval_fn, in_shardings=(self.param_shardings, batch_sharding),
                          out_shardings=replicated)
+    self._hidden = jax.jit(hidden_fn, in_shardings=(self.param_shardings, batch_sharding),
+                           out_shardings=batch_sharding)
     self._init = jax.jit(init_fn, out_shardings=(self.param_shardings, self.opt_shardings))
     self._init_from = jax.jit(init_from_fn, in_shardings=(self.param_shardings,),
                               out_shardings=(self.param_shardings, self.opt_shardings))
@@ -213,6 +261,13 @@ class Trainer:
 
   def model(self, params):
     return nnx.merge(self.graphdef, params)
+
+  def hidden_states(self, params, local_batch: dict[str, np.ndarray]) -> np.ndarray:
+    """The backbone's h^0 [B, T, D] (activation dtype, numpy) of a batch of
+    tokens, positions, segment_ids int32 [B, T] (one jitted program per
+    shape; ``train.hidden_cache`` builds its cache with it)."""
+    h = self._hidden(params, shard_lib.global_batch(local_batch, self.mesh))
+    return np.asarray(jax.device_get(h))
 
 
 class MetricWriter:
@@ -376,13 +431,27 @@ def _train(cfg: Config, workdir: str, lock, *, log, stop_after) -> dict[str, Any
       log(f"{workdir} already finished at step {resume_step} (train.num_steps={t.num_steps}); "
           "nothing to do (raise train.num_steps to continue)")
       return done
+  tokenizer = run_tokenizer(cfg, workdir, resume_step is not None)
+  byte_level = cfg.model.tokenizer == "byte"
+  data_kw = {} if byte_level else {"tokenizer": tokenizer}   # None = the byte tokenizer
   # Open the data first: a bad dataset stops the run before anything is written.
-  dataset = data_lib.make_train_dataset(
-      cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed,
-      process_index=jax.process_index(), process_count=jax.process_count())
+  train_rows = None
+  if t.hidden_cache:
+    if jax.process_count() != 1:
+      raise ConfigError(f"train.hidden_cache=True runs on one process (got "
+                        f"{jax.process_count()}); set it False for multi-host runs")
+    rows_fn = lambda: data_lib.epoch_rows(cfg.data, seq_len=t.seq_len, split=cfg.data.train_split,
+                                          **data_kw)
+    if resume_step is None and cache_lib.load(workdir) is None:
+      train_rows = cache_lib.check_rows(rows_fn(), t.seq_len, cfg.model.vocab_size)
+    dataset = None
+  else:
+    dataset = data_lib.make_train_dataset(
+        cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed,
+        process_index=jax.process_index(), process_count=jax.process_count(), **data_kw)
   eval_batches = data_lib.make_eval_batches(
       cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, num_batches=t.eval_batches,
-      process_index=jax.process_index(), process_count=jax.process_count())
+      process_index=jax.process_index(), process_count=jax.process_count(), **data_kw)
   trainer = Trainer(cfg)
   init_params = None
   if init_step is not None:   # read (and verified) before anything is written
@@ -391,8 +460,13 @@ def _train(cfg: Config, workdir: str, lock, *, log, stop_after) -> dict[str, Any
   os.makedirs(workdir, exist_ok=True)
   if is_main:
     lock.acquire(log)     # a new workdir: validated first, so a bad run writes nothing
+  if is_main and not byte_level and resume_step is None:
+    tok_lib.save_tokenizer(tokenizer, workdir)   # decoding this workdir finds it
   ckpt = ckpt_lib.Checkpointer(workdir, keep=cfg.checkpoint.keep)
-  data_iter = iter(dataset)
+  if dataset is None:
+    data_iter = cache_lib.CacheIterator(t.batch_size, t.seed)
+  else:
+    data_iter = iter(dataset)
   last_train, last_eval, eval_step, step_times = {}, {}, None, []
   if resume_step is not None:
     try:
@@ -408,6 +482,19 @@ def _train(cfg: Config, workdir: str, lock, *, log, stop_after) -> dict[str, Any
     log(f"initialised parameters from {t.init_from} (step {init_step})")
   else:
     state = trainer.init_state()
+  if t.hidden_cache:
+    try:
+      source = cache_lib.source_fingerprint(cfg, tokenizer, split_trainable(cfg, state.params)[1])
+      get_rows = (lambda: train_rows) if train_rows is not None else (
+          lambda: cache_lib.check_rows(rows_fn(), t.seq_len, cfg.model.vocab_size))
+      cache = cache_lib.prepare(
+          workdir, source, get_rows, lambda b: trainer.hidden_states(state.params, b),
+          batch_size=t.batch_size, d_model=cfg.model.d_model, dtype=cfg.model.dtype,
+          vocab_size=cfg.model.vocab_size, log=log)
+      data_iter.attach(cache)
+    except BaseException:
+      ckpt.close()
+      raise
   eval_due = lambda step: step >= t.num_steps or step % t.eval_every == 0
   eval_pending = False   # the checkpointed step's evaluation was abandoned by a signal
   if is_main:
@@ -448,8 +535,10 @@ def _train(cfg: Config, workdir: str, lock, *, log, stop_after) -> dict[str, Any
                          f" agree{k}={metrics[f'mtp_{k}/teacher_agreement']:.3f}"
                          f" kl{k}={metrics[f'mtp_{k}/teacher_kl']:.3f}"
                          for k in range(1, cfg.mtp.depth + cfg.mtp.recursive_steps + 1))
+    rate = (f"bpb {metrics['main/bits_per_byte']:.4f}" if "main/bits_per_byte" in metrics
+            else f"nats/token {metrics['main/loss']:.4f}")
     log(f"step {state.step}: eval loss {metrics['main/loss']:.4f} "
-        f"bpb {metrics['main/bits_per_byte']:.4f} acc {metrics['main/accuracy']:.3f} {depth_acc}")
+        f"{rate} acc {metrics['main/accuracy']:.3f} {depth_acc}")
 
   target = t.num_steps if stop_after is None else min(t.num_steps, stop_after)
   try:

@@ -39,20 +39,31 @@ from mtp import tokenizer as tok
 from mtp.model import ModelOutput
 
 
-def shifted_targets(tokens: jax.Array, segment_ids: jax.Array | None, offset: int):
+def shifted_targets(tokens: jax.Array, segment_ids: jax.Array | None, offset: int,
+                    loss_mask: jax.Array | None = None, pad_id: int | None = tok.PAD_ID):
   """Targets and validity mask for a head that predicts ``offset`` ahead.
 
   tokens: [B, T] int32; segment_ids: [B, T] int32 (0 = padding) or None
-  (one document per row). Returns (targets [B, T] int32, mask [B, T] bool):
-  targets[b, i] = tokens[b, i + offset] where mask[b, i] is True.
+  (one document per row); loss_mask: [B, T] int (1 = token j may be a
+  target) or None (all ones); pad_id: an id never counted as a target (the
+  byte tokenizer's PAD, for rows without segment ids) or None (validity from
+  the segment ids alone: a BPE tokenizer's ids are all real tokens). Returns
+  (targets [B, T] int32, mask [B, T] bool): targets[b, i] = tokens[b, i +
+  offset], and mask[b, i] iff i + offset < T, segment_ids[b, i + offset] ==
+  segment_ids[b, i] != 0, the target is not ``pad_id`` and
+  loss_mask[b, i + offset] == 1.
   """
   b, t = tokens.shape
   if segment_ids is None:
     segment_ids = jnp.ones_like(tokens)
   pad = lambda x, v: jnp.concatenate([x[:, offset:], jnp.full((b, offset), v, x.dtype)], 1)
-  targets = pad(tokens, tok.PAD_ID)
+  targets = pad(tokens, 0 if pad_id is None else pad_id)
   target_segments = pad(segment_ids, 0)
-  mask = (target_segments == segment_ids) & (segment_ids != 0) & (targets != tok.PAD_ID)
+  mask = (target_segments == segment_ids) & (segment_ids != 0)
+  if pad_id is not None:
+    mask &= targets != pad_id
+  if loss_mask is not None:
+    mask &= pad(jnp.asarray(loss_mask), 0) == 1
   return targets, mask
 
 
@@ -65,18 +76,21 @@ def token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
-def head_sums(logits, targets, mask) -> dict[str, jax.Array]:
+def head_sums(logits, targets, mask, byte_level: bool = True) -> dict[str, jax.Array]:
   """Sums over valid targets, for exact aggregation across batches:
-  ``nll`` (nats), ``count``, ``correct`` (top-1 hits), and ``byte_nll`` /
-  ``byte_count`` over targets that are UTF-8 bytes (for bits per byte)."""
+  ``nll`` (nats), ``count``, ``correct`` (top-1 hits), and with
+  ``byte_level`` (the byte tokenizer) ``byte_nll`` / ``byte_count`` over
+  targets that are UTF-8 bytes (for bits per byte)."""
   # Masked positions may hold targets the head gives -inf (PAD): their inf
   # cross-entropy must not reach the sums (inf * 0 is NaN).
   ce = jnp.where(mask, token_cross_entropy(logits, targets), 0.0)
   m = mask.astype(jnp.float32)
-  byte = m * (targets < tok.NUM_BYTES)
   correct = (jnp.argmax(logits, -1) == targets) * m
-  return {"nll": jnp.sum(ce * m), "count": jnp.sum(m), "correct": jnp.sum(correct),
-          "byte_nll": jnp.sum(ce * byte), "byte_count": jnp.sum(byte)}
+  out = {"nll": jnp.sum(ce * m), "count": jnp.sum(m), "correct": jnp.sum(correct)}
+  if byte_level:
+    byte = m * (targets < tok.NUM_BYTES)
+    out.update(byte_nll=jnp.sum(ce * byte), byte_count=jnp.sum(byte))
+  return out
 
 
 def shift_left(x: jax.Array, offset: int) -> jax.Array:
@@ -111,7 +125,8 @@ def teacher_tv(teacher_logits: jax.Array, student_logits: jax.Array,
 
 def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | None,
              loss_weight: float, *, depth: int | None = None, distill_weight: float = 0.0,
-             distill_temperature: float = 1.0, distill_divergence: str = "kl"):
+             distill_temperature: float = 1.0, distill_divergence: str = "kl",
+             loss_mask: jax.Array | None = None, byte_level: bool = True):
   """Training objective and per-head sums (module docstring: eq. 24-25 plus
   distillation from the main head).
 
@@ -124,6 +139,10 @@ def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | No
     distill_weight: w in [0, 1]; distill_temperature: tau > 0.
     distill_divergence: "kl" (the module docstring's forward KL) or "tv"
       (``teacher_tv`` in place of the KL, times tau^2 likewise).
+    loss_mask: [B, T] int or None: token j may be a target iff
+      loss_mask[b, j] == 1 (``shifted_targets``); None = every token.
+    byte_level: the byte tokenizer (PAD never a target, bits-per-byte sums);
+      False for a BPE tokenizer (validity from segment ids and loss_mask only).
   Returns:
     (loss scalar float32, sums) where sums["main"] and sums["mtp_k"]
     (k = 1..D+R) are ``head_sums`` dicts; the mtp ones also hold ``kl``
@@ -132,13 +151,15 @@ def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | No
   """
   n_heads = len(output.mtp_logits)
   depth = n_heads if depth is None else depth
-  sums = {"main": head_sums(output.logits, *shifted_targets(tokens, segment_ids, 1))}
+  pad_id = tok.PAD_ID if byte_level else None
+  sums = {"main": head_sums(output.logits, *shifted_targets(tokens, segment_ids, 1, loss_mask, pad_id),
+                            byte_level)}
   loss = sums["main"]["nll"] / jnp.maximum(sums["main"]["count"], 1.0)
   if n_heads:
     mtp_total = 0.0
     for k, logits in enumerate(output.mtp_logits, start=1):
-      targets, mask = shifted_targets(tokens, segment_ids, k + 1)
-      s = head_sums(logits, targets, mask)
+      targets, mask = shifted_targets(tokens, segment_ids, k + 1, loss_mask, pad_id)
+      s = head_sums(logits, targets, mask, byte_level)
       m = mask.astype(jnp.float32)
       teacher = shift_left(output.logits, k)         # the main head at i+k predicts t_{i+k+1} too
       kl = teacher_kl(teacher, logits)
@@ -163,7 +184,8 @@ def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | No
 
 def summarize(sums: dict[str, dict[str, jax.Array]]) -> dict[str, float]:
   """Turns (possibly accumulated) head sums into metrics: ``{head}/loss``
-  (nats per token), ``{head}/accuracy`` (top-1), ``main/bits_per_byte`` and,
+  (nats per token), ``{head}/accuracy`` (top-1), ``main/bits_per_byte`` (byte
+  tokenizer only: sums with ``byte_nll``) and,
   for MTP depths, ``mtp_k/teacher_kl`` (mean KL to the main head at tau = 1,
   nats) and ``mtp_k/teacher_agreement`` (fraction of positions whose argmax
   equals the main head's)."""
@@ -175,6 +197,6 @@ def summarize(sums: dict[str, dict[str, jax.Array]]) -> dict[str, float]:
     if "kl" in s:
       out[f"{head}/teacher_kl"] = float(s["kl"]) / count
       out[f"{head}/teacher_agreement"] = float(s["agree"]) / count
-    if head == "main":
+    if head == "main" and "byte_nll" in s:
       out["main/bits_per_byte"] = float(s["byte_nll"]) / max(float(s["byte_count"]), 1.0) / math.log(2)
   return out

@@ -63,6 +63,8 @@ def check_workdir(cfg: Config, workdir: str) -> int | None:
   if saved.train.freeze_backbone != cfg.train.freeze_backbone:   # optimizer state differs
     diffs.append(f"train.freeze_backbone: {saved.train.freeze_backbone!r} != "
                  f"{cfg.train.freeze_backbone!r}")
+  if saved.train.hidden_cache != cfg.train.hidden_cache:   # the data iterator's state differs
+    diffs.append(f"train.hidden_cache: {saved.train.hidden_cache!r} != {cfg.train.hidden_cache!r}")
   if diffs:
     raise ConfigError(f"workdir {workdir!r} holds a checkpoint (step {step}) from an incompatible "
                       f"config (saved != requested): {'; '.join(diffs)}. Use a new --workdir or "

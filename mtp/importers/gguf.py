@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from mtp.importers import ModelImportError, default_never_emitted, model_config
-from mtp.importers import params_from_hf_tensors, write_workdir
+from mtp.importers import mtp_init_provenance, params_from_hf_tensors, write_workdir
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -190,7 +190,7 @@ def config_from_gguf(meta: dict, tensors: dict, path: str, *, dtype: str, mtp_de
 
 
 def load_gguf(path: str, *, dtype: str = "float32", mtp_depth: int = 0, seed: int = 0,
-              never_emitted=None):
+              never_emitted=None, mtp_init: str = "random", mtp_init_scale: float = 1.0):
   """Reads a GGUF file into (config, model, tokenizer, provenance) without
   writing anything. ``never_emitted``: ids the head never emits (default
   ``mtp.importers.default_never_emitted``). Raises ModelImportError."""
@@ -222,20 +222,24 @@ def load_gguf(path: str, *, dtype: str = "float32", mtp_depth: int = 0, seed: in
       w = unpermute_qk(w, cfg.model.num_kv_heads)
     tensors[hf] = w
     types[type_name] = types.get(type_name, 0) + 1
-  model = params_from_hf_tensors(cfg, tensors, path, seed=seed)
+  model = params_from_hf_tensors(cfg, tensors, path, seed=seed, mtp_init=mtp_init,
+                                 mtp_init_scale=mtp_init_scale)
   provenance = {"format": "gguf", "source": path, "size_bytes": os.path.getsize(path),
                 "tensor_types": types, "general.name": meta.get("general.name"),
                 "general.license": meta.get("general.license"), "dtype": dtype,
-                "mtp_depth": mtp_depth, "mtp_seed": seed if mtp_depth else None}
+                "mtp_depth": mtp_depth, "mtp_seed": seed if mtp_depth else None,
+                **mtp_init_provenance(mtp_depth, mtp_init, mtp_init_scale)}
   return cfg, model, tokenizer, provenance
 
 
 def import_gguf(path: str, workdir: str, *, dtype: str = "float32", mtp_depth: int = 0,
-                seed: int = 0, never_emitted=None) -> str:
+                seed: int = 0, never_emitted=None, mtp_init: str = "random",
+                mtp_init_scale: float = 1.0) -> str:
   """Imports a GGUF file into a new ``workdir`` (``mtp.importers``). Returns
   the absolute workdir. Raises ModelImportError; nothing is written then."""
   from mtp.importers import _check_workdir
   _check_workdir(workdir)                     # fail before the slow part
   cfg, model, tokenizer, provenance = load_gguf(path, dtype=dtype, mtp_depth=mtp_depth,
-                                                seed=seed, never_emitted=never_emitted)
+                                                seed=seed, never_emitted=never_emitted,
+      mtp_init=mtp_init, mtp_init_scale=mtp_init_scale)
   return write_workdir(workdir, cfg, model, tokenizer, provenance)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from mtp.importers import ModelImportError, default_never_emitted, model_config
-from mtp.importers import params_from_hf_tensors, write_workdir
+from mtp.importers import mtp_init_provenance, params_from_hf_tensors, write_workdir
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 MODEL_TYPES = ("llama", "mistral")
@@ -132,7 +132,7 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
 
 
 def load_hf_dir(path: str, *, dtype: str = "float32", mtp_depth: int = 0, seed: int = 0,
-                never_emitted=None):
+                never_emitted=None, mtp_init: str = "random", mtp_init_scale: float = 1.0):
   """Reads a Hugging Face directory into (config, model, tokenizer,
   provenance) without writing anything. Raises ModelImportError."""
   from mtp.bpe import BPETokenizer
@@ -165,18 +165,22 @@ def load_hf_dir(path: str, *, dtype: str = "float32", mtp_depth: int = 0, seed: 
   tensors.pop("model.rotary_emb.inv_freq", None)        # a buffer some old exports carry
   for k in [k for k in tensors if k.endswith(".rotary_emb.inv_freq")]:
     del tensors[k]
-  model = params_from_hf_tensors(cfg, tensors, where, seed=seed)
+  model = params_from_hf_tensors(cfg, tensors, where, seed=seed, mtp_init=mtp_init,
+                                 mtp_init_scale=mtp_init_scale)
   provenance = {"format": "hf", "source": path, "architecture": hf.get("architectures"),
-                "dtype": dtype, "mtp_depth": mtp_depth, "mtp_seed": seed if mtp_depth else None}
+                "dtype": dtype, "mtp_depth": mtp_depth, "mtp_seed": seed if mtp_depth else None,
+                **mtp_init_provenance(mtp_depth, mtp_init, mtp_init_scale)}
   return cfg, model, tokenizer, provenance
 
 
 def import_hf_dir(path: str, workdir: str, *, dtype: str = "float32", mtp_depth: int = 0,
-                  seed: int = 0, never_emitted=None) -> str:
+                  seed: int = 0, never_emitted=None, mtp_init: str = "random",
+                  mtp_init_scale: float = 1.0) -> str:
   """Imports a Hugging Face directory into a new ``workdir``. Returns the
   absolute workdir. Raises ModelImportError; nothing is written then."""
   from mtp.importers import _check_workdir
   _check_workdir(workdir)
   cfg, model, tokenizer, provenance = load_hf_dir(path, dtype=dtype, mtp_depth=mtp_depth,
-                                                  seed=seed, never_emitted=never_emitted)
+                                                  seed=seed, never_emitted=never_emitted,
+      mtp_init=mtp_init, mtp_init_scale=mtp_init_scale)
   return write_workdir(workdir, cfg, model, tokenizer, provenance)

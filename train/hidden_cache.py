@@ -1,0 +1,337 @@
+"""Cached backbone hidden states for the frozen-backbone stage
+(``train.hidden_cache``).
+
+With ``train.freeze_backbone`` the backbone's output h^0 of a training row
+never changes, so the stage runs the backbone once over every row of the
+train split (``mtp.data.epoch_rows``: one pass, packed, file order), stores
+h^0 with the rows, and trains the MTP modules from it
+(``mtp.model.Transformer.forward_from_hidden``: the main head on
+final_norm(h^0) is the distillation teacher, DeepSeek-V3 eq. 21-25 for the
+modules). This is the frozen-target recipe of Medusa-1 (Cai et al. 2024,
+heads over a frozen backbone's last hidden state) and FastMTP (Cai et al.
+2025); a step then costs the modules and the two heads, not the backbone
+(30 blocks of SmolLM2-135M against one module block).
+
+Layout of ``WORKDIR/hidden_cache/`` (written into a temporary sibling and
+renamed, so a cache killed mid-build is never read):
+
+- ``h0.npy``: [N, T, D] h^0 of every row in the model's activation dtype
+  (``model.dtype``: the backbone's output as the uncached step sees it, so
+  cached training is the uncached one up to float rounding of two programs;
+  bfloat16 is stored as its uint16 bit pattern, ``meta.json`` says so).
+  Read as a memmap: a batch copies only its rows. Size N * T * D * itemsize
+  (SmolLM2-135M, fp32: 0.74 MB per 320-token row, 2.3 KB per token).
+- ``rows.npz``: tokens, segment_ids, positions, loss_mask, int32 [N, T].
+- ``meta.json``: the fingerprint (``source``: a checksum of the frozen
+  parameters, ``train.init_from``, the data fields that choose the rows,
+  ``train.seq_len``, the tokenizer, the dtype; ``rows``: N and a CRC-32 of
+  the rows), shape, storage dtype, build seconds and bytes.
+
+A run reuses a cache whose ``source`` equals its own and rebuilds it
+otherwise. Batches come from ``CacheIterator`` (a seeded permutation of the
+rows per epoch); its state (epoch, position, fingerprint) is saved in the
+checkpoint like the grain iterator's, and a resumed run whose cache holds
+other rows than the checkpoint was trained on is refused
+(``HiddenCacheError``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from mtp import checkpoint as ckpt_lib
+
+CACHE_DIR = "hidden_cache"
+META_FILE = "meta.json"
+H0_FILE = "h0.npy"
+ROWS_FILE = "rows.npz"
+ROW_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
+FORMAT = 1
+
+
+class HiddenCacheError(ckpt_lib.CheckpointError):
+  """An unreadable cache, rows that do not fit the run, or a resumed run
+  whose checkpointed position refers to other rows; one line naming the path."""
+
+
+def cache_dir(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), CACHE_DIR)
+
+
+def _digest(obj: Any) -> str:
+  return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def source_fingerprint(cfg, tokenizer, frozen_params) -> dict[str, Any]:
+  """What decides the cached states before the rows are read: a digest of
+  the frozen parameters' CRC-32s (``mtp.checkpoint.array_checksums``; equal
+  for every checkpoint of one frozen stage and for its ``train.init_from``
+  step), ``train.init_from``, the data fields choosing the rows (name, files,
+  text feature, train split), ``train.seq_len``, a digest of the tokenizer
+  and the activation dtype. JSON-native dict."""
+  d = cfg.data
+  tk = tokenizer.to_dict()
+  inner = getattr(tokenizer, "_tok", None)
+  if inner is not None and hasattr(inner, "to_str"):
+    tk = {**tk, "model": hashlib.sha256(inner.to_str().encode()).hexdigest()}
+  return {"backbone": _digest(ckpt_lib.array_checksums(frozen_params)),
+          "init_from": os.path.abspath(cfg.train.init_from) if cfg.train.init_from else "",
+          "data": {"name": d.name, "files": d.files, "text_feature": d.text_feature,
+                   "train_split": d.train_split},
+          "seq_len": cfg.train.seq_len, "tokenizer": _digest(tk), "dtype": cfg.model.dtype}
+
+
+def check_rows(rows: Mapping[str, np.ndarray], seq_len: int, vocab_size: int) -> dict[str, np.ndarray]:
+  """``rows`` (``epoch_rows``: tokens, segment_ids, positions and optional
+  loss_mask, int [N, seq_len]) as contiguous int32 arrays, loss_mask all
+  ones when absent. Raises HiddenCacheError for a missing key, another
+  shape, no rows, or token ids outside [0, vocab_size)."""
+  if "tokens" not in rows:
+    raise HiddenCacheError("epoch_rows returned no 'tokens'")
+  n = np.shape(rows["tokens"])[0]
+  out = {}
+  for k in ROW_KEYS:
+    if k not in rows:
+      if k != "loss_mask":
+        raise HiddenCacheError(f"epoch_rows returned no {k!r} (needs {', '.join(ROW_KEYS[:3])})")
+      out[k] = np.ones((n, seq_len), np.int32)
+      continue
+    v = np.ascontiguousarray(rows[k], np.int32)
+    if v.shape != (n, seq_len):
+      raise HiddenCacheError(f"epoch_rows: {k} has shape {v.shape}, expected ({n}, {seq_len})")
+    out[k] = v
+  if n == 0:
+    raise HiddenCacheError("epoch_rows returned no rows (empty train split)")
+  if out["tokens"].min() < 0 or out["tokens"].max() >= vocab_size:
+    raise HiddenCacheError(f"epoch_rows: token ids outside [0, model.vocab_size={vocab_size})")
+  return out
+
+
+def rows_fingerprint(rows: Mapping[str, np.ndarray]) -> dict[str, int]:
+  """{"num_rows": N, "crc32": CRC-32 over the row arrays (``ROW_KEYS`` order, C order)}."""
+  crc = 0
+  for k in ROW_KEYS:
+    crc = zlib.crc32(np.ascontiguousarray(rows[k], np.int32).tobytes(), crc)
+  return {"num_rows": int(rows["tokens"].shape[0]), "crc32": int(crc)}
+
+
+@dataclasses.dataclass
+class Cache:
+  """A loaded cache: ``rows`` (int32 [N, T] arrays, ``ROW_KEYS``), ``h0``
+  [N, T, D] (a read-only memmap in the activation dtype) and ``meta``."""
+  rows: dict[str, np.ndarray]
+  h0: np.ndarray
+  meta: dict[str, Any]
+
+  @property
+  def fingerprint(self) -> dict[str, Any]:
+    return {"source": self.meta["source"], "rows": self.meta["rows"]}
+
+  @property
+  def num_rows(self) -> int:
+    return int(self.rows["tokens"].shape[0])
+
+
+def _storage(dtype: str) -> tuple[np.dtype, str]:
+  """(numpy dtype on disk, name): bfloat16 as its uint16 bits (numpy's .npy
+  has no bfloat16)."""
+  if dtype == "bfloat16":
+    return np.dtype(np.uint16), "bfloat16-as-uint16"
+  return np.dtype(dtype), dtype
+
+
+def build(workdir: str, rows: Mapping[str, np.ndarray], hidden_fn: Callable[[dict], np.ndarray],
+          *, batch_size: int, d_model: int, dtype: str, source: Mapping[str, Any],
+          log: Callable[[str], None] = print) -> Cache:
+  """Runs ``hidden_fn`` (a jitted backbone: batch dict of int32 [B, T] ->
+  h^0 [B, T, D] in ``dtype``) over every row in batches of ``batch_size``
+  (the last one padded with copies of row 0, one compiled shape) and writes
+  the cache (module docstring), replacing an existing one. Logs the build
+  time (seconds) and size. Returns the loaded cache.
+
+  rows: ``check_rows`` output. Raises HiddenCacheError for an h^0 of another
+  shape."""
+  n, t = rows["tokens"].shape
+  disk, disk_name = _storage(dtype)
+  out = cache_dir(workdir)
+  parent = os.path.dirname(out)
+  tmp = tempfile.mkdtemp(prefix=f".{CACHE_DIR}.build-", dir=parent)
+  start = time.perf_counter()
+  try:
+    h0 = np.lib.format.open_memmap(os.path.join(tmp, H0_FILE), mode="w+", dtype=disk,
+                                   shape=(n, t, d_model))
+    for lo in range(0, n, batch_size):
+      idx = np.arange(lo, lo + batch_size)
+      idx = np.where(idx < n, idx, 0)
+      h = np.asarray(hidden_fn({k: rows[k][idx] for k in ("tokens", "positions", "segment_ids")}))
+      if h.shape != (batch_size, t, d_model):
+        raise HiddenCacheError(f"{out}: the backbone returned h0 of shape {h.shape}, expected "
+                               f"{(batch_size, t, d_model)}")
+      keep = min(batch_size, n - lo)
+      h = h[:keep]
+      h0[lo:lo + keep] = h.view(np.uint16) if dtype == "bfloat16" else h.astype(disk)
+    h0.flush()
+    del h0
+    np.savez(os.path.join(tmp, ROWS_FILE), **{k: rows[k] for k in ROW_KEYS})
+    seconds = time.perf_counter() - start
+    size = sum(os.path.getsize(os.path.join(tmp, f)) for f in (H0_FILE, ROWS_FILE))
+    meta = {"format": FORMAT, "source": dict(source), "rows": rows_fingerprint(rows),
+            "shape": [n, t, d_model], "dtype": dtype, "storage": disk_name,
+            "build_s": round(seconds, 3), "bytes": int(size)}
+    with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
+      json.dump(meta, f, indent=2, sort_keys=True)
+      f.write("\n")
+    if os.path.lexists(out):
+      shutil.rmtree(out)
+    os.rename(tmp, out)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  log(f"hidden cache: built {out} in {seconds:.1f} s: {n} rows x {t} tokens, h0 {dtype} "
+      f"[{n}, {t}, {d_model}], {size / 2**20:.1f} MiB ({size / max(n * t, 1):.0f} bytes/token)")
+  return load(workdir)
+
+
+def load(workdir: str) -> Cache | None:
+  """The cache of ``workdir``; None when there is none. Raises
+  HiddenCacheError for an unreadable or inconsistent one."""
+  folder = cache_dir(workdir)
+  meta_path = os.path.join(folder, META_FILE)
+  if not os.path.isfile(meta_path):
+    return None
+  try:
+    with open(meta_path, encoding="utf-8") as f:
+      meta = json.load(f)
+    disk, _ = _storage(meta["dtype"])
+    h0 = np.load(os.path.join(folder, H0_FILE), mmap_mode="r")
+    with np.load(os.path.join(folder, ROWS_FILE)) as z:
+      rows = {k: np.asarray(z[k], np.int32) for k in ROW_KEYS}
+  except (OSError, ValueError, KeyError) as e:
+    raise HiddenCacheError(f"{folder}: unreadable hidden cache ({type(e).__name__}: {e}); delete "
+                           "the folder to rebuild it") from e
+  if meta.get("format") != FORMAT or list(h0.shape) != meta["shape"] or h0.dtype != disk:
+    raise HiddenCacheError(f"{folder}: h0.npy {h0.shape} {h0.dtype} does not match meta.json "
+                           f"{meta.get('shape')} {meta.get('storage')}; delete the folder to rebuild it")
+  if rows_fingerprint(rows) != meta["rows"]:
+    raise HiddenCacheError(f"{folder}: rows.npz does not match its checksum in meta.json; delete "
+                           "the folder to rebuild it")
+  if meta["dtype"] == "bfloat16":
+    import ml_dtypes
+    h0 = h0.view(ml_dtypes.bfloat16)
+  return Cache(rows, h0, meta)
+
+
+def prepare(workdir: str, source: Mapping[str, Any], rows_fn: Callable[[], Mapping[str, np.ndarray]],
+            hidden_fn: Callable[[dict], np.ndarray], *, batch_size: int, d_model: int, dtype: str,
+            vocab_size: int, log: Callable[[str], None] = print) -> Cache:
+  """The run's cache: the existing one when its ``source`` fingerprint
+  equals ``source``, else one built from ``rows_fn()`` (``epoch_rows``)
+  with ``build`` (the reason logged). Raises HiddenCacheError (and whatever
+  ``rows_fn`` raises: DataError)."""
+  cache = load(workdir)
+  if cache is not None and cache.meta["source"] == dict(source):
+    log(f"hidden cache: reusing {cache_dir(workdir)} ({cache.num_rows} rows, "
+        f"{cache.meta['bytes'] / 2**20:.1f} MiB, built in {cache.meta['build_s']:.1f} s)")
+    return cache
+  if cache is not None:
+    changed = sorted(k for k in set(source) | set(cache.meta["source"])
+                     if source.get(k) != cache.meta["source"].get(k))
+    log(f"hidden cache: {cache_dir(workdir)} was built for another {', '.join(changed)}; rebuilding")
+  rows = check_rows(rows_fn(), source["seq_len"], vocab_size)
+  return build(workdir, rows, hidden_fn, batch_size=batch_size, d_model=d_model, dtype=dtype,
+               source=source, log=log)
+
+
+class CacheIterator:
+  """Training batches drawn from a ``Cache``: epoch e visits the rows in the
+  order ``np.random.default_rng([seed, e]).permutation(N)``, ``N //
+  batch_size`` batches per epoch (the last N % batch_size rows of each
+  permutation are skipped; another order next epoch), forever.
+
+  ``next(it)``: this process's rows of the global batch (rows
+  [process_index * b, (process_index + 1) * b) of it, b = batch_size //
+  process_count) as ``dict(tokens, segment_ids, positions, loss_mask)``
+  int32 [b, T] and ``h0`` [b, T, D] (activation dtype).
+
+  State (``get_state`` / ``set_state``, bytes of a JSON object {"epoch",
+  "position", "fingerprint"}) goes into the checkpoint through grain's
+  checkpoint handler like the grain iterator's. ``set_state`` may come
+  before ``attach`` (a resumed run restores the checkpoint before it has
+  the backbone to check the cache against); ``attach`` then refuses a cache
+  whose fingerprint differs from the state's.
+
+  Raises HiddenCacheError: fewer rows than batch_size, a fingerprint
+  mismatch, ``next`` before ``attach``.
+  """
+
+  def __init__(self, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1):
+    self.batch_size, self.seed = int(batch_size), int(seed)
+    self.process_index, self.process_count = process_index, process_count
+    self.epoch, self.position = 0, 0
+    self._cache: Cache | None = None
+    self._order: np.ndarray | None = None
+    self._pending_fingerprint = None
+
+  def attach(self, cache: Cache) -> "CacheIterator":
+    if cache.num_rows < self.batch_size:
+      raise HiddenCacheError(f"the hidden cache holds {cache.num_rows} rows, fewer than "
+                             f"train.batch_size={self.batch_size}: more data or a smaller batch")
+    if self._pending_fingerprint is not None and self._pending_fingerprint != cache.fingerprint:
+      raise HiddenCacheError(
+          "the checkpoint's data position refers to a hidden cache with another fingerprint "
+          f"(checkpoint {self._pending_fingerprint} != cache {cache.fingerprint}): the resumed "
+          "run would not see the same batches; resume with the original backbone, data and "
+          "train.seq_len, or start a new workdir")
+    self._cache, self._order = cache, None
+    return self
+
+  def _epoch_order(self) -> np.ndarray:
+    if self._order is None:
+      self._order = np.random.default_rng([self.seed, self.epoch]).permutation(self._cache.num_rows)
+    return self._order
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    if self._cache is None:
+      raise HiddenCacheError("CacheIterator: next() before attach(cache)")
+    b = self.batch_size
+    if (self.position + 1) * b > self._cache.num_rows:
+      self.epoch, self.position, self._order = self.epoch + 1, 0, None
+    rows = self._epoch_order()[self.position * b:(self.position + 1) * b]
+    per = b // self.process_count
+    rows = rows[self.process_index * per:(self.process_index + 1) * per]
+    self.position += 1
+    batch = {k: self._cache.rows[k][rows] for k in ROW_KEYS}
+    ascending = np.argsort(rows)             # read the memmap in file order, then reorder
+    h0 = np.empty((len(rows),) + self._cache.h0.shape[1:], self._cache.h0.dtype)
+    h0[ascending] = self._cache.h0[rows[ascending]]
+    batch["h0"] = h0
+    return batch
+
+  def get_state(self) -> bytes:
+    fp = self._cache.fingerprint if self._cache is not None else self._pending_fingerprint
+    return json.dumps({"epoch": self.epoch, "position": self.position, "fingerprint": fp},
+                      sort_keys=True).encode()
+
+  def set_state(self, state: bytes) -> None:
+    s = json.loads(state.decode() if isinstance(state, bytes) else state)
+    self.epoch, self.position, self._order = int(s["epoch"]), int(s["position"]), None
+    self._pending_fingerprint = s.get("fingerprint")
+    if self._cache is not None:
+      self.attach(self._cache)
+
+  def start_prefetch(self) -> None:
+    """Called by grain's checkpoint handler after a restore; nothing to prefetch."""
