@@ -32,7 +32,7 @@ from mtp import checkpoint as ckpt_lib
 from mtp import data as data_lib
 from mtp import sharding as shard_lib
 from mtp.config import Config, MTPConfig, TrainConfig
-from mtp.model import build_model, count_params
+from mtp.model import DraftVocab, build_model, count_params
 from train import losses
 from train import workdir as workdir_lib
 
@@ -110,10 +110,14 @@ MTP_PARAMS = nnx.PathContains("mtp")
 def split_trainable(cfg: Config, params):
   """(trainable, frozen) nnx States of a full parameter State: with
   ``train.freeze_backbone`` the MTP modules' parameters and the rest;
-  otherwise (params, None)."""
+  otherwise (params, None), or (all but the draft vocabulary, the draft
+  vocabulary) when the model has one (``mtp.model.DraftVocab``: ids, no
+  gradient)."""
   if not cfg.train.freeze_backbone:
+    if cfg.mtp.draft_vocab_size:     # issue 22 item 3: the draft vocabulary's ids are never trained
+      return nnx.split_state(params, nnx.Not(DraftVocab), ...)
     return params, None
-  return nnx.split_state(params, MTP_PARAMS, ...)
+  return nnx.split_state(params, MTP_PARAMS, ...)    # (DraftVocab is not under mtp/: frozen)
 
 
 @dataclasses.dataclass
