@@ -164,10 +164,16 @@ def _from_hf(w: np.ndarray, transform: str) -> np.ndarray:
 def check_exportable(cfg: Config) -> None:
   """Raises ExportError naming the first ``model.*`` field that config.json
   cannot express (any field this exporter does not know). Every current
-  ModelConfig setting maps onto LlamaConfig (docs/export.md)."""
+  ModelConfig setting maps onto LlamaConfig (docs/export.md). A reduced
+  draft vocabulary (``mtp.draft_vocab_size`` > 0) is refused too."""
   if cfg.model.tokenizer != "byte":   # TODO(issue 21): export the workdir's BPE tokenizer
     raise ExportError(f"model.tokenizer={cfg.model.tokenizer!r}: mtp.export writes only the byte "
                       "tokenizer's files so far")
+  if cfg.mtp.draft_vocab_size:
+    raise ExportError(f"mtp.draft_vocab_size={cfg.mtp.draft_vocab_size}: the model's MTP heads "
+                      "draft from a reduced vocabulary (mtp.model.DraftVocab), which the Hugging "
+                      "Face layout (LlamaForCausalLM + DeepSeek-V3 MTP layers) cannot express; "
+                      "decode from the workdir instead")
   for f in dataclasses.fields(cfg.model):
     if f.name not in _EXPORTABLE_MODEL_FIELDS:
       raise ExportError(f"model.{f.name}={getattr(cfg.model, f.name)!r} has no LlamaForCausalLM "
