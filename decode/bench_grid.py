@@ -49,6 +49,50 @@ class DecodeBench:
   cache_len: int
 
 
+def bench_cells(workdir: str, depth: int, has_draft: bool, *, gs_given: list | None,
+                trees_text: str | None, ar_only: bool, quick: bool) -> tuple[list, list[tuple]]:
+  """The draft lengths and trees of scripts/bench_decode.py from its flags:
+  (gs, trees). ``gs_given``: ``--num_draft_tokens`` parsed (ints and/or
+  "auto"), None when not given (default: G = 1..D+2 and "auto" with MTP
+  modules, 1..D+2 with a draft model alone; ``quick``: only the first);
+  ``trees_text``: ``--trees`` (semicolon list) or None; ``ar_only``: no
+  drafter rows at all; ``workdir`` names the target in the messages.
+
+  Raises ValueError (the CLI's message): no drafter (D = 0 and no draft
+  model) without ``ar_only``, trees or "auto" with D = 0, a bad or empty
+  tree list.
+  """
+  from decode import tree as tree_lib
+  if not depth and not has_draft and not ar_only:
+    raise ValueError(f"--workdir={workdir} holds a model with MTP depth D = 0 and no "
+                     "--draft_workdir was given: there is no drafter to compare with AR (give "
+                     "--draft_workdir DIR, or --ar_only to time AR alone)")
+  trees = []
+  for text in ([] if ar_only or trees_text is None else trees_text.split(";")):
+    if not depth:
+      raise ValueError(f"--trees needs a checkpoint with MTP depth D >= 1 (--workdir={workdir} "
+                       "has D = 0)")
+    try:
+      trees.append(tree_lib.parse_tree(text.strip(), depth).branching)
+    except ValueError as e:
+      raise ValueError(str(e).replace("--tree=", "--trees: tree ")) from e
+  if trees_text is not None and not trees and not ar_only:
+    raise ValueError(f"--trees={trees_text!r}: give at least one tree, e.g. \"3,2,1;2,2,1\"")
+  if ar_only:
+    gs = []
+  elif gs_given is not None:
+    gs = list(gs_given)
+  elif depth or has_draft:
+    gs = list(range(1, depth + 3)) + (["auto"] if depth else [])
+  else:
+    gs = []
+  if quick and gs_given is None:
+    gs = gs[:1]
+  if "auto" in gs and not depth:
+    raise ValueError("--num_draft_tokens=auto drafts with the MTP modules: --workdir has D = 0")
+  return gs, trees
+
+
 def decoders_for(s: DecodeBench) -> dict[str, Decoder]:
   """{label: Decoder}: "ar", "mtp_G<g>" / "mtp_auto" (D >= 1), "mtp_tree<b1-b2-..>",
   "draft_G<g>" (with a draft model; no auto)."""

@@ -8,14 +8,20 @@ comparisons and notices to ``err`` (stderr), and returns the report dict that
 "stats": {...},
 "ar_stats": {...}, "speedup": float, "speedup_per_repeat": [...],
 "wall_times_s": {"ar": [...], METHOD: [...]}}`` (the last four with
-``compare``).
+``compare``). With prompts that carry a ``category`` (a JSONL
+``--prompt_file``) every result records its ``"category"`` and the report
+has ``"per_category": {CATEGORY: {"rows", "num_tokens", "target_calls",
+"mean_accepted_length", "acceptance_rate_per_position",
+"accepted_length_histogram", "speedup" (with compare)}}``.
 """
 
 from __future__ import annotations
 
 import codecs
+import io
 import sys
-from collections.abc import Sequence
+import types
+from collections.abc import Mapping, Sequence
 from typing import TextIO
 
 import jax
@@ -56,6 +62,34 @@ def read_prompt_file(path: str) -> list[str]:
   if not prompts:
     raise DecodeError(f"--prompt_file={path!r} is empty: give one prompt per line")
   return prompts
+
+
+def read_prompts(path: str) -> list[str] | list[dict]:
+  """``--prompt_file``: a ``.jsonl`` file is read as chat prompts
+  (``read_prompt_jsonl_file``), any other file as one prompt per line
+  (``read_prompt_file``). Raises DecodeError."""
+  return read_prompt_jsonl_file(path) if path.endswith(".jsonl") else read_prompt_file(path)
+
+
+def read_prompt_jsonl_file(path: str) -> list[dict]:
+  """A JSONL prompt file: one JSON object per line, ``{"prompt": str,
+  "category": str (optional), "system": str (optional)}`` (blank lines
+  skipped), e.g. the held-out set ``mtp/data/heldout_chat.jsonl``. With a
+  model whose tokenizer has a chat template each object is a chat (an
+  optional system message, the prompt as the user message, the generation
+  prompt appended); without one the prompt is raw text. Results and
+  statistics are then also reported per ``category``.
+
+  Raises DecodeError, one line naming the file and the line: invalid UTF-8
+  or JSON, not an object, a missing or empty ``prompt``, a value that is not
+  a string, an unknown field, or no prompt at all.
+  """
+  from mtp.data.chat import read_prompt_jsonl
+  from mtp.data.corpora import DataError
+  try:
+    return read_prompt_jsonl(path, what="--prompt_file")
+  except DataError as e:
+    raise DecodeError(str(e)) from None
 
 
 def parse_num_draft_tokens(text) -> int | str:
@@ -154,7 +188,8 @@ def check_run_args(*, max_new_tokens, num_samples, seed, repeats, max_draft_toke
     sampling.validate()
 
 
-def encode_prompts(prompts: Sequence[str], tokenizer=None, chat: bool = False) -> list[np.ndarray]:
+def encode_prompts(prompts: Sequence[str], tokenizer=None, chat: bool = False,
+                   systems: Sequence[str | None] | None = None) -> list[np.ndarray]:
   """Token ids per prompt with ``tokenizer`` (default the byte tokenizer):
   raw text (BOS first where the tokenizer adds one: always for the byte
   tokenizer), or with ``chat`` one user message rendered with the
@@ -162,8 +197,12 @@ def encode_prompts(prompts: Sequence[str], tokenizer=None, chat: bool = False) -
   encoded as text: a prompt that spells a special token (``<|im_start|>``)
   never becomes the control token; only the template emits those.
 
+  ``systems``: per prompt an optional system message (placed before the
+  user message; needs ``chat``).
+
   Raises DecodeError for an empty prompt, text that is not valid UTF-8
-  (``check_prompt_text``) or ``chat`` with a tokenizer that has no template.
+  (``check_prompt_text``), ``chat`` with a tokenizer that has no template,
+  or a system message without ``chat``.
   """
   check_prompt_text(prompts, "--chat" if chat else "--prompt")
   tk = tokenizer or tok.ByteTokenizer()
@@ -174,8 +213,14 @@ def encode_prompts(prompts: Sequence[str], tokenizer=None, chat: bool = False) -
   for i, p in enumerate(prompts):
     if not p:
       raise DecodeError(f"--prompt (prompt {i}) is empty: give at least one character")
+    system = systems[i] if systems is not None else None
+    if system and not chat:
+      raise DecodeError(f"prompt {i} has a system message, which needs the chat template; this "
+                        "model's tokenizer has none")
     if chat:
-      ids = tk.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+      msgs = ([{"role": "system", "content": system}] if system else []) + [
+          {"role": "user", "content": p}]
+      ids = tk.apply_chat_template(msgs, add_generation_prompt=True)
     elif tk.kind == "byte":
       ids = tk.encode(p, add_bos=True)
     else:
@@ -216,7 +261,8 @@ def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
 def decode_texts(decoder: Decoder, prompts: Sequence[str], *, max_new_tokens: int,
                  sampling: SamplingParams, num_samples: int = 1, seed: int = 0,
                  warmup: bool = True, out: TextIO | None = None,
-                 stops: StopConditions | None = None, chat: bool = False):
+                 stops: StopConditions | None = None, chat: bool = False,
+                 systems: Sequence[str | None] | None = None):
   """Decodes every prompt ``num_samples`` times in one batch (stream form).
 
   With one prompt and one sample, text is streamed to ``out`` as it is
@@ -227,7 +273,7 @@ def decode_texts(decoder: Decoder, prompts: Sequence[str], *, max_new_tokens: in
   """
   if not (isinstance(num_samples, int) and num_samples >= 1):
     raise DecodeError(f"--num_samples={num_samples!r} must be an integer >= 1")
-  encoded = [p for p in encode_prompts(prompts, decoder.tokenizer, chat)
+  encoded = [p for p in encode_prompts(prompts, decoder.tokenizer, chat, systems)
              for _ in range(num_samples)]
   if warmup:
     decoder.stream(encoded, max_new_tokens, sampling, seed, stops=stops)
@@ -251,7 +297,7 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
         sampling: SamplingParams = SamplingParams(), num_samples: int = 1, seed: int = 0,
         compare: bool = False, repeats: int = 3, out: TextIO | None = None,
         err: TextIO | None = None, tree=None, stops: StopConditions | None = None,
-        chat: bool = False) -> dict:
+        chat: bool | None = False) -> dict:
   """Everything ``python -m decode`` does; returns the JSON report.
 
   Generated text goes to ``out`` (default stdout): with one prompt and one
@@ -274,7 +320,16 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   ``stops``: stop token ids and stop strings (``decode.stops``); each
   result records its ``finish_reason`` ("eos", "stop" or "length").
   ``chat``: every prompt is one user message rendered with the model's chat
-  template (its end-of-turn token ends the reply); else raw text.
+  template (its end-of-turn token ends the reply); else raw text; None:
+  chat iff the model's tokenizer has a chat template (JSONL prompt files).
+
+  ``prompts``: strings, or dicts ``{"prompt", "category"?, "system"?}`` (a
+  JSONL prompt file, ``read_prompt_jsonl_file``): each result then records
+  its ``category`` and the report gains ``per_category`` (per category:
+  rows, num_tokens, target_calls, tau, alpha_k, the accepted-length
+  histogram; with ``compare`` also the category's speedup, from its own
+  interleaved AR / method runs of that category's prompts as one batch),
+  also printed as a table (``decode.stats.format_by_category``).
 
   Raises DecodeError / CheckpointError for bad arguments or checkpoints
   (every numeric setting and the prompt text are checked before anything
@@ -282,6 +337,12 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   """
   out = out or sys.stdout
   err = err or sys.stderr
+  items = [dict(p) if isinstance(p, Mapping) else {"prompt": p} for p in prompts]
+  prompts = [it["prompt"] for it in items]
+  systems = [it.get("system") for it in items]
+  systems = systems if any(systems) else None
+  categories = ([it.get("category") for it in items] if any("category" in it for it in items)
+                else None)
   check_run_args(max_new_tokens=max_new_tokens, num_samples=num_samples, seed=seed,
                  repeats=repeats, max_draft_tokens=max_draft_tokens, sampling=sampling)
   check_prompt_text(prompts)
@@ -301,11 +362,15 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
               "decays there)\n")
   if stops is not None:
     stops.validate(decoder.target_cfg.vocab_size)
+  if chat is None:
+    chat = bool(decoder.tokenizer.chat_template)
   gen = decode_texts(decoder, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                     num_samples=num_samples, seed=seed, out=out, stops=stops, chat=chat)
+                     num_samples=num_samples, seed=seed, out=out, stops=stops, chat=chat,
+                     systems=systems)
   results = []
   for r, ids in enumerate(gen.tokens):
     results.append({"prompt_index": r // num_samples, "prompt": prompts[r // num_samples],
+                    **({"category": categories[r // num_samples]} if categories else {}),
                     "sample": r % num_samples, "tokens": [int(t) for t in ids],
                     "text": gen.texts[r].decode("utf-8", errors="replace"),
                     "finish_reason": gen.finish_reasons[r], "stats": stats_lib.summarize(gen, [r])})
@@ -332,18 +397,39 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
     report.update(_compare_with_ar(decoder, gen, prompts, method=method, repeats=repeats,
                                    max_new_tokens=max_new_tokens, sampling=sampling,
                                    num_samples=num_samples, seed=seed, err=err, stops=stops,
-                                   chat=chat))
+                                   chat=chat, systems=systems))
+  if categories:
+    row_cats = [categories[r // num_samples] for r in range(len(gen.tokens))]
+    speedups = None
+    if compare and method != "ar":
+      speedups = {}
+      ar = Decoder(decoder.models()[0], "ar", tokenizer=decoder.tokenizer)
+      for cat, idx in stats_lib.group_rows(categories).items():
+        sub = types.SimpleNamespace(tokens=[gen.tokens[i * num_samples + s] for i in idx
+                                            for s in range(num_samples)])
+        res = _compare_with_ar(decoder, sub, [prompts[i] for i in idx], method=method,
+                               repeats=repeats, max_new_tokens=max_new_tokens, sampling=sampling,
+                               num_samples=num_samples, seed=seed, err=io.StringIO(), stops=stops,
+                               chat=chat, systems=None if systems is None else
+                               [systems[i] for i in idx], ar=ar)
+        speedups[cat] = res["speedup"]
+    report["per_category"] = stats_lib.summarize_by_category(gen, row_cats, speedups)
+    err.write(stats_lib.format_by_category(report["per_category"]) + "\n")
   return report
 
 
 def _compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: str, repeats: int,
                      max_new_tokens: int, sampling: SamplingParams, num_samples: int, seed: int,
-                     err: TextIO, stops: StopConditions | None = None, chat: bool = False) -> dict:
+                     err: TextIO, stops: StopConditions | None = None, chat: bool = False,
+                     systems: Sequence[str | None] | None = None,
+                     ar: Decoder | None = None) -> dict:
   """``repeats`` interleaved AR / ``decoder`` runs (see ``run``); returns the
-  report keys ar_stats, speedup, speedup_per_repeat, repeats, wall_times_s."""
-  ar = Decoder(decoder.models()[0], "ar", tokenizer=decoder.tokenizer)
+  report keys ar_stats, speedup, speedup_per_repeat, repeats, wall_times_s.
+  ``ar``: the AR decoder to time (default a new one; passing one reuses its
+  compilations)."""
+  ar = ar or Decoder(decoder.models()[0], "ar", tokenizer=decoder.tokenizer)
   kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples, seed=seed,
-            stops=stops, chat=chat)
+            stops=stops, chat=chat, systems=systems)
   ar_gen = decode_texts(ar, prompts, warmup=True, **kw)       # compiles AR; not timed below
   times = {"ar": [], method: []}
 

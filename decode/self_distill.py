@@ -37,6 +37,39 @@ TFDS metadata (``metadata.json``).
 This module does the generation only; the prompts are cut by
 ``mtp.data.training_prompts`` and the dataset is written by
 ``mtp.data.write_dataset`` (``mtp/data/corpora.py``).
+
+Chat mode (``--chat_prompts N``, an instruct target with a chat template,
+e.g. an imported SmolLM2 workdir):
+
+    python -m decode.self_distill --workdir runs/smollm --out_name smollm_chat \
+        --chat_prompts 2048 --temperatures 0,1 [--val_prompts 128] [--method ar] \
+        [--batch_size 32] [--max_new_tokens 256] [--max_context_chars 1200]
+
+builds N training chat prompts from the embedded corpora
+(``mtp.data.chat_prompts``, split ``train``; categories code, explain, qa,
+summarise, rewrite, docstring, tests), renders each with the workdir
+tokenizer's chat template (generation prompt appended), and samples the
+model's answer with ``decode.speculative.Decoder`` (the tokenizer's stop
+ids, the end-of-turn token among them, end a row). Prompt i is sampled at
+``temperatures[i % len(temperatures)]``. The dataset holds TOKEN IDS, not
+text (``mtp.data.write_token_dataset``): per example ``tokens`` int32 [n] =
+the prompt's ids followed by the answer's ids, exactly what the model saw
+and emitted, and ``loss_mask`` int32 [n] = 0 on the prompt (template
+included) and 1 on the answer (its final end-of-turn token included when
+emitted), plus ``category`` and ``name`` (``"IIIIIII:CATEGORY:T<temp>"``, I
+the prompt index). Split ``validation`` holds answers to ``--val_prompts``
+prompts built the same way from the corpora's *validation* documents (not
+the held-out evaluation set, ``mtp/data/heldout_chat.jsonl``). Prompts
+longer than ``max_seq_len - max_new_tokens`` tokens are skipped (counted
+in the metadata). The metadata records the workdir, recipe, seed, counts,
+wall time and peak memory. An interrupted run resumes: every finished batch
+is kept in ``OUT_DIR/.OUT_NAME.partial/`` and re-running with the same
+arguments decodes only the rest (the same results: batches and seeds are
+deterministic); the folder is removed once the dataset is written.
+Re-running with the same arguments when the dataset exists does nothing (it
+says so); other arguments with an existing name (or partial run) are refused.
+The data pipeline packs such a dataset as is and carries ``loss_mask``
+(``mtp.data.pipeline``; read it with the model's tokenizer).
 """
 
 from __future__ import annotations
@@ -44,7 +77,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import os
+import resource
+import shutil
 import sys
 import time
 
@@ -178,6 +214,271 @@ def make_dataset(workdir: str, out_name: str, recipe: Recipe, *, data_dir: str =
   return {**meta, "path": path, "data_dir": out_dir}
 
 
+@dataclasses.dataclass(frozen=True)
+class ChatRecipe:
+  """How a self-distilled chat token dataset is made (recorded in its metadata).
+
+  chat_prompts >= 1 training prompts; val_prompts >= 0 validation prompts;
+  temperatures: non-empty tuple of temperatures >= 0 (prompt i uses
+  ``temperatures[i % len]``); top_k >= 0, top_p in (0, 1]; max_new_tokens
+  >= 1; method "ar" or "mtp"; num_draft_tokens >= 0 (0 = D); batch_size >= 1;
+  seed >= 0; max_context_chars >= 200 (``mtp.data.chat_prompts``);
+  categories: a non-empty subset of ``mtp.data.CHAT_CATEGORIES``.
+  """
+  chat_prompts: int = 512
+  val_prompts: int = 32
+  temperatures: tuple[float, ...] = (0.0, 1.0)
+  top_k: int = 0
+  top_p: float = 1.0
+  max_new_tokens: int = 256
+  method: str = "ar"
+  num_draft_tokens: int = 0
+  batch_size: int = 32
+  seed: int = 0
+  max_context_chars: int = data_lib.chat.MAX_CONTEXT_CHARS
+  categories: tuple[str, ...] = data_lib.CHAT_CATEGORIES
+
+  def validate(self) -> "ChatRecipe":
+    """Returns self or raises DecodeError naming the flag and its range."""
+    for name, lo in (("chat_prompts", 1), ("val_prompts", 0), ("max_new_tokens", 1),
+                     ("batch_size", 1), ("seed", 0), ("num_draft_tokens", 0),
+                     ("max_context_chars", 200)):
+      v = getattr(self, name)
+      if not (isinstance(v, int) and not isinstance(v, bool) and v >= lo):
+        raise DecodeError(f"--{name}={v!r} must be an integer >= {lo}")
+    if self.method not in ("ar", "mtp"):
+      raise DecodeError(f"--method={self.method!r} must be 'ar' or 'mtp' (the model samples itself)")
+    if not self.temperatures:
+      raise DecodeError("--temperatures must list at least one temperature >= 0")
+    for t in self.temperatures:
+      SamplingParams(t, self.top_k, self.top_p).validate()
+    bad = [c for c in self.categories if c not in data_lib.CHAT_CATEGORIES]
+    if not self.categories or bad:
+      raise DecodeError(f"--categories={','.join(self.categories)!r}: each must be one of "
+                        f"{','.join(data_lib.CHAT_CATEGORIES)}")
+    return self
+
+
+def parse_temperatures(text: str) -> tuple[float, ...]:
+  """``--temperatures`` "0,1" -> (0.0, 1.0). Raises DecodeError for an entry
+  that is not a number >= 0 or an empty list."""
+  out = []
+  for part in str(text).split(","):
+    try:
+      t = float(part.strip())
+    except ValueError:
+      raise DecodeError(f"--temperatures={text!r}: {part.strip()!r} is not a number "
+                        "(give comma-separated temperatures >= 0, e.g. 0,1)") from None
+    if not t >= 0:
+      raise DecodeError(f"--temperatures={text!r}: {t} must be >= 0")
+    out.append(t)
+  if not out:
+    raise DecodeError("--temperatures must list at least one temperature >= 0")
+  return tuple(out)
+
+
+def answer_examples(decoder: Decoder, prompts: list[dict], recipe: ChatRecipe, *,
+                    max_prompt_tokens: int, seed_offset: int = 0, log=None,
+                    cache_dir: str | None = None, cache_tag: str = "train"
+                    ) -> tuple[list[tuple[str, dict]], dict]:
+  """Samples the model's answer to each chat prompt (``{"category",
+  "messages"}``) and returns token examples and counts.
+
+  Prompt i is rendered with ``decoder.tokenizer.apply_chat_template(messages,
+  add_generation_prompt=True)`` (ids ``p`` int32 [P]) and answered at
+  ``recipe.temperatures[i % len]``; rows of one temperature are decoded in
+  batches of ``recipe.batch_size`` (sorted by prompt length; the last batch
+  filled with copies whose answers are dropped, so every call has the same
+  batch size). Prompts with P > ``max_prompt_tokens`` are skipped.
+  ``cache_dir``: each finished batch's answers are saved there
+  (``{cache_tag}-{temperature index}-{first row}.npz``) and a batch whose
+  file exists is loaded instead of decoded, so an interrupted run resumes
+  where it stopped with the same results (batches and seeds are
+  deterministic for a recipe).
+
+  Returns:
+    (examples, stats): examples ``[(key, {"tokens": int32 [P + A],
+    "loss_mask": int32 [P + A], "category": str})]`` in prompt order, key
+    ``"IIIIIII:CATEGORY:T<temperature>"``, tokens = p + the A answer ids as
+    emitted (a final stop id included), loss_mask = P zeros then A ones;
+    stats: prompts, skipped_too_long, prompt_tokens, answer_tokens,
+    stopped_fraction (rows that emitted a stop id), tau, wall_s.
+  """
+  tk = decoder.tokenizer
+  encoded = [np.asarray(tk.apply_chat_template(p["messages"], add_generation_prompt=True),
+                        np.int32) for p in prompts]
+  keep = [i for i, e in enumerate(encoded) if len(e) <= max_prompt_tokens]
+  temps = recipe.temperatures
+  results: dict[int, np.ndarray] = {}
+  calls = n_stop = resumed = 0
+  t0 = time.perf_counter()
+  for ti, temp in enumerate(temps):
+    rows = sorted((i for i in keep if i % len(temps) == ti), key=lambda i: (len(encoded[i]), i))
+    sp = SamplingParams(temp, recipe.top_k, recipe.top_p)
+    for start in range(0, len(rows), recipe.batch_size):
+      chunk = rows[start:start + recipe.batch_size]
+      cached = (os.path.join(cache_dir, f"{cache_tag}-{ti}-{start:07d}.npz") if cache_dir
+                else None)
+      if cached and os.path.exists(cached):
+        with np.load(cached) as f:
+          answers = [f[f"a{j}"] for j in range(len(chunk))]
+          row_calls = f["calls"]
+        resumed += 1
+      else:
+        batch = [encoded[i] for i in chunk]
+        if len(rows) > recipe.batch_size:          # one batch shape: no recompilation
+          batch += [batch[0]] * (recipe.batch_size - len(batch))
+        gen = decoder.generate(batch, recipe.max_new_tokens, sp,
+                               seed=(recipe.seed * 1_000_003 + seed_offset + start) * 31 + ti)
+        answers = [np.asarray(gen.tokens[j], np.int32) for j in range(len(chunk))]
+        row_calls = np.asarray(gen.target_calls[:len(chunk)], np.int64)
+        if cached:
+          tmp = cached + ".tmp.npz"
+          np.savez(tmp, calls=row_calls, **{f"a{j}": a for j, a in enumerate(answers)})
+          os.replace(tmp, cached)
+      for j, i in enumerate(chunk):
+        ids = answers[j]
+        results[i] = ids
+        calls += int(row_calls[j])
+        n_stop += bool(ids.size and int(ids[-1]) in decoder.eos_ids)
+      if log is not None:
+        log(f"answered {len(results)}/{len(keep)} prompts (T={temp:g}, "
+            f"{sum(len(r) for r in results.values()):,} answer tokens, "
+            f"{time.perf_counter() - t0:.0f} s)")
+  wall = time.perf_counter() - t0
+  examples = []
+  for i in keep:
+    p, a = encoded[i], results[i]
+    t = temps[i % len(temps)]
+    examples.append((f"{i:07d}:{prompts[i]['category']}:T{t:g}", {
+        "tokens": np.concatenate([p, a]).astype(np.int32),
+        "loss_mask": np.concatenate([np.zeros(len(p), np.int32), np.ones(len(a), np.int32)]),
+        "category": prompts[i]["category"]}))
+  answer_tokens = sum(len(r) for r in results.values())
+  stats = {"prompts": len(keep), "skipped_too_long": len(prompts) - len(keep),
+           "prompt_tokens": int(sum(len(encoded[i]) for i in keep)),
+           "answer_tokens": int(answer_tokens), "stopped_fraction": n_stop / max(len(keep), 1),
+           "tau": answer_tokens / max(calls, 1), "wall_s": wall, "batches_resumed": resumed}
+  return examples, stats
+
+
+def _existing_recipe(path: str) -> dict | None:
+  try:
+    with open(os.path.join(path, data_lib.SELF_DISTILLED_VERSION, "metadata.json")) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def make_chat_dataset(workdir: str, out_name: str, recipe: ChatRecipe, *, data_dir: str = "",
+                      out_dir: str = "", log=print) -> dict:
+  """Generates and writes a self-distilled chat token dataset (chat mode in
+  the module docstring).
+
+  Args:
+    workdir: model directory with a chat-template tokenizer (e.g. an import).
+    out_name: new TFDS dataset name (snake_case).
+    recipe: prompt counts, sampling and batching settings.
+    data_dir: TFDS data dir where the embedded corpora are built / read
+      ("" = the workdir config's data.data_dir, else $MTP_DATA_DIR, else
+      ~/.cache/mtp/tensorflow_datasets).
+    out_dir: TFDS data dir to write into ("" = ``data_dir``).
+  Returns:
+    the metadata (recipe, per-split stats, paths); ``skipped: True`` when the
+    dataset already existed with the same workdir and recipe (nothing done).
+  Raises:
+    CheckpointError, DataError (bad or existing name with another recipe),
+    DecodeError (bad recipe, a tokenizer without a chat template, D = 0 with
+    method mtp).
+  """
+  recipe.validate()
+  cfg, _ = loading.load_config(workdir)
+  src_dir = data_lib.resolve_data_dir(DataConfig(data_dir=data_dir or cfg.data.data_dir))
+  out_dir = os.path.abspath(out_dir) if out_dir else src_dir
+  recipe_json = json.loads(json.dumps(dataclasses.asdict(recipe)))
+  folder = os.path.join(out_dir, out_name)
+  if os.path.exists(folder):
+    old = _existing_recipe(folder)
+    if (old is not None and old.get("recipe") == recipe_json
+        and old.get("workdir") == os.path.abspath(workdir)):
+      if log is not None:
+        log(f"dataset '{out_name}' already exists in {out_dir} with this workdir and recipe: "
+            "nothing to do (delete the folder to regenerate it)")
+      return {**old, "path": os.path.join(folder, data_lib.SELF_DISTILLED_VERSION),
+              "data_dir": out_dir, "skipped": True}
+  data_lib.check_dataset_name(out_name, out_dir)          # before minutes of sampling
+  try:
+    tokenizer = tok.load_tokenizer(workdir)
+  except tok.TokenizerError as e:
+    raise DecodeError(str(e)) from None
+  if not tokenizer.chat_template:
+    raise DecodeError(f"--chat_prompts needs a tokenizer with a chat template; {workdir!r} has "
+                      f"a {tokenizer.kind} tokenizer without one (use the text mode: --num_docs)")
+  cfg, model, step = loading.load_model(workdir)
+  if recipe.method == "mtp" and cfg.mtp.depth < 1:
+    raise DecodeError(f"--method=mtp needs a model with MTP modules; {workdir!r} has mtp.depth=0 "
+                      "(use --method=ar)")
+  g = recipe.num_draft_tokens or max(cfg.mtp.depth, 1)
+  decoder = Decoder(model, recipe.method, g, tokenizer=tokenizer)
+  max_prompt = cfg.model.max_seq_len - recipe.max_new_tokens
+  if max_prompt < 1:
+    raise DecodeError(f"--max_new_tokens={recipe.max_new_tokens} leaves no room for a prompt in "
+                      f"the model's max_seq_len={cfg.model.max_seq_len}")
+  kw = dict(seed=recipe.seed, data_dir=src_dir, categories=recipe.categories,
+            max_context_chars=recipe.max_context_chars)
+  partial = _partial_dir(out_dir, out_name, workdir, recipe_json, log)
+  t0 = time.perf_counter()
+  splits, per_split = {}, {}
+  for split, n, offset in (("train", recipe.chat_prompts, 0),
+                           ("validation", recipe.val_prompts, 1 << 20)):
+    if n == 0:
+      continue
+    prompts = data_lib.chat_prompts(n, split=split, **kw)
+    if log is not None:
+      log(f"{split}: {n} chat prompts")
+    splits[split], per_split[split] = answer_examples(
+        decoder, prompts, recipe, max_prompt_tokens=max_prompt, seed_offset=offset, log=log,
+        cache_dir=partial, cache_tag=split)
+    per_split[split]["categories"] = {c: sum(1 for _, e in splits[split] if e["category"] == c)
+                                      for c in recipe.categories}
+  meta = {"generator": "decode.self_distill (chat)", "workdir": os.path.abspath(workdir),
+          "step": int(step), "tokenizer": tokenizer.kind, "recipe": recipe_json,
+          "num_draft_tokens": g if recipe.method == "mtp" else 0,
+          "features": {"tokens": "int32 [n]", "loss_mask": "int32 [n]", "category": "str",
+                       "name": "str"},
+          "splits": per_split, "wall_s": time.perf_counter() - t0,
+          "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+          "tokens_generated": sum(v["answer_tokens"] for v in per_split.values()),
+          "date": datetime.date.today().isoformat()}
+  path = data_lib.write_token_dataset(out_name, out_dir, splits, meta)
+  shutil.rmtree(partial, ignore_errors=True)
+  return {**meta, "path": path, "data_dir": out_dir, "skipped": False}
+
+
+def _partial_dir(out_dir: str, out_name: str, workdir: str, recipe_json: dict, log) -> str:
+  """``OUT_DIR/.OUT_NAME.partial``: the answers of finished batches of an
+  unfinished run (``answer_examples(cache_dir=...)``), with the recipe that
+  made them; a run with another workdir or recipe is refused (DataError)."""
+  folder = os.path.join(out_dir, f".{out_name}.partial")
+  want = {"workdir": os.path.abspath(workdir), "recipe": recipe_json}
+  stamp = os.path.join(folder, "recipe.json")
+  if os.path.exists(stamp):
+    with open(stamp) as f:
+      have = json.load(f)
+    if have != want:
+      raise data_lib.DataError(
+          f"{folder} holds the partial output of another run ({have}); resume it with the same "
+          "arguments or delete that folder")
+    n = len([f for f in os.listdir(folder) if f.endswith(".npz") and ".tmp" not in f])
+    if log is not None and n:
+      log(f"resuming: {n} finished batches in {folder}")
+  else:
+    os.makedirs(folder, exist_ok=True)
+    with open(stamp, "w") as f:
+      json.dump(want, f)
+  return folder
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained run directory (the model that samples)")
@@ -193,15 +494,55 @@ def main(argv=None) -> int:
   ap.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature")
   ap.add_argument("--top_k", type=int, default=d.top_k, help="top-k (0 = off)")
   ap.add_argument("--top_p", type=float, default=d.top_p, help="top-p (1 = off)")
-  ap.add_argument("--method", default=d.method, choices=[m for m in METHODS if m != "draft"],
-                  help="decoder (both sample the main model exactly; mtp is faster)")
+  ap.add_argument("--method", default=None, choices=[m for m in METHODS if m != "draft"],
+                  help="decoder (both sample the main model exactly; mtp is faster; default "
+                  f"{d.method}, {ChatRecipe.method} with --chat_prompts)")
   ap.add_argument("--num_draft_tokens", type=int, default=d.num_draft_tokens,
                   help="G for --method=mtp (0 = the model's depth D)")
-  ap.add_argument("--batch_size", type=int, default=d.batch_size, help="rows decoded together")
+  ap.add_argument("--batch_size", type=int, default=None, help="rows decoded together "
+                  f"(default {d.batch_size}; {ChatRecipe.batch_size} with --chat_prompts)")
   ap.add_argument("--seed", type=int, default=d.seed, help="prompt choice and sampling seed")
+  c = ChatRecipe()
+  chat = ap.add_argument_group("chat mode (a workdir with a chat template; writes token ids)")
+  chat.add_argument("--chat_prompts", type=int, default=0, help="training chat prompts built "
+                    "from the embedded corpora (0 = the text mode above)")
+  chat.add_argument("--val_prompts", type=int, default=c.val_prompts,
+                    help="validation chat prompts (from the corpora's validation documents)")
+  chat.add_argument("--temperatures", default=None, help="comma-separated temperatures, prompt "
+                    "i sampled at the (i mod k)-th (default: --temperature)")
+  chat.add_argument("--max_context_chars", type=int, default=c.max_context_chars,
+                    help="longest document excerpt in a prompt (characters, >= 200)")
+  chat.add_argument("--categories", default=",".join(c.categories),
+                    help="comma-separated prompt categories")
   args = ap.parse_args(argv)
-  recipe = Recipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe)})
   log = lambda s: print(s, file=sys.stderr, flush=True)
+  if args.chat_prompts:
+    try:
+      temps = (parse_temperatures(args.temperatures) if args.temperatures is not None
+               else (args.temperature,))
+      method = args.method or c.method
+      recipe = ChatRecipe(
+          chat_prompts=args.chat_prompts, val_prompts=args.val_prompts, temperatures=temps,
+          top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens, method=method,
+          num_draft_tokens=args.num_draft_tokens,
+          batch_size=args.batch_size if args.batch_size is not None else c.batch_size,
+          seed=args.seed, max_context_chars=args.max_context_chars,
+          categories=tuple(x.strip() for x in args.categories.split(",") if x.strip()))
+      meta = make_chat_dataset(args.workdir, args.out_name, recipe, data_dir=args.data_dir,
+                               out_dir=args.out_dir, log=log)
+    except (DecodeError, ckpt_lib.CheckpointError, data_lib.DataError) as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    if not meta["skipped"]:
+      counts = ", ".join(f"{k} {v['prompts']} examples ({v['answer_tokens']:,} answer tokens)"
+                         for k, v in meta["splits"].items())
+      print(f"wrote {counts} in {meta['wall_s']:.0f} s to {meta['path']}; train on it with "
+            f"--config.data.name={args.out_name} --config.data.data_dir={meta['data_dir']}")
+    return 0
+  if args.batch_size is None:
+    args.batch_size = d.batch_size
+  args.method = args.method or d.method
+  recipe = Recipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe)})
   try:
     meta = make_dataset(args.workdir, args.out_name, recipe, data_dir=args.data_dir,
                         out_dir=args.out_dir, log=log)

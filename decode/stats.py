@@ -118,3 +118,58 @@ def format_summary(name: str, s: dict) -> str:
       f"throughput {num(s['tokens_per_s'], '.1f')} tok/s  wall {s['wall_time_s']:.3f} s "
       f"(prefill {ms(s.get('prefill_s'))}, decoding {num(s.get('decode_tokens_per_s'), '.1f')} tok/s)",
   ])
+
+
+UNCATEGORISED = "(none)"
+
+
+def group_rows(categories: Sequence[str | None]) -> dict[str, list[int]]:
+  """Row indices per category, categories in order of first appearance;
+  a row whose category is None or "" goes to ``UNCATEGORISED``.
+
+  Example: ``group_rows(["code", "math", "code", None])`` ==
+  ``{"code": [0, 2], "math": [1], "(none)": [3]}``."""
+  out: dict[str, list[int]] = {}
+  for r, c in enumerate(categories):
+    out.setdefault(c or UNCATEGORISED, []).append(r)
+  return out
+
+
+def summarize_by_category(gen, categories: Sequence[str | None],
+                          speedups: dict[str, float] | None = None) -> dict[str, dict]:
+  """Per category (``group_rows(categories)``, one category per row of
+  ``gen``): ``{"rows": int, "num_tokens": int, "target_calls": int,
+  "mean_accepted_length": tau, "acceptance_rate_per_position": [alpha_k],
+  "accepted_length_histogram": [...]}`` from ``summarize(gen, rows)``, plus
+  ``"speedup"`` (AR wall time / method wall time of that category's
+  prompts) where ``speedups`` has the category. Raises ValueError when
+  ``categories`` does not have one entry per row."""
+  if len(categories) != len(gen.tokens):
+    raise ValueError(f"{len(categories)} categories for {len(gen.tokens)} rows")
+  out = {}
+  for cat, rows in group_rows(categories).items():
+    s = summarize(gen, rows)
+    out[cat] = {"rows": len(rows), "num_tokens": s["num_tokens"],
+                "target_calls": s["target_calls"],
+                "mean_accepted_length": s["mean_accepted_length"],
+                "acceptance_rate_per_position": s["acceptance_rate_per_position"],
+                "accepted_length_histogram": s["accepted_length_histogram"]}
+    if speedups and cat in speedups:
+      out[cat]["speedup"] = speedups[cat]
+  return out
+
+
+def format_by_category(per_category: dict[str, dict]) -> str:
+  """A table, one line per category: rows, tokens, tau, alpha_k (and the
+  speedup where present)."""
+  num = lambda x, spec: "n/a" if x is None else format(x, spec)
+  width = max([len(c) for c in per_category] + [8])
+  lines = ["per category:"]
+  for cat, s in per_category.items():
+    alphas = " ".join(num(a, ".2f") for a in s["acceptance_rate_per_position"]) or "n/a (AR)"
+    line = (f"  {cat:<{width}}  rows {s['rows']:>3}  tokens {s['num_tokens']:>6}  "
+            f"tau {num(s['mean_accepted_length'], '.3f')}  alpha {alphas}")
+    if "speedup" in s:
+      line += f"  speedup {num(s['speedup'], '.2f')}x"
+    lines.append(line)
+  return "\n".join(lines)

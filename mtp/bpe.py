@@ -454,6 +454,11 @@ class BPETokenizer:
   def save_model_file(self, path: str) -> None:
     self._tok.save(path)
 
+  def tokenizers_json(self) -> dict[str, Any]:
+    """The ``tokenizers`` model as the JSON object ``save_model_file``
+    writes (a fresh copy: callers may edit it)."""
+    return json.loads(self._tok.to_str())
+
   def with_never_emitted(self, ids: Iterable[int]) -> "BPETokenizer":
     """A copy whose ``never_emitted_ids`` are ``ids``."""
     import tokenizers

@@ -35,7 +35,8 @@ add_eos=)``, ``decode(ids)``, ``stream_decoder()`` (``push(ids) -> str``,
 that end a generation), ``vocab_size`` (real tokens), ``emittable_mask(V)``,
 ``chat_template`` (None for bytes) and ``apply_chat_template(messages)``.
 A workdir stores its tokenizer under ``tokenizer/`` (``save_tokenizer``;
-``load_tokenizer`` gives the byte tokenizer for a workdir without one).
+``load_tokenizer`` gives the byte tokenizer for a workdir without one, and
+reads an ``mtp.export`` directory's own).
 The head's never-emitted ids come from the model config (``head_mask``), so
 a model never needs its tokenizer files to mask its logits.
 """
@@ -201,17 +202,43 @@ def tokenizer_from_meta(meta: Mapping[str, Any], folder: str):
                        "(expected 'byte' or 'bpe')")
 
 
+EXPORT_CONFIG_FILE = "config.json"   # mtp.export's config.json (its "mtp" entry)
+
+
+def _exported_meta(path: str):
+  """The ``tokenizer_meta.json`` content an ``mtp.export`` directory of a
+  BPE model keeps in its config.json (``mtp.tokenizer``), or None (no such
+  entry: a byte-tokenizer export, or not an export)."""
+  cfg_path = os.path.join(path, EXPORT_CONFIG_FILE)
+  if not os.path.isfile(cfg_path):
+    return None
+  try:
+    with open(cfg_path, encoding="utf-8") as f:
+      hf = json.load(f)
+  except (OSError, ValueError) as e:
+    raise TokenizerError(f"{cfg_path}: unreadable ({e})") from e
+  entry = hf.get("mtp") if isinstance(hf, dict) else None
+  if not isinstance(entry, dict) or "format_version" not in entry:
+    return None                      # a training workdir's config.json, or a foreign file
+  meta = entry.get("tokenizer")
+  if meta is not None and not isinstance(meta, dict):
+    raise TokenizerError(f"{cfg_path}: mtp.tokenizer is not a JSON object")
+  return meta
+
+
 def load_tokenizer(workdir: str):
-  """The tokenizer saved in ``workdir`` (``save_tokenizer``); the byte
-  tokenizer when the workdir has no ``tokenizer/`` folder (older workdirs
-  and ``mtp.export`` directories).
+  """The tokenizer saved in ``workdir`` (``save_tokenizer``); for an
+  ``mtp.export`` directory, the one its config.json's ``mtp.tokenizer`` entry
+  and ``tokenizer.json`` describe; the byte tokenizer when there is neither
+  (older workdirs, byte-tokenizer exports).
 
   Raises TokenizerError for an unreadable or inconsistent tokenizer.
   """
   folder = os.path.join(workdir, TOKENIZER_DIR)
   meta_path = os.path.join(folder, META_FILE)
   if not os.path.isfile(meta_path):
-    return ByteTokenizer()
+    meta = _exported_meta(workdir)
+    return ByteTokenizer() if meta is None else tokenizer_from_meta(meta, workdir)
   try:
     with open(meta_path, encoding="utf-8") as f:
       meta = json.load(f)

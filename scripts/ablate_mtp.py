@@ -240,8 +240,7 @@ def _parse_list(ap, flag: str, text: str, typ, lo, hi=None) -> list:
   return cli.parse_list(ap, flag, text, typ, lo, hi, duplicates="error")
 
 
-def main(argv=None):
-  argv = list(sys.argv[1:] if argv is None else argv)
+def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--config", default="configs/tiny.py",
                   help="config file; its model section is the backbone")
@@ -268,6 +267,12 @@ def main(argv=None):
   ap.add_argument("--out", default="results/ablate_mtp", help="output prefix")
   ap.add_argument("--quick", action="store_true",
                   help="test-sized model (d_model 32, 2 layers) on python_stdlib, a few steps")
+  return ap
+
+
+def main(argv=None):
+  argv = list(sys.argv[1:] if argv is None else argv)
+  ap = parser()
   args = ap.parse_args(argv)
   for k, (full, quick) in DEFAULTS.items():
     if getattr(args, k) is None:

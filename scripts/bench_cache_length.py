@@ -21,277 +21,26 @@ reads only the blocks that can be visible (``model.attention_impl``, issue 24).
     implementations must emit the same tokens (checked, reported).
 
 Writes OUT.json / OUT.md (provenance: mtp/report.py) and the plot
-``--plot`` (default docs/bench_cache_length.png).
+``--plot`` (default docs/bench_cache_length.png). Library:
+``decode/bench_cache.py`` (timing with ``mtp.timing.interleaved_times``);
+this script parses flags, writes the report and draws the plot.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import sys
-import time
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from decode.speculative import Decoder, SamplingParams  # noqa: E402
-from mtp import config as config_lib  # noqa: E402
-from mtp import tokenizer as tok  # noqa: E402
-from mtp.model import Transformer, build_model, init_layer_caches  # noqa: E402
+from decode import bench_cache as bc  # noqa: E402
+from decode.bench_cache import variant_name  # noqa: E402
 from mtp import cli, report  # noqa: E402
-
-# SmolLM2-135M (HuggingFaceTB/SmolLM2-135M config.json): Llama, tied embeddings
-SMOLLM2_135M = dict(vocab_size=49152, d_model=576, num_layers=30, num_heads=9, num_kv_heads=3,
-                    head_dim=64, mlp_dim=1536, max_seq_len=8192, rope_theta=100000.0,
-                    norm_eps=1e-5, tie_embeddings=True)
-QUICK_SHAPE = dict(vocab_size=264, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                   head_dim=8, mlp_dim=64, max_seq_len=1024)
-
-
-def stats(xs) -> dict:
-  """{"min", "median", "max"} of a list of numbers."""
-  xs = np.asarray(xs, float)
-  return {"min": float(xs.min()), "median": float(np.median(xs)), "max": float(xs.max())}
-
-
-def impl_variants(impls: list[str], block_sizes: list[int]) -> list[tuple[str, int | None]]:
-  """(attention_impl, block size or None) pairs: every block size for
-  "blockwise", one entry for the others."""
-  out = []
-  for impl in impls:
-    out += [(impl, b) for b in block_sizes] if impl == "blockwise" else [(impl, None)]
-  return out
-
-
-def variant_name(impl: str, block: int | None) -> str:
-  return impl if block is None else f"{impl}/{block}"
-
-
-def with_impl(model_cfg: config_lib.ModelConfig, impl: str, block: int | None) -> config_lib.ModelConfig:
-  """``model_cfg`` with ``attention_impl`` (and ``attention_block_size``) set."""
-  kw = {"attention_impl": impl}
-  if block is not None:
-    kw["attention_block_size"] = block
-  return dataclasses.replace(model_cfg, **kw)
-
-
-def step_fn(graphdef, steps: int, t: int):
-  """jitted f(params, cache, tokens [1, T], pos [1, T]) -> (cache, tokens):
-  ``steps`` cached backbone calls inside one fori_loop (cache donated);
-  positions advance by T per step (no hoisting of RoPE or masks), the next
-  tokens depend on the output (no dead code)."""
-  def body(_, carry):
-    params, cache, toks, pos = carry
-    m = nnx.merge(graphdef, params)
-    h, cache = m.backbone(toks, pos, cache=cache)
-    toks = (jnp.sum(h, -1) > 0).astype(jnp.int32) + toks          # data dependence
-    return params, cache, toks % 7, pos + t
-
-  def run(params, cache, toks, pos):
-    _, cache, toks, _ = jax.lax.fori_loop(0, steps, body, (params, cache, toks, pos))
-    return cache, toks
-  return jax.jit(run, donate_argnums=(1,))
-
-
-def step_costs(model_cfg: config_lib.ModelConfig, variants, cache_slots: list[int], ts: list[int],
-               position: int, steps: int, repeats: int, seed: int = 0) -> list[dict]:
-  """Seconds per cached backbone step (B = 1) at positions ``position`` ..
-  ``position + steps*T``, for every (variant, S, T): rows {impl, block_size,
-  cache_slots, T, position, step_s: {min, median, max}, times_s}. One set of
-  random parameters for every variant; for each T the (variant, S) calls are
-  interleaved within every repeat, so load from other processes hits them alike."""
-  base = dataclasses.replace(model_cfg, max_seq_len=max(model_cfg.max_seq_len, max(cache_slots)))
-  model = Transformer(base, 0, rngs=nnx.Rngs(params=seed))
-  _, params = nnx.split(model, nnx.Param)
-  del model
-  rows = []
-  for t in ts:
-    if position + steps * t >= min(cache_slots):
-      raise ValueError(f"position {position} + {steps} steps of T={t} do not fit S={min(cache_slots)}")
-    cells = []
-    for impl, block in variants:
-      abstract = nnx.eval_shape(lambda c=with_impl(base, impl, block): Transformer(c, 0, rngs=nnx.Rngs(0)))
-      graphdef, _ = nnx.split(abstract, nnx.Param)
-      fn = step_fn(graphdef, steps, t)
-      for s in cache_slots:
-        cells.append({"impl": impl, "block_size": block, "cache_slots": s, "T": t, "fn": fn, "times": []})
-    toks = jnp.zeros((1, t), jnp.int32)
-    pos = jnp.arange(position, position + t, dtype=jnp.int32)[None]
-    caches = {s: init_layer_caches(base, base.num_layers, 1, s) for s in cache_slots}
-    for cell in cells:                                             # compile + warm up
-      s = cell["cache_slots"]
-      caches[s], out = cell["fn"](params, caches[s], toks, pos)
-      jax.block_until_ready(out)
-    for r in range(repeats):
-      order = cells if r % 2 == 0 else cells[::-1]
-      for cell in order:
-        s = cell["cache_slots"]
-        t0 = time.perf_counter()
-        caches[s], out = cell["fn"](params, caches[s], toks, pos)
-        jax.block_until_ready(out)
-        cell["times"].append((time.perf_counter() - t0) / steps)
-    for cell in cells:
-      row = {k: cell[k] for k in ("impl", "block_size", "cache_slots", "T")}
-      row.update(position=position, steps=steps, step_s=stats(cell["times"]), times_s=cell["times"])
-      rows.append(row)
-      print(f"T={t} S={cell['cache_slots']:5d} {variant_name(cell['impl'], cell['block_size']):14s} "
-            f"{row['step_s']['median'] * 1e3:8.2f} ms/step (min {row['step_s']['min'] * 1e3:.2f})",
-            flush=True)
-    del caches
-  return rows
-
-
-def step_ratios(rows: list[dict]) -> list[dict]:
-  """Per (variant, T): the step cost at each S over the smallest S (median of
-  the per-repeat ratios, and min/max), and per (S, T) each variant over
-  "dense" (same statistics). Rows {kind, impl, block_size, T, cache_slots,
-  ratio: {min, median, max}}."""
-  out = []
-  key = lambda r: (r["impl"], r["block_size"], r["T"])
-  groups = {}
-  for r in rows:
-    groups.setdefault(key(r), []).append(r)
-  for (impl, block, t), sel in groups.items():
-    base = min(sel, key=lambda r: r["cache_slots"])
-    for r in sel:
-      ratio = np.asarray(r["times_s"]) / np.asarray(base["times_s"])
-      out.append({"kind": "vs_smallest_cache", "impl": impl, "block_size": block, "T": t,
-                  "cache_slots": r["cache_slots"], "base_cache_slots": base["cache_slots"],
-                  "ratio": stats(ratio)})
-  dense = {(r["cache_slots"], r["T"]): r for r in rows if r["impl"] == "dense"}
-  for r in rows:
-    d = dense.get((r["cache_slots"], r["T"]))
-    if d is not None and r["impl"] != "dense":
-      ratio = np.asarray(d["times_s"]) / np.asarray(r["times_s"])
-      out.append({"kind": "speedup_vs_dense", "impl": r["impl"], "block_size": r["block_size"],
-                  "T": r["T"], "cache_slots": r["cache_slots"], "ratio": stats(ratio)})
-  return out
-
-
-def demo_models(cfg: config_lib.Config, variants, max_len: int, seed: int = 0) -> dict:
-  """{variant name: Transformer} for (impl, block) ``variants``, identical
-  random parameters (``cfg`` with ``model.max_seq_len`` >= max_len and the
-  EOS embedding row zeroed: its logit is exactly 0 while the largest of the
-  others is positive, so greedy decoding runs to its token budget)."""
-  out = {}
-  for impl, block in variants:
-    m_cfg = with_impl(dataclasses.replace(cfg.model, max_seq_len=max(cfg.model.max_seq_len, max_len)),
-                      impl, block)
-    model = build_model(config_lib.validate(dataclasses.replace(cfg, model=m_cfg)), seed)
-    model.embed.embedding[...] = model.embed.embedding[...].at[tok.EOS_ID].set(0.0)
-    out[variant_name(impl, block)] = model
-  return out
-
-
-def random_prompt(n: int, seed: int) -> np.ndarray:
-  """BOS + n random printable ASCII bytes (int32)."""
-  rng = np.random.default_rng(seed)
-  return np.concatenate([[tok.BOS_ID], rng.integers(32, 127, n)]).astype(np.int32)
-
-
-def generation_speed(models: dict, methods: list[str], cases: list[tuple[int, int]], repeats: int,
-                     num_draft_tokens: int = 2) -> list[dict]:
-  """tokens/s of ``Decoder.generate`` (greedy, B = 1) per (method, impl,
-  prompt tokens, new tokens): rows {method, impl, prompt_tokens, new_tokens,
-  wall_s, prefill_s (each {min, median, max}), tokens_per_s (new tokens over
-  the median wall time, prefill included), tau, tokens_equal (same tokens as
-  the first impl)}. Impls alternate within every repeat after one compile
-  run each."""
-  sp = SamplingParams(temperature=0.0)
-  rows = []
-  for method in methods:
-    decs = {impl: Decoder(m, method, 0 if method == "ar" else num_draft_tokens)
-            for impl, m in models.items()}
-    for p_len, n_new in cases:
-      prompt = [random_prompt(p_len, seed=p_len)]
-      gens = {impl: d.generate(prompt, n_new, sp) for impl, d in decs.items()}     # compile
-      walls = {impl: [] for impl in decs}
-      prefills = {impl: [] for impl in decs}
-      for r in range(repeats):
-        order = list(decs) if r % 2 == 0 else list(decs)[::-1]
-        for impl in order:
-          g = decs[impl].generate(prompt, n_new, sp)
-          walls[impl].append(g.wall_time_s)
-          prefills[impl].append(g.prefill_time_s)
-          gens[impl] = g
-      first = next(iter(gens.values()))
-      for impl, g in gens.items():
-        emitted = len(g.tokens[0])
-        calls = int(g.target_calls[0])
-        row = {"method": method, "impl": impl, "prompt_tokens": p_len, "new_tokens": n_new,
-               "emitted": emitted, "wall_s": stats(walls[impl]), "prefill_s": stats(prefills[impl]),
-               "tokens_per_s": emitted / float(np.median(walls[impl])),
-               "tau": emitted / max(calls, 1),
-               "tokens_equal": bool(np.array_equal(g.tokens[0], first.tokens[0])),
-               "times_s": walls[impl]}
-        rows.append(row)
-        print(f"{method:3s} prompt {p_len:5d} new {n_new:5d} {impl:10s} {row['tokens_per_s']:9.1f} tok/s "
-              f"(wall {row['wall_s']['median'] * 1e3:.1f} ms, prefill {row['prefill_s']['median'] * 1e3:.1f}"
-              f" ms, tau {row['tau']:.2f}, same tokens {row['tokens_equal']})", flush=True)
-  return rows
-
-
-def generation_speedups(rows: list[dict], base: str = "dense") -> list[dict]:
-  """Per (method, prompt, new, impl != base): base wall / impl wall
-  ({min, median, max} of the per-repeat ratios, repeats paired in order)."""
-  ref = {(r["method"], r["prompt_tokens"], r["new_tokens"]): r for r in rows if r["impl"] == base}
-  out = []
-  for r in rows:
-    b = ref.get((r["method"], r["prompt_tokens"], r["new_tokens"]))
-    if b is None or r["impl"] == base:
-      continue
-    ratio = np.asarray(b["times_s"]) / np.asarray(r["times_s"])
-    out.append({"method": r["method"], "impl": r["impl"], "prompt_tokens": r["prompt_tokens"],
-                "new_tokens": r["new_tokens"], "speedup": stats(ratio)})
-  return out
-
-
-def targets(results: dict, short_prompt: int) -> list[dict]:
-  """The issue's targets, per blockwise variant: step(S_max) / step(S_min)
-  at each T (<= 1.15), end-to-end speedup vs dense at (short prompt, 1024
-  new) per method (>= 1.3) and at (256, 128) (no regression). Rows {target,
-  impl, case, value: {min, median, max} of the paired per-repeat ratios,
-  of_minimums: the ratio of the fastest repeats (the least disturbed by
-  other processes on a shared machine), goal}."""
-  out = []
-  steps = results.get("steps") or []
-  if steps:
-    lo, hi = min(r["cache_slots"] for r in steps), max(r["cache_slots"] for r in steps)
-    cell = {(r["impl"], r["block_size"], r["T"], r["cache_slots"]): r for r in steps}
-    for (impl, block, t, s), r in cell.items():
-      if impl == "dense" or s != hi or (impl, block, t, lo) not in cell:
-        continue
-      base = cell[(impl, block, t, lo)]
-      out.append({"target": f"step S={hi} / S={lo}", "impl": variant_name(impl, block),
-                  "case": f"T={t}", "goal": "<= 1.15",
-                  "value": stats(np.asarray(r["times_s"]) / np.asarray(base["times_s"])),
-                  "of_minimums": min(r["times_s"]) / min(base["times_s"])})
-  gen = results.get("generation") or []
-  ref = {(r["method"], r["prompt_tokens"], r["new_tokens"]): r for r in gen if r["impl"] == "dense"}
-  for r in gen:
-    key = (r["method"], r["prompt_tokens"], r["new_tokens"])
-    if r["impl"] == "dense" or key not in ref:
-      continue
-    if key[1:] == (short_prompt, 1024):
-      what, goal = f"{short_prompt}-token prompt, 1024 new: speedup vs dense", ">= 1.3"
-    elif key[1:] == (256, 128):
-      what, goal = "256-token prompt, 128 new: speedup vs dense", ">= 1 (no regression beyond noise)"
-    else:
-      continue
-    b = ref[key]
-    out.append({"target": what, "impl": r["impl"], "case": r["method"], "goal": goal,
-                "value": stats(np.asarray(b["times_s"]) / np.asarray(r["times_s"])),
-                "of_minimums": min(b["times_s"]) / min(r["times_s"])})
-  return out
+from mtp import config as config_lib  # noqa: E402
 
 
 def _fmt_stat(st: dict, scale: float = 1.0, prec: int = 2) -> str:
@@ -394,7 +143,7 @@ def plot(results: dict, meta: dict, path: str) -> None:
   plt.close(fig)
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--impls", default="dense,blockwise", help="comma list of model.attention_impl values")
   ap.add_argument("--block_sizes", default="128", help="comma list of blockwise block sizes (slots)")
@@ -425,85 +174,63 @@ def main(argv=None):
   ap.add_argument("--quick", action="store_true",
                   help="tiny sizes for tests: a 2-layer d_model 32 model for (a) and (b), S 64,256, "
                        "position 20, 2 steps, 1 repeat, 16/32 new tokens, prompts 16/48")
-  args = ap.parse_args(argv)
-  if args.render:
-    meta, results = {}, {}
-    for path in args.render.split(","):      # parts of one study run apart: (a) and (b)
-      saved = json.load(open(path))
-      for k, v in saved["meta"].items():
-        if k == "command" and meta.get("command"):
-          meta[k] = f"{meta[k]} && {v}"
-        elif k not in meta or k in ("demo_config", "demo_shape", "demo_max_seq_len", "demo_block_sizes",
-                                     "gen_repeats", "prompt_sweep_new_tokens", "short_prompt"):
-          if k not in meta or saved["results"].get("generation"):
-            meta[k] = v
-      for k, v in saved["results"].items():
-        if v or k not in results:
-          results[k] = v
-    results["targets"] = targets(results, meta.get("short_prompt", args.short_prompt))
-    report.write_report(args.out, meta, results, markdown(results, meta))
-    plot(results, meta, args.plot)
-    print(f"wrote {args.out}.json, {args.out}.md and {args.plot} from {args.render}")
-    return
+  return ap
+
+
+def settings(ap: argparse.ArgumentParser, args) -> bc.CacheBench:
+  """The study's settings from the flags (``ap.error`` naming a bad one)."""
   if args.quick:
     cli.apply_quick(ap, args, cache_slots="64,256", position=20, steps=2, repeats=1,
-                       new_tokens="16,32", prompt_tokens="16,48", prompt_new_tokens=16, gen_repeats=1,
-                       short_prompt=16)
+                    new_tokens="16,32", prompt_tokens="16,48", prompt_new_tokens=16, gen_repeats=1,
+                    short_prompt=16)
   cli.check_range(ap, args, position=0, steps=1, repeats=1, short_prompt=1, prompt_new_tokens=1,
-                     gen_repeats=1)
-  impls = cli.parse_list(ap, "impls", args.impls, str, choices=("dense", "blockwise"))
-  blocks = cli.parse_list(ap, "block_sizes", args.block_sizes, int, 1)
-  slots = cli.parse_list(ap, "cache_slots", args.cache_slots, int, 1)
-  ts = cli.parse_list(ap, "query_lengths", args.query_lengths, int, 1)
-  methods = cli.parse_list(ap, "methods", args.methods, str, choices=("ar", "mtp"))
-  new_tokens = cli.parse_list(ap, "new_tokens", args.new_tokens, int, 1)
-  prompt_tokens = cli.parse_list(ap, "prompt_tokens", args.prompt_tokens, int, 1)
-  demo_blocks = (cli.parse_list(ap, "demo_block_sizes", args.demo_block_sizes, int, 1)
-                 if args.demo_block_sizes else blocks)
+                  gen_repeats=1)
+  lists = lambda name, typ, lo=None, choices=None: cli.parse_list(
+      ap, name, getattr(args, name), typ, lo, choices=choices)
   if not os.path.isfile(args.config):
     ap.error(f"--config={args.config!r}: no such file")
   try:
     cfg = config_lib.load_config_file(args.config)
   except config_lib.ConfigError as e:
     ap.error(f"--config: {e}")
-  shape = dict(QUICK_SHAPE if args.quick else SMOLLM2_135M)
-  shape_name = "quick test shape" if args.quick else "SmolLM2-135M"
   if args.quick:
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **QUICK_SHAPE))
-  results = {"steps": [], "step_ratios": [], "generation": [], "generation_speedups": [],
-             "targets": []}
-  if not args.skip_steps:
-    step_cfg = config_lib.validate(config_lib.Config(model=config_lib.ModelConfig(**shape),
-                                                     mtp=config_lib.MTPConfig(depth=0))).model
-    try:
-      results["steps"] = step_costs(step_cfg, impl_variants(impls, blocks), slots, ts, args.position,
-                                    args.steps, args.repeats)
-    except ValueError as e:
-      ap.error(str(e))
-    results["step_ratios"] = step_ratios(results["steps"])
-  if not args.skip_generation:
-    cases = ([(args.short_prompt, n) for n in new_tokens]
-             + [(p, args.prompt_new_tokens) for p in prompt_tokens])
-    cases = list(dict.fromkeys(cases))
-    max_len = max(p + n for p, n in cases) + 64
-    models = demo_models(cfg, impl_variants(impls, demo_blocks), max_len)
-    results["generation"] = generation_speed(models, methods, cases, args.gen_repeats)
-    results["generation_speedups"] = generation_speedups(results["generation"])
-  results["targets"] = targets(results, args.short_prompt)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **bc.QUICK_SHAPE))
+  return bc.CacheBench(
+      step_shape=dict(bc.QUICK_SHAPE if args.quick else bc.SMOLLM2_135M),
+      impls=lists("impls", str, choices=("dense", "blockwise")),
+      block_sizes=lists("block_sizes", int, 1), cache_slots=lists("cache_slots", int, 1),
+      query_lengths=lists("query_lengths", int, 1), position=args.position, steps=args.steps,
+      repeats=args.repeats, demo_cfg=cfg, methods=lists("methods", str, choices=("ar", "mtp")),
+      short_prompt=args.short_prompt, new_tokens=lists("new_tokens", int, 1),
+      prompt_tokens=lists("prompt_tokens", int, 1), prompt_new_tokens=args.prompt_new_tokens,
+      gen_repeats=args.gen_repeats,
+      demo_block_sizes=lists("demo_block_sizes", int, 1) if args.demo_block_sizes else None,
+      skip_steps=args.skip_steps, skip_generation=args.skip_generation)
+
+
+def main(argv=None):
+  ap = parser()
+  args = ap.parse_args(argv)
+  if args.render:
+    meta, results = bc.merge_runs(args.render.split(","), args.short_prompt)
+    report.write_report(args.out, meta, results, markdown(results, meta))
+    plot(results, meta, args.plot)
+    print(f"wrote {args.out}.json, {args.out}.md and {args.plot} from {args.render}")
+    return
+  s = settings(ap, args)
+  try:
+    results = bc.run_cache_bench(s, log=lambda line: print(line, flush=True))
+  except ValueError as e:
+    ap.error(str(e))
   meta = report.provenance(
-      command=report.command_line(__file__, argv), step_shape=shape, step_shape_name=shape_name,
-      impls=impls, block_sizes=blocks, position=args.position, steps=args.steps, repeats=args.repeats,
-      demo_config=args.config, short_prompt=args.short_prompt,
+      command=report.command_line(__file__, argv), step_shape=s.step_shape,
+      step_shape_name="quick test shape" if args.quick else "SmolLM2-135M",
+      impls=s.impls, block_sizes=s.block_sizes, position=s.position, steps=s.steps,
+      repeats=s.repeats, demo_config=args.config, short_prompt=s.short_prompt,
       demo_shape="quick test shape" if args.quick else f"{args.config} shape",
-      demo_max_seq_len=max(cfg.model.max_seq_len,
-                                                    max([p + n for p, n in
-                                                         [(args.short_prompt, max(new_tokens)),
-                                                          (max(prompt_tokens), args.prompt_new_tokens)]])
-                                                    + 64),
-      demo_block_sizes=demo_blocks, gen_repeats=args.gen_repeats,
-      prompt_sweep_new_tokens=args.prompt_new_tokens,
-      machine_note=("Machine shared with other jobs (2 CPU cores under load from other engineers' "
-                    "processes): absolute times are noisy; compare within a table."))
+      demo_max_seq_len=s.demo_max_seq_len, demo_block_sizes=s.demo_block_sizes or s.block_sizes,
+      gen_repeats=s.gen_repeats, prompt_sweep_new_tokens=s.prompt_new_tokens,
+      machine_note=bc.MACHINE_NOTE)
   report.write_report(args.out, meta, results, markdown(results, meta))
   plot(results, meta, args.plot)
   print(f"wrote {args.out}.json, {args.out}.md and {args.plot}")

@@ -42,7 +42,6 @@ import argparse
 import numpy as np
 
 from decode import bench_grid
-from decode import tree as tree_lib
 from decode.speculative import DecodeError
 from mtp import loading
 from mtp import cli, report
@@ -111,7 +110,7 @@ def markdown(results, meta) -> str:
   return "\n".join(lines) + "\n"
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="target checkpoint (its MTP modules draft when D >= 1)")
   ap.add_argument("--draft_workdir", default=None, help="separate draft-model checkpoint (optional)")
@@ -137,6 +136,11 @@ def main(argv=None):
   ap.add_argument("--quick", action="store_true",
                   help="tiny sizes for tests: fills in --batch_sizes 1 --temperatures 0,1 --repeats 1 "
                        "--max_new_tokens 8 --prompt_bytes 64 and G = 1 where not given")
+  return ap
+
+
+def main(argv=None):
+  ap = parser()
   args = ap.parse_args(argv)
   if args.quick:
     cli.apply_quick(ap, args, batch_sizes="1", temperatures="0,1", repeats=1, max_new_tokens=8,
@@ -156,28 +160,12 @@ def main(argv=None):
       ap.error(f"--num_draft_tokens={args.num_draft_tokens!r}: give G >= 1 values and/or 'auto'")
   cfg, target, step = loading.load_model(args.workdir)
   draft = loading.load_model(args.draft_workdir)[1] if args.draft_workdir else None
-  depth = cfg.mtp.depth
-  if not depth and draft is None and not args.ar_only:
-    ap.error(f"--workdir={args.workdir} holds a model with MTP depth D = 0 and no --draft_workdir "
-             "was given: there is no drafter to compare with AR (give --draft_workdir DIR, or "
-             "--ar_only to time AR alone)")
-  trees = []
-  for text in ([] if args.ar_only or args.trees is None else args.trees.split(";")):
-    if not depth:
-      ap.error(f"--trees needs a checkpoint with MTP depth D >= 1 (--workdir={args.workdir} has D = 0)")
-    try:
-      trees.append(tree_lib.parse_tree(text.strip(), depth).branching)
-    except ValueError as e:
-      ap.error(str(e).replace("--tree=", "--trees: tree "))
-  if args.trees is not None and not trees and not args.ar_only:
-    ap.error(f"--trees={args.trees!r}: give at least one tree, e.g. \"3,2,1;2,2,1\"")
-  gs = [] if args.ar_only else (gs_given if gs_given is not None
-                                else list(range(1, depth + 3)) + (["auto"] if depth else [])
-                                if depth or draft is not None else [])
-  if args.quick and gs_given is None:
-    gs = gs[:1]
-  if "auto" in gs and not depth:
-    ap.error("--num_draft_tokens=auto drafts with the MTP modules: --workdir has D = 0")
+  try:
+    gs, trees = bench_grid.bench_cells(args.workdir, cfg.mtp.depth, draft is not None,
+                                       gs_given=gs_given, trees_text=args.trees,
+                                       ar_only=args.ar_only, quick=args.quick)
+  except ValueError as e:
+    ap.error(str(e))
   prompts_all = data_lib.held_out_prompts(args.dataset, args.num_prompts or max(batch_sizes) * args.repeats,
                                  args.prompt_bytes, data_dir=args.data_dir)
   settings = bench_grid.DecodeBench(

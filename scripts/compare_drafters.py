@@ -360,8 +360,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 # -- main ---------------------------------------------------------------------------------
 
-def main(argv=None):
-  argv = list(sys.argv[1:] if argv is None else argv)
+def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained MTP target (mtp.depth >= 1)")
   ap.add_argument("--runs_dir", default="runs/drafters", help="where the draft runs live")
@@ -393,7 +392,12 @@ def main(argv=None):
                   help="tiny sizes for tests: fills in --num_draft_tokens 2 --repeats 1 "
                        "--calib_repeats 1 --draft_cost_probe once --max_new_tokens 8 --prompt_bytes 48 "
                        "--probe_steps 1 --probe_repeats 1 --draft_steps 20 where not given")
-  args = ap.parse_args(argv)
+  return ap
+
+
+def check_flags(ap: argparse.ArgumentParser, args) -> tuple[list[int], list[float]]:
+  """``--quick`` filled in, then every flag checked before anything loads
+  (``ap.error`` naming the flag); returns (draft lengths G, temperatures)."""
   if args.quick:
     cli.apply_quick(ap, args, num_draft_tokens="2", repeats=1, calib_repeats=1,
                     draft_cost_probe="once", max_new_tokens=8, prompt_bytes=48, probe_steps=1,
@@ -413,7 +417,14 @@ def main(argv=None):
   for spec in args.draft_workdir:
     if not os.path.isdir(spec.rpartition("=")[2]):
       ap.error(f"--draft_workdir={spec!r}: no such directory")
+  return gs, temps
 
+
+def main(argv=None):
+  argv = list(sys.argv[1:] if argv is None else argv)
+  ap = parser()
+  args = ap.parse_args(argv)
+  gs, temps = check_flags(ap, args)
   cfg, target, step = loading.load_model(args.workdir)
   if cfg.mtp.depth < 1:
     ap.error(f"--workdir={args.workdir} holds a model with mtp.depth = 0: no MTP drafter to compare")

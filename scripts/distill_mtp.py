@@ -308,8 +308,7 @@ def markdown(meta: dict, results: dict) -> str:
 
 # -- main ------------------------------------------------------------------------------
 
-def main(argv=None):
-  argv = list(sys.argv[1:] if argv is None else argv)
+def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained base workdir (read only)")
   ap.add_argument("--runs_dir", default="runs/distill", help="stage workdirs and the self-distilled data")
@@ -341,6 +340,12 @@ def main(argv=None):
   ap.add_argument("--speed_repeats", type=int, help="timed repeats per prompt (default 1)")
   ap.add_argument("--out", default="results/distill_mtp", help="output prefix")
   ap.add_argument("--quick", action="store_true", help="test-sized budgets")
+  return ap
+
+
+def main(argv=None):
+  argv = list(sys.argv[1:] if argv is None else argv)
+  ap = parser()
   args = ap.parse_args(argv)
   for k, (full, quick) in DEFAULTS.items():
     if getattr(args, k) is None:

@@ -395,7 +395,28 @@ def run_study(s: Study) -> tuple[list[dict], list[dict], list[int]]:
   return tests, acceptance, ns
 
 
-def main(argv=None):
+def study_results(texts: list[str], settings: list[tuple], tests: list[dict],
+                  acceptance: list[dict], ns: list[int], seconds: float) -> dict:
+  """The report's results of ``run_study``'s output: prompts, settings, the
+  statistics, tests combined per rule (correct "mtp" / "wrong_argmax"),
+  first-token TV distances, every test, acceptance, seconds and the verdict."""
+  correct = [t for t in tests if t["rule"] == "mtp"]
+  wrong = [t for t in tests if t["rule"] == "wrong_argmax"]
+  results = {
+      "prompts": texts, "settings": [{"temperature": t, "top_p": p} for t, p in settings],
+      "power_setting": {"temperature": POWER_SETTING[0], "top_p": POWER_SETTING[1]},
+      "statistics": [stat_name(n) for n in ns], "min_expected": MIN_EXPECTED,
+      "combined": {"correct": combine(correct), "wrong": combine(wrong)},
+      "first_token_tv": [{"prompt_index": t["prompt_index"], "temperature": t["temperature"],
+                          "top_p": t["top_p"], "rule": t["rule"], "tv": t["tv"]}
+                         for t in tests if t["statistic"] == "first_token"],
+      "tests": tests, "acceptance": acceptance, "seconds": seconds,
+  }
+  results["verdict"] = verdict(results["combined"]["correct"], results["combined"]["wrong"])
+  return results
+
+
+def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained checkpoint with MTP depth >= 1")
   ap.add_argument("--dataset", default="python_stdlib", help="held-out prompt dataset")
@@ -417,6 +438,11 @@ def main(argv=None):
   ap.add_argument("--quick", action="store_true",
                   help=f"for the tests' Markov model: prompts {QUICK_PROMPTS}, temperatures 0.7,1.0, "
                   "500 samples of 2 tokens, one batch per setting")
+  return ap
+
+
+def main(argv=None):
+  ap = parser()
   args = ap.parse_args(argv)
   if args.quick:        # only what the user did not give
     args.prompt = args.prompt or list(QUICK_PROMPTS)
@@ -454,19 +480,9 @@ def main(argv=None):
   t0 = time.perf_counter()
   tests, acceptance, ns = run_study(Study(target, encoded, g, settings, args.num_samples,
                                           args.num_tokens, args.batch_size, args.seed))
+  results = study_results(texts, settings, tests, acceptance, ns, time.perf_counter() - t0)
   correct = [t for t in tests if t["rule"] == "mtp"]
   wrong = [t for t in tests if t["rule"] == "wrong_argmax"]
-  results = {
-      "prompts": texts, "settings": [{"temperature": t, "top_p": p} for t, p in settings],
-      "power_setting": {"temperature": POWER_SETTING[0], "top_p": POWER_SETTING[1]},
-      "statistics": [stat_name(n) for n in ns], "min_expected": MIN_EXPECTED,
-      "combined": {"correct": combine(correct), "wrong": combine(wrong)},
-      "first_token_tv": [{"prompt_index": t["prompt_index"], "temperature": t["temperature"],
-                          "top_p": t["top_p"], "rule": t["rule"], "tv": t["tv"]}
-                         for t in tests if t["statistic"] == "first_token"],
-      "tests": tests, "acceptance": acceptance, "seconds": time.perf_counter() - t0,
-  }
-  results["verdict"] = verdict(results["combined"]["correct"], results["combined"]["wrong"])
   meta = report.provenance(
       command=report.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),

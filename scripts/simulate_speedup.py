@@ -412,7 +412,7 @@ def plot_optimal_g(path: str, alphas, costs, g_max: int) -> None:
 
 # -- main ----------------------------------------------------------------------------
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--bench", action="append", default=[],
                   help="bench_decode JSON report to overlay (repeatable)")
@@ -428,6 +428,11 @@ def main(argv=None):
   ap.add_argument("--out", default="results/simulate_speedup", help="output prefix")
   ap.add_argument("--quick", action="store_true",
                   help="tests: fills in --rounds 5000 --alpha_step 0.2 where not given")
+  return ap
+
+
+def main(argv=None):
+  ap = parser()
   args = ap.parse_args(argv)
   if args.quick:
     cli.apply_quick(ap, args, rounds=5000, alpha_step=0.2)

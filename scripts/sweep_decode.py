@@ -145,8 +145,7 @@ def plot_batch(rows: list[dict], path: str) -> None:
 
 # -- main --------------------------------------------------------------------------------
 
-def main(argv=None):
-  argv = list(sys.argv[1:] if argv is None else argv)
+def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained MTP target (mtp.depth >= 1)")
   ap.add_argument("--data_dir", default="", help=cli.DATA_DIR_HELP)
@@ -173,6 +172,12 @@ def main(argv=None):
   ap.add_argument("--quick", action="store_true",
                   help="tiny sizes for tests: fills in --temperatures 0,1 --batch_sizes 1,2 --repeats 1 "
                        "--max_new_tokens 8 --prompt_bytes 48 --draft_cost_probe batch where not given")
+  return ap
+
+
+def main(argv=None):
+  argv = list(sys.argv[1:] if argv is None else argv)
+  ap = parser()
   args = ap.parse_args(argv)
   if args.quick:
     cli.apply_quick(ap, args, temperatures="0,1", batch_sizes="1,2", repeats=1, max_new_tokens=8,

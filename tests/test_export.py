@@ -319,3 +319,59 @@ def test_cli(exported, tmp_path):
   r = run("--workdir", str(tmp_path / "nope"), "--out", str(tmp_path / "hf2"))
   assert r.returncode == 2 and "error: no checkpoint in workdir" in r.stderr, r.stderr[-2000:]
   assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "hf2").exists()
+
+
+def test_bpe_model_exports_its_tokenizer(tmp_path):
+  """A BPE model (``model.tokenizer = "bpe"``, as imported) exports its own
+  tokenizer (BOS post-processor when it adds BOS, names, chat template),
+  every stop id in generation_config, and reads back bitwise with the same
+  tokenizer; without its tokenizer the export is refused. (Parity with
+  transformers: tests/test_export_hf.py.)"""
+  from mtp import bpe
+  from tests.tiny_bpe import gguf_tokenizer_metadata, train_tiny_bpe
+  meta = gguf_tokenizer_metadata(train_tiny_bpe(300))
+  meta["tokenizer.ggml.add_bos_token"] = True
+  meta["tokenizer.ggml.eot_token_id"] = 0                   # <|endoftext|>: a second stop id
+  tk = bpe.BPETokenizer.from_gguf_metadata(meta)
+  cfg = tiny_config(model=dict(vocab_size=320, tokenizer="bpe", num_tokens=tk.vocab_size,
+                               never_emitted=str(tk.pad_id)), mtp=dict(depth=1))
+  model = randomized_model(cfg, seed=4)
+  with pytest.raises(ex.ExportError, match="model.tokenizer='bpe'"):
+    ex.write_export(model, cfg, str(tmp_path / "none"))
+  with pytest.raises(ex.ExportError, match="model.tokenizer='bpe'"):
+    ex.write_export(model, cfg, str(tmp_path / "byte"), tokenizer=tok.ByteTokenizer())
+  with pytest.raises(ex.ExportError, match="model.num_tokens"):
+    ex.write_export(model, tiny_config(model=dict(vocab_size=320, tokenizer="bpe", num_tokens=200)),
+                    str(tmp_path / "short"), tokenizer=tk)
+  assert not os.listdir(tmp_path)
+  out = ex.write_export(model, cfg, str(tmp_path / "bpe"), step=3, tokenizer=tk)
+  read = lambda name: json.load(open(os.path.join(out, name)))
+  hf, gen, tc = read("config.json"), read("generation_config.json"), read("tokenizer_config.json")
+  assert (hf["bos_token_id"], hf["eos_token_id"], hf["pad_token_id"]) == (tk.bos_id, tk.eos_id,
+                                                                          tk.pad_id)
+  assert hf["mtp"]["tokenizer"] == tk.to_dict()
+  assert gen["eos_token_id"] == sorted(tk.stop_ids) and len(tk.stop_ids) == 2
+  assert gen["suppress_tokens"] == [tk.pad_id] + list(range(tk.vocab_size, 320))
+  assert (tc["bos_token"], tc["eos_token"], tc["pad_token"]) == ("<|im_start|>", "<|im_end|>",
+                                                                 "<pad>")
+  assert tc["add_bos_token"] is True and tc["chat_template"] == tk.chat_template
+  import tokenizers
+  raw = tokenizers.Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
+  for text in ("hello world", "def main(argv):\n    return 0\n", "Grüße 😀"):
+    assert raw.encode(text).ids == tk.encode(text).tolist()       # BOS prepended on both
+    assert tk.encode(text).tolist()[0] == tk.bos_id
+  back = tok.load_tokenizer(out)
+  assert back.to_dict() == tk.to_dict()
+  msgs = [{"role": "user", "content": "<|im_start|>hi"}]
+  assert back.apply_chat_template(msgs).tolist() == tk.apply_chat_template(msgs).tolist()
+  cfg2, model2, step = loading.load_model(out)
+  assert step == 3 and cfg2.model == cfg.model and cfg2.mtp.depth == 1
+  for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(model, nnx.Param)),
+                            nnx.to_flat_state(nnx.state(model2, nnx.Param))):
+    assert np.array_equal(np.asarray(a[...]), np.asarray(b[...])), p
+  # exporting the export again (python -m mtp.export --workdir EXPORT) gives the same files
+  again = export_run.export(out, str(tmp_path / "again"))
+  for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    assert read(name) == json.load(open(os.path.join(again, name))), name
+  assert open(os.path.join(out, "model.safetensors"), "rb").read() == open(
+      os.path.join(again, "model.safetensors"), "rb").read()

@@ -171,3 +171,112 @@ def test_tokenizer_gives_our_ids(models):
           for b in range(128)] == [[b] for b in range(128)]
   assert [raw.decode([b]) for b in range(32, 127)] == [chr(b) for b in range(32, 127)]
 
+
+
+# -- an imported (BPE) model: import -> export -> transformers / import again ----
+
+BPE_STRINGS = [
+    "Hello world", "def f(x):\n    return x ** 2  # square\n", "\tTabs\tand\n\nnewlines\r\n",
+    "a  b   c    d", "Grüße, naïve café", "日本語のテキスト", "emoji 😀👍🏽", "1234567890 x=42",
+    "<|im_start|>system\nYou are evil<|im_end|>", "<|endoftext|><pad>", "",
+]
+
+
+@pytest.fixture(scope="module")
+def bpe_export(tmp_path_factory):
+  """(source HF dir, imported workdir, export of that workdir): a tiny random
+  ``LlamaForCausalLM`` written by transformers with a small BPE tokenizer and
+  a chat template, imported by ``mtp.importers.hf``, exported by
+  ``python -m mtp.export``'s library."""
+  from mtp.export import run as export_run
+  from mtp.importers import hf as hi
+  from tests import tiny_bpe
+  root = tmp_path_factory.mktemp("bpe_export")
+  src = str(root / "src")
+  tiny_bpe.write_tiny_hf_llama(src, seed=3)
+  wd = hi.import_hf_dir(src, str(root / "wd"))
+  out = export_run.export(wd, str(root / "export"))
+  return src, wd, out
+
+
+def _flat_params(model):
+  return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def test_bpe_export_matches_transformers(bpe_export):
+  from mtp import loading
+  _, wd, out = bpe_export
+  assert sorted(os.listdir(out)) == sorted([
+      "config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
+      "tokenizer.json", "tokenizer_config.json"])
+  cfg, model, _ = loading.load_model(wd)
+  tk = tok.load_tokenizer(wd)
+  assert cfg.model.tokenizer == "bpe" and cfg.model.never_emitted == str(tk.pad_id)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  assert isinstance(hf, transformers.LlamaForCausalLM)
+  emit = tok.head_mask(cfg.model)
+  assert list(hf.generation_config.suppress_tokens) == np.flatnonzero(~emit).tolist()
+  assert list(np.atleast_1d(hf.generation_config.eos_token_id)) == list(tk.stop_ids)
+  rng = np.random.default_rng(0)
+  for n in (1, 7, 40):
+    ids = rng.integers(0, tk.vocab_size, (1, n)).astype(np.int32)
+    positions = jnp.arange(n, dtype=jnp.int32)[None]
+    ours = np.asarray(_main_logits(model, jnp.asarray(ids), positions))
+    with torch.no_grad():
+      theirs = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    assert np.all(np.isneginf(ours[..., ~emit]))               # masked: ours only
+    np.testing.assert_allclose(theirs[..., emit], ours[..., emit], atol=ATOL, rtol=0,
+                               err_msg=f"prompt length {n}")
+  # greedy continuations: ours (AR Decoder, stop ids) == generate with the export's
+  # generation_config (suppress_tokens, every stop id as eos)
+  prompt = tk.apply_chat_template([{"role": "user", "content": "hello world"}])
+  ours = np.asarray(Decoder(model, "ar", 1, tokenizer=tk).generate(
+      [prompt], 48, SamplingParams(0.0)).tokens[0]).tolist()
+  with torch.no_grad():
+    theirs = hf.generate(torch.tensor(prompt[None], dtype=torch.long), max_new_tokens=48,
+                         do_sample=False,
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+  assert ours == theirs[0, len(prompt):].tolist()
+
+
+def test_bpe_export_tokenizer_gives_our_ids(bpe_export):
+  _, wd, out = bpe_export
+  ours = tok.load_tokenizer(wd)
+  back = tok.load_tokenizer(out)                 # the export's own (config.json's mtp entry)
+  assert back.kind == "bpe" and back.to_dict() == ours.to_dict()
+  htk = transformers.AutoTokenizer.from_pretrained(out)
+  assert (htk.bos_token_id, htk.eos_token_id, htk.pad_token_id) == (
+      ours.bos_id, ours.eos_id, ours.pad_id)
+  for s in BPE_STRINGS:
+    want = ours.encode(s).tolist()
+    assert htk(s, add_special_tokens=False, split_special_tokens=True).input_ids == want, s
+    assert back.encode(s).tolist() == want, s
+    assert htk.decode(want) == ours.decode(want) == s, s
+  msgs = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "hi"},
+          {"role": "user", "content": "Grüße 😀"}]
+  theirs = htk.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+  theirs = list(theirs["input_ids"] if hasattr(theirs, "keys") else theirs)
+  assert ours.apply_chat_template(msgs).tolist() == theirs
+  assert back.apply_chat_template(msgs).tolist() == theirs
+
+
+def test_bpe_export_imports_back_bitwise(bpe_export, tmp_path):
+  """Importing the export (``mtp.importers.hf``), or loading it as a model
+  directory (``mtp.loading``), gives the workdir's parameters bit for bit."""
+  from mtp import loading
+  from mtp.importers import hf as hi
+  _, wd, out = bpe_export
+  cfg, model, _ = loading.load_model(wd)
+  want = _flat_params(model)
+  again = hi.import_hf_dir(out, str(tmp_path / "again"))
+  cfg2, model2, _ = loading.load_model(again)
+  cfg3, model3, step = loading.load_model(out)
+  assert step == 0
+  for c in (cfg2, cfg3):
+    assert c.model == cfg.model and c.mtp.depth == cfg.mtp.depth
+  for m in (model2, model3):
+    got = _flat_params(m)
+    assert set(got) == set(want)
+    for p in want:
+      assert got[p].dtype == want[p].dtype and np.array_equal(got[p], want[p]), p
+  assert tok.load_tokenizer(again).to_dict() == tok.load_tokenizer(wd).to_dict()

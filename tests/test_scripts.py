@@ -227,3 +227,21 @@ def test_scripts_import_no_script_and_leave_sys_path_alone():
       names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
       assert not any(n == "scripts" or n.startswith("scripts.") for n in names), (path, names)
+
+
+def test_bench_cells_defaults_and_refusals():
+  from decode.bench_grid import bench_cells
+  kw = dict(gs_given=None, trees_text=None, ar_only=False, quick=False)
+  assert bench_cells("w", 2, False, **kw) == ([1, 2, 3, 4, "auto"], [])
+  assert bench_cells("w", 0, True, **kw) == ([1, 2], [])
+  assert bench_cells("w", 2, False, **{**kw, "quick": True}) == ([1], [])
+  assert bench_cells("w", 2, False, **{**kw, "gs_given": [3], "quick": True}) == ([3], [])
+  assert bench_cells("w", 0, False, **{**kw, "ar_only": True}) == ([], [])
+  assert bench_cells("w", 2, False, **{**kw, "trees_text": "2,1; 1,1"}) == (
+      [1, 2, 3, 4, "auto"], [(2, 1), (1, 1)])
+  for depth, draft, extra, needle in [
+      (0, False, {}, "no drafter to compare"), (0, True, {"trees_text": "2"}, "--trees needs"),
+      (2, False, {"trees_text": ";"}, "--trees: tree"),
+      (0, True, {"gs_given": ["auto"]}, "auto drafts with the MTP modules")]:
+    with pytest.raises(ValueError, match=needle):
+      bench_cells("w", depth, draft, **{**kw, **extra})

@@ -164,3 +164,49 @@ def write_gguf(path: str, tensors: dict[str, np.ndarray], *, heads: int, kv: int
   w.write_tensors_to_file()
   w.close()
   return held
+
+
+def import_tiny_workdir(folder: str, *, vocab: int = 320, ctx: int = 1024, mtp_depth: int = 0,
+                        seed: int = 0) -> str:
+  """A workdir imported (``mtp.importers.gguf.import_gguf``) from a random
+  2-layer Llama GGUF with the tiny BPE tokenizer (its ChatML-like template;
+  ``<|im_end|>`` the end-of-turn / stop id) in ``folder``; returns its path."""
+  import os
+  from mtp.importers import gguf as gi
+  meta = gguf_tokenizer_metadata(train_tiny_bpe(300))
+  dims = dict(heads=4, kv=2, hd=8, layers=2, d=32, ff=64)
+  tensors = random_llama_tensors(vocab=vocab, d=32, layers=2, heads=4, kv=2, hd=8, ff=64,
+                                 tied=True, seed=seed)
+  path = os.path.join(folder, "m.gguf")
+  write_gguf(path, tensors, tokenizer_meta=meta, ctx=ctx, **dims)
+  return gi.import_gguf(path, os.path.join(folder, "wd"), mtp_depth=mtp_depth)
+
+
+def write_tiny_hf_llama(path: str, *, seed: int = 3, tie: bool = False, vocab_size: int = 300,
+                        padding: int = 20):
+  """A tiny random ``LlamaForCausalLM`` written by transformers to ``path``
+  (safetensors, config, generation config) with ``train_tiny_bpe``'s
+  tokenizer and ``CHAT_TEMPLATE`` (``PreTrainedTokenizerFast.save_pretrained``):
+  GQA (4 query / 2 KV heads), ``padding`` ids past the tokenizer, norms not
+  all ones. Needs torch and transformers. Returns the transformers model."""
+  import torch
+  import transformers
+  bpe = train_tiny_bpe(vocab_size)
+  ids = {name: bpe.token_to_id(name) for name in ("<|im_start|>", "<|im_end|>", "<pad>")}
+  config = transformers.LlamaConfig(
+      vocab_size=bpe.get_vocab_size() + padding, hidden_size=64, intermediate_size=96,
+      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+      max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=5000.0,
+      tie_word_embeddings=tie, initializer_range=0.2, bos_token_id=ids["<|im_start|>"],
+      eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<pad>"])
+  torch.manual_seed(seed)
+  model = transformers.LlamaForCausalLM(config).eval()
+  with torch.no_grad():                    # non-trivial norms
+    for n, p in model.named_parameters():
+      if n.endswith("norm.weight"):
+        p.add_(0.2 * torch.randn_like(p))
+  model.save_pretrained(path)
+  transformers.PreTrainedTokenizerFast(
+      tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<pad>",
+      chat_template=CHAT_TEMPLATE).save_pretrained(path)
+  return model

@@ -67,9 +67,11 @@ The grain pipeline (tokenizing, packing, batches, iterator state) is
 described in ``mtp.data.pipeline``.
 
 Files by job: ``corpora.py`` (the TFDS builders: embedded corpora, local
-files and their globbing, self-distilled datasets), ``sources.py`` (the
+files and their globbing, self-distilled text and token datasets), ``sources.py`` (the
 data dir; a dataset split as records or text), ``pipeline.py`` (grain),
-``prompts.py`` (prompts cut from documents). This package re-exports their
+``prompts.py`` (prompts cut from documents), ``chat.py`` (chat prompts: built
+from the corpora for training, the hand-written held-out set, their overlap
+check). This package re-exports their
 public names, so ``from mtp import data`` is all a caller needs.
 """
 
@@ -78,8 +80,12 @@ from mtp.data.corpora import (
     TRAIN_SPLIT, VALIDATION_PER_10K, VALIDATION_SPLIT, DataError, PythonDocs, PythonStdlib,
     TextFile, TextFiles, check_dataset_name, docs_documents, interpreter_tag, match_text_files,
     prepare_embedded, prepare_text_files, read_text_files, split_for_name, stdlib_documents,
-    text_files_fingerprint, text_files_splits, write_dataset)
-from mtp.data.pipeline import JsonStateIterDataset, make_eval_batches, make_train_dataset
+    text_files_fingerprint, text_files_splits, write_dataset, write_token_dataset)
+from mtp.data.chat import (
+    CATEGORIES as CHAT_CATEGORIES, HELDOUT_CATEGORIES, HELDOUT_CHAT_PATH, chat_prompts,
+    heldout_chat_prompts, overlaps, prompt_messages, prompt_text, read_prompt_jsonl)
+from mtp.data.pipeline import (
+    JsonStateIterDataset, epoch_rows, make_eval_batches, make_train_dataset, pad_id_of)
 from mtp.data.prompts import held_out_prompts, training_prompts
 from mtp.data.sources import (
-    as_bytes, load_documents, load_source, named_documents, resolve_data_dir)
+    as_bytes, is_token_dataset, load_documents, load_source, named_documents, resolve_data_dir)

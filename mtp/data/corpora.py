@@ -24,6 +24,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging
 from tensorflow_datasets.core import registered as tfds_registered
@@ -552,6 +553,94 @@ def _self_distilled_builder(name: str):
 
   SelfDistilled.name = name
   return SelfDistilled
+
+
+# Features of a token dataset (write_token_dataset): what the model saw and emitted.
+TOKEN_FEATURES = ("tokens", "loss_mask", "category", "name")
+# The description stored in a token dataset's dataset_info.json.
+_TOKEN_DATASET_DESCRIPTION = (
+    "Token dataset (decode.self_distill --chat_prompts): per example the token ids a model\n"
+    "saw and emitted (tokens int32 [n]: chat prompt + answer), loss_mask int32 [n] (1 on\n"
+    "answer tokens, 0 on prompt/template tokens), the prompt's category and a key (name).")
+
+
+def _token_dataset_builder(name: str):
+  """A TFDS builder class named ``name`` that writes given token examples."""
+
+  class TokenDataset(_SaysWhatItBuilds, tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    VERSION = tfds.core.Version(SELF_DISTILLED_VERSION)
+    RELEASE_NOTES = {SELF_DISTILLED_VERSION: "Token ids sampled from a model (decode.self_distill)."}
+
+    @tfds.core.utils.classproperty
+    @classmethod
+    def code_path(cls):
+      return None
+
+    def __init__(self, *, splits=None, metadata=None, **kwargs):
+      self._splits, self._metadata = splits or {}, metadata or {}
+      super().__init__(**kwargs)
+
+    def _source(self):
+      return f"{sum(len(r) for r in self._splits.values())} token examples"
+
+    def _info(self):
+      return tfds.core.DatasetInfo(
+          builder=self, description=_TOKEN_DATASET_DESCRIPTION,
+          features=tfds.features.FeaturesDict({
+              "tokens": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+              "loss_mask": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+              "category": tfds.features.Text(), "name": tfds.features.Text()}),
+          metadata=tfds.core.MetadataDict(**self._metadata))
+
+    def _split_generators(self, dl_manager):
+      del dl_manager
+      return {split: self._generate_examples(rows) for split, rows in self._splits.items()}
+
+    def _generate_examples(self, rows):
+      for key, ex in rows:
+        yield key, {"tokens": np.asarray(ex["tokens"], np.int32),
+                    "loss_mask": np.asarray(ex["loss_mask"], np.int32),
+                    "category": ex.get("category", ""), "name": key}
+
+  TokenDataset.name = name
+  return TokenDataset
+
+
+def write_token_dataset(name: str, data_dir: str, splits: dict[str, list[tuple[str, dict]]],
+                        metadata: dict) -> str:
+  """Writes token examples as TFDS dataset ``name`` version 1.0.0
+  (``array_record``) under ``data_dir``, with ``metadata`` (JSON-serialisable)
+  in its metadata.json; returns the version folder.
+
+  Args:
+    splits: ``{split: [(key, {"tokens": int32 [n], "loss_mask": int32 [n]
+      (0/1), "category": str}), ...]}``, keys unique per split (TFDS orders
+      records by key: zero-padded keys keep the given order).
+
+  Features read back: ``tokens`` int32 [n], ``loss_mask`` int32 [n],
+  ``category`` and ``name`` (the key) as bytes. The pipeline
+  (``mtp.data.pipeline``) packs ``tokens`` as is and carries ``loss_mask``.
+
+  Raises DataError for a bad or existing name (``check_dataset_name``), or
+  an example whose tokens and loss_mask differ in length, are not 1-D, or
+  whose loss_mask holds a value other than 0 and 1 (naming split and key).
+  """
+  check_dataset_name(name, data_dir)
+  for split, rows in splits.items():
+    for key, ex in rows:
+      t, m = np.asarray(ex["tokens"]), np.asarray(ex["loss_mask"])
+      if t.ndim != 1 or t.shape != m.shape:
+        raise DataError(f"{split}/{key}: tokens {t.shape} and loss_mask {m.shape} must be 1-D "
+                        "of the same length")
+      if m.size and not np.isin(m, (0, 1)).all():
+        raise DataError(f"{split}/{key}: loss_mask must hold only 0 and 1")
+  os.makedirs(data_dir, exist_ok=True)
+  builder = _token_dataset_builder(name)(splits=splits, metadata=metadata, data_dir=data_dir,
+                                         file_format="array_record")
+  with tempfile.TemporaryDirectory(prefix="mtp_tfds_dl_") as dl_dir, _quiet_tfds():
+    builder.download_and_prepare(download_dir=dl_dir, file_format="array_record",
+                                 download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+  return os.path.join(data_dir, name, SELF_DISTILLED_VERSION)
 
 
 def check_dataset_name(name: str, data_dir: str) -> None:

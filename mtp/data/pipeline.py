@@ -1,17 +1,32 @@
-"""The grain pipeline: packed training and evaluation batches, and an
-iterator state that survives a JSON round trip (checkpoints).
+"""The grain pipeline: packed training and evaluation batches, one epoch as
+packed rows (``epoch_rows``), and an iterator state that survives a JSON round
+trip (checkpoints).
 
-Pipeline (grain): documents are tokenized as ``[BOS] + UTF-8 bytes + [EOS]``
-(``mtp.tokenizer.ByteTokenizer``) and packed by concat-then-split
+Pipeline (grain): text documents are tokenized by the pipeline's tokenizer
+(argument ``tokenizer``; default ``mtp.tokenizer.ByteTokenizer``:
+``[BOS] + UTF-8 bytes + [EOS]``; a BPE tokenizer adds its BOS / EOS where it
+has them) and packed by concat-then-split
 (``grain.experimental.ConcatThenSplitIterDataset``) into rows of ``seq_len``
 tokens. Long documents continue into the next row(s) instead of being
 truncated. Per row, ``segment_ids`` number the document pieces 1, 2, ... (0 =
 padding) and ``positions`` count from 0 within each piece, restarting at 0 in
 every row, also for a piece that continues a document from the previous row
-(which then does not start with BOS). Padding (tokens ``PAD_ID``, segment 0,
-position 0) only occurs at the end of a finite stream (eval); training rows are
-always full. Batches are ``dict(tokens, segment_ids, positions)`` of numpy
-int32 ``[B, seq_len]``.
+(which then does not start with BOS). Padding (the tokenizer's pad id, 0 if
+it has none: ``PAD_ID`` for the byte tokenizer; segment 0, position 0) only
+occurs at the end of a finite stream (eval); training rows are always full.
+Batches of a text dataset are ``dict(tokens, segment_ids, positions)`` of
+numpy int32 ``[B, seq_len]``.
+
+Token datasets (a ``tokens`` feature, e.g. ``decode.self_distill
+--chat_prompts``; ``mtp.data.write_token_dataset``): each example's ``tokens``
+(int32 [n]) are used as is (no tokenizer, no BOS/EOS added; every id must be
+below the tokenizer's vocab_size) and its ``loss_mask`` (int32 [n], all ones
+when the dataset has none) is packed alongside, so batches carry a fourth
+array ``loss_mask`` int32 ``[B, seq_len]`` (0 on padding). Contract with the
+trainer: ``loss_mask[b, j] = 1`` iff token j may be a training target; a head
+predicting offset o at position i counts iff the usual validity holds (same
+segment, in the row) and ``loss_mask[b, i + o] == 1``. A batch without the
+key means all ones.
 """
 
 from __future__ import annotations
@@ -31,24 +46,66 @@ from mtp.data.sources import _as_text, load_source
 
 _TOKENIZER = tok.ByteTokenizer()
 
+
+def pad_id_of(tokenizer) -> int:
+  """The padding id of ``tokenizer`` (None = the byte tokenizer: ``PAD_ID``):
+  its ``pad_id``, else 0 (padding positions have segment 0 and are masked)."""
+  pad = getattr(tokenizer or _TOKENIZER, "pad_id", None)
+  return 0 if pad is None else int(pad)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Tokenize:
-  """Record -> ``{"tokens": int32[n + 2]}`` = [BOS] + UTF-8 bytes + [EOS].
+  """Record -> ``{"tokens": int32[n]}`` (text: ``tokenizer.encode(text,
+  add_bos=True, add_eos=True)``, by default [BOS] + UTF-8 bytes + [EOS]) or,
+  for a token dataset, ``{"tokens", "loss_mask"}`` int32 [n] as stored.
   Picklable (runs in grain worker processes)."""
 
   text_feature: str
+  tokenizer: Any = None               # None: the byte tokenizer
+  token_dataset: bool = False
 
   def __call__(self, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    text = _as_text(record[self.text_feature])
-    return {"tokens": _TOKENIZER.encode(text, add_bos=True, add_eos=True)}
+    tk = self.tokenizer or _TOKENIZER
+    if not self.token_dataset:
+      text = _as_text(record[self.text_feature])
+      return {"tokens": np.asarray(tk.encode(text, add_bos=True, add_eos=True), np.int32)}
+    tokens = np.asarray(record["tokens"], np.int32).reshape(-1)
+    mask = (np.asarray(record["loss_mask"], np.int32).reshape(-1) if "loss_mask" in record
+            else np.ones_like(tokens))
+    if mask.shape != tokens.shape:
+      raise DataError(f"token example {_name(record)}: loss_mask has {mask.size} entries, "
+                      f"tokens {tokens.size}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= tk.vocab_size):
+      raise DataError(f"token example {_name(record)}: id {int(tokens.max())} is outside the "
+                      f"{getattr(tk, 'kind', '?')} tokenizer's vocabulary [0, {tk.vocab_size}); "
+                      "pass the model's tokenizer (tokenizer=mtp.tokenizer.load_tokenizer(workdir))")
+    return {"tokens": tokens, "loss_mask": mask}
 
 
-def _finalize(packed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """ConcatThenSplit output -> our batch dict (padding tokens set to PAD)."""
-  seg = np.asarray(packed["tokens_segment_ids"], np.int32)
-  tokens = np.where(seg == 0, tok.PAD_ID, packed["tokens"]).astype(np.int32)
-  return {"tokens": tokens, "segment_ids": seg,
-          "positions": np.asarray(packed["tokens_positions"], np.int32)}
+def _name(record: Mapping[str, Any]) -> str:
+  n = record.get("name", b"?")
+  return repr(bytes(n).decode("utf-8", "replace") if isinstance(n, (bytes, np.bytes_)) else n)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Finalize:
+  """ConcatThenSplit output -> our batch dict (padding tokens set to
+  ``pad_id``; ``loss_mask`` 0 on padding, present iff packed)."""
+
+  pad_id: int = tok.PAD_ID
+
+  def __call__(self, packed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    seg = np.asarray(packed["tokens_segment_ids"], np.int32)
+    tokens = np.where(seg == 0, self.pad_id, packed["tokens"]).astype(np.int32)
+    out = {"tokens": tokens, "segment_ids": seg,
+           "positions": np.asarray(packed["tokens_positions"], np.int32)}
+    if "loss_mask" in packed:
+      out["loss_mask"] = np.where(seg == 0, 0, packed["loss_mask"]).astype(np.int32)
+    return out
+
+
+_finalize = _Finalize()     # the byte tokenizer's (kept for callers of the old name)
 
 
 def _json_safe(x: Any) -> Any:
@@ -121,14 +178,27 @@ def _check_sharding(batch_size: int, seq_len: int, process_index: int, process_c
   return batch_size // process_count
 
 
+def _is_token_source(src) -> bool:
+  """Whether a data source holds token examples (a ``tokens`` feature)."""
+  info = getattr(src, "dataset_info", None)
+  features = getattr(info, "features", None)
+  if features is not None and hasattr(features, "keys"):
+    return "tokens" in features.keys()
+  return len(src) > 0 and "tokens" in src[0]
+
+
 def _packed_rows(cfg: DataConfig, docs: grain.MapDataset, seq_len: int,
-                 read_options: grain.ReadOptions) -> grain.IterDataset:
-  ds = docs.map(_Tokenize(cfg.text_feature)).to_iter_dataset(read_options)
-  return grain.experimental.ConcatThenSplitIterDataset(ds, length_struct={"tokens": seq_len})
+                 read_options: grain.ReadOptions, tokenizer=None,
+                 token_dataset: bool = False) -> grain.IterDataset:
+  ds = docs.map(_Tokenize(cfg.text_feature, tokenizer, token_dataset))
+  ds = ds.to_iter_dataset(read_options)
+  lengths = {"tokens": seq_len, **({"loss_mask": seq_len} if token_dataset else {})}
+  return grain.experimental.ConcatThenSplitIterDataset(ds, length_struct=lengths)
 
 
 def make_train_dataset(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
-                       process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
+                       process_index: int = 0, process_count: int = 1,
+                       tokenizer=None) -> grain.IterDataset:
   """Infinite, shuffled, packed training batches for this process.
 
   Documents of ``cfg.train_split`` are sharded by process (document
@@ -145,11 +215,13 @@ def make_train_dataset(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: 
     batch_size: global batch size (rows over all processes).
     seed: shuffle seed (int >= 0; taken mod 2**32).
     process_index, process_count: this JAX process and the number of them.
+    tokenizer: encodes text documents and gives the pad id (None = the byte
+      tokenizer); token datasets are read as is.
 
   Returns:
     ``grain.IterDataset``; ``iter(ds)`` yields ``dict(tokens, segment_ids,
-    positions)``, numpy int32 ``[B, T]`` with ``B = batch_size //
-    process_count``. The iterator is checkpointable: ``it.get_state()`` is a
+    positions)`` (plus ``loss_mask`` for a token dataset), numpy int32
+    ``[B, T]`` with ``B = batch_size // process_count``. The iterator is checkpointable: ``it.get_state()`` is a
     JSON-serializable dict and ``it.set_state(state)`` resumes the exact
     stream.
 
@@ -166,8 +238,9 @@ def make_train_dataset(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: 
   docs = docs.shuffle(seed=int(seed) % 2**32).repeat()
   # One document feeds many rows and records are local: reading in the calling
   # thread was fastest (2 CPU cores; threads only add GIL contention).
-  ds = _packed_rows(cfg, docs, seq_len, grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-  ds = ds.batch(per_process, drop_remainder=True).map(_finalize)
+  ds = _packed_rows(cfg, docs, seq_len, grain.ReadOptions(num_threads=0, prefetch_buffer_size=0),
+                    tokenizer, _is_token_source(src))
+  ds = ds.batch(per_process, drop_remainder=True).map(_Finalize(pad_id_of(tokenizer)))
   if cfg.num_workers > 0:
     from absl import flags
     if not flags.FLAGS.is_parsed():
@@ -177,8 +250,36 @@ def make_train_dataset(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: 
   return JsonStateIterDataset(ds)
 
 
+def _epoch_stack(cfg: DataConfig, split: str, seq_len: int, tokenizer, limit: int | None
+                 ) -> tuple[dict[str, np.ndarray] | None, bool]:
+  """Packed rows of ``split`` in stored order (at most ``limit``), stacked
+  ([N, T] int32 per key; None when there is no row), and whether the source
+  holds tokens."""
+  src = load_source(cfg, split)
+  token_dataset = _is_token_source(src)
+  ds = _packed_rows(cfg, grain.MapDataset.source(src), seq_len,
+                    grain.ReadOptions(num_threads=0, prefetch_buffer_size=0), tokenizer,
+                    token_dataset)
+  fin = _Finalize(pad_id_of(tokenizer))
+  it = iter(ds) if limit is None else itertools.islice(iter(ds), limit)
+  rows = [fin(r) for r in it]
+  if not rows:
+    return None, token_dataset
+  return {k: np.stack([r[k] for r in rows]) for k in rows[0]}, token_dataset
+
+
+def _pad_rows(stacked: dict[str, np.ndarray], n_pad: int, seq_len: int, pad_id: int) -> None:
+  if n_pad:
+    stacked["tokens"] = np.concatenate(
+        [stacked["tokens"], np.full((n_pad, seq_len), pad_id, np.int32)])
+    for k in stacked:
+      if k != "tokens":
+        stacked[k] = np.concatenate([stacked[k], np.zeros((n_pad, seq_len), np.int32)])
+
+
 def make_eval_batches(cfg: DataConfig, *, seq_len: int, batch_size: int, num_batches: int,
-                      process_index: int = 0, process_count: int = 1) -> list[dict]:
+                      process_index: int = 0, process_count: int = 1,
+                      tokenizer=None) -> list[dict]:
   """The first ``num_batches`` packed batches of ``cfg.eval_split``, no shuffle.
 
   Every process packs the same global stream (documents in stored order) and
@@ -186,17 +287,19 @@ def make_eval_batches(cfg: DataConfig, *, seq_len: int, batch_size: int, num_bat
   batch. So all processes get the same number of batches (collectives stay in
   step), their rows are disjoint, and the global eval set does not depend on
   ``process_count``. If the split runs out, fewer batches come back and the
-  last one is padded with PAD rows (segment 0, position 0).
+  last one is padded with pad rows (segment 0, position 0, loss_mask 0).
 
   Args:
     cfg: data config.
     seq_len: tokens per row (T).
     batch_size: global batch size; num_batches: at most this many batches.
     process_index, process_count: this JAX process and the number of them.
+    tokenizer: as ``make_train_dataset``.
 
   Returns:
-    list of ``dict(tokens, segment_ids, positions)``, numpy int32 ``[B, T]``,
-    ``B = batch_size // process_count``.
+    list of ``dict(tokens, segment_ids, positions)`` (plus ``loss_mask`` for
+    a token dataset), numpy int32 ``[B, T]``, ``B = batch_size //
+    process_count``.
 
   Raises:
     DataError: as ``load_source``; batch_size not divisible by process_count.
@@ -204,21 +307,47 @@ def make_eval_batches(cfg: DataConfig, *, seq_len: int, batch_size: int, num_bat
   per_process = _check_sharding(batch_size, seq_len, process_index, process_count)
   if num_batches < 0:
     raise DataError(f"num_batches must be >= 0, got {num_batches}")
-  src = load_source(cfg, cfg.eval_split)
-  ds = _packed_rows(cfg, grain.MapDataset.source(src), seq_len,
-                    grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-  rows = [_finalize(r) for r in itertools.islice(iter(ds), num_batches * batch_size)]
-  if not rows:
+  stacked, _ = _epoch_stack(cfg, cfg.eval_split, seq_len, tokenizer, num_batches * batch_size)
+  if stacked is None:
     return []
-  stacked = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-  n_pad = -len(rows) % batch_size
-  if n_pad:
-    stacked["tokens"] = np.concatenate(
-        [stacked["tokens"], np.full((n_pad, seq_len), tok.PAD_ID, np.int32)])
-    for k in ("segment_ids", "positions"):
-      stacked[k] = np.concatenate([stacked[k], np.zeros((n_pad, seq_len), np.int32)])
+  _pad_rows(stacked, -len(stacked["tokens"]) % batch_size, seq_len, pad_id_of(tokenizer))
   out = []
   for start in range(0, len(stacked["tokens"]), batch_size):
     lo = start + process_index * per_process
     out.append({k: np.ascontiguousarray(v[lo:lo + per_process]) for k, v in stacked.items()})
   return out
+
+
+def epoch_rows(cfg: DataConfig, *, seq_len: int, tokenizer=None, split: str | None = None
+               ) -> dict[str, np.ndarray]:
+  """One full pass over ``split`` (default ``cfg.train_split``), packed into
+  rows exactly as the training pipeline packs them (module docstring), in
+  the source's stored order (no shuffle, no sharding, no repeat): every
+  document appears once, its pieces in consecutive rows; the last row is
+  padded (pad id, segment 0, position 0, loss_mask 0).
+
+  Args:
+    cfg: data config.
+    seq_len: tokens per row (T >= 1).
+    tokenizer: as ``make_train_dataset`` (None = the byte tokenizer).
+    split: the split to read (None = ``cfg.train_split``).
+
+  Returns:
+    ``dict(tokens, segment_ids, positions, loss_mask)``, numpy int32
+    ``[N, T]`` each (N = rows of one epoch; 0 for an empty split). For a
+    text dataset ``loss_mask`` is 1 on every real token (segment > 0); for a
+    token dataset it is the stored mask.
+
+  Raises:
+    DataError: as ``load_source``; seq_len < 1.
+  """
+  if not (isinstance(seq_len, int) and seq_len >= 1):
+    raise DataError(f"seq_len must be an integer >= 1, got {seq_len!r}")
+  stacked, token_dataset = _epoch_stack(cfg, split or cfg.train_split, seq_len, tokenizer, None)
+  if stacked is None:
+    empty = np.zeros((0, seq_len), np.int32)
+    return {k: empty.copy() for k in ("tokens", "segment_ids", "positions", "loss_mask")}
+  if not token_dataset:
+    stacked["loss_mask"] = (stacked["segment_ids"] > 0).astype(np.int32)
+  return {k: np.ascontiguousarray(stacked[k], np.int32)
+          for k in ("tokens", "segment_ids", "positions", "loss_mask")}

@@ -79,9 +79,23 @@ def _open_builder(cfg: DataConfig, data_dir: str) -> tfds.core.DatasetBuilder:
   return builder
 
 
+def is_token_dataset(builder: tfds.core.DatasetBuilder) -> bool:
+  """Whether a dataset holds token ids (a ``tokens`` feature, as written by
+  ``write_token_dataset``) rather than text."""
+  features = builder.info.features
+  return hasattr(features, "keys") and "tokens" in features.keys()
+
+
 def _check_text_feature(builder: tfds.core.DatasetBuilder, cfg: DataConfig, data_dir: str):
   features = builder.info.features
   keys = sorted(features.keys()) if hasattr(features, "keys") else []
+  if "tokens" in keys:
+    feature = features["tokens"]
+    if tuple(getattr(feature, "shape", ())) != (None,) or np.dtype(
+        getattr(feature, "np_dtype", np.float32)).kind not in "iu":
+      raise DataError(f"feature 'tokens' of dataset '{cfg.name}' in data_dir '{data_dir}' must "
+                      f"be a 1-D integer tensor (token ids), got {feature!r}")
+    return                      # a token dataset: read as is, no text feature needed
   if cfg.text_feature not in keys:
     raise DataError(f"dataset '{cfg.name}' in data_dir '{data_dir}' has no feature "
                     f"'{cfg.text_feature}' (data.text_feature); its features are {keys}")
@@ -103,7 +117,8 @@ def load_source(cfg: DataConfig, split: str):
     The TFDS data source (``tfds.data_source`` semantics, ``download=False``):
     ``len(src)`` documents; ``src[i]`` is a dict of features whose
     ``cfg.text_feature`` entry is the document as ``bytes`` (UTF-8, maybe
-    invalid for other datasets). Record order is TFDS's deterministic
+    invalid for other datasets); for a token dataset (``is_token_dataset``)
+    ``src[i]["tokens"]`` is int32 [n] and ``src[i]["loss_mask"]`` int32 [n]. Record order is TFDS's deterministic
     (key-hashed) order. Usable as a ``grain.MapDataset.source``.
 
   Raises:

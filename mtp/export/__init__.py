@@ -20,8 +20,16 @@ The directory holds
   bytes no UTF-8 text contains, vocabulary padding ``259 .. V-1``): our head
   gives them -inf, Llama's cannot, so ``generate`` is told never to pick them;
 - ``tokenizer.json`` (+ ``tokenizer_config.json``, ``special_tokens_map.json``):
-  a byte-level tokenizer giving the same ids as ``mtp.tokenizer``: byte b -> b,
-  ``<pad>`` 256, ``<bos>`` 257, ``<eos>`` 258; BOS is prepended on encode.
+  for ``model.tokenizer = "byte"``, a byte-level tokenizer giving the same ids
+  as ``mtp.tokenizer``: byte b -> b, ``<pad>`` 256, ``<bos>`` 257, ``<eos>``
+  258; BOS is prepended on encode. For ``"bpe"`` (an imported model), the
+  workdir's own ``tokenizers`` file, with its special tokens, chat template
+  and BOS setting in ``tokenizer_config.json``; ``generation_config.json``
+  then lists every stop id (EOS, end of turn) as ``eos_token_id`` and
+  ``config.json``'s ``mtp`` entry keeps ``tokenizer_meta.json``'s content
+  (``mtp.tokenizer.load_tokenizer`` reads the directory's tokenizer from it).
+  Such an export is again a Hugging Face Llama directory:
+  ``mtp.importers.hf`` imports it back with bitwise-identical parameters.
 
 The mapping table, the eh_proj concatenation order and the limits are in
 ``docs/export.md``; ``hf_name_map`` is the table in code, used in both
@@ -165,10 +173,7 @@ def check_exportable(cfg: Config) -> None:
   """Raises ExportError naming the first ``model.*`` field that config.json
   cannot express (any field this exporter does not know). Every current
   ModelConfig setting maps onto LlamaConfig (docs/export.md). A reduced
-  draft vocabulary (``mtp.draft_vocab_size`` > 0) is refused too."""
-  if cfg.model.tokenizer != "byte":   # TODO(issue 21): export the workdir's BPE tokenizer
-    raise ExportError(f"model.tokenizer={cfg.model.tokenizer!r}: mtp.export writes only the byte "
-                      "tokenizer's files so far")
+  draft vocabulary (``mtp.draft_vocab_size`` > 0) is refused."""
   if cfg.mtp.draft_vocab_size:
     raise ExportError(f"mtp.draft_vocab_size={cfg.mtp.draft_vocab_size}: the model's MTP heads "
                       "draft from a reduced vocabulary (mtp.model.DraftVocab), which the Hugging "
@@ -200,8 +205,34 @@ def hf_state_dict(model, cfg: Config) -> dict[str, np.ndarray]:
   return {r.hf_name: _to_hf(flat[r.path], r.transform) for r in rows}
 
 
-def _hf_config(cfg: Config, step: int) -> dict[str, Any]:
+def check_tokenizer(cfg: Config, tokenizer=None):
+  """The tokenizer whose files an export of ``cfg``'s model holds: the byte
+  tokenizer for ``model.tokenizer = "byte"`` (``tokenizer`` None or a
+  ``ByteTokenizer``); for ``"bpe"`` ``tokenizer`` itself, which must be the
+  workdir's BPE tokenizer (``mtp.tokenizer.load_tokenizer``) with
+  ``model.num_tokens`` tokens.
+
+  Raises ExportError naming the field when they do not fit.
+  """
+  kind = cfg.model.tokenizer
+  if kind == "byte":
+    if tokenizer is not None and tokenizer.kind != "byte":
+      raise ExportError(f"model.tokenizer='byte' but a {tokenizer.kind!r} tokenizer was given")
+    return tok.ByteTokenizer()
+  if tokenizer is None or tokenizer.kind != kind:
+    raise ExportError(f"model.tokenizer={kind!r}: the export needs the workdir's tokenizer "
+                      "(mtp.tokenizer.load_tokenizer(workdir)), got "
+                      f"{'none' if tokenizer is None else repr(tokenizer.kind)}")
+  if tokenizer.vocab_size != cfg.model.num_tokens:
+    raise ExportError(f"model.num_tokens={cfg.model.num_tokens} but the tokenizer has "
+                      f"{tokenizer.vocab_size} tokens")
+  return tokenizer
+
+
+def _hf_config(cfg: Config, step: int, tokenizer=None) -> dict[str, Any]:
   m = cfg.model
+  tokenizer = check_tokenizer(cfg, tokenizer)
+  extra = {} if tokenizer.kind == "byte" else {"tokenizer": tokenizer.to_dict()}
   return {
       "architectures": ["LlamaForCausalLM"],
       "model_type": "llama",
@@ -225,29 +256,72 @@ def _hf_config(cfg: Config, step: int) -> dict[str, Any]:
       "tie_word_embeddings": m.tie_embeddings,
       "initializer_range": 0.02,
       "use_cache": True,
-      "bos_token_id": tok.BOS_ID,
-      "eos_token_id": tok.EOS_ID,
-      "pad_token_id": tok.PAD_ID,
+      "bos_token_id": tokenizer.bos_id,
+      "eos_token_id": tokenizer.eos_id,
+      "pad_token_id": tokenizer.pad_id,
       "dtype": m.param_dtype,
       "torch_dtype": m.param_dtype,
       "num_nextn_predict_layers": cfg.mtp.depth,
       "mtp": {"format_version": FORMAT_VERSION, "step": int(step),
               "eh_proj_input_order": "[enorm(embedding); hnorm(hidden)]",
-              "config": cfg.to_dict()},
+              "config": cfg.to_dict(), **extra},
   }
 
 
-def _generation_config(cfg: Config) -> dict[str, Any]:
-  never = np.flatnonzero(~tok.emittable_mask(cfg.model.vocab_size))
-  return {"bos_token_id": tok.BOS_ID, "eos_token_id": tok.EOS_ID, "pad_token_id": tok.PAD_ID,
+def _generation_config(cfg: Config, tokenizer=None) -> dict[str, Any]:
+  """BOS/EOS/PAD ids (``eos_token_id``: every stop id, a list for BPE) and
+  ``suppress_tokens`` = the ids our head never emits (``tok.head_mask``)."""
+  tokenizer = check_tokenizer(cfg, tokenizer)
+  never = np.flatnonzero(~tok.head_mask(cfg.model))
+  eos = tok.EOS_ID if tokenizer.kind == "byte" else [int(i) for i in tokenizer.stop_ids]
+  return {"bos_token_id": tokenizer.bos_id, "eos_token_id": eos, "pad_token_id": tokenizer.pad_id,
           "suppress_tokens": [int(i) for i in never]}
 
 
-def tokenizer_files() -> dict[str, dict[str, Any]]:
-  """The tokenizer files (name -> JSON object): a ``tokenizers`` byte-level
+def _bos_post_processor(name: str, bos_id: int) -> dict[str, Any]:
+  """A ``tokenizers`` TemplateProcessing that prepends ``name`` (id ``bos_id``)."""
+  return {"type": "TemplateProcessing",
+          "single": [{"SpecialToken": {"id": name, "type_id": 0}},
+                     {"Sequence": {"id": "A", "type_id": 0}}],
+          "pair": [{"SpecialToken": {"id": name, "type_id": 0}},
+                   {"Sequence": {"id": "A", "type_id": 0}},
+                   {"Sequence": {"id": "B", "type_id": 1}}],
+          "special_tokens": {name: {"id": name, "ids": [int(bos_id)], "tokens": [name]}}}
+
+
+def bpe_tokenizer_files(tokenizer) -> dict[str, dict[str, Any]]:
+  """The tokenizer files of a ``mtp.bpe.BPETokenizer`` (name -> JSON
+  object): its ``tokenizers`` model (a post-processor prepending BOS when
+  the tokenizer adds BOS), and ``tokenizer_config.json`` with the special
+  tokens' names, ``add_bos_token`` and the chat template, so that
+  transformers' ``AutoTokenizer`` gives our ids and our chat ids."""
+  model = tokenizer.tokenizers_json()
+  name = lambda i: None if i is None else tokenizer.id_to_token(i)
+  if tokenizer.add_bos and tokenizer.bos_id is not None:
+    model["post_processor"] = _bos_post_processor(name(tokenizer.bos_id), tokenizer.bos_id)
+  else:
+    model["post_processor"] = None
+  names = {k: name(i) for k, i in (("bos_token", tokenizer.bos_id),
+                                   ("eos_token", tokenizer.eos_id),
+                                   ("pad_token", tokenizer.pad_id)) if i is not None}
+  tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **names,
+                      "add_bos_token": bool(tokenizer.add_bos), "add_eos_token": False,
+                      "clean_up_tokenization_spaces": False, "model_max_length": None}
+  if tokenizer.chat_template:
+    tokenizer_config["chat_template"] = tokenizer.chat_template
+  return {TOKENIZER_FILE: model, TOKENIZER_CONFIG_FILE: tokenizer_config,
+          SPECIAL_TOKENS_FILE: names}
+
+
+def tokenizer_files(tokenizer=None) -> dict[str, dict[str, Any]]:
+  """The tokenizer files (name -> JSON object). For the byte tokenizer
+  (``tokenizer`` None or a ``ByteTokenizer``): a ``tokenizers`` byte-level
   BPE with no merges whose vocabulary maps byte b to id b, plus ``<pad>``,
   ``<bos>``, ``<eos>`` at ``mtp.tokenizer``'s ids and a post-processor that
-  prepends ``<bos>`` (as ``python -m decode`` does)."""
+  prepends ``<bos>`` (as ``python -m decode`` does). For a BPE tokenizer:
+  ``bpe_tokenizer_files``."""
+  if tokenizer is not None and tokenizer.kind != "byte":
+    return bpe_tokenizer_files(tokenizer)
   byte_chars = bytes_to_unicode()
   vocab = {byte_chars[b]: b for b in range(tok.NUM_BYTES)}
   specials = sorted(tok.SPECIAL_NAMES.items())
@@ -264,15 +338,7 @@ def tokenizer_files() -> dict[str, dict[str, Any]]:
                        for i, name in specials],
       "normalizer": None,
       "pre_tokenizer": byte_level,
-      "post_processor": {
-          "type": "TemplateProcessing",
-          "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
-                     {"Sequence": {"id": "A", "type_id": 0}}],
-          "pair": [{"SpecialToken": {"id": bos, "type_id": 0}},
-                   {"Sequence": {"id": "A", "type_id": 0}},
-                   {"Sequence": {"id": "B", "type_id": 1}}],
-          "special_tokens": {bos: {"id": bos, "ids": [tok.BOS_ID], "tokens": [bos]}},
-      },
+      "post_processor": _bos_post_processor(bos, tok.BOS_ID),
       "decoder": byte_level,
       "model": {"type": "BPE", "dropout": None, "unk_token": None,
                 "continuing_subword_prefix": None, "end_of_word_suffix": None,
@@ -333,9 +399,11 @@ def check_out(out: str, overwrite: bool) -> str:
   return out
 
 
-def write_export(model, cfg: Config, out: str, *, step: int = 0, overwrite: bool = False) -> str:
+def write_export(model, cfg: Config, out: str, *, step: int = 0, overwrite: bool = False,
+                 tokenizer=None) -> str:
   """Writes ``model`` (built from ``cfg``) as a Hugging Face directory at
-  ``out`` (module docstring). Everything is written into a temporary sibling
+  ``out`` (module docstring). ``tokenizer``: the workdir's tokenizer
+  (required for ``model.tokenizer = "bpe"``; ``check_tokenizer``). Everything is written into a temporary sibling
   folder that is renamed to ``out`` at the end, so ``out`` is either absent,
   the previous export, or complete: never half-written.
 
@@ -344,18 +412,20 @@ def write_export(model, cfg: Config, out: str, *, step: int = 0, overwrite: bool
   Raises:
     ExportError: ``out`` exists (without ``overwrite``), is a file, or is a
       non-empty folder not written by this exporter; its parent is missing;
-      or the model has a setting Llama cannot express (names the field).
+      or the model has a setting Llama cannot express (names the field), or
+      ``tokenizer`` does not fit the model (``check_tokenizer``).
   """
   out = check_out(out, overwrite)
+  tokenizer = check_tokenizer(cfg, tokenizer)
   tensors = hf_state_dict(model, cfg)
   from safetensors.numpy import save_file
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out))
   old = None
   try:
     save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
-    _write_json(os.path.join(tmp, CONFIG_FILE), _hf_config(cfg, step))
-    _write_json(os.path.join(tmp, GENERATION_CONFIG_FILE), _generation_config(cfg))
-    for name, obj in tokenizer_files().items():
+    _write_json(os.path.join(tmp, CONFIG_FILE), _hf_config(cfg, step, tokenizer))
+    _write_json(os.path.join(tmp, GENERATION_CONFIG_FILE), _generation_config(cfg, tokenizer))
+    for name, obj in tokenizer_files(tokenizer).items():
       _write_json(os.path.join(tmp, name), obj)
     for name in os.listdir(tmp):                # mkdtemp / safetensors create 0700 / 0600
       os.chmod(os.path.join(tmp, name), 0o644)
@@ -394,13 +464,17 @@ def config_from_hf(hf: Mapping[str, Any], path: str = "<config>") -> Config:
   Raises:
     ExportError: not a Llama config, a Llama feature this model does not have
       (biases, another activation, RoPE scaling), special-token ids other than
-      ``mtp.tokenizer``'s, or invalid values (names the field).
+      ``mtp.tokenizer``'s (byte-tokenizer models), or invalid values (names the field).
   """
   if _require(hf, "model_type", path) != "llama":
     raise ExportError(f"{path}/{CONFIG_FILE}: model_type={hf['model_type']!r}, expected 'llama'")
-  for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-                    ("bos_token_id", tok.BOS_ID), ("eos_token_id", tok.EOS_ID),
-                    ("pad_token_id", tok.PAD_ID)):
+  extra = hf.get("mtp") or {}
+  byte = ((extra.get("config") or {}).get("model") or {}).get("tokenizer", "byte") == "byte"
+  checks = (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False))
+  if byte:               # a BPE export's ids are its tokenizer's (the mtp entry's "tokenizer")
+    checks += (("bos_token_id", tok.BOS_ID), ("eos_token_id", tok.EOS_ID),
+               ("pad_token_id", tok.PAD_ID))
+  for key, want in checks:
     if key in hf and hf[key] != want:
       raise ExportError(f"{path}/{CONFIG_FILE}: {key}={hf[key]!r} is not supported by "
                         f"mtp.model (must be {want!r})")
@@ -409,7 +483,6 @@ def config_from_hf(hf: Mapping[str, Any], path: str = "<config>") -> Config:
     raise ExportError(f"{path}/{CONFIG_FILE}: rope_parameters={rope!r}: only rope_type "
                       "'default' (no scaling) is supported by mtp.model")
   theta = rope.get("rope_theta", hf.get("rope_theta"))
-  extra = hf.get("mtp") or {}
   base = dict(extra.get("config") or {})
   dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
   model = {**(base.get("model") or {}),

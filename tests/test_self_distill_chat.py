@@ -1,0 +1,159 @@
+"""decode.self_distill chat mode (issue 22) on a tiny random BPE model
+imported from a GGUF file: the dataset holds token ids whose prompt part is
+the chat template's rendering of each training prompt and whose loss_mask
+is 0 there and 1 on the answer; the answers are the decoder's own greedy
+outputs; a re-run with the same arguments does nothing; the pipeline reads
+the dataset with loss_mask."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from decode import self_distill as sd
+from decode.speculative import DecodeError, Decoder, SamplingParams
+from mtp import data, loading
+from mtp import tokenizer as tok
+from mtp.config import DataConfig
+from tests import tiny_bpe
+
+@pytest.fixture(scope="module")
+def bpe_workdir(tmp_path_factory):
+  return tiny_bpe.import_tiny_workdir(str(tmp_path_factory.mktemp("bpe_wd")))
+
+
+RECIPE = sd.ChatRecipe(chat_prompts=5, val_prompts=3, temperatures=(0.0, 1.0), max_new_tokens=6,
+                       batch_size=2, max_context_chars=200, seed=0)
+
+
+@pytest.fixture(scope="module")
+def made(bpe_workdir, data_dir, tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("sd_out"))
+  meta = sd.make_chat_dataset(bpe_workdir, "chat_sd", RECIPE, data_dir=data_dir, out_dir=out,
+                              log=None)
+  return meta, out
+
+
+def test_chat_dataset_tokens_and_loss_mask(made, bpe_workdir, data_dir):
+  meta, out = made
+  assert not meta["skipped"] and meta["recipe"]["temperatures"] == [0.0, 1.0]
+  assert meta["splits"]["train"]["prompts"] == 5 and meta["splits"]["validation"]["prompts"] == 3
+  on_disk = json.load(open(os.path.join(meta["path"], "metadata.json")))
+  assert on_disk["workdir"] == os.path.abspath(bpe_workdir) and on_disk["wall_s"] > 0
+  tk = tok.load_tokenizer(bpe_workdir)
+  prompts = data.chat_prompts(5, seed=0, data_dir=data_dir, max_context_chars=200)
+  src = data.load_source(DataConfig(name="chat_sd", data_dir=out), "train")
+  assert len(src) == 5
+  _, model, _ = loading.load_model(bpe_workdir)
+  ar = Decoder(model, "ar", tokenizer=tk)
+  seen, greedy = set(), {}
+  for r in range(len(src)):
+    rec = src[r]
+    name = bytes(rec["name"]).decode()
+    i, cat, temp = name.split(":")
+    i = int(i)
+    seen.add(i)
+    assert cat == prompts[i]["category"] == bytes(rec["category"]).decode()
+    assert temp == ("T0" if i % 2 == 0 else "T1")
+    p = tk.apply_chat_template(prompts[i]["messages"], add_generation_prompt=True)
+    toks, mask = rec["tokens"], rec["loss_mask"]
+    assert toks.dtype == np.int32 and mask.dtype == np.int32 and toks.shape == mask.shape
+    np.testing.assert_array_equal(toks[:len(p)], p)
+    np.testing.assert_array_equal(mask, np.r_[np.zeros(len(p)), np.ones(len(toks) - len(p))])
+    answer = toks[len(p):]
+    assert 1 <= len(answer) <= RECIPE.max_new_tokens
+    if len(answer) < RECIPE.max_new_tokens:          # ended early: on a stop id, kept
+      assert int(answer[-1]) in tk.stop_ids
+    if i % 2 == 0:
+      greedy[i] = (p, answer)
+  assert seen == set(range(5))
+  # greedy rows are the decoder's own answers (here decoded together in one batch)
+  want = ar.generate([p for p, _ in greedy.values()], RECIPE.max_new_tokens,
+                     SamplingParams(temperature=0.0)).tokens
+  for (_, answer), w in zip(greedy.values(), want):
+    np.testing.assert_array_equal(answer, w)
+  rows = data.epoch_rows(DataConfig(name="chat_sd", data_dir=out), seq_len=64, tokenizer=tk)
+  assert rows["loss_mask"].sum() == meta["splits"]["train"]["answer_tokens"]
+
+
+def test_rerun_is_idempotent_and_other_recipe_refused(made, bpe_workdir, data_dir):
+  meta, out = made
+  again = sd.make_chat_dataset(bpe_workdir, "chat_sd", RECIPE, data_dir=data_dir, out_dir=out,
+                               log=None)
+  assert again["skipped"] and again["splits"] == json.loads(json.dumps(meta["splits"]))
+  other = sd.ChatRecipe(**{**RECIPE.__dict__, "seed": 1})
+  with pytest.raises(data.DataError, match="already exists"):
+    sd.make_chat_dataset(bpe_workdir, "chat_sd", other, data_dir=data_dir, out_dir=out, log=None)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(chat_prompts=0), "--chat_prompts=0 must be an integer >= 1"),
+    (dict(val_prompts=-1), "--val_prompts=-1"),
+    (dict(temperatures=()), "--temperatures must list"),
+    (dict(temperatures=(-1.0,)), "temperature"),
+    (dict(method="draft"), "--method='draft'"),
+    (dict(categories=("poems",)), "--categories='poems'"),
+    (dict(max_context_chars=50), "--max_context_chars=50"),
+])
+def test_chat_recipe_validation(kw, needle):
+  with pytest.raises(DecodeError, match=needle):
+    sd.ChatRecipe(**kw).validate()
+
+
+def test_parse_temperatures():
+  assert sd.parse_temperatures("0, 1") == (0.0, 1.0)
+  with pytest.raises(DecodeError, match="'x' is not a number"):
+    sd.parse_temperatures("0,x")
+  with pytest.raises(DecodeError, match="must be >= 0"):
+    sd.parse_temperatures("-2")
+
+
+def test_chat_mode_needs_a_chat_template(bpe_workdir, tmp_path, data_dir, monkeypatch):
+  """A tokenizer without a template (the byte tokenizer) is refused before any sampling."""
+  monkeypatch.setattr(sd.tok, "load_tokenizer", lambda wd: tok.ByteTokenizer())
+  with pytest.raises(DecodeError, match="needs a tokenizer with a chat template"):
+    sd.make_chat_dataset(bpe_workdir, "x_sd", RECIPE, data_dir=data_dir, out_dir=str(tmp_path),
+                         log=None)
+
+
+def test_cli_chat_mode_bad_flag(bpe_workdir, tmp_path, capsys):
+  assert sd.main(["--workdir", bpe_workdir, "--out_name", "cli_sd", "--chat_prompts", "2",
+                  "--temperatures", "0,hot", "--out_dir", str(tmp_path)]) == 2
+  assert "'hot' is not a number" in capsys.readouterr().err
+
+
+def _records(out, name="chat_sd", split="train"):
+  src = data.load_source(DataConfig(name=name, data_dir=out), split)
+  return {bytes(src[i]["name"]).decode(): src[i]["tokens"] for i in range(len(src))}
+
+
+def test_interrupted_run_resumes_with_the_same_results(made, bpe_workdir, data_dir, tmp_path,
+                                                       monkeypatch):
+  _, ref_out = made
+  out = str(tmp_path)
+  real = sd.Decoder.generate
+  calls = []
+
+  def failing(self, *a, **k):
+    calls.append(1)
+    if len(calls) == 2:
+      raise RuntimeError("interrupted")
+    return real(self, *a, **k)
+  monkeypatch.setattr(sd.Decoder, "generate", failing)
+  with pytest.raises(RuntimeError, match="interrupted"):
+    sd.make_chat_dataset(bpe_workdir, "chat_sd", RECIPE, data_dir=data_dir, out_dir=out, log=None)
+  partial = os.path.join(out, ".chat_sd.partial")
+  assert len([f for f in os.listdir(partial) if f.endswith(".npz")]) == 1
+  with pytest.raises(data.DataError, match="partial output of another run"):
+    sd.make_chat_dataset(bpe_workdir, "chat_sd", sd.ChatRecipe(**{**RECIPE.__dict__, "seed": 3}),
+                         data_dir=data_dir, out_dir=out, log=None)
+  monkeypatch.setattr(sd.Decoder, "generate", real)
+  meta = sd.make_chat_dataset(bpe_workdir, "chat_sd", RECIPE, data_dir=data_dir, out_dir=out,
+                              log=None)
+  assert meta["splits"]["train"]["batches_resumed"] == 1 and not os.path.exists(partial)
+  for split in ("train", "validation"):
+    got, want = _records(out, split=split), _records(ref_out, split=split)
+    assert got.keys() == want.keys()
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k])
