@@ -330,3 +330,17 @@ def test_loss_with_vprime_is_finite_and_its_teacher_is_the_renormalised_restrict
   _, plain = losses.mtp_loss(ModelOutput(jnp.asarray(main), (jnp.asarray(main),), ()),
                              jnp.asarray(tokens), None, 1.0)
   assert set(plain["mtp_1"]) == {"nll", "count", "correct", "byte_nll", "byte_count", "kl", "agree"}
+
+
+def test_bench_draft_head_quick(tmp_path):
+  import importlib
+  import json
+  out = str(tmp_path / "bdh")
+  importlib.import_module("scripts.bench_draft_head").main(
+      ["--d_model", "32", "--vocab", "300", "--draft_vocab", "64", "--tokens", "1",
+       "--repeats", "1", "--out", out])
+  results = json.load(open(out + ".json"))["results"]
+  assert {(r["draft_vocab"], r["variant"]) for r in results} == {
+      (v, k) for v in (300, 64) for k in ("logits", "argmax", "sample")}
+  assert all(r["call_us"] > 0 and r["loop_us"] > 0 for r in results)
+  assert open(out + ".md").readline().startswith("Command: `python scripts/bench_draft_head.py")
