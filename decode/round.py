@@ -69,7 +69,7 @@ def split_keys(state: DecodeState, params: SamplingParams):
 
 
 def flag_non_finite(state: DecodeState, target_logits, draft_q, n, positions=None, *,
-                    allowed) -> DecodeState:
+                    allowed, draft_allowed=None) -> DecodeState:
   """Sets ``error``/``error_pos`` of rows (still active and not yet failed)
   whose target logits [B, T, V] or draft q [B, G, V] (probabilities or
   logits) hold NaN or +-inf at an emittable id (``allowed`` [V] bool, the
@@ -77,14 +77,18 @@ def flag_non_finite(state: DecodeState, target_logits, draft_q, n, positions=Non
   design). error_pos is the
   position whose logits were bad: n-1+j for target block row j (or
   ``positions[:, j]``, [B, T] int32, for a token tree's block), n-1 for
-  the drafter (its drafts for the round starting at n)."""
+  the drafter (its drafts for the round starting at n). ``draft_allowed``
+  [V] bool (default ``allowed``) is checked for the draft instead: an MTP
+  drafter with a reduced draft vocabulary V' gives -inf outside V' by
+  design (``Transformer.draft_mask``)."""
   bad_t = jnp.any(~jnp.isfinite(target_logits) & allowed, -1)          # [B, T]
   code = jnp.where(jnp.any(bad_t, -1), ERROR_TARGET, ERROR_NONE)
   row = jnp.argmax(bad_t, -1).astype(jnp.int32)
   pos = (n - 1 + row if positions is None
          else jnp.take_along_axis(positions, row[:, None], 1)[:, 0])
   if draft_q is not None:        # the target is named when both are bad (the drafter reads it)
-    bad_d = jnp.any(~jnp.isfinite(draft_q) & allowed, (-1, -2)) & (code == ERROR_NONE)
+    d_allowed = allowed if draft_allowed is None else draft_allowed
+    bad_d = jnp.any(~jnp.isfinite(draft_q) & d_allowed, (-1, -2)) & (code == ERROR_NONE)
     code = jnp.where(bad_d, ERROR_DRAFTER, code)
     pos = jnp.where(bad_d, n - 1, pos)
   fresh = (state.error == ERROR_NONE) & ~state.done & (code != ERROR_NONE)
@@ -136,7 +140,9 @@ def propose(drafter, target: Transformer, draft: Transformer | None, state: Deco
   h0, logits, p, cache = verify_block(target, state, gather_rows(tokens, block_pos), block_pos,
                                       params)
   with jax.named_scope("check"):
-    state = flag_non_finite(state, logits, d_q, n, allowed=tok.head_mask(target.cfg))
+    state = flag_non_finite(state, logits, d_q, n, allowed=tok.head_mask(target.cfg),
+                            draft_allowed=(target.draft_mask() if draft is None
+                                           and target.draft_vocab_size else None))
   return state.replace(tokens=tokens, cache=cache), Proposal(d_tok, d_q, p, h0, k_accept)
 
 

@@ -292,7 +292,9 @@ def tree_propose(drafter: TreeMTPDrafter, target: Transformer, state: DecodeStat
                                                 write_offsets=n - 1, mask=mask)
   with jax.named_scope("check"):
     state = round_lib.flag_non_finite(state, logits, q, n, positions=pos,
-                                      allowed=tok.head_mask(target.cfg))
+                                      allowed=tok.head_mask(target.cfg),
+                                      draft_allowed=(target.draft_mask()
+                                                     if target.draft_vocab_size else None))
   state = state.replace(tokens=tokens, cache=cache, drafter=dstate)
   return state, round_lib.Proposal(node_tok, q, p, h0, k_accept)
 

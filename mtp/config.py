@@ -64,6 +64,10 @@ class MTPConfig:
   distill_temperature: float = 1.0  # tau > 0, applied to teacher and module logits (Hinton et al.)
   distill_divergence: str = "kl"  # "kl": forward KL(p_main || q_k); "tv": total variation = 1 - acceptance
   recursive_steps: int = 0        # R: also train module D on its own outputs for steps D+1..D+R
+  # Reduced draft vocabulary V' (FastMTP's compressed draft vocabulary; mtp/draft_vocab.py):
+  # the MTP heads score only these many ids (the model's ``draft_vocab``, saved with the
+  # checkpoint), q = 0 outside them; verification stays exact. 0 = the full vocabulary.
+  draft_vocab_size: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +147,8 @@ class Config:
 # restored into a config that agrees on all of these.
 ARCHITECTURE_FIELDS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
                             if f.name not in ("dtype", "max_seq_len", "attention_impl",
-                                              "attention_block_size")) + ("mtp.depth",)
+                                              "attention_block_size")) + ("mtp.depth",
+                                                                    "mtp.draft_vocab_size")
 
 _DTYPES = ("float32", "bfloat16", "float16")
 TOKENIZER_KINDS = ("byte", "bpe")   # model.tokenizer
@@ -267,6 +272,11 @@ def validate(cfg: Config) -> Config:
          cfg.mtp.recursive_steps)
   _check(cfg.mtp.recursive_steps == 0 or cfg.mtp.depth >= 1, "mtp.recursive_steps",
          "0 when mtp.depth = 0 (there is no module D to reuse)", cfg.mtp.recursive_steps)
+  _check(cfg.mtp.draft_vocab_size == 0 or 1 <= cfg.mtp.draft_vocab_size <= m.vocab_size,
+         "mtp.draft_vocab_size", f"0 (the full vocabulary) or an int in [1, model.vocab_size="
+         f"{m.vocab_size}]", cfg.mtp.draft_vocab_size)
+  _check(cfg.mtp.draft_vocab_size == 0 or cfg.mtp.depth >= 1, "mtp.draft_vocab_size",
+         "0 when mtp.depth = 0 (there are no MTP heads to reduce)", cfg.mtp.draft_vocab_size)
   _check(not t.freeze_backbone or cfg.mtp.depth >= 1, "train.freeze_backbone",
          "False when mtp.depth = 0 (nothing would be trained)", t.freeze_backbone)
   _check(not t.hidden_cache or t.freeze_backbone, "train.hidden_cache",

@@ -81,10 +81,15 @@ class ModelOutput:
   logits: [B, T, V] float32, main head; position i predicts token i+1.
   mtp_logits: tuple of D arrays [B, T, V] float32; depth k at i predicts i+k+1.
   hidden: tuple of D+1 arrays [B, T, D]: h^0 (backbone) then h^1..h^D.
+  draft_mask: [V] bool, ``Transformer.draft_mask()`` (head mask and V') when
+    the model has a reduced draft vocabulary V' (the MTP logits are -inf
+    outside it; ``train.losses.mtp_loss`` restricts its targets and the
+    teacher to it); None without one.
   """
   logits: jax.Array
   mtp_logits: tuple[jax.Array, ...]
   hidden: tuple[jax.Array, ...]
+  draft_mask: jax.Array | None = None
 
 
 def _dtype(name: str):
@@ -331,6 +336,23 @@ class Block(nnx.Module):
     return x + self.mlp(self.mlp_norm(x)), cache
 
 
+class DraftVocab(nnx.Param):
+  """The reduced draft vocabulary V' of a model: [V'] int32, sorted, unique
+  ids (``mtp.draft_vocab``; ``Transformer.draft_vocab`` when
+  ``mtp.draft_vocab_size`` > 0).
+
+  Why an ``nnx.Param`` subclass: every reader and writer of a model's state
+  in this project takes ``nnx.state(model, nnx.Param)`` / ``nnx.split(model,
+  nnx.Param)`` (orbax checkpoints with their checksums, ``mtp.loading``,
+  resume, ``train.init_from``, the decoder's jitted arguments, sharding), so
+  V' travels with the parameters everywhere without a second file or a
+  second filter. It is not trained: ``train.loop.split_trainable`` keeps it
+  out of the differentiated and optimized subset (an int32 leaf has no
+  gradient), and ``count_params`` does not count it. ``mtp.export`` refuses
+  a model with V' (the Hugging Face layout has no place for it).
+  """
+
+
 class MTPModule(nnx.Module):
   """One sequential MTP module (DeepSeek-V3 eq. 21-22): RMSNorm both inputs,
   project the concatenation [2D -> D] with M_k, run one transformer block;
@@ -364,9 +386,16 @@ class Transformer(nnx.Module):
     cfg: model config (``mtp.config.ModelConfig``).
     mtp_depth: D >= 0; D = 0 is a plain language model.
     rngs: ``nnx.Rngs`` for parameter initialisation.
+    draft_vocab_size: |V'| of a reduced draft vocabulary (``mtp.draft_vocab_size``;
+      0 = none, the default: the MTP heads score every id). With V' the model
+      holds ``draft_vocab`` (a ``DraftVocab`` [V'] int32, sorted ids) and
+      ``mtp_head`` scores only those ids (see there).
+  Raises ValueError: mtp_depth < 0, draft_vocab_size outside [0, V], or
+    draft_vocab_size > 0 with mtp_depth = 0.
   """
 
-  def __init__(self, cfg: ModelConfig, mtp_depth: int, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, mtp_depth: int, *, rngs: nnx.Rngs,
+               draft_vocab_size: int = 0):
     if mtp_depth < 0:
       raise ValueError(f"mtp_depth must be >= 0, got {mtp_depth}")
     self.cfg = cfg
@@ -384,6 +413,13 @@ class Transformer(nnx.Module):
                                 param_dtype=pdt, rngs=rngs)
     self.mtp = nnx.List([MTPModule(cfg, out_scale=out_scale, rngs=rngs)
                          for _ in range(mtp_depth)])
+    if not 0 <= draft_vocab_size <= cfg.vocab_size:
+      raise ValueError(f"draft_vocab_size must be in [0, {cfg.vocab_size}], got {draft_vocab_size}")
+    if draft_vocab_size and not mtp_depth:
+      raise ValueError("draft_vocab_size > 0 needs mtp_depth >= 1 (there are no MTP heads)")
+    self.draft_vocab_size = draft_vocab_size
+    if draft_vocab_size:      # placeholder ids 0..V'-1 until set_draft_vocab / a checkpoint sets them
+      self.draft_vocab = DraftVocab(jnp.arange(draft_vocab_size, dtype=jnp.int32))
 
   # -- pieces (used by decoding) ---------------------------------------------
 
@@ -427,8 +463,60 @@ class Transformer(nnx.Module):
                            write_offsets, mask)
 
   def mtp_head(self, k: int, h_k) -> jax.Array:
-    """Logits [B, T, V] float32 of MTP depth k from h^k (eq. 23)."""
-    return self.head(h_k, self.mtp[k - 1].out_norm)
+    """Logits [B, T, V] float32 of MTP depth k from h^k [B, T, D] (eq. 23).
+
+    With a reduced draft vocabulary V' (``draft_vocab_size`` > 0; FastMTP's
+    language-compressed draft vocabulary, Cai et al. 2025) only the V' rows
+    of W_out are multiplied (``mtp_head_compact``: one [.., D] x [D, V']
+    matmul, the saving) and scattered into a full-vocabulary vector that is
+    -inf outside V' (and at the head mask's ids), so the drafters, warping,
+    sampling and the acceptance rule need no change: the draft distribution
+    q is exactly 0 outside V'. Verification stays exact (Leviathan et al.
+    2023): a draft is always in V', min(1, p/q) is only ever evaluated
+    there, and the residual norm(max(p - q, 0)) carries all of p's mass
+    outside V', so the output law is the target's; only acceptance drops.
+    The main head (``head``) never changes.
+    """
+    if not self.draft_vocab_size:
+      return self.head(h_k, self.mtp[k - 1].out_norm)
+    compact, ids = self.mtp_head_compact(k, h_k)
+    full = jnp.full(compact.shape[:-1] + (self.cfg.vocab_size,), -jnp.inf, jnp.float32)
+    return full.at[..., ids].set(compact, indices_are_sorted=True, unique_indices=True)
+
+  def mtp_head_compact(self, k: int, h_k) -> tuple[jax.Array, jax.Array]:
+    """MTP depth k's logits over the draft vocabulary only: (logits [B, T, V']
+    float32, ids [V'] int32 sorted), logits[..., j] the full head's logit of
+    id ``ids[j]`` (-inf where ``tokenizer.head_mask`` forbids it). Gathers
+    the V' rows of the tied embedding (or columns of the untied head) and
+    runs one [.., D] x [D, V'] matmul. Raises ValueError without a draft
+    vocabulary (``draft_vocab_size`` = 0)."""
+    if not self.draft_vocab_size:
+      raise ValueError("mtp_head_compact needs a reduced draft vocabulary "
+                       "(mtp.draft_vocab_size > 0)")
+    ids = self.draft_vocab[...]
+    h = self.mtp[k - 1].out_norm(h_k)
+    if self.cfg.tie_embeddings:     # as nnx.Embed.attend: promote, then h @ E[ids]^T
+      w = jnp.take(self.embed.embedding[...], ids, axis=0, indices_are_sorted=True,
+                   unique_indices=True)
+      h, w = self.embed.promote_dtype((h, w), dtype=self.embed.dtype)
+      logits = jnp.dot(h, w.T)
+    else:                           # as nnx.Linear without bias: h @ W[:, ids]
+      w = jnp.take(self.lm_head.kernel[...], ids, axis=1, indices_are_sorted=True,
+                   unique_indices=True)
+      h, w = self.lm_head.promote_dtype((h, w), dtype=self.lm_head.dtype)
+      logits = jnp.dot(h, w)
+    logits = logits.astype(jnp.float32)
+    allowed = jnp.asarray(tok.head_mask(self.cfg))[ids]
+    return jnp.where(allowed, logits, -jnp.inf), ids
+
+  def draft_mask(self) -> jax.Array:
+    """[V] bool: the ids an MTP head may give a finite logit: the head mask
+    (``tokenizer.head_mask``) and, with a draft vocabulary, membership in V'."""
+    allowed = jnp.asarray(tok.head_mask(self.cfg))
+    if not self.draft_vocab_size:
+      return allowed
+    inside = jnp.zeros(self.cfg.vocab_size, bool).at[self.draft_vocab[...]].set(True)
+    return allowed & inside
 
   def mtp_recursive(self, tokens, positions, segment_ids, h_prev, h_last, steps: int):
     """Module D reused for the steps past D, as the decoder drafts G > D
@@ -534,7 +622,8 @@ class Transformer(nnx.Module):
     if recursive_steps:
       mtp_logits += self.mtp_recursive(tokens, positions, segment_ids, hidden[-2], hidden[-1],
                                        recursive_steps)
-    return ModelOutput(self.head(hidden[0]), tuple(mtp_logits), tuple(hidden))
+    return ModelOutput(self.head(hidden[0]), tuple(mtp_logits), tuple(hidden),
+                       self.draft_mask() if self.draft_vocab_size else None)
 
 
 def init_layer_caches(cfg: ModelConfig, num_layers: int, batch: int, max_len: int) -> list[LayerCache]:
@@ -546,12 +635,14 @@ def init_layer_caches(cfg: ModelConfig, num_layers: int, batch: int, max_len: in
 
 def build_model(cfg: Config, seed: int = 0) -> Transformer:
   """The model described by ``cfg`` with parameters initialised from ``seed``."""
-  return Transformer(cfg.model, cfg.mtp.depth, rngs=nnx.Rngs(params=seed))
+  return Transformer(cfg.model, cfg.mtp.depth, rngs=nnx.Rngs(params=seed),
+                     draft_vocab_size=cfg.mtp.draft_vocab_size)
 
 
 def count_params(model: nnx.Module) -> dict[str, int]:
-  """Parameter counts: total, backbone (incl. embedding/head) and MTP modules."""
-  state = nnx.state(model, nnx.Param)
+  """Parameter counts: total, backbone (incl. embedding/head) and MTP modules
+  (the draft vocabulary's ids are not parameters and are not counted)."""
+  state = nnx.state(model, nnx.All(nnx.Param, nnx.Not(DraftVocab)))
   total = sum(x.size for x in jax.tree.leaves(state))
   mtp = sum(x.size for x in jax.tree.leaves(nnx.state(model.mtp, nnx.Param))) if model.mtp_depth else 0
   return {"total": int(total), "backbone": int(total - mtp), "mtp": int(mtp)}

@@ -53,6 +53,7 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"mlp/down/kernel", ("mlp", "embed")),            # [F, D]
     (r"mtp/\d+/proj/kernel", ("embed2", "embed")),     # M_k [2D, D]
     (r"\w*norm/scale", ("norm",)),                     # RMSNorm scales [D]
+    (r"draft_vocab", ("draft_vocab",)),                # V' ids [V'] int32 (mtp.model.DraftVocab)
 )
 
 # Logical name -> mesh axis (None: replicated).
@@ -64,6 +65,7 @@ LOGICAL_TO_MESH: dict[str, str | None] = {
     "mlp": "tensor",
     "embed2": None,
     "norm": None,
+    "draft_vocab": None,
 }
 
 

@@ -297,7 +297,7 @@ def test_bpe_stage_through_python_m_train(bpe_target, tmp_path):
   tests/stage_rows.py until the data pipeline offers them)."""
   stage = str(tmp_path / "stage")
   argv = ["--config", _stage_config_file(tmp_path, bpe_target), "--workdir", stage,
-          f"--config.train.init_from={bpe_target}"] + STAGE_FLAGS
+          f"--config.train.init_from={bpe_target}", "--config.mtp.draft_vocab_size=64"] + STAGE_FLAGS
   shim = ("import runpy, sys; import mtp.data as d; from tests import stage_rows; "
           "stage_rows.install_row_data(d); sys.argv = ['train'] + sys.argv[1:]; "
           "runpy.run_module('train', run_name='__main__')")
@@ -314,3 +314,11 @@ def test_bpe_stage_through_python_m_train(bpe_target, tmp_path):
   assert ev["step"] == 3 and "main/bits_per_byte" not in ev and np.isfinite(ev["mtp_1/teacher_kl"])
   meta = json.load(open(os.path.join(stage, "hidden_cache", "meta.json")))
   assert meta["source"]["init_from"] == bpe_target and meta["shape"][2] == 32
+  # V' attached in this stage (the target has none): chosen from the rows, stop ids in,
+  # saved with the checkpoint and unchanged by training
+  assert "draft vocabulary V': 64 most frequent" in p.stderr, p.stderr[-3000:]
+  from mtp import draft_vocab, loading
+  cfg, model, _ = loading.load_model(stage)
+  ids = draft_vocab.draft_vocab_ids(model)
+  assert cfg.mtp.draft_vocab_size == 64 and len(ids) == 64 and np.all(np.diff(ids) > 0)
+  assert set(loaded.stop_ids) <= set(ids.tolist()) and ids.tolist() != list(range(64))

@@ -30,10 +30,12 @@ from tqdm import tqdm
 
 from mtp import checkpoint as ckpt_lib
 from mtp import data as data_lib
+from mtp import draft_vocab as draft_vocab_lib
+from mtp import loading
 from mtp import sharding as shard_lib
 from mtp import tokenizer as tok_lib
 from mtp.config import Config, ConfigError, MTPConfig, TrainConfig
-from mtp.model import build_model, count_params
+from mtp.model import DraftVocab, build_model, count_params
 from train import hidden_cache as cache_lib
 from train import losses
 from train import workdir as workdir_lib
@@ -123,10 +125,14 @@ MTP_PARAMS = nnx.PathContains("mtp")
 def split_trainable(cfg: Config, params):
   """(trainable, frozen) nnx States of a full parameter State: with
   ``train.freeze_backbone`` the MTP modules' parameters and the rest;
-  otherwise (params, None)."""
+  otherwise (params, None), or (all but the draft vocabulary, the draft
+  vocabulary) when the model has one (``mtp.model.DraftVocab``: ids, no
+  gradient)."""
   if not cfg.train.freeze_backbone:
+    if cfg.mtp.draft_vocab_size:     # issue 22 item 3: the draft vocabulary's ids are never trained
+      return nnx.split_state(params, nnx.Not(DraftVocab), ...)
     return params, None
-  return nnx.split_state(params, MTP_PARAMS, ...)
+  return nnx.split_state(params, MTP_PARAMS, ...)    # (DraftVocab is not under mtp/: frozen)
 
 
 @dataclasses.dataclass
@@ -161,6 +167,33 @@ def run_tokenizer(cfg: Config, workdir: str, resumed: bool):
     raise ConfigError(f"model.num_tokens={m.num_tokens} but the tokenizer of {where} has "
                       f"{tk.vocab_size} ids")
   return tk
+
+
+def _init_has_draft_vocab(cfg: Config, init_step: int | None) -> bool:
+  """Whether ``train.init_from`` brings its own draft vocabulary V'."""
+  if init_step is None:
+    return False
+  saved, _ = loading.load_config(cfg.train.init_from)
+  return bool(saved.mtp.draft_vocab_size)
+
+
+def attach_draft_vocab(cfg: Config, params, rows: dict[str, np.ndarray], tokenizer):
+  """Chooses V' (``mtp.draft_vocab_size`` ids) for a run that starts without
+  one: the most frequent target ids of the train split's rows (tokens /
+  loss_mask [N, T] int32, ``mtp.data.epoch_rows``; only loss_mask == 1
+  positions count, i.e. the answers of a chat dataset), among the ids the
+  head may emit (``tokenizer.head_mask``), with the tokenizer's stop ids
+  always in (a draft can end an answer). Returns (params with V' set,
+  a log line giving the share of target tokens V' covers)."""
+  counts = draft_vocab_lib.token_counts(rows["tokens"], rows.get("loss_mask"),
+                                        vocab_size=cfg.model.vocab_size)
+  ids = draft_vocab_lib.select(counts, cfg.mtp.draft_vocab_size,
+                               always=tuple(getattr(tokenizer, "stop_ids", ())),
+                               allowed=tok_lib.head_mask(cfg.model))
+  covered = counts[ids].sum() / max(int(counts.sum()), 1)
+  note = (f"draft vocabulary V': {len(ids):,} most frequent of {int((counts > 0).sum()):,} ids "
+          f"seen in {int(counts.sum()):,} target tokens; covers {covered:.1%} of them")
+  return draft_vocab_lib.with_draft_vocab(params, ids), note
 
 
 class Trainer:
@@ -482,6 +515,12 @@ def _train(cfg: Config, workdir: str, lock, *, log, stop_after) -> dict[str, Any
     log(f"initialised parameters from {t.init_from} (step {init_step})")
   else:
     state = trainer.init_state()
+  if resume_step is None and cfg.mtp.draft_vocab_size and not _init_has_draft_vocab(cfg, init_step):
+    rows = train_rows if train_rows is not None else data_lib.epoch_rows(
+        cfg.data, seq_len=t.seq_len, split=cfg.data.train_split, **data_kw)
+    params, note = attach_draft_vocab(cfg, state.params, rows, tokenizer)
+    state = TrainState(params, state.opt_state, state.step)
+    log(note)
   if t.hidden_cache:
     try:
       source = cache_lib.source_fingerprint(cfg, tokenizer, split_trainable(cfg, state.params)[1])

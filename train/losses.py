@@ -25,6 +25,13 @@ D+1..D+R with the same rule and the same per-term weight lambda / D.
 Whatever w is, every depth also reports (sums) its KL to the teacher at
 tau = 1 (``kl``, nats) and its argmax agreement with the teacher
 (``agree``): the quantities that decide acceptance at T = 1 and T = 0.
+
+A reduced draft vocabulary V' (``mtp.draft_vocab_size``, FastMTP's
+compressed draft vocabulary; the module logits are -inf outside V'): data
+targets outside V' leave the CE, and the teacher is the main head restricted
+to V' and renormalised (``restrict_teacher``), the exact minimiser of the
+forward KL over drafts supported on V'; the mass the full teacher puts
+outside V' is reported per depth (it bounds acceptance).
 """
 
 from __future__ import annotations
@@ -123,6 +130,49 @@ def teacher_tv(teacher_logits: jax.Array, student_logits: jax.Array,
   return 0.5 * jnp.sum(jnp.abs(p - q), -1)
 
 
+def restrict_teacher(teacher_logits: jax.Array, draft_mask: jax.Array) -> jax.Array:
+  """Teacher logits [B, T, V] float32 restricted to the draft vocabulary V'
+  (``draft_mask`` [V] bool): -inf outside V', so softmax gives p restricted
+  to V' and renormalised, p(v) 1[v in V'] / p(V').
+
+  That is the right teacher for a module whose q is supported on V' (q = 0
+  outside it, ``Transformer.mtp_head``): forward KL(p || q) = -H(p) -
+  sum_{v in V'} p(v) log q(v) (+inf unless q covers p's support, so the
+  full-vocabulary KL is useless), and over distributions q on V' the cross
+  term -sum_{v in V'} p(v) log q(v) is minimised by q = p|V' / p(V') (Gibbs'
+  inequality), which is also the minimiser of KL(p|V' / p(V') || q). The
+  mass p puts outside V' is lost to any such draft: per position the
+  acceptance rate is sum_v min(p, q) <= p(V')."""
+  return jnp.where(draft_mask, teacher_logits, -jnp.inf)
+
+
+def draft_vocab_sums(logits, targets, mask, teacher_logits, draft_mask, byte_level: bool = True):
+  """Per-head sums of an MTP depth whose head drafts from V' (``draft_mask``
+  [V] bool), and its teacher restricted to V' (``restrict_teacher``).
+
+  logits, teacher_logits: [B, T, V] float32 (module and main head, aligned);
+  targets [B, T] int32, mask [B, T] bool (``shifted_targets``).
+  Returns (sums, restricted teacher logits [B, T, V]). sums is
+  ``head_sums`` over the targets in V' only (a target outside V' has
+  module probability 0 and infinite cross-entropy: it is masked out of the
+  CE, so ``count`` counts the targets in V') plus, over every valid
+  position (``mask``): ``positions`` (their count), ``outside`` (the full
+  teacher's probability mass outside V', which bounds acceptance there:
+  alpha <= 1 - mass outside) and ``agree_full`` (the module's argmax equals
+  the full teacher's: a T = 0 draft's acceptance). ``mtp_loss`` adds
+  ``kl`` / ``agree`` against the restricted teacher and averages the
+  distillation term over ``positions``."""
+  inside = draft_mask[jnp.clip(targets, 0, logits.shape[-1] - 1)]
+  s = head_sums(logits, targets, mask & inside, byte_level)
+  m = mask.astype(jnp.float32)
+  p = jax.nn.softmax(jax.lax.stop_gradient(teacher_logits.astype(jnp.float32)), -1)
+  outside = jnp.sum(jnp.where(draft_mask, 0.0, p), -1)
+  s["positions"] = jnp.sum(m)
+  s["outside"] = jnp.sum(jnp.where(mask, outside, 0.0))
+  s["agree_full"] = jnp.sum((jnp.argmax(logits, -1) == jnp.argmax(teacher_logits, -1)) * m)
+  return s, restrict_teacher(teacher_logits, draft_mask)
+
+
 def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | None,
              loss_weight: float, *, depth: int | None = None, distill_weight: float = 0.0,
              distill_temperature: float = 1.0, distill_divergence: str = "kl",
@@ -148,6 +198,14 @@ def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | No
     (k = 1..D+R) are ``head_sums`` dicts; the mtp ones also hold ``kl``
     (sum of KL to the main head at tau = 1, nats) and ``agree`` (positions
     where the module's argmax equals the main head's).
+
+  With a reduced draft vocabulary V' (``output.draft_mask`` not None: the
+  module logits are -inf outside V'), CE targets outside V' are masked out,
+  the teacher is the main head restricted to V' and renormalised
+  (``restrict_teacher``: the minimiser of KL(p || q) over q on V'), ``kl``
+  and ``agree`` are against that restricted teacher, and the mtp sums also
+  hold ``positions``, ``outside`` and ``agree_full``
+  (``draft_vocab_sums``). Without V' nothing changes (bit for bit).
   """
   n_heads = len(output.mtp_logits)
   depth = n_heads if depth is None else depth
@@ -159,14 +217,19 @@ def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | No
     mtp_total = 0.0
     for k, logits in enumerate(output.mtp_logits, start=1):
       targets, mask = shifted_targets(tokens, segment_ids, k + 1, loss_mask, pad_id)
-      s = head_sums(logits, targets, mask, byte_level)
-      m = mask.astype(jnp.float32)
       teacher = shift_left(output.logits, k)         # the main head at i+k predicts t_{i+k+1} too
+      if output.draft_mask is None:
+        s = head_sums(logits, targets, mask, byte_level)
+      else:                                          # reduced draft vocabulary V'
+        s, teacher = draft_vocab_sums(logits, targets, mask, teacher, output.draft_mask,
+                                      byte_level)
+      m = mask.astype(jnp.float32)
       kl = teacher_kl(teacher, logits)
       s["kl"] = jnp.sum(jnp.where(mask, kl, 0.0))     # not kl * m: kl is inf past the end
       s["agree"] = jnp.sum((jnp.argmax(logits, -1) == jnp.argmax(teacher, -1)) * m)
       sums[f"mtp_{k}"] = s
       count = jnp.maximum(s["count"], 1.0)
+      kl_count = jnp.maximum(s["positions"], 1.0) if "positions" in s else count
       term = s["nll"] / count
       if distill_weight:
         if distill_divergence == "tv":
@@ -175,7 +238,7 @@ def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | No
           kl_t = kl if distill_temperature == 1.0 else teacher_kl(teacher, logits, distill_temperature)
         else:
           raise ValueError(f"distill_divergence must be 'kl' or 'tv', got {distill_divergence!r}")
-        distill = distill_temperature ** 2 * jnp.sum(jnp.where(mask, kl_t, 0.0)) / count
+        distill = distill_temperature ** 2 * jnp.sum(jnp.where(mask, kl_t, 0.0)) / kl_count
         term = (1.0 - distill_weight) * term + distill_weight * distill
       mtp_total = mtp_total + term
     loss = loss + (loss_weight / max(depth, 1)) * mtp_total
@@ -188,13 +251,31 @@ def summarize(sums: dict[str, dict[str, jax.Array]]) -> dict[str, float]:
   tokenizer only: sums with ``byte_nll``) and,
   for MTP depths, ``mtp_k/teacher_kl`` (mean KL to the main head at tau = 1,
   nats) and ``mtp_k/teacher_agreement`` (fraction of positions whose argmax
-  equals the main head's)."""
+  equals the main head's). With a reduced draft vocabulary V' (sums from
+  ``draft_vocab_sums``) those two are against the teacher restricted to V'
+  and are also written as ``teacher_kl_restricted`` /
+  ``teacher_agreement_restricted``, and per depth come
+  ``teacher_mass_outside`` (mean mass of the full teacher outside V': alpha
+  <= 1 - it), ``teacher_agreement_full`` (argmax equal to the full
+  teacher's, the T = 0 acceptance) and ``targets_in_draft_vocab`` (the
+  fraction of data targets in V', the ones the CE ``loss`` / ``accuracy``
+  are over)."""
   out = {}
   for head, s in sums.items():
     count = max(float(s["count"]), 1.0)
     out[f"{head}/loss"] = float(s["nll"]) / count
     out[f"{head}/accuracy"] = float(s["correct"]) / count
-    if "kl" in s:
+    if "kl" in s and "positions" in s:     # reduced draft vocabulary V' (draft_vocab_sums)
+      n = max(float(s["positions"]), 1.0)
+      for name, value in (("teacher_kl_restricted", s["kl"]),
+                          ("teacher_agreement_restricted", s["agree"]),
+                          ("teacher_mass_outside", s["outside"]),
+                          ("teacher_agreement_full", s["agree_full"])):
+        out[f"{head}/{name}"] = float(value) / n
+      out[f"{head}/teacher_kl"] = out[f"{head}/teacher_kl_restricted"]
+      out[f"{head}/teacher_agreement"] = out[f"{head}/teacher_agreement_restricted"]
+      out[f"{head}/targets_in_draft_vocab"] = float(s["count"]) / n
+    elif "kl" in s:
       out[f"{head}/teacher_kl"] = float(s["kl"]) / count
       out[f"{head}/teacher_agreement"] = float(s["agree"]) / count
     if head == "main" and "byte_nll" in s:

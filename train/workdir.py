@@ -30,6 +30,10 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import numpy as np
+from flax import nnx
+
 from mtp import checkpoint as ckpt_lib
 from mtp import config as config_lib
 from mtp import loading
@@ -90,6 +94,10 @@ def check_init_from(cfg: Config) -> int | None:
   except ckpt_lib.CheckpointError as e:
     raise ckpt_lib.CheckpointError(f"train.init_from={src!r}: {e}") from e
   diffs = config_lib.architecture_mismatches(saved, cfg)
+  if saved.mtp.draft_vocab_size == 0 and cfg.mtp.draft_vocab_size:
+    # attaching a draft vocabulary V' in this stage (chosen from its data:
+    # train.loop.attach_draft_vocab) is allowed; changing an existing one is not
+    diffs = [d for d in diffs if not d.startswith("mtp.draft_vocab_size")]
   if diffs:
     raise ckpt_lib.CheckpointError(
         f"train.init_from={src!r}: its checkpoint (step {step}) has another architecture than "
@@ -104,6 +112,18 @@ def restore_init_params(abstract_params, src: str, step: int):
   read. Raises CheckpointError."""
   if loading.kind(src) == loading.EXPORTED:
     step = None                        # one set of weights (check_init_from read its step)
+  saved, _ = loading.load_config(src, step)
+  flat = dict(nnx.to_flat_state(abstract_params))
+  if ("draft_vocab",) in flat and not saved.mtp.draft_vocab_size:
+    # V' is new in this run: restore everything else, keep the placeholder
+    # (train.loop.attach_draft_vocab fills it from the data)
+    placeholder = flat.pop(("draft_vocab",))
+    params = loading.load_params(src, step, nnx.from_flat_state(flat))
+    flat = dict(nnx.to_flat_state(params))
+    a = placeholder.get_value()
+    flat[("draft_vocab",)] = placeholder.replace(
+        jax.device_put(np.arange(a.shape[0], dtype=a.dtype), getattr(a, "sharding", None)))
+    return nnx.from_flat_state(flat)
   return loading.load_params(src, step, abstract_params)
 
 

@@ -172,7 +172,13 @@ def _from_hf(w: np.ndarray, transform: str) -> np.ndarray:
 def check_exportable(cfg: Config) -> None:
   """Raises ExportError naming the first ``model.*`` field that config.json
   cannot express (any field this exporter does not know). Every current
-  ModelConfig setting maps onto LlamaConfig (docs/export.md)."""
+  ModelConfig setting maps onto LlamaConfig (docs/export.md). A reduced
+  draft vocabulary (``mtp.draft_vocab_size`` > 0) is refused."""
+  if cfg.mtp.draft_vocab_size:
+    raise ExportError(f"mtp.draft_vocab_size={cfg.mtp.draft_vocab_size}: the model's MTP heads "
+                      "draft from a reduced vocabulary (mtp.model.DraftVocab), which the Hugging "
+                      "Face layout (LlamaForCausalLM + DeepSeek-V3 MTP layers) cannot express; "
+                      "decode from the workdir instead")
   for f in dataclasses.fields(cfg.model):
     if f.name not in _EXPORTABLE_MODEL_FIELDS:
       raise ExportError(f"model.{f.name}={getattr(cfg.model, f.name)!r} has no LlamaForCausalLM "
