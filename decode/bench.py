@@ -37,6 +37,15 @@ from mtp.timing import interleaved_times, spread, xla_flops
 
 # -- bare pieces: one target forward, one drafting step -------------------------------------
 
+def encode_prompts(prompts) -> list:
+  """Prompt rows for a Decoder: a text is encoded with the byte tokenizer
+  (BOS first; the byte models' benchmarks), a sequence of ids (already
+  encoded with the model's tokenizer, e.g. a chat-template prompt of a BPE
+  target: ``decode.bench_chat``) is used as is."""
+  return [tok.ByteTokenizer().encode(p, add_bos=True) if isinstance(p, str) else p
+          for p in prompts]
+
+
 def _median_per_iter(fn, args, iters: int, repeats: int) -> float:
   """Median seconds per iteration of ``fn(*args) -> args`` (donated carry,
   threaded through the calls), after one compiling call; each timed call
@@ -102,7 +111,7 @@ def draft_time_s(decoder: Decoder, prompts, max_new: int, sp: SamplingParams, re
   ``lax.fori_loop`` so that, like the while_loop decoding form, no host
   dispatch is counted; max(repeats, 5) timed calls after the prefill of
   ``prompts``. The cost ratio c is this over G AR steps."""
-  encoded = [tok.ByteTokenizer().encode(p, add_bos=True) for p in prompts]
+  encoded = encode_prompts(prompts)
   state, prefill_len = decoder.prepare(encoded, max_new, 0)
   state = decoder.prefill(state, prefill_len)
   draft_step = _draft_step(decoder, sp)
@@ -126,7 +135,7 @@ def draft_flop_share(decoder: Decoder, prompts, max_new: int, sp: SamplingParams
   """XLA-counted FLOPs of one drafting step / (G x FLOPs of one target
   forward over 1 token with the same cache): the cost ratio c that drafting
   would have if time followed FLOPs (NaN when XLA counts no target FLOPs)."""
-  encoded = [tok.ByteTokenizer().encode(p, add_bos=True) for p in prompts]
+  encoded = encode_prompts(prompts)
   state, _ = decoder.prepare(encoded, max_new, 0)
 
   def forward(params, cache, tokens, n):
@@ -165,7 +174,7 @@ def run_cells(cells: list[Cell], prompts, batch: int, max_new: int, sp: Sampling
   repeats; before the rounds every prompt-length bucket the repeats will
   hit is compiled (untimed). Times are the decoder's own (``wall_time_s``,
   ``prefill_time_s``)."""
-  encoded = [tok.ByteTokenizer().encode(p, add_bos=True) for p in prompts]
+  encoded = encode_prompts(prompts)
   rows = lambda r: [encoded[(r * batch + i) % len(encoded)] for i in range(batch)]
   call = lambda c, r: (c.decoder.generate if c.form == "while" else c.decoder.stream)(
       rows(r), max_new, sp, seed=r)
