@@ -85,11 +85,17 @@ class ModelOutput:
     the model has a reduced draft vocabulary V' (the MTP logits are -inf
     outside it; ``train.losses.mtp_loss`` restricts its targets and the
     teacher to it); None without one.
+  compact_ids: None, or [V'] int32 (sorted): every logits array (main head
+    and modules) is over V' only, [B, T, V'], entry j the logit of id
+    ``compact_ids[j]`` (``forward_from_hidden(..., compact=True)``: the
+    frozen stage's training step, where only the teacher restricted to V'
+    matters and the full-vocabulary logits would be most of the step).
   """
   logits: jax.Array
   mtp_logits: tuple[jax.Array, ...]
   hidden: tuple[jax.Array, ...]
   draft_mask: jax.Array | None = None
+  compact_ids: jax.Array | None = None
 
 
 def _dtype(name: str):
@@ -493,8 +499,16 @@ class Transformer(nnx.Module):
     if not self.draft_vocab_size:
       raise ValueError("mtp_head_compact needs a reduced draft vocabulary "
                        "(mtp.draft_vocab_size > 0)")
+    return self._head_over(self.mtp[k - 1].out_norm(h_k)), self.draft_vocab[...]
+
+  def head_compact(self, h) -> jax.Array:
+    """The main head over V' only: [B, T, V'] float32 of backbone output h
+    [B, T, D] (entry j = ``head(h)[..., draft_vocab[j]]``)."""
+    return self._head_over(self.final_norm(h))
+
+  def _head_over(self, h) -> jax.Array:
+    """Logits [.., V'] float32 of normed hidden states h over the V' ids."""
     ids = self.draft_vocab[...]
-    h = self.mtp[k - 1].out_norm(h_k)
     if self.cfg.tie_embeddings:     # as nnx.Embed.attend: promote, then h @ E[ids]^T
       w = jnp.take(self.embed.embedding[...], ids, axis=0, indices_are_sorted=True,
                    unique_indices=True)
@@ -507,7 +521,7 @@ class Transformer(nnx.Module):
       logits = jnp.dot(h, w)
     logits = logits.astype(jnp.float32)
     allowed = jnp.asarray(tok.head_mask(self.cfg))[ids]
-    return jnp.where(allowed, logits, -jnp.inf), ids
+    return jnp.where(allowed, logits, -jnp.inf)
 
   def draft_mask(self) -> jax.Array:
     """[V] bool: the ids an MTP head may give a finite logit: the head mask
@@ -518,7 +532,8 @@ class Transformer(nnx.Module):
     inside = jnp.zeros(self.cfg.vocab_size, bool).at[self.draft_vocab[...]].set(True)
     return allowed & inside
 
-  def mtp_recursive(self, tokens, positions, segment_ids, h_prev, h_last, steps: int):
+  def mtp_recursive(self, tokens, positions, segment_ids, h_prev, h_last, steps: int,
+                    compact: bool = False):
     """Module D reused for the steps past D, as the decoder drafts G > D
     tokens (``decode.drafters.MTPDrafter.draft``), computed for every chain
     start i at once.
@@ -543,6 +558,7 @@ class Transformer(nnx.Module):
       h_prev: h^{D-1} [B, T, D] (module D's input in the ordinary pass).
       h_last: h^D [B, T, D] (module D's ordinary output).
       steps: R >= 0.
+      compact: logits over V' only ([B, T, V'], ``mtp_head_compact``).
     Returns:
       tuple of R logits [B, T, V] float32; entry r-1 at chain i predicts
       t_{i+D+r+1} (positions whose token inputs run past T read ``MTP_FILL_ID``;
@@ -570,7 +586,7 @@ class Transformer(nnx.Module):
       chain_v.append(v)
       x = x + attn.attend_chain(q, ctx_k, ctx_v, ctx_mask, chain_k, chain_v)
       h = x + module.block.mlp(module.block.mlp_norm(x))
-      out.append(self.mtp_head(d, h))
+      out.append(self.mtp_head_compact(d, h)[0] if compact else self.mtp_head(d, h))
     return tuple(out)
 
   # -- full forward (training, cache-free reference) ---------------------------
@@ -595,7 +611,7 @@ class Transformer(nnx.Module):
     return self.forward_from_hidden(tokens, positions, segment_ids, h, recursive_steps)
 
   def forward_from_hidden(self, tokens, positions, segment_ids, h0,
-                          recursive_steps: int = 0) -> ModelOutput:
+                          recursive_steps: int = 0, compact: bool = False) -> ModelOutput:
     """``__call__`` from a precomputed backbone output, without running the
     backbone: the frozen-backbone stage with cached hidden states
     (``train.hidden_cache``; Medusa-1 and FastMTP train their heads on a
@@ -608,7 +624,12 @@ class Transformer(nnx.Module):
     Returns the ``ModelOutput`` of ``__call__``: logits = head(final_norm(h0))
     (the main head, the distillation teacher), the D + R module logits
     (DeepSeek-V3 eq. 21-23, then ``mtp_recursive``) and hidden (h0, h^1..h^D).
+    ``compact=True`` (needs a draft vocabulary V'): every head over V' only
+    (``ModelOutput.compact_ids``); the same logits as the full form at the
+    V' ids. Raises ValueError for compact without V'.
     """
+    if compact and not self.draft_vocab_size:
+      raise ValueError("forward_from_hidden(compact=True) needs mtp.draft_vocab_size > 0")
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -618,10 +639,13 @@ class Transformer(nnx.Module):
       shifted = jnp.concatenate([tokens[:, k:], jnp.full((b, k), MTP_FILL_ID, tokens.dtype)], 1)
       h, _ = self.mtp_forward(k, h, shifted, positions, segment_ids)
       hidden.append(h)
-      mtp_logits.append(self.mtp_head(k, h))
+      mtp_logits.append(self.mtp_head_compact(k, h)[0] if compact else self.mtp_head(k, h))
     if recursive_steps:
       mtp_logits += self.mtp_recursive(tokens, positions, segment_ids, hidden[-2], hidden[-1],
-                                       recursive_steps)
+                                       recursive_steps, compact)
+    if compact:
+      return ModelOutput(self.head_compact(hidden[0]), tuple(mtp_logits), tuple(hidden),
+                         None, self.draft_vocab[...])
     return ModelOutput(self.head(hidden[0]), tuple(mtp_logits), tuple(hidden),
                        self.draft_mask() if self.draft_vocab_size else None)
 

@@ -66,6 +66,43 @@ def test_forward_from_hidden_equals_the_full_forward():
     np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-5)
 
 
+def test_compact_training_form_gives_the_full_forms_module_loss_and_gradients():
+  """With V', the training step runs every head over V' only
+  (forward_from_hidden(compact=True)); the module terms (restricted-teacher
+  KL, CE on targets in V') and their gradients equal the full (scattered)
+  form's, with a V' that leaves out many targets."""
+  from mtp import draft_vocab as dv
+  cfg = tiny_config(mtp=dict(depth=1, recursive_steps=2, draft_vocab_size=48,
+                             distill_weight=0.5))
+  model = build_model(cfg, 0)
+  dv.set_draft_vocab(model, np.arange(40, 136, 2, dtype=np.int32))   # half the printable ids
+  graphdef, params, rest = nnx.split(model, nnx.All(nnx.Param, nnx.PathContains("mtp")), ...)
+  b = _batch(_random_rows())
+  h0 = model.backbone(b["tokens"], b["positions"], b["segment_ids"])[0]
+
+  def module_loss(params, compact):
+    m = nnx.merge(graphdef, params, rest)
+    out = m.forward_from_hidden(b["tokens"], b["positions"], b["segment_ids"], h0,
+                                recursive_steps=2, compact=compact)
+    loss, sums = losses.mtp_loss(out, b["tokens"], b["segment_ids"], 1.0, depth=1,
+                                 distill_weight=0.5)
+    main = sums["main"]["nll"] / jnp.maximum(sums["main"]["count"], 1.0)
+    return loss - main, sums                     # the main term has no module gradient
+  (full, s_full), g_full = jax.value_and_grad(module_loss, has_aux=True)(params, False)
+  (comp, s_comp), g_comp = jax.value_and_grad(module_loss, has_aux=True)(params, True)
+  assert np.isfinite(float(full)) and 0.1 < float(s_full["mtp_1"]["count"]) / float(
+      s_full["mtp_1"]["positions"]) < 0.9                     # V' leaves out many targets
+  np.testing.assert_allclose(float(comp), float(full), rtol=1e-5)
+  for k in ("mtp_1", "mtp_2", "mtp_3"):
+    for key in ("nll", "count", "kl", "agree", "positions"):
+      np.testing.assert_allclose(float(s_comp[k][key]), float(s_full[k][key]), rtol=1e-4, atol=1e-3)
+  flat_f, flat_c = nnx.to_flat_state(g_full), dict(nnx.to_flat_state(g_comp))
+  assert len(flat_f) > 5
+  for path, v in flat_f:
+    np.testing.assert_allclose(np.asarray(flat_c[path][...]), np.asarray(v[...]),
+                               rtol=1e-4, atol=1e-6)
+
+
 def test_neutral_mtp_fill_leaves_byte_losses_and_gradients_bit_identical(monkeypatch):
   """MTP inputs past the row end used to read PAD (256); now MTP_FILL_ID (0).
   Those positions are masked, so the byte model's loss and gradients do not move."""

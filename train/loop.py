@@ -105,8 +105,11 @@ def make_loss_fn(graphdef, loss_weight: float, mtp_cfg: MTPConfig | None = None,
     model = nnx.merge(graphdef, params)
     steps = m.recursive_steps if model.mtp_depth else 0
     if "h0" in batch:
+      # with V' every head runs over V' only (ModelOutput.compact_ids): the same
+      # module gradients as the full form, without the full-vocabulary logits
       out = model.forward_from_hidden(batch["tokens"], batch["positions"], batch["segment_ids"],
-                                      batch["h0"], recursive_steps=steps)
+                                      batch["h0"], recursive_steps=steps,
+                                      compact=bool(model.draft_vocab_size))
     else:
       out = model(batch["tokens"], batch["positions"], batch["segment_ids"], recursive_steps=steps)
     return losses.mtp_loss(out, batch["tokens"], batch["segment_ids"], loss_weight,

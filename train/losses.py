@@ -173,6 +173,14 @@ def draft_vocab_sums(logits, targets, mask, teacher_logits, draft_mask, byte_lev
   return s, restrict_teacher(teacher_logits, draft_mask)
 
 
+def compact_targets(targets, mask, ids):
+  """Targets [B, T] (full ids) as indices into V' = ``ids`` [V'] (sorted
+  int32), and the mask [B, T] bool narrowed to targets inside V' (the
+  compact form of ``draft_vocab_sums``' restriction)."""
+  pos = jnp.clip(jnp.searchsorted(ids, targets), 0, ids.shape[0] - 1).astype(jnp.int32)
+  return pos, mask & (ids[pos] == targets)
+
+
 def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | None,
              loss_weight: float, *, depth: int | None = None, distill_weight: float = 0.0,
              distill_temperature: float = 1.0, distill_divergence: str = "kl",
@@ -210,15 +218,24 @@ def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | No
   n_heads = len(output.mtp_logits)
   depth = n_heads if depth is None else depth
   pad_id = tok.PAD_ID if byte_level else None
-  sums = {"main": head_sums(output.logits, *shifted_targets(tokens, segment_ids, 1, loss_mask, pad_id),
-                            byte_level)}
+  to_compact = (lambda t, m: (t, m)) if output.compact_ids is None else (
+      lambda t, m: compact_targets(t, m, output.compact_ids))
+  main_t, main_m = to_compact(*shifted_targets(tokens, segment_ids, 1, loss_mask, pad_id))
+  sums = {"main": head_sums(output.logits, main_t, main_m,
+                            byte_level and output.compact_ids is None)}
   loss = sums["main"]["nll"] / jnp.maximum(sums["main"]["count"], 1.0)
   if n_heads:
     mtp_total = 0.0
     for k, logits in enumerate(output.mtp_logits, start=1):
       targets, mask = shifted_targets(tokens, segment_ids, k + 1, loss_mask, pad_id)
       teacher = shift_left(output.logits, k)         # the main head at i+k predicts t_{i+k+1} too
-      if output.draft_mask is None:
+      if output.compact_ids is not None:             # every head over V' (the teacher restricted)
+        valid = mask
+        targets, mask = compact_targets(targets, mask, output.compact_ids)
+        s = head_sums(logits, targets, mask, False)
+        s["positions"] = jnp.sum(valid.astype(jnp.float32))
+        mask = valid                                 # the KL counts every valid position
+      elif output.draft_mask is None:
         s = head_sums(logits, targets, mask, byte_level)
       else:                                          # reduced draft vocabulary V'
         s, teacher = draft_vocab_sums(logits, targets, mask, teacher, output.draft_mask,
@@ -267,11 +284,12 @@ def summarize(sums: dict[str, dict[str, jax.Array]]) -> dict[str, float]:
     out[f"{head}/accuracy"] = float(s["correct"]) / count
     if "kl" in s and "positions" in s:     # reduced draft vocabulary V' (draft_vocab_sums)
       n = max(float(s["positions"]), 1.0)
-      for name, value in (("teacher_kl_restricted", s["kl"]),
-                          ("teacher_agreement_restricted", s["agree"]),
-                          ("teacher_mass_outside", s["outside"]),
-                          ("teacher_agreement_full", s["agree_full"])):
-        out[f"{head}/{name}"] = float(value) / n
+      for name, key in (("teacher_kl_restricted", "kl"),
+                        ("teacher_agreement_restricted", "agree"),
+                        ("teacher_mass_outside", "outside"),
+                        ("teacher_agreement_full", "agree_full")):
+        if key in s:     # not in the compact training form (no full-vocabulary teacher)
+          out[f"{head}/{name}"] = float(s[key]) / n
       out[f"{head}/teacher_kl"] = out[f"{head}/teacher_kl_restricted"]
       out[f"{head}/teacher_agreement"] = out[f"{head}/teacher_agreement_restricted"]
       out[f"{head}/targets_in_draft_vocab"] = float(s["count"]) / n
