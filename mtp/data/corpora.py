@@ -519,22 +519,36 @@ _SELF_DISTILLED_DESCRIPTION = (
     "training stage reads like any other (``--config.data.name=NAME``).")
 
 
+class _GivenSplitsBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """A TFDS builder that writes the examples it is given: ``splits`` =
+  {split: [(key, example), ...]}, ``metadata`` stored in metadata.json.
+  Subclasses set VERSION, RELEASE_NOTES, ``_info`` and ``_example``."""
+
+  # As the embedded corpora: no checksums file to look up (nothing is downloaded).
+  @tfds.core.utils.classproperty
+  @classmethod
+  def code_path(cls):
+    return None
+
+  def __init__(self, *, splits=None, metadata=None, **kwargs):
+    self._splits, self._metadata = splits or {}, metadata or {}
+    super().__init__(**kwargs)
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    return {split: self._generate_examples(items) for split, items in self._splits.items()}
+
+  def _generate_examples(self, items):
+    for key, example in items:
+      yield key, self._example(key, example)
+
+
 def _self_distilled_builder(name: str):
   """A TFDS builder class named ``name`` that writes given documents."""
 
-  class SelfDistilled(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  class SelfDistilled(_GivenSplitsBuilder, skip_registration=True):
     VERSION = tfds.core.Version(SELF_DISTILLED_VERSION)
     RELEASE_NOTES = {SELF_DISTILLED_VERSION: "Text sampled from a trained model (decode.self_distill)."}
-
-    # As the embedded corpora: no checksums file to look up (nothing is downloaded).
-    @tfds.core.utils.classproperty
-    @classmethod
-    def code_path(cls):
-      return None
-
-    def __init__(self, *, splits=None, metadata=None, **kwargs):
-      self._splits, self._metadata = splits or {}, metadata or {}
-      super().__init__(**kwargs)
 
     def _info(self):
       return tfds.core.DatasetInfo(
@@ -543,13 +557,8 @@ def _self_distilled_builder(name: str):
                                                "name": tfds.features.Text()}),
           metadata=tfds.core.MetadataDict(**self._metadata))
 
-    def _split_generators(self, dl_manager):
-      del dl_manager
-      return {split: self._generate_examples(docs) for split, docs in self._splits.items()}
-
-    def _generate_examples(self, docs):
-      for key, text in docs:
-        yield key, {"text": text, "name": key}
+    def _example(self, key, text):
+      return {"text": text, "name": key}
 
   SelfDistilled.name = name
   return SelfDistilled
@@ -567,18 +576,9 @@ _TOKEN_DATASET_DESCRIPTION = (
 def _token_dataset_builder(name: str):
   """A TFDS builder class named ``name`` that writes given token examples."""
 
-  class TokenDataset(_SaysWhatItBuilds, tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  class TokenDataset(_SaysWhatItBuilds, _GivenSplitsBuilder, skip_registration=True):
     VERSION = tfds.core.Version(SELF_DISTILLED_VERSION)
     RELEASE_NOTES = {SELF_DISTILLED_VERSION: "Token ids sampled from a model (decode.self_distill)."}
-
-    @tfds.core.utils.classproperty
-    @classmethod
-    def code_path(cls):
-      return None
-
-    def __init__(self, *, splits=None, metadata=None, **kwargs):
-      self._splits, self._metadata = splits or {}, metadata or {}
-      super().__init__(**kwargs)
 
     def _source(self):
       return f"{sum(len(r) for r in self._splits.values())} token examples"
@@ -592,15 +592,10 @@ def _token_dataset_builder(name: str):
               "category": tfds.features.Text(), "name": tfds.features.Text()}),
           metadata=tfds.core.MetadataDict(**self._metadata))
 
-    def _split_generators(self, dl_manager):
-      del dl_manager
-      return {split: self._generate_examples(rows) for split, rows in self._splits.items()}
-
-    def _generate_examples(self, rows):
-      for key, ex in rows:
-        yield key, {"tokens": np.asarray(ex["tokens"], np.int32),
-                    "loss_mask": np.asarray(ex["loss_mask"], np.int32),
-                    "category": ex.get("category", ""), "name": key}
+    def _example(self, key, ex):
+      return {"tokens": np.asarray(ex["tokens"], np.int32),
+              "loss_mask": np.asarray(ex["loss_mask"], np.int32),
+              "category": ex.get("category", ""), "name": key}
 
   TokenDataset.name = name
   return TokenDataset
