@@ -193,10 +193,52 @@ def demo_models(cfg: config_lib.Config, variants, max_len: int, seed: int = 0) -
   return out
 
 
+def workdir_models(path: str, variants, max_len: int) -> tuple[dict, object]:
+  """({variant name: Transformer}, tokenizer) for (impl, block) ``variants``
+  of the trained or imported model in ``path`` (a workdir or an export;
+  ``mtp.loading.load_model``), every variant holding the same parameters.
+  The tokenizer's stop ids are added to ``model.never_emitted`` (BPE
+  tokenizers only; probability exactly 0), so greedy decoding runs to its
+  budget as with ``demo_models``. Raises CheckpointError (unreadable path),
+  ValueError (max_len past the model's ``max_seq_len``, a byte-level model:
+  use ``demo_models``)."""
+  from mtp import loading
+  cfg, model, _ = loading.load_model(path)
+  tokenizer = tok.load_tokenizer(path)
+  if cfg.model.tokenizer != "bpe":
+    raise ValueError(f"{path}: a byte-level model; measure it with --config (demo_models)")
+  if max_len > cfg.model.max_seq_len:
+    raise ValueError(f"the longest request needs {max_len} positions; {path} has "
+                     f"model.max_seq_len={cfg.model.max_seq_len}")
+  never = [x for x in cfg.model.never_emitted.split(",") if x.strip()]
+  never = ",".join(dict.fromkeys(never + [str(i) for i in tokenizer.stop_ids]))
+  _, params = nnx.split(model, nnx.Param)
+  out = {}
+  for impl, block in variants:
+    m_cfg = with_impl(dataclasses.replace(cfg.model, never_emitted=never), impl, block)
+    v_cfg = config_lib.validate(dataclasses.replace(cfg, model=m_cfg))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda c=v_cfg: build_model(c)), nnx.Param)
+    out[variant_name(impl, block)] = nnx.merge(graphdef, params)
+  return out, tokenizer
+
+
 def random_prompt(n: int, seed: int) -> np.ndarray:
   """BOS + n random printable ASCII bytes (int32)."""
   rng = np.random.default_rng(seed)
   return np.concatenate([[tok.BOS_ID], rng.integers(32, 127, n)]).astype(np.int32)
+
+
+def text_prompt(tokenizer, n: int, seed: int) -> np.ndarray:
+  """n token ids (int32) of real text for a BPE model: the held-out chat
+  prompts (``mtp/data/heldout_chat.jsonl``) joined, encoded as text (no
+  specials), repeated to length and read from an offset set by ``seed``."""
+  import importlib.resources
+  lines = importlib.resources.files("mtp.data").joinpath("heldout_chat.jsonl").read_text()
+  text = "\n\n".join(json.loads(l)["prompt"] for l in lines.splitlines() if l.strip())
+  ids = np.asarray(tokenizer.encode(text), np.int32)
+  reps = -(-(n + len(ids)) // len(ids))
+  start = seed % len(ids)
+  return np.tile(ids, reps)[start:start + n]
 
 
 def _generation_row(method, impl, p_len, n_new, gens, first) -> dict:
@@ -211,20 +253,24 @@ def _generation_row(method, impl, p_len, n_new, gens, first) -> dict:
 
 
 def generation_speed(models: dict, methods: list[str], cases: list[tuple[int, int]], repeats: int,
-                     num_draft_tokens: int = 2, log=print) -> list[dict]:
+                     num_draft_tokens: int = 2, log=print, prompt_fn=None,
+                     tokenizer=None) -> list[dict]:
   """tokens/s of ``Decoder.generate`` (greedy, B = 1) per (method, impl,
   prompt tokens, new tokens): rows {method, impl, prompt_tokens, new_tokens,
   emitted, wall_s, prefill_s (each {min, median, max} of the Decoder's own
   times), tokens_per_s (emitted tokens over the median wall time, prefill
   included), tau, tokens_equal (same tokens as the first impl), times_s}.
-  Impls interleaved (``interleaved_times``) after one compiling call each."""
+  Impls interleaved (``interleaved_times``) after one compiling call each.
+  ``prompt_fn(n, seed)``: the prompt of n tokens (default ``random_prompt``);
+  ``tokenizer``: the models' tokenizer (None: the byte tokenizer)."""
+  prompt_fn = prompt_fn or random_prompt
   sp = SamplingParams(temperature=0.0)
   rows = []
   for method in methods:
-    decs = {impl: Decoder(m, method, 0 if method == "ar" else num_draft_tokens)
+    decs = {impl: Decoder(m, method, 0 if method == "ar" else num_draft_tokens, tokenizer=tokenizer)
             for impl, m in models.items()}
     for p_len, n_new in cases:
-      prompt = [random_prompt(p_len, seed=p_len)]
+      prompt = [prompt_fn(p_len, seed=p_len)]
       gens = {impl: [] for impl in decs}
       interleaved_times({impl: (lambda impl=impl: gens[impl].append(
           decs[impl].generate(prompt, n_new, sp))) for impl in decs}, repeats, warmup=1)
@@ -326,6 +372,8 @@ class CacheBench:
   demo_block_sizes: list[int] | None = None
   skip_steps: bool = False
   skip_generation: bool = False
+  workdir: str | None = None    # (b) on this trained/imported BPE model instead of demo_cfg
+  num_draft_tokens: int = 2
 
   @property
   def cases(self) -> list[tuple[int, int]]:
@@ -358,8 +406,15 @@ def run_cache_bench(s: CacheBench, log=print) -> dict:
   if not s.skip_generation:
     blocks = s.demo_block_sizes or s.block_sizes
     max_len = max(p + n for p, n in s.cases) + 64
-    models = demo_models(s.demo_cfg, impl_variants(s.impls, blocks), max_len)
-    results["generation"] = generation_speed(models, s.methods, s.cases, s.gen_repeats, log=log)
+    if s.workdir:
+      models, tokenizer = workdir_models(s.workdir, impl_variants(s.impls, blocks), max_len)
+      prompt_fn = lambda n, seed: text_prompt(tokenizer, n, seed)
+    else:
+      models, tokenizer = demo_models(s.demo_cfg, impl_variants(s.impls, blocks), max_len), None
+      prompt_fn = None
+    results["generation"] = generation_speed(models, s.methods, s.cases, s.gen_repeats, log=log,
+                                             num_draft_tokens=s.num_draft_tokens,
+                                             prompt_fn=prompt_fn, tokenizer=tokenizer)
     results["generation_speedups"] = generation_speedups(results["generation"])
   results["targets"] = targets(results, s.short_prompt)
   return results
@@ -367,7 +422,8 @@ def run_cache_bench(s: CacheBench, log=print) -> dict:
 
 # meta fields that describe part (b): taken from the run that measured it
 _GENERATION_META = ("demo_config", "demo_shape", "demo_max_seq_len", "demo_block_sizes",
-                    "gen_repeats", "prompt_sweep_new_tokens", "short_prompt")
+                    "gen_repeats", "prompt_sweep_new_tokens", "short_prompt", "demo_note",
+                    "num_draft_tokens")
 
 
 def merge_runs(paths: list[str], default_short_prompt: int) -> tuple[dict, dict]:

@@ -43,6 +43,11 @@ from mtp import cli, report  # noqa: E402
 from mtp import config as config_lib  # noqa: E402
 
 
+_RANDOM_NOTE = "randomly initialised (EOS row zeroed so decoding runs to the budget)"
+_WORKDIR_NOTE = ("its trained weights, stop ids made never-emitted so decoding runs to the budget, "
+                 "prompts cut from the held-out chat prompts' text")
+
+
 def _fmt_stat(st: dict, scale: float = 1.0, prec: int = 2) -> str:
   return (f"{st['median'] * scale:.{prec}f} [{st['min'] * scale:.{prec}f}, "
           f"{st['max'] * scale:.{prec}f}]")
@@ -83,9 +88,10 @@ def markdown(results: dict, meta: dict) -> str:
                  f"{_fmt_stat(sp) if sp else '-'} |")
   if results.get("generation"):
     lines += ["", "## (b) End-to-end tokens/s (`Decoder.generate`, greedy, B = 1)", "",
-              f"Model: {meta.get('demo_shape', meta['demo_config'] + ' shape')}, randomly initialised (EOS row zeroed so decoding "
-              f"runs to the budget), max_seq_len {meta['demo_max_seq_len']}; blockwise/C: block size "
-              f"C; MTP drafts G = 2 with its D = 2 modules; tokens/s = new "
+              f"Model: {meta.get('demo_shape', meta['demo_config'] + ' shape')}, "
+              f"{meta.get('demo_note', _RANDOM_NOTE)}, max_seq_len {meta['demo_max_seq_len']}; "
+              f"blockwise/C: block size C; MTP drafts G = {meta.get('num_draft_tokens', 2)}; "
+              f"tokens/s = new "
               f"tokens / median wall time (prefill included); "
               f"{report.plural(meta['gen_repeats'], 'repeat')}.", "",
               "| method | prompt | new | impl | tokens/s | wall ms | prefill ms | tau | same tokens | "
@@ -153,6 +159,9 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--steps", type=int, default=8, help="(a): steps per timed call")
   ap.add_argument("--repeats", type=int, default=7, help="(a): timed calls per cell, >= 1")
   ap.add_argument("--config", default="configs/tiny.py", help="(b): demo model config (random init)")
+  ap.add_argument("--workdir", default="",
+                  help="(b): a trained or imported BPE workdir (e.g. runs/smollm_mtp) instead of --config")
+  ap.add_argument("--num_draft_tokens", type=int, default=2, help="(b): G of the mtp method")
   ap.add_argument("--methods", default="ar,mtp", help="(b): comma list of ar, mtp")
   ap.add_argument("--short_prompt", type=int, default=50, help="(b): prompt tokens of the new-token sweep")
   ap.add_argument("--new_tokens", default="128,256,512,1024,2048",
@@ -184,7 +193,9 @@ def settings(ap: argparse.ArgumentParser, args) -> bc.CacheBench:
                     new_tokens="16,32", prompt_tokens="16,48", prompt_new_tokens=16, gen_repeats=1,
                     short_prompt=16)
   cli.check_range(ap, args, position=0, steps=1, repeats=1, short_prompt=1, prompt_new_tokens=1,
-                  gen_repeats=1)
+                  gen_repeats=1, num_draft_tokens=1)
+  if args.workdir and not os.path.isdir(args.workdir):
+    ap.error(f"--workdir={args.workdir!r}: no such directory")
   lists = lambda name, typ, lo=None, choices=None: cli.parse_list(
       ap, name, getattr(args, name), typ, lo, choices=choices)
   if not os.path.isfile(args.config):
@@ -205,7 +216,8 @@ def settings(ap: argparse.ArgumentParser, args) -> bc.CacheBench:
       prompt_tokens=lists("prompt_tokens", int, 1), prompt_new_tokens=args.prompt_new_tokens,
       gen_repeats=args.gen_repeats,
       demo_block_sizes=lists("demo_block_sizes", int, 1) if args.demo_block_sizes else None,
-      skip_steps=args.skip_steps, skip_generation=args.skip_generation)
+      skip_steps=args.skip_steps, skip_generation=args.skip_generation,
+      workdir=args.workdir or None, num_draft_tokens=args.num_draft_tokens)
 
 
 def main(argv=None):
@@ -227,7 +239,9 @@ def main(argv=None):
       step_shape_name="quick test shape" if args.quick else "SmolLM2-135M",
       impls=s.impls, block_sizes=s.block_sizes, position=s.position, steps=s.steps,
       repeats=s.repeats, demo_config=args.config, short_prompt=s.short_prompt,
-      demo_shape="quick test shape" if args.quick else f"{args.config} shape",
+      demo_shape=("quick test shape" if args.quick else f"{args.workdir} (trained)" if args.workdir
+                  else f"{args.config} shape"),
+      demo_note=_WORKDIR_NOTE if args.workdir else _RANDOM_NOTE, num_draft_tokens=s.num_draft_tokens,
       demo_max_seq_len=s.demo_max_seq_len, demo_block_sizes=s.demo_block_sizes or s.block_sizes,
       gen_repeats=s.gen_repeats, prompt_sweep_new_tokens=s.prompt_new_tokens,
       machine_note=bc.MACHINE_NOTE)

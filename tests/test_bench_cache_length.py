@@ -37,3 +37,28 @@ def test_bench_cache_length_quick(tmp_path):
   assert "## Targets (issue 24)" in md2 and "speedup vs dense" in md2
   targets = json.load(open(out2 + ".json"))["results"]["targets"]
   assert {(t["case"], t["goal"]) for t in targets} == {("T=1", "<= 1.15"), ("T=4", "<= 1.15")}
+
+
+def test_generation_on_a_bpe_workdir_runs_to_the_budget_with_the_same_tokens(tmp_path):
+  """Part (b) on a trained/imported BPE workdir (``--workdir``): every variant
+  holds the workdir's parameters, the stop ids are never emitted (so each
+  generation is exactly its budget), prompts are real text of the asked
+  length, and dense and blockwise emit the same tokens."""
+  import numpy as np
+  import pytest
+  from decode import bench_cache as bc
+  from tests import tiny_bpe
+  wd = tiny_bpe.import_tiny_workdir(str(tmp_path), mtp_depth=1)
+  models, tk = bc.workdir_models(wd, bc.impl_variants(["dense", "blockwise"], [16]), 128)
+  assert set(models) == {"dense", "blockwise/16"}
+  a, b = (np.asarray(m.embed.embedding[...]) for m in models.values())
+  np.testing.assert_array_equal(a, b)
+  p = bc.text_prompt(tk, 40, seed=3)
+  assert p.shape == (40,) and p.dtype == np.int32 and tk.stop_ids[0] not in p.tolist()
+  rows = bc.generation_speed(models, ["mtp"], [(40, 24)], 1, log=None,
+                             prompt_fn=lambda n, seed: bc.text_prompt(tk, n, seed), tokenizer=tk)
+  assert len(rows) == 2
+  for r in rows:
+    assert r["emitted"] == 24 and r["tokens_equal"], r
+  with pytest.raises(ValueError, match="max_seq_len"):
+    bc.workdir_models(wd, [("dense", None)], 10 ** 6)
