@@ -84,3 +84,30 @@ def test_special_targets_excluded_from_bits_per_byte():
   tokens = jnp.asarray([[tok.BOS_ID, 65, tok.EOS_ID]], jnp.int32)
   s = jax.device_get(losses.head_sums(logits, *losses.shifted_targets(tokens, None, 1)))
   assert float(s["count"]) == 2 and float(s["byte_count"]) == 1
+
+
+def test_teacher_overlap_is_the_t1_acceptance_sum_min_p_q():
+  """``mtp_k/teacher_overlap`` = mean over valid positions of sum_v min(p, q)
+  (p the main head at the aligned position, q the module): checked against
+  numpy, 1 when the module equals the teacher, and under a reduced draft
+  vocabulary against the full teacher (q = 0 outside V')."""
+  rng = np.random.default_rng(0)
+  b, t, v = 2, 9, 12
+  tokens = jnp.asarray(rng.integers(3, v, (b, t)), jnp.int32)
+  main = rng.normal(size=(b, t, v)).astype(np.float32) * 2
+  mod = rng.normal(size=(b, t, v)).astype(np.float32) * 2
+  sm = lambda x: np.exp(x - x.max(-1, keepdims=True)) / np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)
+  def overlap(module_logits, draft_mask=None):
+    out = ModelOutput(jnp.asarray(main), (jnp.asarray(module_logits),), (), draft_mask=draft_mask)
+    _, sums = losses.mtp_loss(out, tokens, None, 1.0, byte_level=False)
+    return losses.summarize(jax.device_get(sums))["mtp_1/teacher_overlap"]
+  # depth 1 at position i predicts t_{i+2}: teacher = main head at i+1; valid i < t - 2
+  p, q = sm(main[:, 1:t - 1]), sm(mod[:, :t - 2])
+  assert overlap(mod) == pytest.approx(float(np.minimum(p, q).sum(-1).mean()), rel=1e-5)
+  assert overlap(np.roll(main, -1, axis=1)) == pytest.approx(1.0, rel=1e-5)
+  keep = np.zeros(v, bool)
+  keep[:6] = True
+  masked = np.where(keep, mod, -np.inf)
+  q2 = sm(masked[:, :t - 2])
+  assert overlap(masked, jnp.asarray(keep)) == pytest.approx(
+      float(np.minimum(p, q2).sum(-1).mean()), rel=1e-5)

@@ -170,7 +170,17 @@ def draft_vocab_sums(logits, targets, mask, teacher_logits, draft_mask, byte_lev
   s["positions"] = jnp.sum(m)
   s["outside"] = jnp.sum(jnp.where(mask, outside, 0.0))
   s["agree_full"] = jnp.sum((jnp.argmax(logits, -1) == jnp.argmax(teacher_logits, -1)) * m)
+  s["overlap"] = overlap_sum(p, logits, mask)
   return s, restrict_teacher(teacher_logits, draft_mask)
+
+
+def overlap_sum(p, logits, mask):
+  """sum over valid positions of sum_v min(p, q): p [B, T, V] the full
+  teacher's probabilities, q = softmax(logits) the module's (0 outside V').
+  Per position this is the acceptance probability of one T = 1 draft from q
+  against p (Leviathan et al. 2023, section 3.3: alpha = sum min(p, q))."""
+  q = jax.nn.softmax(jax.lax.stop_gradient(logits.astype(jnp.float32)), -1)
+  return jnp.sum(jnp.where(mask, jnp.sum(jnp.minimum(p, q), -1), 0.0))
 
 
 def compact_targets(targets, mask, ids):
@@ -237,6 +247,8 @@ def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | No
         mask = valid                                 # the KL counts every valid position
       elif output.draft_mask is None:
         s = head_sums(logits, targets, mask, byte_level)
+        s["overlap"] = overlap_sum(jax.nn.softmax(jax.lax.stop_gradient(
+            teacher.astype(jnp.float32)), -1), logits, mask)
       else:                                          # reduced draft vocabulary V'
         s, teacher = draft_vocab_sums(logits, targets, mask, teacher, output.draft_mask,
                                       byte_level)
@@ -276,7 +288,10 @@ def summarize(sums: dict[str, dict[str, jax.Array]]) -> dict[str, float]:
   <= 1 - it), ``teacher_agreement_full`` (argmax equal to the full
   teacher's, the T = 0 acceptance) and ``targets_in_draft_vocab`` (the
   fraction of data targets in V', the ones the CE ``loss`` / ``accuracy``
-  are over)."""
+  are over). Every MTP depth outside the compact training form also has
+  ``mtp_k/teacher_overlap``: the mean of sum_v min(p, q) against the full
+  teacher, a T = 1 draft's acceptance probability at that depth along the
+  data's path (``overlap_sum``)."""
   out = {}
   for head, s in sums.items():
     count = max(float(s["count"]), 1.0)
@@ -287,7 +302,8 @@ def summarize(sums: dict[str, dict[str, jax.Array]]) -> dict[str, float]:
       for name, key in (("teacher_kl_restricted", "kl"),
                         ("teacher_agreement_restricted", "agree"),
                         ("teacher_mass_outside", "outside"),
-                        ("teacher_agreement_full", "agree_full")):
+                        ("teacher_agreement_full", "agree_full"),
+                        ("teacher_overlap", "overlap")):
         if key in s:     # not in the compact training form (no full-vocabulary teacher)
           out[f"{head}/{name}"] = float(s[key]) / n
       out[f"{head}/teacher_kl"] = out[f"{head}/teacher_kl_restricted"]
@@ -296,6 +312,8 @@ def summarize(sums: dict[str, dict[str, jax.Array]]) -> dict[str, float]:
     elif "kl" in s:
       out[f"{head}/teacher_kl"] = float(s["kl"]) / count
       out[f"{head}/teacher_agreement"] = float(s["agree"]) / count
+      if "overlap" in s:
+        out[f"{head}/teacher_overlap"] = float(s["overlap"]) / count
     if head == "main" and "byte_nll" in s:
       out["main/bits_per_byte"] = float(s["byte_nll"]) / max(float(s["byte_count"]), 1.0) / math.log(2)
   return out
