@@ -44,17 +44,18 @@ from mtp.importers import smollm
 from mtp.model import init_layer_caches
 from tests import tiny_bpe
 
-# Float32 logits of two implementations of the same 30-block network differ
-# by rounding: transformers' own float32 forward is ~0.9e-4 (max abs) from
-# its float64 forward on these prompts, and ours ~1.1-1.4e-4 (XLA's CPU
-# kernels round differently). Random tiny models are held to 1e-4.
-SMOLLM_ATOL = 2e-4
+# Float32 logits of two implementations of the same 30-block network differ by
+# float32 rounding alone; see test_smollm_logits_match_transformers for the
+# measurements behind this bound. Random tiny models are held to 1e-4.
+SMOLLM_ATOL = 1.5e-4
 ATOL = 1e-4
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "Write a Python function that reverses a string.",
     "Grüße! Explain in one sentence what a neural network is. 😀",
     "List three prime numbers greater than 100.",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "How many legs does a spider have?",
 ]
 STRINGS = [
     "Hello world", "def f(x):\n    return x ** 2  # square\n", "\tTabs\tand\n\nnewlines\r\n",
@@ -138,6 +139,41 @@ def test_smollm_config(smol):
 
 @pytest.mark.parametrize("prompt", CHAT_PROMPTS)
 def test_smollm_logits_match_transformers(smol, prompt):
+  """Our float32 logits against transformers' float32 GGUF model on six chat
+  prompts (37-47 tokens): max abs diff <= 1.5e-4 (logits up to ~40; measured
+  1.11-1.36e-4), argmax equal everywhere.
+
+  Why not the 1e-4 of issue 21: 1e-4 is below the float32 rounding of this
+  network, ours and transformers' alike. Measured on these prompts (and two
+  more), CPU, jax 0.10.2 / torch 2.13 / transformers 5.24, against an exact
+  float64 forward of the same weights (numpy, every op in float64; it equals
+  transformers' own model run in float64 with its RoPE and RMSNorm kept in
+  float64 to 9e-10):
+
+  - transformers float32 (sdpa) is 0.89-1.11e-4 from it, and 0.93-1.28e-4
+    from transformers' own ``model.double()`` forward; its eager attention is
+    0.82e-4 from its sdpa one (transformers against itself).
+  - ours is 0.99-1.30e-4 from it. Ours against itself: the first 24 tokens
+    (the system prompt) are the same in every prompt, so their logits are
+    the same numbers mathematically, yet our float32 logits there differ by
+    up to 1.17e-4 between prompts of different lengths (XLA's CPU matmuls
+    block, hence accumulate, by shape).
+  - nothing else differs: the dequantized weights are bitwise equal to
+    transformers' (Q4_1/Q8_0 through ``gguf.quants``), and our forward in
+    float64 (jax x64, float64 RoPE) is 5-9e-6 from the float64 one (jax's
+    softmax stays float32). Per block (hidden states, one prompt) both
+    drift alike, with no block standing out: ours 0.2-2.3e-4 and theirs
+    0.2-2.6e-4 from float64 in blocks 0-10, then 1.5-6e-3 and 1.5-2e-2 in
+    blocks 11-28, where one activation is ~2.5e4 (float32 spacing 2e-3).
+  - rounding-order variants of ours (transformers' RoPE inverse frequencies
+    and RMSNorm multiply order, float64 RoPE tables, an explicit softmax,
+    another SiLU) move the diff within 0.94-1.36e-4, none below 1e-4 on
+    every prompt.
+
+  The test uses the cache-free forward (dense ``jax.nn.dot_product_attention``);
+  the KV-cache attention (``model.attention_impl``, blockwise by default) is
+  checked against it in tests/test_attention.py and here through
+  test_greedy_64_tokens_equal_generate."""
   _, model, tk, hf, _ = smol
   ids = tk.apply_chat_template([{"role": "user", "content": prompt}])[None]
   ours = np.asarray(_logits(model, jnp.asarray(ids)))
