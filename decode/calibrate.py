@@ -62,3 +62,83 @@ def decoder_round_costs(decoder, state, sp, form: str) -> np.ndarray:
         s = decoder._round_jit(p, dp, s, sp, g)
         jax.device_get((s.length, s.done, s.error))
   return round_costs(run_rounds, decoder.G)
+
+
+def updated_costs(costs, rounds, seconds: float, step: float = 0.5) -> np.ndarray:
+  """Round costs [G_max+1] float64 moved toward explaining one generation:
+  ``rounds`` [G_max+1] rounds run at each g (``Generation.draft_length_histogram``,
+  the batch's: its maximum over rows) took ``seconds`` (the decoding phase,
+  prefill excluded). A normalised least-mean-squares step (Widrow-Hoff):
+  c + step * n (T - n.c) / n.n, so the prediction error n.c - T shrinks by
+  the factor (1 - step) and only the costs of the g that ran move (in
+  proportion to their rounds); then kept positive (>= 1/4 of the old cost)
+  and non-decreasing in g, as ``round_costs``. Costs are unchanged when no
+  round ran or ``seconds`` is not positive. step in (0, 1]."""
+  c = np.asarray(costs, np.float64)
+  n = np.asarray(rounds, np.float64)
+  if not 0 < step <= 1:
+    raise ValueError(f"step={step!r} must be in (0, 1]")
+  if n.shape != c.shape:
+    raise ValueError(f"rounds has shape {n.shape}, costs {c.shape}")
+  nn = float(n @ n)
+  if nn == 0 or not seconds > 0:
+    return c
+  new = c + step * n * (seconds - float(n @ c)) / nn
+  return np.maximum.accumulate(np.maximum(new, c / 4))
+
+
+def learn_costs(costs: dict, key, gen) -> None:
+  """A ``Decoder``'s measured round costs ``costs[key]`` (``key``: batch
+  size, cache length, mode, form; None when the costs were given as
+  ``auto_costs`` and stay fixed) moved toward the decoding time ``gen`` (a
+  ``Generation`` with "auto") took for the rounds it ran at each g
+  (``updated_costs``), so the next generation's choices follow the rounds
+  actually run, not only the calibration."""
+  if key is None or gen.draft_length_histogram is None:
+    return
+  rounds = np.asarray(gen.draft_length_histogram).max(axis=0)
+  costs[key] = updated_costs(costs[key], rounds, gen.wall_time_s - gen.prefill_time_s)
+
+
+def stage_prior(workdir: str, max_draft_tokens: int) -> dict | None:
+  """The acceptance prior of ``num_draft_tokens="auto"`` from a stage's own
+  validation (``metrics.jsonl``, the last evaluation at or before the latest
+  checkpoint): {"greedy": (alpha_1, ...), "sampling": (alpha_1, ...)} per
+  draft position 1..min(max_draft_tokens, depths evaluated), greedy from
+  ``mtp_k/teacher_agreement_full`` (or ``teacher_agreement``: the T = 0
+  acceptance), sampling from ``mtp_k/teacher_overlap`` (E[sum min(p, q)], the
+  T = 1 acceptance; the greedy values when absent), each clipped to
+  [0.02, 0.98]. These are unconditional rates along the data's path; the
+  schedule's estimates are conditional on the earlier drafts being accepted
+  and replace the prior as rounds test each position. None when the
+  workdir has no evaluation with MTP metrics (an export, a run never
+  evaluated): the caller keeps ``AutoSchedule``'s fixed prior."""
+  import json
+  import os
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.isfile(path):
+    return None
+  steps = [int(d) for d in os.listdir(os.path.join(workdir, "checkpoints"))
+           if d.isdigit()] if os.path.isdir(os.path.join(workdir, "checkpoints")) else []
+  last = max(steps) if steps else None
+  row = None
+  with open(path) as f:
+    for line in f:
+      try:
+        d = json.loads(line)
+      except ValueError:
+        continue
+      if d.get("split") == "eval" and (last is None or d.get("step", 0) <= last) \
+          and "mtp_1/teacher_agreement" in d:
+        row = d
+  if row is None:
+    return None
+  clip = lambda x: float(min(max(x, 0.02), 0.98))
+  greedy, sampling = [], []
+  for k in range(1, max_draft_tokens + 1):
+    g = row.get(f"mtp_{k}/teacher_agreement_full", row.get(f"mtp_{k}/teacher_agreement"))
+    if g is None:
+      break
+    greedy.append(clip(g))
+    sampling.append(clip(row.get(f"mtp_{k}/teacher_overlap", g)))
+  return {"greedy": tuple(greedy), "sampling": tuple(sampling), "step": row.get("step")}

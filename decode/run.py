@@ -27,7 +27,8 @@ from typing import TextIO
 import jax
 import numpy as np
 
-from decode import stats as stats_lib
+from decode import calibrate, stats as stats_lib
+from decode.schedule import AutoSchedule
 from decode.speculative import DecodeError, Decoder, SamplingParams
 from decode.stops import StopConditions
 from mtp import loading
@@ -229,6 +230,18 @@ def encode_prompts(prompts: Sequence[str], tokenizer=None, chat: bool = False,
   return out
 
 
+def auto_schedule(workdir: str, max_draft_tokens: int) -> AutoSchedule | None:
+  """``AutoSchedule(max_draft_tokens)`` whose prior acceptance per draft
+  position is the stage's validation acceptance stored beside its
+  checkpoint (``decode.calibrate.stage_prior``: greedy and sampling values
+  apart), or None (the schedule's fixed prior) without one."""
+  prior = calibrate.stage_prior(workdir, max_draft_tokens)
+  if not (isinstance(max_draft_tokens, int) and max_draft_tokens >= 1) or not prior \
+      or not prior["sampling"]:
+    return None
+  return AutoSchedule(max_draft_tokens, prior=prior["sampling"], greedy_prior=prior["greedy"])
+
+
 def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
                  draft_workdir: str | None = None, max_draft_tokens: int | None = None,
                  tree=None) -> tuple[Decoder, int]:
@@ -251,7 +264,12 @@ def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
     if not draft_workdir:
       raise DecodeError("--method=draft needs --draft_workdir (a trained draft-model workdir)")
     _, draft, _ = loading.load_model(draft_workdir)
-  kw = {"max_draft_tokens": max_draft_tokens} if num_draft_tokens == "auto" else {}
+  kw = {}
+  if num_draft_tokens == "auto" and method == "mtp":
+    kw = {"max_draft_tokens": max_draft_tokens, "schedule": auto_schedule(
+        workdir, target.mtp_depth if max_draft_tokens is None else max_draft_tokens)}
+  elif num_draft_tokens == "auto":
+    kw = {"max_draft_tokens": max_draft_tokens}
   if tree is not None:
     kw["tree"] = tree
   return Decoder(target, method, num_draft_tokens if method != "ar" else 1, draft,

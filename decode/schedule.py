@@ -53,7 +53,12 @@ class AutoSchedule:
 
   Attributes:
     max_draft_tokens: G_max >= 1, the longest draft considered.
-    prior: initial acceptance estimate for every position, in (0, 1).
+    prior: initial acceptance estimate, in (0, 1): one value for every
+      position, or one per draft position 1..n (positions past n take the
+      last; e.g. a stage's validation acceptance per depth,
+      ``decode.calibrate.stage_prior``). Used when sampling (T > 0), and at
+      T = 0 unless ``greedy_prior`` is given.
+    greedy_prior: the same for greedy decoding (T = 0), or None.
     ema: weight of the newest round in the estimates, in (0, 1].
     rounds_per_choice: rounds of one segment (one choice of g), >= 1.
     probe_rounds: rounds of the first segment and of probe segments, >= 1.
@@ -61,18 +66,23 @@ class AutoSchedule:
     max_probe_interval: cap of the doubling interval.
   """
   max_draft_tokens: int
-  prior: float = 0.8
+  prior: float | tuple[float, ...] = 0.8
   ema: float = 0.2
   rounds_per_choice: int = 16
   probe_rounds: int = 2
   probe_interval: int = 4
   max_probe_interval: int = 256
+  greedy_prior: float | tuple[float, ...] | None = None
 
   def __post_init__(self):
     if not (isinstance(self.max_draft_tokens, int) and self.max_draft_tokens >= 1):
       raise ValueError(f"max_draft_tokens={self.max_draft_tokens!r} must be an integer >= 1")
-    if not 0 < self.prior < 1:
-      raise ValueError(f"prior={self.prior!r} must be in (0, 1)")
+    for name in ("prior", "greedy_prior"):
+      v = getattr(self, name)
+      vals = v if isinstance(v, tuple) else (v,)
+      if (v is not None or name == "prior") and not (
+          vals and all(isinstance(x, (int, float)) and 0 < x < 1 for x in vals)):
+        raise ValueError(f"{name}={v!r} must be in (0, 1) (a number or a non-empty tuple of them)")
     if not 0 < self.ema <= 1:
       raise ValueError(f"ema={self.ema!r} must be in (0, 1]")
     if not 1 <= self.probe_interval <= self.max_probe_interval:
@@ -80,6 +90,15 @@ class AutoSchedule:
     for name in ("rounds_per_choice", "probe_rounds"):
       if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
         raise ValueError(f"{name}={getattr(self, name)!r} must be an integer >= 1")
+
+  def prior_alpha(self, greedy: bool = False) -> jax.Array:
+    """[G_max] float32: the initial estimate per draft position (``prior``,
+    or ``greedy_prior`` when ``greedy`` and given; a short tuple extended
+    with its last value)."""
+    v = self.greedy_prior if greedy and self.greedy_prior is not None else self.prior
+    vals = list(v) if isinstance(v, tuple) else [v]
+    g = self.max_draft_tokens
+    return jnp.asarray((vals + [vals[-1]] * g)[:g], jnp.float32)
 
   def init_state(self, batch: int, costs) -> dict:
     """Schedule state for ``batch`` rows: alpha [B, G_max] float32 estimates,
@@ -90,7 +109,7 @@ class AutoSchedule:
     costs = jnp.asarray(costs, jnp.float32)
     if costs.shape != (g + 1,):
       raise ValueError(f"costs must have shape ({g + 1},), got {costs.shape}")
-    return {"alpha": jnp.full((batch, g), self.prior, jnp.float32),
+    return {"alpha": jnp.broadcast_to(self.prior_alpha(), (batch, g)),
             "tested": jnp.zeros((batch, g), bool), "costs": costs,
             "round": jnp.int32(0), "probe_wait": jnp.int32(0),
             "probe_interval": jnp.int32(self.probe_interval), "force": jnp.int32(-1)}

@@ -180,6 +180,7 @@ class Decoder:
                                               else (None, None))
     self.mesh = mesh
     self._costs: dict = {}
+    self._cost_key = None    # the measured costs the last "auto" generation used
     wrap = lambda f: f
     if mesh is not None:
       self.target_params = decode_mesh.place_params(mesh, self.target_params, target.cfg)
@@ -289,23 +290,29 @@ class Decoder:
 
   def _with_costs(self, state, sp, prompts, max_new_tokens: int, form: str = "while"):
     """"auto": ``state`` with the schedule's round costs for this batch size,
-    cache length, sampling mode and form (measured once each: ``auto_costs``
-    given to the constructor replace the measurement); otherwise unchanged."""
+    cache length, sampling mode and form (measured once each, then moved
+    toward each generation's own rounds by ``calibrate.learn_costs``;
+    ``auto_costs`` given to the constructor replace both) and the prior
+    acceptance for this mode (``AutoSchedule.prior_alpha``); otherwise unchanged."""
     if self.schedule is None:
       return state
-    costs = self._fixed_costs
+    costs, self._cost_key = self._fixed_costs, None
     if costs is None:
       probe, prefill_len = self.prepare(prompts, max_new_tokens, 0)
       key = (len(prompts), probe.tokens.shape[1], sp.greedy, sp.filtering, form)
       if key not in self._costs:
         self._costs[key] = calibrate.decoder_round_costs(self, self.prefill(probe, prefill_len),
                                                           sp, form)
-      costs = self._costs[key]
+      costs, self._cost_key = self._costs[key], key
     costs = jnp.asarray(costs, jnp.float32)
+    alpha = state.auto.schedule["alpha"]
+    alpha = jnp.broadcast_to(self.schedule.prior_alpha(sp.greedy), alpha.shape)
     if self.mesh is not None:
       costs = jax.device_put(costs, decode_mesh.replicated(self.mesh))
+      alpha = jax.device_put(alpha, state.auto.schedule["alpha"].sharding)
     auto = state.auto
-    return state.replace(auto=auto.replace(schedule={**auto.schedule, "costs": costs}))
+    return state.replace(auto=auto.replace(schedule={**auto.schedule, "costs": costs,
+                                                     "alpha": alpha}))
 
   def token_bytes(self, token_id: int) -> bytes:
     """The bytes one id stands for in the output (b"" for specials)."""
@@ -337,7 +344,9 @@ class Decoder:
     t1 = time.perf_counter()
     state = self._generate_jit(self.target_params, self.draft_params, state, sp)
     jax.block_until_ready(state.length)
-    return self._result(state, None, time.perf_counter() - t0, t1 - t0, stops)
+    gen = self._result(state, None, time.perf_counter() - t0, t1 - t0, stops)
+    calibrate.learn_costs(self._costs, self._cost_key, gen)
+    return gen
 
   def stream(self, prompts, max_new_tokens: int, sampling_params: SamplingParams, seed: int = 0,
              on_tokens: Callable[[int, np.ndarray], None] | None = None,
@@ -369,7 +378,9 @@ class Decoder:
         stop_rows=lambda s, n, m: self._stop_rows_jit(s, jnp.asarray(n), jnp.asarray(m)),
         choose_fn=self._choose_jit if self.schedule is not None else None)
     watch.flush()
-    return self._result(state, emit_times, time.perf_counter() - t0, prefill, stops)
+    gen = self._result(state, emit_times, time.perf_counter() - t0, prefill, stops)
+    calibrate.learn_costs(self._costs, self._cost_key, gen)
+    return gen
 
 
 def _check_prompts(prompts, max_new_tokens, max_len: int, mesh) -> None:

@@ -1,0 +1,93 @@
+"""``num_draft_tokens="auto"`` with a prior per draft position taken from the
+stage's validation acceptance, and round costs that follow the rounds run
+(issue 22, item 7)."""
+
+import json
+import os
+import types
+
+import numpy as np
+import pytest
+
+from decode import calibrate
+from decode.run import auto_schedule
+from decode.schedule import AutoSchedule
+from decode.speculative import Decoder, SamplingParams
+from tests.conftest import random_prompts
+
+
+def test_prior_per_position_extends_with_its_last_value_and_is_validated():
+  s = AutoSchedule(4, prior=(0.6, 0.4), greedy_prior=0.9)
+  np.testing.assert_allclose(s.prior_alpha(), [0.6, 0.4, 0.4, 0.4])
+  np.testing.assert_allclose(s.prior_alpha(greedy=True), [0.9] * 4)
+  np.testing.assert_allclose(AutoSchedule(2).prior_alpha(greedy=True), [0.8, 0.8])
+  np.testing.assert_allclose(s.init_state(3, np.ones(5))["alpha"], np.tile([0.6, 0.4, 0.4, 0.4], (3, 1)))
+  for bad in (dict(prior=()), dict(prior=(0.5, 1.0)), dict(greedy_prior=(0.0,)), dict(prior="0.5")):
+    with pytest.raises(ValueError, match="prior"):
+      AutoSchedule(2, **bad)
+
+
+def test_updated_costs_is_a_normalised_lms_step():
+  c = np.array([1.0, 2.0, 3.0])
+  n = np.array([10, 0, 5])
+  new = calibrate.updated_costs(c, n, 40.0)          # predicted 25 s, measured 40 s
+  assert new @ n - 40.0 == pytest.approx(0.5 * (c @ n - 40.0))
+  assert new[1] == 2.0                                # g = 1 never ran: unchanged ...
+  assert np.all(np.diff(new) >= 0)                   # ... but kept non-decreasing
+  np.testing.assert_allclose(calibrate.updated_costs(c, n, 25.0), c)   # already explained
+  np.testing.assert_allclose(calibrate.updated_costs(c, [0, 0, 0], 9.0), c)
+  assert np.all(calibrate.updated_costs(c, n, 1e-6) >= c / 4)
+  with pytest.raises(ValueError, match="step"):
+    calibrate.updated_costs(c, n, 1.0, step=0.0)
+  costs = {"k": c}
+  gen = types.SimpleNamespace(draft_length_histogram=np.array([[10, 0, 5], [7, 0, 5]]),
+                              wall_time_s=41.0, prefill_time_s=1.0)
+  calibrate.learn_costs(costs, "k", gen)              # the batch's rounds: max over rows
+  np.testing.assert_allclose(costs["k"], new)
+  calibrate.learn_costs(costs, None, gen)             # given auto_costs: nothing to learn
+
+
+def _stage(path, rows, steps=(50, 100)):
+  os.makedirs(os.path.join(path, "checkpoints"))
+  for s in steps:
+    os.makedirs(os.path.join(path, "checkpoints", str(s)))
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    for r in rows:
+      f.write(json.dumps(r) + "\n")
+  return str(path)
+
+
+def test_stage_prior_reads_the_last_evaluation_at_the_checkpoint(tmp_path):
+  ev = lambda step, a1, o1: {"step": step, "split": "eval", "mtp_1/teacher_agreement": a1,
+                             "mtp_1/teacher_agreement_full": a1 - 0.01, "mtp_1/teacher_overlap": o1,
+                             "mtp_2/teacher_agreement": 0.999}
+  wd = _stage(tmp_path / "a", [ev(50, 0.3, 0.2), {"step": 60, "split": "train"},
+                               ev(100, 0.51, 0.42), ev(150, 0.9, 0.9)])   # 150: past the checkpoint
+  p = calibrate.stage_prior(wd, 3)
+  assert p["step"] == 100 and p["greedy"] == pytest.approx((0.50, 0.98))
+  assert p["sampling"] == pytest.approx((0.42, 0.98))   # no overlap at depth 2: its agreement
+  s = auto_schedule(wd, 3)
+  np.testing.assert_allclose(s.prior_alpha(greedy=True), [0.50, 0.98, 0.98])
+  np.testing.assert_allclose(s.prior_alpha(), [0.42, 0.98, 0.98])
+  assert calibrate.stage_prior(_stage(tmp_path / "b", [{"step": 10, "split": "train"}]), 2) is None
+  assert calibrate.stage_prior(str(tmp_path), 2) is None and auto_schedule(str(tmp_path), 2) is None
+
+
+def test_the_prior_for_the_sampling_mode_decides_the_first_segment(trained_markov):
+  """Round costs 1 / 1.5 / 2 (AR wins unless acceptance is high), a 2-round
+  first segment and a 2-token budget (so the first segment is the whole
+  generation): a prior of 0.98 for the mode at hand drafts from the first
+  round, 0.02 runs AR steps. Each decoder's two modes have opposite priors,
+  so a decoder that ignored the mode (or the prior) fails one of them."""
+  _, model, _ = trained_markov
+  prompts = random_prompts([6, 9])
+  hi, lo = (0.98,), (0.02,)
+  for greedy, sampling in ((hi, lo), (lo, hi)):
+    dec = Decoder(model, "mtp", "auto", max_draft_tokens=2, auto_costs=[1.0, 1.5, 2.0],
+                  schedule=AutoSchedule(2, prior=sampling, greedy_prior=greedy))
+    for temperature, prior in ((0.0, greedy), (1.0, sampling)):
+      hist = dec.generate(prompts, 2, SamplingParams(temperature), seed=1).draft_length_histogram
+      if prior == hi:
+        assert hist[:, 1:].sum() > 0 and hist[:, 0].sum() == 0, (temperature, hist)
+      else:
+        assert hist[:, 1:].sum() == 0, (temperature, hist)
