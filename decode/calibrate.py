@@ -1,6 +1,7 @@
 """Round costs for ``num_draft_tokens="auto"``: seconds per round at each
 draft length g = 0..G_max, measured on this device before the first timed
-generation of a (batch size, cache length, sampling mode, form).
+generation of a (batch size, cache length, sampling mode, form), and put
+into the "auto" state (``with_costs``).
 
 The measurement (``round_costs``): each g's rounds timed with the g
 interleaved (``mtp.timing.interleaved_times``), so noise hits every g
@@ -62,3 +63,31 @@ def decoder_round_costs(decoder, state, sp, form: str) -> np.ndarray:
         s = decoder._round_jit(p, dp, s, sp, g)
         jax.device_get((s.length, s.done, s.error))
   return round_costs(run_rounds, decoder.G)
+
+
+def with_costs(decoder, state, sp, prompts, max_new_tokens: int, form: str = "while"):
+  """"auto": ``state`` (a ``DecodeState`` from ``decoder.prepare``) with the
+  schedule's round costs [G_max+1] float32 seconds for this batch size,
+  cache length, sampling mode and form (``"while"`` or ``"stream"``),
+  measured once each (``decoder_round_costs`` on a probe batch of
+  ``prompts``, kept in ``decoder._costs``); ``auto_costs`` given to the
+  ``Decoder`` replace the measurement. Replicated on the decoder's mesh.
+  Without "auto" ``state`` is returned unchanged."""
+  if decoder.schedule is None:
+    return state
+  import jax
+  import jax.numpy as jnp
+  from decode import mesh as decode_mesh
+  costs = decoder._fixed_costs
+  if costs is None:
+    probe, prefill_len = decoder.prepare(prompts, max_new_tokens, 0)
+    key = (len(prompts), probe.tokens.shape[1], sp.greedy, sp.filtering, form)
+    if key not in decoder._costs:
+      decoder._costs[key] = decoder_round_costs(decoder, decoder.prefill(probe, prefill_len),
+                                                sp, form)
+    costs = decoder._costs[key]
+  costs = jnp.asarray(costs, jnp.float32)
+  if decoder.mesh is not None:
+    costs = jax.device_put(costs, decode_mesh.replicated(decoder.mesh))
+  auto = state.auto
+  return state.replace(auto=auto.replace(schedule={**auto.schedule, "costs": costs}))
