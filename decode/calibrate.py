@@ -1,6 +1,7 @@
 """Round costs for ``num_draft_tokens="auto"``: seconds per round at each
 draft length g = 0..G_max, measured on this device before the first timed
-generation of a (batch size, cache length, sampling mode, form).
+generation of a (batch size, cache length, sampling mode, form), and put
+into the "auto" state (``with_costs``).
 
 The measurement (``round_costs``): each g's rounds timed with the g
 interleaved (``mtp.timing.interleaved_times``), so noise hits every g
@@ -142,3 +143,36 @@ def stage_prior(workdir: str, max_draft_tokens: int) -> dict | None:
     greedy.append(clip(g))
     sampling.append(clip(row.get(f"mtp_{k}/teacher_overlap", g)))
   return {"greedy": tuple(greedy), "sampling": tuple(sampling), "step": row.get("step")}
+def with_costs(decoder, state, sp, prompts, max_new_tokens: int, form: str = "while"):
+  """"auto": ``state`` (a ``DecodeState`` from ``decoder.prepare``) with the
+  schedule's round costs [G_max+1] float32 seconds for this batch size,
+  cache length, sampling mode and form (``"while"`` or ``"stream"``),
+  measured once each (``decoder_round_costs`` on a probe batch of
+  ``prompts``, kept in ``decoder._costs``, then moved toward each
+  generation's own rounds by ``learn_costs``); ``auto_costs`` given to the
+  ``Decoder`` replace both. The schedule's estimates start at its prior for
+  this mode (``AutoSchedule.prior_alpha(sp.greedy)``). Replicated on the
+  decoder's mesh.
+  Without "auto" ``state`` is returned unchanged."""
+  if decoder.schedule is None:
+    return state
+  import jax
+  import jax.numpy as jnp
+  from decode import mesh as decode_mesh
+  costs, decoder._cost_key = decoder._fixed_costs, None
+  if costs is None:
+    probe, prefill_len = decoder.prepare(prompts, max_new_tokens, 0)
+    key = (len(prompts), probe.tokens.shape[1], sp.greedy, sp.filtering, form)
+    if key not in decoder._costs:
+      decoder._costs[key] = decoder_round_costs(decoder, decoder.prefill(probe, prefill_len),
+                                                sp, form)
+    costs, decoder._cost_key = decoder._costs[key], key
+  costs = jnp.asarray(costs, jnp.float32)
+  old_alpha = state.auto.schedule["alpha"]
+  alpha = jnp.broadcast_to(decoder.schedule.prior_alpha(sp.greedy), old_alpha.shape)
+  if decoder.mesh is not None:
+    costs = jax.device_put(costs, decode_mesh.replicated(decoder.mesh))
+    alpha = jax.device_put(alpha, old_alpha.sharding)
+  auto = state.auto
+  return state.replace(auto=auto.replace(schedule={**auto.schedule, "costs": costs,
+                                                   "alpha": alpha}))

@@ -1,6 +1,6 @@
-"""The loops that run decoding rounds: every round inside one
-``lax.while_loop`` (throughput form), "auto" segments, and the host-driven
-stream form.
+"""The loops that run decoding rounds: the prefill before them, every round
+inside one ``lax.while_loop`` (throughput form), "auto" segments, and the
+host-driven stream form.
 
 A round is a traced ``round_g(state, g) -> state`` (``decode.round.chain_round``
 or ``decode.tree.tree_round`` with the parameters bound; g static) and these
@@ -30,6 +30,23 @@ import numpy as np
 from decode.state import DecodeState
 
 RoundG = Callable[[DecodeState, int], DecodeState]
+
+
+def prefill(drafter, target, draft, state: DecodeState, p: int) -> DecodeState:
+  """The prefill, traced: ``target.backbone`` over positions 0..p-1 of
+  ``state.tokens`` [B, S] (p = prompt bucket - 1, static) writing its KV
+  cache, then ``drafter.prefill`` (on ``draft`` for a draft model, else the
+  target's MTP modules, with h^0 [B, p, D]); ``drafter`` None for AR."""
+  b = state.tokens.shape[0]
+  with jax.named_scope("prefill"):
+    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    h0, cache = target.backbone(state.tokens[:, :p], pos, cache=state.cache)
+    state = state.replace(cache=cache)
+    if drafter is not None:
+      model = draft if draft is not None else target
+      state = state.replace(drafter=drafter.prefill(model, state.drafter, state.tokens,
+                                                    state.length, h0, p))
+  return state
 
 
 def choose(schedule, state: DecodeState) -> DecodeState:

@@ -13,84 +13,31 @@ comparisons and notices to ``err`` (stderr), and returns the report dict that
 has ``"per_category": {CATEGORY: {"rows", "num_tokens", "target_calls",
 "mean_accepted_length", "acceptance_rate_per_position",
 "accepted_length_histogram", "speedup" (with compare)}}``.
+
+The rooms: ``decode.texts`` (prompt files, encoding, streamed text),
+``decode.compare`` (--compare), ``decode.results`` (the report's rows,
+config and notices); this file checks the flags' values, loads the
+decoder and runs the job.
 """
 
 from __future__ import annotations
 
-import codecs
-import io
 import sys
-import types
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-import jax
-import numpy as np
-
-from decode import calibrate, stats as stats_lib
+from decode import calibrate
+from decode import compare as compare_lib
+from decode import results as results_lib
+from decode import stats as stats_lib
 from decode.schedule import AutoSchedule
 from decode.speculative import DecodeError, Decoder, SamplingParams
 from decode.stops import StopConditions
+from decode.texts import (  # noqa: F401 (decode.run's API: python -m decode, tests)
+    check_prompt_text, decode_texts, encode_prompts, read_prompt_file, read_prompt_jsonl_file,
+    read_prompts)
 from mtp import loading
 from mtp import tokenizer as tok
-from mtp.timing import interleaved_times
-
-
-def read_prompt_file(path: str) -> list[str]:
-  """One prompt per line, every line taken literally (no escapes; a prompt
-  cannot contain a newline: use ``--prompt $'...'`` for one multi-line
-  prompt), so prompt i is line i+1. Line ends are ``\\n``, ``\\r\\n`` or
-  ``\\r``; a final line end is optional.
-
-  Raises DecodeError for a missing file, an empty line (naming it: an empty
-  prompt is an error), non-UTF-8 bytes (naming the line) or an empty file.
-  """
-  try:
-    raw = open(path, "rb").read()
-  except OSError as e:
-    raise DecodeError(f"--prompt_file={path!r}: {e.strerror}") from e
-  prompts = []
-  for i, line in enumerate(raw.splitlines(), 1):
-    try:
-      text = line.decode("utf-8")
-    except UnicodeDecodeError as e:
-      raise DecodeError(f"--prompt_file={path!r} line {i} is not valid UTF-8 "
-                        f"(byte {e.start}: {line[e.start:e.start + 1]!r})") from e
-    if not text:
-      raise DecodeError(f"--prompt_file={path!r} line {i} is empty: every line is one prompt "
-                        "(prompt i is line i+1); remove blank lines")
-    prompts.append(text)
-  if not prompts:
-    raise DecodeError(f"--prompt_file={path!r} is empty: give one prompt per line")
-  return prompts
-
-
-def read_prompts(path: str) -> list[str] | list[dict]:
-  """``--prompt_file``: a ``.jsonl`` file is read as chat prompts
-  (``read_prompt_jsonl_file``), any other file as one prompt per line
-  (``read_prompt_file``). Raises DecodeError."""
-  return read_prompt_jsonl_file(path) if path.endswith(".jsonl") else read_prompt_file(path)
-
-
-def read_prompt_jsonl_file(path: str) -> list[dict]:
-  """A JSONL prompt file: one JSON object per line, ``{"prompt": str,
-  "category": str (optional), "system": str (optional)}`` (blank lines
-  skipped), e.g. the held-out set ``mtp/data/heldout_chat.jsonl``. With a
-  model whose tokenizer has a chat template each object is a chat (an
-  optional system message, the prompt as the user message, the generation
-  prompt appended); without one the prompt is raw text. Results and
-  statistics are then also reported per ``category``.
-
-  Raises DecodeError, one line naming the file and the line: invalid UTF-8
-  or JSON, not an object, a missing or empty ``prompt``, a value that is not
-  a string, an unknown field, or no prompt at all.
-  """
-  from mtp.data.chat import read_prompt_jsonl
-  from mtp.data.corpora import DataError
-  try:
-    return read_prompt_jsonl(path, what="--prompt_file")
-  except DataError as e:
-    raise DecodeError(str(e)) from None
 
 
 def parse_num_draft_tokens(text) -> int | str:
@@ -157,21 +104,6 @@ MAX_REPEATS = 1000
 MAX_SEED = 2 ** 32 - 1
 
 
-def check_prompt_text(prompts: Sequence[str], flag: str = "--prompt") -> None:
-  """Raises DecodeError for text that is not valid Unicode: Python turns
-  command-line bytes that are not UTF-8 into lone surrogates (PEP 383), so a
-  byte such as 0xFF typed into --prompt arrives as U+DCFF; it is refused,
-  naming the prompt, the byte and its position, instead of being fed to the
-  model as other bytes."""
-  for i, p in enumerate(prompts):
-    for j, ch in enumerate(p):
-      if 0xD800 <= ord(ch) <= 0xDFFF:
-        what = (f"byte 0x{ord(ch) - 0xDC00:02X}" if 0xDC80 <= ord(ch) <= 0xDCFF
-                else f"lone surrogate U+{ord(ch):04X}")
-        raise DecodeError(f"{flag} (prompt {i}) is not valid UTF-8: {what} at character {j}; "
-                          "give UTF-8 text")
-
-
 def check_run_args(*, max_new_tokens, num_samples, seed, repeats, max_draft_tokens=None,
                    sampling: SamplingParams | None = None) -> None:
   """Range checks of every numeric setting of ``run``, made before anything
@@ -187,47 +119,6 @@ def check_run_args(*, max_new_tokens, num_samples, seed, repeats, max_draft_toke
     integer("max_draft_tokens", max_draft_tokens, 1, 16)
   if sampling is not None:
     sampling.validate()
-
-
-def encode_prompts(prompts: Sequence[str], tokenizer=None, chat: bool = False,
-                   systems: Sequence[str | None] | None = None) -> list[np.ndarray]:
-  """Token ids per prompt with ``tokenizer`` (default the byte tokenizer):
-  raw text (BOS first where the tokenizer adds one: always for the byte
-  tokenizer), or with ``chat`` one user message rendered with the
-  tokenizer's chat template (generation prompt appended). Text is always
-  encoded as text: a prompt that spells a special token (``<|im_start|>``)
-  never becomes the control token; only the template emits those.
-
-  ``systems``: per prompt an optional system message (placed before the
-  user message; needs ``chat``).
-
-  Raises DecodeError for an empty prompt, text that is not valid UTF-8
-  (``check_prompt_text``), ``chat`` with a tokenizer that has no template,
-  or a system message without ``chat``.
-  """
-  check_prompt_text(prompts, "--chat" if chat else "--prompt")
-  tk = tokenizer or tok.ByteTokenizer()
-  if chat and not tk.chat_template:
-    raise DecodeError("--chat needs a tokenizer with a chat template (a workdir imported with "
-                      "python -m mtp.importers); this model's tokenizer has none: use --prompt")
-  out = []
-  for i, p in enumerate(prompts):
-    if not p:
-      raise DecodeError(f"--prompt (prompt {i}) is empty: give at least one character")
-    system = systems[i] if systems is not None else None
-    if system and not chat:
-      raise DecodeError(f"prompt {i} has a system message, which needs the chat template; this "
-                        "model's tokenizer has none")
-    if chat:
-      msgs = ([{"role": "system", "content": system}] if system else []) + [
-          {"role": "user", "content": p}]
-      ids = tk.apply_chat_template(msgs, add_generation_prompt=True)
-    elif tk.kind == "byte":
-      ids = tk.encode(p, add_bos=True)
-    else:
-      ids = tk.encode(p)
-    out.append(np.asarray(ids, np.int32))
-  return out
 
 
 def auto_schedule(workdir: str, max_draft_tokens: int) -> AutoSchedule | None:
@@ -275,38 +166,6 @@ def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
   return Decoder(target, method, num_draft_tokens if method != "ar" else 1, draft,
                  tokenizer=tokenizer, **kw), trained
 
-
-def decode_texts(decoder: Decoder, prompts: Sequence[str], *, max_new_tokens: int,
-                 sampling: SamplingParams, num_samples: int = 1, seed: int = 0,
-                 warmup: bool = True, out: TextIO | None = None,
-                 stops: StopConditions | None = None, chat: bool = False,
-                 systems: Sequence[str | None] | None = None):
-  """Decodes every prompt ``num_samples`` times in one batch (stream form).
-
-  With one prompt and one sample, text is streamed to ``out`` as it is
-  emitted (never past a stop string), after the prompt (raw prompts) or
-  alone (``chat``: the reply to one user message). ``warmup`` first runs
-  the same shapes once so timings exclude compilation. Returns the
-  ``Generation``.
-  """
-  if not (isinstance(num_samples, int) and num_samples >= 1):
-    raise DecodeError(f"--num_samples={num_samples!r} must be an integer >= 1")
-  encoded = [p for p in encode_prompts(prompts, decoder.tokenizer, chat, systems)
-             for _ in range(num_samples)]
-  if warmup:
-    decoder.stream(encoded, max_new_tokens, sampling, seed, stops=stops)
-  on_text = None
-  if out is not None and len(encoded) == 1:
-    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    if not chat:
-      out.write(prompts[0])
-    def on_text(row, data):
-      out.write(utf8.decode(data))
-      out.flush()
-  gen = decoder.stream(encoded, max_new_tokens, sampling, seed, stops=stops, on_text=on_text)
-  if on_text is not None:
-    out.write(utf8.decode(b"", final=True) + "\n")
-  return gen
 
 
 def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
@@ -366,18 +225,9 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   check_prompt_text(prompts)
   decoder, trained = load_decoder(workdir, method, num_draft_tokens, draft_workdir,
                                   max_draft_tokens, tree)
-  depth = decoder.models()[0].mtp_depth
-  if method == "mtp" and decoder.tree is None and decoder.G > trained:
-    first = trained + 1
-    extra = (f"drafts {first}..{decoder.G} reuse" if decoder.G > first else
-             f"draft {decoder.G} reuses")
-    flag = ("--max_draft_tokens" if decoder.num_draft_tokens == "auto" else "--num_draft_tokens")
-    trained_for = (f"the checkpoint's MTP depth D={depth}" if trained == depth else
-                   f"the {trained} offsets the checkpoint's modules were trained for (D={depth}, "
-                   f"mtp.recursive_steps={trained - depth})")
-    err.write(f"note: {flag}={decoder.G} > {trained_for}: "
-              f"{extra} module {depth}, which was never trained for that offset (acceptance "
-              "decays there)\n")
+  note = results_lib.untrained_offsets_note(decoder, method, trained)
+  if note:
+    err.write(note)
   if stops is not None:
     stops.validate(decoder.target_cfg.vocab_size)
   if chat is None:
@@ -385,87 +235,25 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   gen = decode_texts(decoder, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                      num_samples=num_samples, seed=seed, out=out, stops=stops, chat=chat,
                      systems=systems)
-  results = []
-  for r, ids in enumerate(gen.tokens):
-    results.append({"prompt_index": r // num_samples, "prompt": prompts[r // num_samples],
-                    **({"category": categories[r // num_samples]} if categories else {}),
-                    "sample": r % num_samples, "tokens": [int(t) for t in ids],
-                    "text": gen.texts[r].decode("utf-8", errors="replace"),
-                    "finish_reason": gen.finish_reasons[r], "stats": stats_lib.summarize(gen, [r])})
+  results = results_lib.result_rows(gen, prompts, categories, num_samples)
   summary = stats_lib.summarize(gen)
   if len(gen.tokens) > 1:
-    for res in results:
-      out.write(f"--- prompt {res['prompt_index']} sample {res['sample']}: "
-                f"{res['prompt']!r}\n{'' if chat else res['prompt']}{res['text']}\n")
-    out.flush()
+    results_lib.write_rows(out, results, chat)
   err.write(stats_lib.format_summary(method, summary) + f"\n  seed {seed}\n")
-  report = {"config": {"workdir": workdir, "method": method,
-                       "num_draft_tokens": decoder.num_draft_tokens,
-                       **({"max_draft_tokens": decoder.G} if decoder.num_draft_tokens == "auto"
-                          else {}),
-                       "tree": None if decoder.tree is None else list(decoder.tree.branching),
-                       "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
-                       "top_k": sampling.top_k, "top_p": sampling.top_p,
-                       "num_samples": num_samples, "seed": seed, "batch_size": len(gen.tokens),
-                       "chat": chat, "stop": [] if stops is None else list(stops.strings),
-                       "stop_token_ids": [] if stops is None else [int(i) for i in stops.token_ids],
-                       "device": jax.devices()[0].device_kind},
-            "results": results, "stats": summary}
-  if compare and method != "ar":
-    report.update(_compare_with_ar(decoder, gen, prompts, method=method, repeats=repeats,
-                                   max_new_tokens=max_new_tokens, sampling=sampling,
-                                   num_samples=num_samples, seed=seed, err=err, stops=stops,
-                                   chat=chat, systems=systems))
+  config = results_lib.config_record(
+      workdir, method, decoder, batch_size=len(gen.tokens), max_new_tokens=max_new_tokens,
+      sampling=sampling, num_samples=num_samples, seed=seed, chat=chat, stops=stops)
+  report = {"config": config, "results": results, "stats": summary}
+  compared = compare and method != "ar"
+  kw = dict(method=method, repeats=repeats, max_new_tokens=max_new_tokens, sampling=sampling,
+            num_samples=num_samples, seed=seed, stops=stops, chat=chat)
+  if compared:
+    report.update(compare_lib.compare_with_ar(decoder, gen, prompts, err=err, systems=systems,
+                                              **kw))
   if categories:
     row_cats = [categories[r // num_samples] for r in range(len(gen.tokens))]
-    speedups = None
-    if compare and method != "ar":
-      speedups = {}
-      ar = Decoder(decoder.models()[0], "ar", tokenizer=decoder.tokenizer)
-      for cat, idx in stats_lib.group_rows(categories).items():
-        sub = types.SimpleNamespace(tokens=[gen.tokens[i * num_samples + s] for i in idx
-                                            for s in range(num_samples)])
-        res = _compare_with_ar(decoder, sub, [prompts[i] for i in idx], method=method,
-                               repeats=repeats, max_new_tokens=max_new_tokens, sampling=sampling,
-                               num_samples=num_samples, seed=seed, err=io.StringIO(), stops=stops,
-                               chat=chat, systems=None if systems is None else
-                               [systems[i] for i in idx], ar=ar)
-        speedups[cat] = res["speedup"]
+    speedups = (compare_lib.category_speedups(decoder, gen, prompts, categories, systems=systems,
+                                              **kw) if compared else None)
     report["per_category"] = stats_lib.summarize_by_category(gen, row_cats, speedups)
     err.write(stats_lib.format_by_category(report["per_category"]) + "\n")
   return report
-
-
-def _compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: str, repeats: int,
-                     max_new_tokens: int, sampling: SamplingParams, num_samples: int, seed: int,
-                     err: TextIO, stops: StopConditions | None = None, chat: bool = False,
-                     systems: Sequence[str | None] | None = None,
-                     ar: Decoder | None = None) -> dict:
-  """``repeats`` interleaved AR / ``decoder`` runs (see ``run``); returns the
-  report keys ar_stats, speedup, speedup_per_repeat, repeats, wall_times_s.
-  ``ar``: the AR decoder to time (default a new one; passing one reuses its
-  compilations)."""
-  ar = ar or Decoder(decoder.models()[0], "ar", tokenizer=decoder.tokenizer)
-  kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples, seed=seed,
-            stops=stops, chat=chat, systems=systems)
-  ar_gen = decode_texts(ar, prompts, warmup=True, **kw)       # compiles AR; not timed below
-  times = {"ar": [], method: []}
-
-  def timed(name, dec):       # records the decoder's own wall time of each call
-    return lambda: times[name].append(decode_texts(dec, prompts, warmup=False, **kw).wall_time_s)
-  # interleaved, the order alternating (ar, method / method, ar) so that drift hits both alike
-  interleaved_times({"ar": timed("ar", ar), method: timed(method, decoder)}, repeats, warmup=0)
-  ratios = [a / b for a, b in zip(times["ar"], times[method])]
-  speedup = float(np.median(times["ar"]) / np.median(times[method]))
-  ar_summary = stats_lib.summarize(ar_gen)
-  same = all(np.array_equal(a, b) for a, b in zip(ar_gen.tokens, gen.tokens))
-  err.write(stats_lib.format_summary("ar", ar_summary) + f"\n  seed {seed}\n")
-  err.write(f"speedup over AR: {speedup:.2f}x (median wall time of "
-            f"{repeats} interleaved repeat{'s' if repeats != 1 else ''}, per repeat "
-            f"{min(ratios):.2f}x-{max(ratios):.2f}x; same prompts and budget, after compilation"
-            + ("; one repeat is noisy, see scripts/bench_decode.py" if repeats == 1 else "") + ")"
-            + ("" if sampling.temperature else
-               " (greedy outputs identical)" if same else
-               " (WARNING: greedy outputs differ; a float near-tie or a bug)") + "\n")
-  return {"ar_stats": ar_summary, "speedup": speedup, "speedup_per_repeat": ratios,
-          "repeats": repeats, "wall_times_s": times}

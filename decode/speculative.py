@@ -15,7 +15,8 @@ Where each job lives (docs/design.md section 2): the round's pure pieces in
 ``decode.round`` (propose / accept / commit) and ``decode.tree`` (token
 trees), the acceptance rules in ``decode.verify``, warping and sampling in
 ``decode.sampling``, the loops in ``decode.loops``, the typed state in
-``decode.state``, round-cost measurement in ``decode.calibrate``. The
+``decode.state``, round-cost measurement in ``decode.calibrate``
+(``with_costs`` puts the costs into an "auto" state). The
 ``Decoder`` validates its settings, builds the initial state (``prepare``)
 and wires the jitted functions. Caches and buffers are donated, so writes
 happen in place.
@@ -217,18 +218,9 @@ class Decoder:
   # -- traced ------------------------------------------------------------------
 
   def _prefill(self, params, draft_params, state: DecodeState, p: int) -> DecodeState:
-    """Target (and drafter) over positions 0..p-1 (p = prompt bucket - 1, static)."""
-    target, draft = self.models(params, draft_params)
-    b = state.tokens.shape[0]
-    with jax.named_scope("prefill"):
-      pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-      h0, cache = target.backbone(state.tokens[:, :p], pos, cache=state.cache)
-      state = state.replace(cache=cache)
-      if self.drafter is not None:
-        model = draft if draft is not None else target
-        state = state.replace(drafter=self.drafter.prefill(model, state.drafter, state.tokens,
-                                                           state.length, h0, p))
-    return state
+    """Target (and drafter) over positions 0..p-1 (p = prompt bucket - 1,
+    static): ``decode.loops.prefill``."""
+    return loops.prefill(self.drafter, *self.models(params, draft_params), state, p)
 
   def round(self, params, draft_params, state: DecodeState, sp: SamplingParams,
             g: int | None = None) -> DecodeState:
@@ -288,32 +280,6 @@ class Decoder:
       state = decode_mesh.shard_state(self.mesh, state)
     return state, p_len - 1
 
-  def _with_costs(self, state, sp, prompts, max_new_tokens: int, form: str = "while"):
-    """"auto": ``state`` with the schedule's round costs for this batch size,
-    cache length, sampling mode and form (measured once each, then moved
-    toward each generation's own rounds by ``calibrate.learn_costs``;
-    ``auto_costs`` given to the constructor replace both) and the prior
-    acceptance for this mode (``AutoSchedule.prior_alpha``); otherwise unchanged."""
-    if self.schedule is None:
-      return state
-    costs, self._cost_key = self._fixed_costs, None
-    if costs is None:
-      probe, prefill_len = self.prepare(prompts, max_new_tokens, 0)
-      key = (len(prompts), probe.tokens.shape[1], sp.greedy, sp.filtering, form)
-      if key not in self._costs:
-        self._costs[key] = calibrate.decoder_round_costs(self, self.prefill(probe, prefill_len),
-                                                          sp, form)
-      costs, self._cost_key = self._costs[key], key
-    costs = jnp.asarray(costs, jnp.float32)
-    alpha = state.auto.schedule["alpha"]
-    alpha = jnp.broadcast_to(self.schedule.prior_alpha(sp.greedy), alpha.shape)
-    if self.mesh is not None:
-      costs = jax.device_put(costs, decode_mesh.replicated(self.mesh))
-      alpha = jax.device_put(alpha, state.auto.schedule["alpha"].sharding)
-    auto = state.auto
-    return state.replace(auto=auto.replace(schedule={**auto.schedule, "costs": costs,
-                                                     "alpha": alpha}))
-
   def token_bytes(self, token_id: int) -> bytes:
     """The bytes one id stands for in the output (b"" for specials)."""
     return self.tokenizer.decode_bytes([token_id])
@@ -337,7 +303,7 @@ class Decoder:
     """
     sp = sampling_params.validate()
     state, prefill_len = self.prepare(prompts, max_new_tokens, seed, stops)
-    state = self._with_costs(state, sp, prompts, max_new_tokens)
+    state = calibrate.with_costs(self, state, sp, prompts, max_new_tokens)
     jax.block_until_ready(state)
     t0 = time.perf_counter()
     state = jax.block_until_ready(self.prefill(state, prefill_len))
@@ -366,7 +332,7 @@ class Decoder:
     sp = sampling_params.validate()
     state, prefill_len = self.prepare(prompts, max_new_tokens, seed, stops)
     strings = () if stops is None else tuple(stops.strings)
-    state = self._with_costs(state, sp, prompts, max_new_tokens, form="stream")
+    state = calibrate.with_costs(self, state, sp, prompts, max_new_tokens, form="stream")
     jax.block_until_ready(state)
     t0 = time.perf_counter()
     state = self.prefill(state, prefill_len)

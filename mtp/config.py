@@ -224,7 +224,22 @@ def _check(cond: bool, field: str, allowed: str, value: Any):
 
 def validate(cfg: Config) -> Config:
   """Checks every field's range; returns ``cfg`` unchanged or raises ConfigError."""
-  m, t = cfg.model, cfg.train
+  _validate_model(cfg.model)
+  _validate_mtp(cfg)
+  _validate_data(cfg.data)
+  _validate_train(cfg)
+  _check(cfg.checkpoint.every_steps >= 1, "checkpoint.every_steps", ">= 1", cfg.checkpoint.every_steps)
+  _check(cfg.checkpoint.keep >= 1, "checkpoint.keep", ">= 1", cfg.checkpoint.keep)
+  for name in ("data", "fsdp", "tensor"):
+    v = getattr(cfg.mesh, name)
+    _check(v == -1 or v >= 1, f"mesh.{name}", "-1 (all remaining devices) or >= 1", v)
+  _check([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1, "mesh",
+         "at most one axis set to -1", (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor))
+  return cfg
+
+
+def _validate_model(m: ModelConfig) -> None:
+  """``validate``'s checks of the ``model`` section (raises ConfigError)."""
   for name in ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
                "max_seq_len"):
     _check(getattr(m, name) >= 1, f"model.{name}", ">= 1", getattr(m, name))
@@ -257,6 +272,12 @@ def validate(cfg: Config) -> Config:
          "'blockwise' or 'dense' unless model.dtype is bfloat16 or float16 (cuDNN attention has "
          f"no {m.dtype} kernel)", m.attention_impl)
   _check(m.attention_block_size >= 1, "model.attention_block_size", ">= 1", m.attention_block_size)
+
+
+def _validate_mtp(cfg: Config) -> None:
+  """``validate``'s checks of the ``mtp`` section and of the stages that need
+  MTP modules (``train.freeze_backbone``, ``train.hidden_cache``)."""
+  m, t = cfg.model, cfg.train
   _check(0 <= cfg.mtp.depth <= 16, "mtp.depth", "an int in [0, 16]", cfg.mtp.depth)
   _check(cfg.mtp.loss_weight >= 0, "mtp.loss_weight", ">= 0", cfg.mtp.loss_weight)
   _check(0 <= cfg.mtp.distill_weight <= 1, "mtp.distill_weight",
@@ -282,16 +303,25 @@ def validate(cfg: Config) -> Config:
   _check(not t.hidden_cache or t.freeze_backbone, "train.hidden_cache",
          "False unless train.freeze_backbone=True (cached backbone states are only valid for "
          "a frozen backbone)", t.hidden_cache)
-  _check(bool(cfg.data.name), "data.name", "a non-empty dataset name", cfg.data.name)
-  if cfg.data.name == "text_files":
-    patterns = cfg.data.files.split(",")
+
+
+def _validate_data(d: DataConfig) -> None:
+  """``validate``'s checks of the ``data`` section (raises ConfigError)."""
+  _check(bool(d.name), "data.name", "a non-empty dataset name", d.name)
+  if d.name == "text_files":
+    patterns = d.files.split(",")
     _check(all(p.strip() for p in patterns), "data.files",
            "a comma-separated list of non-empty glob patterns (data.name='text_files'), "
-           "e.g. 'src/**/*.py,docs/*.md'", cfg.data.files)
+           "e.g. 'src/**/*.py,docs/*.md'", d.files)
   else:
-    _check(not cfg.data.files, "data.files", "empty unless data.name='text_files' "
-           f"(data.name={cfg.data.name!r} does not read files)", cfg.data.files)
-  _check(cfg.data.num_workers >= 0, "data.num_workers", ">= 0", cfg.data.num_workers)
+    _check(not d.files, "data.files", "empty unless data.name='text_files' "
+           f"(data.name={d.name!r} does not read files)", d.files)
+  _check(d.num_workers >= 0, "data.num_workers", ">= 0", d.num_workers)
+
+
+def _validate_train(cfg: Config) -> None:
+  """``validate``'s checks of the ``train`` section (raises ConfigError)."""
+  m, t = cfg.model, cfg.train
   for name in ("num_steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches"):
     _check(getattr(t, name) >= 1, f"train.{name}", ">= 1", getattr(t, name))
   _check(t.seq_len <= m.max_seq_len, "train.seq_len", f"<= model.max_seq_len={m.max_seq_len}",
@@ -307,14 +337,6 @@ def validate(cfg: Config) -> Config:
   _check(0 <= t.b2 < 1, "train.b2", "in [0, 1)", t.b2)
   _check(t.grad_clip_norm > 0, "train.grad_clip_norm", "> 0", t.grad_clip_norm)
   _check(t.seed >= 0, "train.seed", ">= 0", t.seed)
-  _check(cfg.checkpoint.every_steps >= 1, "checkpoint.every_steps", ">= 1", cfg.checkpoint.every_steps)
-  _check(cfg.checkpoint.keep >= 1, "checkpoint.keep", ">= 1", cfg.checkpoint.keep)
-  for name in ("data", "fsdp", "tensor"):
-    v = getattr(cfg.mesh, name)
-    _check(v == -1 or v >= 1, f"mesh.{name}", "-1 (all remaining devices) or >= 1", v)
-  _check([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1, "mesh",
-         "at most one axis set to -1", (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor))
-  return cfg
 
 
 def check_override_keys(argv: list[str], flag: str = "config") -> None:

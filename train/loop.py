@@ -449,6 +449,238 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
     lock.release()
 
 
+def _eval_due(t: TrainConfig, step: int) -> bool:
+  """Whether step ``step`` ends with an evaluation (every ``train.eval_every``
+  steps and at or past ``train.num_steps``)."""
+  return step >= t.num_steps or step % t.eval_every == 0
+
+
+def _open_data(cfg: Config, workdir: str, tokenizer, resume_step: int | None):
+  """The run's data, opened before anything is written (a bad dataset stops
+  the run there). Returns ``(dataset, eval_batches, rows_fn, train_rows)``:
+  ``dataset`` the grain train dataset (None for ``train.hidden_cache``, whose
+  rows come from ``rows_fn()``), ``train_rows`` the checked rows when a new
+  hidden cache will be built from them (else None).
+
+  Raises:
+    ConfigError: ``train.hidden_cache`` on more than one process.
+  """
+  t = cfg.train
+  data_kw = {} if cfg.model.tokenizer == "byte" else {"tokenizer": tokenizer}   # None = bytes
+  rows_fn = lambda: data_lib.epoch_rows(cfg.data, seq_len=t.seq_len, split=cfg.data.train_split,
+                                        **data_kw)
+  train_rows = None
+  if t.hidden_cache:
+    if jax.process_count() != 1:
+      raise ConfigError(f"train.hidden_cache=True runs on one process (got "
+                        f"{jax.process_count()}); set it False for multi-host runs")
+    if resume_step is None and cache_lib.load(workdir) is None:
+      train_rows = cache_lib.check_rows(rows_fn(), t.seq_len, cfg.model.vocab_size)
+    dataset = None
+  else:
+    dataset = data_lib.make_train_dataset(
+        cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed,
+        process_index=jax.process_index(), process_count=jax.process_count(), **data_kw)
+  eval_batches = data_lib.make_eval_batches(
+      cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, num_batches=t.eval_batches,
+      process_index=jax.process_index(), process_count=jax.process_count(), **data_kw)
+  return dataset, eval_batches, rows_fn, train_rows
+
+
+def _start_state(cfg: Config, trainer: Trainer, ckpt, data_iter, resume_step: int | None,
+                 init_step: int | None, init_params, log) -> tuple[TrainState, str]:
+  """The state the loop starts from: restored from ``ckpt`` at
+  ``resume_step`` (``data_iter`` restored with it; ``ckpt`` closed when that
+  fails), copied from ``init_params`` (``train.init_from``), or fresh.
+  Returns it and the resume line ("" when not resuming)."""
+  if resume_step is not None:
+    try:
+      params, opt_state = ckpt.restore(resume_step, trainer.abstract_params,
+                                       trainer.abstract_opt_state, data_iter)
+    except BaseException:
+      ckpt.close()
+      raise
+    return TrainState(params, opt_state, resume_step), f"resumed from {ckpt.directory}/{resume_step}"
+  if init_step is not None:
+    state = trainer.init_state(init_params)
+    log(f"initialised parameters from {cfg.train.init_from} (step {init_step})")
+    return state, ""
+  return trainer.init_state(), ""
+
+
+def _attach_hidden_cache(cfg: Config, workdir: str, trainer: Trainer, state: TrainState,
+                         tokenizer, data_iter, rows_fn, train_rows, log) -> None:
+  """Builds or loads the frozen backbone's h^0 cache (``train.hidden_cache``)
+  and attaches it to ``data_iter`` (a ``CacheIterator``)."""
+  t = cfg.train
+  source = cache_lib.source_fingerprint(cfg, tokenizer, split_trainable(cfg, state.params)[1])
+  get_rows = (lambda: train_rows) if train_rows is not None else (
+      lambda: cache_lib.check_rows(rows_fn(), t.seq_len, cfg.model.vocab_size))
+  cache = cache_lib.prepare(
+      workdir, source, get_rows, lambda b: trainer.hidden_states(state.params, b),
+      batch_size=t.batch_size, d_model=cfg.model.d_model, dtype=cfg.model.dtype,
+      vocab_size=cfg.model.vocab_size, log=log)
+  data_iter.attach(cache)
+
+
+def _eval_line(cfg: Config, step: int, metrics: dict[str, float]) -> str:
+  """The log line of an evaluation at ``step``: main loss, bits per byte
+  (nats per token without a byte count), accuracy, and every depth's
+  accuracy, teacher agreement and teacher KL."""
+  depth_acc = " ".join(f"acc{k}={metrics[f'mtp_{k}/accuracy']:.3f}"
+                       f" agree{k}={metrics[f'mtp_{k}/teacher_agreement']:.3f}"
+                       f" kl{k}={metrics[f'mtp_{k}/teacher_kl']:.3f}"
+                       for k in range(1, cfg.mtp.depth + cfg.mtp.recursive_steps + 1))
+  rate = (f"bpb {metrics['main/bits_per_byte']:.4f}" if "main/bits_per_byte" in metrics
+          else f"nats/token {metrics['main/loss']:.4f}")
+  return (f"step {step}: eval loss {metrics['main/loss']:.4f} "
+          f"{rate} acc {metrics['main/accuracy']:.3f} {depth_acc}")
+
+
+@dataclasses.dataclass
+class _Records:
+  """What the loop reports: the last train metrics row, the last evaluation
+  and its step, and the timed log windows' seconds per step."""
+  last_train: dict = dataclasses.field(default_factory=dict)
+  last_eval: dict = dataclasses.field(default_factory=dict)
+  eval_step: int | None = None
+  step_times: list = dataclasses.field(default_factory=list)
+
+
+class _LogClock:
+  """Step timing by log window (seconds, ``time.perf_counter``). The first
+  window includes compilation and is not timed; every later one adds its
+  seconds per step to ``step_times``. Evaluation and checkpoint time stays
+  out of the windows."""
+
+  def __init__(self, step_times: list):
+    self.step_times = step_times
+    self.start = time.perf_counter()
+    self.warm_start = self.warm_steps = None
+    self.window_start, self.window_steps, self.done_steps = self.start, 0, 0
+
+  def tick(self):
+    self.window_steps += 1
+    self.done_steps += 1
+
+  def close_window(self) -> tuple[float, float]:
+    """Ends the current window; returns (now, its elapsed seconds)."""
+    now = time.perf_counter()
+    elapsed = now - self.window_start
+    if self.warm_start is not None:   # the first window includes compilation
+      self.step_times.append(elapsed / self.window_steps)
+    else:
+      self.warm_start, self.warm_steps = now, self.done_steps
+    return now, elapsed
+
+  def progress(self, now: float, elapsed: float, step: int, num_steps: int,
+               row: dict[str, float]) -> str:
+    """The no-progress-bar line: step, loss, tokens/s, elapsed, remaining."""
+    timed = self.done_steps - self.warm_steps
+    per_step = (now - self.warm_start) / timed if timed else elapsed / self.window_steps
+    return (f"step {step}/{num_steps}: loss {row['loss']:.4f}, "
+            f"{row['tokens_per_s']:,.0f} tokens/s{'' if timed else ' (compiling)'}, "
+            f"elapsed {_duration(now - self.start)}, "
+            f"remaining ~{_duration(per_step * (num_steps - step))}")
+
+  def next_window(self):
+    self.window_start, self.window_steps = time.perf_counter(), 0
+
+  def resume_if_idle(self):
+    if self.window_steps == 0:   # eval/checkpoint time stays out of the step time
+      self.window_start = time.perf_counter()
+
+
+def _train_row(t: TrainConfig, step: int, host, window_steps: int, elapsed: float) -> dict:
+  """The train metrics row of a log window ending at ``step`` from the
+  step's host metrics.
+
+  Raises:
+    DivergedError: the loss is NaN or infinite.
+  """
+  row = {"loss": float(host["loss"]), "grad_norm": float(host["grad_norm"]),
+         "learning_rate": float(learning_rate(t, step - 1)),
+         "tokens_per_s": window_steps * t.batch_size * t.seq_len / elapsed,
+         **losses.summarize(host["sums"])}
+  if not np.isfinite(row["loss"]):
+    raise DivergedError(f"training loss is {row['loss']} at step {step}; no "
+                        "checkpoint written for it (lower train.learning_rate or raise "
+                        "train.warmup_steps; the run resumes from the last checkpoint)")
+  return row
+
+
+def _evaluate(cfg: Config, trainer: Trainer, state: TrainState, eval_batches, writer,
+              rec: _Records, stop: _StopFlag, log) -> None:
+  """Evaluates ``state`` into ``rec`` and the metrics; on a signal between
+  batches, abandons (nothing written)."""
+  def batches():
+    for b in eval_batches:
+      stop.check()
+      yield b
+  try:
+    metrics = losses.summarize(trainer.eval_sums(state.params, batches()))
+  except _Interrupted:
+    log(f"signal {stop.signum}: evaluation at step {state.step} abandoned (it runs when the "
+        "same command is re-run)")
+    return
+  writer.write(state.step, "eval", metrics)
+  rec.last_eval, rec.eval_step = metrics, state.step
+  log(_eval_line(cfg, state.step, metrics))
+
+
+def _loop(cfg: Config, workdir: str, trainer: Trainer, state: TrainState, data_iter, ckpt,
+          writer, eval_batches, rec: _Records, counts, *, eval_pending: bool, target: int,
+          is_main: bool, log) -> dict[str, Any]:
+  """Steps from ``state`` to ``target`` (or a signal), with the log rows,
+  evaluations and checkpoints ``train`` describes; returns ``train``'s
+  result (written as final_metrics.json when complete)."""
+  t = cfg.train
+
+  def save():
+    ckpt.save(state.step, state.params, state.opt_state, data_iter, cfg)
+
+  with _StopFlag() as stop, tqdm(total=t.num_steps, initial=state.step,
+                                  disable=None if is_main else True, dynamic_ncols=True,
+                                  file=sys.stderr) as bar:
+    evaluate = lambda: _evaluate(cfg, trainer, state, eval_batches, writer, rec, stop, log)
+    if eval_pending:
+      evaluate()
+    clock = _LogClock(rec.step_times)
+    while state.step < target and stop.signum is None:
+      state, metrics = trainer.train_step(state, next(data_iter))
+      clock.tick()
+      if state.step % t.log_every == 0 or state.step == target:
+        host = jax.device_get(metrics)   # the only host sync in the loop
+        now, elapsed = clock.close_window()
+        rec.last_train = _train_row(t, state.step, host, clock.window_steps, elapsed)
+        writer.write(state.step, "train", rec.last_train)
+        bar.set_postfix(loss=f"{rec.last_train['loss']:.3f}")
+        if bar.disable:   # no bar (stderr is not a terminal): one line per log window
+          log(clock.progress(now, elapsed, state.step, t.num_steps, rec.last_train))
+        clock.next_window()
+      bar.update(1)
+      if _eval_due(t, state.step):
+        evaluate()
+      if state.step % cfg.checkpoint.every_steps == 0:
+        save()
+      clock.resume_if_idle()
+    if ckpt.latest_step() != state.step:
+      save()
+    complete = state.step >= t.num_steps and rec.eval_step == state.step
+    interrupted = stop.signum is not None and not complete
+    if interrupted:
+      log(f"signal {stop.signum}: checkpoint saved at step {state.step}; exiting (re-run the "
+          "same command to finish the run)")
+    result = {"step": state.step, "train": rec.last_train,
+              "eval": rec.last_eval if rec.eval_step == state.step else {},
+              "step_time_s": float(np.median(rec.step_times)) if rec.step_times else None,
+              "params": counts, "interrupted": interrupted,
+              "signal": stop.signum if interrupted else None}
+    if is_main and complete:
+      workdir_lib.write_final_metrics(workdir, result)
+  return result
+
+
 def _train(cfg: Config, workdir: str, lock, *, log, stop_after) -> dict[str, Any]:
   """``train``'s body; takes ``lock`` (process 0) before anything is read
   from an existing workdir, or before a new one is created."""
@@ -468,26 +700,7 @@ def _train(cfg: Config, workdir: str, lock, *, log, stop_after) -> dict[str, Any
           "nothing to do (raise train.num_steps to continue)")
       return done
   tokenizer = run_tokenizer(cfg, workdir, resume_step is not None)
-  byte_level = cfg.model.tokenizer == "byte"
-  data_kw = {} if byte_level else {"tokenizer": tokenizer}   # None = the byte tokenizer
-  # Open the data first: a bad dataset stops the run before anything is written.
-  train_rows = None
-  if t.hidden_cache:
-    if jax.process_count() != 1:
-      raise ConfigError(f"train.hidden_cache=True runs on one process (got "
-                        f"{jax.process_count()}); set it False for multi-host runs")
-    rows_fn = lambda: data_lib.epoch_rows(cfg.data, seq_len=t.seq_len, split=cfg.data.train_split,
-                                          **data_kw)
-    if resume_step is None and cache_lib.load(workdir) is None:
-      train_rows = cache_lib.check_rows(rows_fn(), t.seq_len, cfg.model.vocab_size)
-    dataset = None
-  else:
-    dataset = data_lib.make_train_dataset(
-        cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed,
-        process_index=jax.process_index(), process_count=jax.process_count(), **data_kw)
-  eval_batches = data_lib.make_eval_batches(
-      cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, num_batches=t.eval_batches,
-      process_index=jax.process_index(), process_count=jax.process_count(), **data_kw)
+  dataset, eval_batches, rows_fn, train_rows = _open_data(cfg, workdir, tokenizer, resume_step)
   trainer = Trainer(cfg)
   init_params = None
   if init_step is not None:   # read (and verified) before anything is written
@@ -496,56 +709,31 @@ def _train(cfg: Config, workdir: str, lock, *, log, stop_after) -> dict[str, Any
   os.makedirs(workdir, exist_ok=True)
   if is_main:
     lock.acquire(log)     # a new workdir: validated first, so a bad run writes nothing
-  if is_main and not byte_level and resume_step is None:
+  if is_main and cfg.model.tokenizer != "byte" and resume_step is None:
     tok_lib.save_tokenizer(tokenizer, workdir)   # decoding this workdir finds it
   ckpt = ckpt_lib.Checkpointer(workdir, keep=cfg.checkpoint.keep)
-  if dataset is None:
-    data_iter = cache_lib.CacheIterator(t.batch_size, t.seed)
-  else:
-    data_iter = iter(dataset)
-  last_train, last_eval, eval_step, step_times = {}, {}, None, []
-  if resume_step is not None:
-    try:
-      params, opt_state = ckpt.restore(resume_step, trainer.abstract_params,
-                                       trainer.abstract_opt_state, data_iter)
-    except BaseException:
-      ckpt.close()
-      raise
-    state = TrainState(params, opt_state, resume_step)
-    resumed = f"resumed from {ckpt.directory}/{resume_step}"
-  elif init_step is not None:
-    state = trainer.init_state(init_params)
-    log(f"initialised parameters from {t.init_from} (step {init_step})")
-  else:
-    state = trainer.init_state()
+  data_iter = cache_lib.CacheIterator(t.batch_size, t.seed) if dataset is None else iter(dataset)
+  state, resumed = _start_state(cfg, trainer, ckpt, data_iter, resume_step, init_step,
+                                init_params, log)
   if resume_step is None and cfg.mtp.draft_vocab_size and not _init_has_draft_vocab(cfg, init_step):
-    rows = train_rows if train_rows is not None else data_lib.epoch_rows(
-        cfg.data, seq_len=t.seq_len, split=cfg.data.train_split, **data_kw)
+    rows = train_rows if train_rows is not None else rows_fn()
     params, note = attach_draft_vocab(cfg, state.params, rows, tokenizer)
     state = TrainState(params, state.opt_state, state.step)
     log(note)
   if t.hidden_cache:
     try:
-      source = cache_lib.source_fingerprint(cfg, tokenizer, split_trainable(cfg, state.params)[1])
-      get_rows = (lambda: train_rows) if train_rows is not None else (
-          lambda: cache_lib.check_rows(rows_fn(), t.seq_len, cfg.model.vocab_size))
-      cache = cache_lib.prepare(
-          workdir, source, get_rows, lambda b: trainer.hidden_states(state.params, b),
-          batch_size=t.batch_size, d_model=cfg.model.d_model, dtype=cfg.model.dtype,
-          vocab_size=cfg.model.vocab_size, log=log)
-      data_iter.attach(cache)
+      _attach_hidden_cache(cfg, workdir, trainer, state, tokenizer, data_iter, rows_fn,
+                           train_rows, log)
     except BaseException:
       ckpt.close()
       raise
-  eval_due = lambda step: step >= t.num_steps or step % t.eval_every == 0
+  rec = _Records()
   eval_pending = False   # the checkpointed step's evaluation was abandoned by a signal
   if is_main:
     if resume_step is not None:
-      last_train, last_eval, eval_step, eval_pending = workdir_lib.resume_metrics(
-          workdir, resume_step, eval_due)
-    changed = workdir_lib.record_config(workdir, cfg, resume_step)
-    if changed:
-      resumed += changed
+      rec.last_train, rec.last_eval, rec.eval_step, eval_pending = workdir_lib.resume_metrics(
+          workdir, resume_step, lambda step: _eval_due(t, step))
+    resumed += workdir_lib.record_config(workdir, cfg, resume_step)
   if resume_step is not None:
     log(resumed)
     eval_pending = _from_process_0(eval_pending)
@@ -554,96 +742,10 @@ def _train(cfg: Config, workdir: str, lock, *, log, stop_after) -> dict[str, Any
   if resume_step is None:
     log(f"params: total {counts['total']:,} (backbone {counts['backbone']:,}, "
         f"MTP modules {counts['mtp']:,}); devices {jax.device_count()} mesh {dict(trainer.mesh.shape)}")
-
-  def save():
-    ckpt.save(state.step, state.params, state.opt_state, data_iter, cfg)
-
-  def evaluate(stop: _StopFlag):
-    """Evaluates ``state``; on a signal between batches, abandons (nothing written)."""
-    nonlocal last_eval, eval_step
-    def batches():
-      for b in eval_batches:
-        stop.check()
-        yield b
-    try:
-      metrics = losses.summarize(trainer.eval_sums(state.params, batches()))
-    except _Interrupted:
-      log(f"signal {stop.signum}: evaluation at step {state.step} abandoned (it runs when the "
-          "same command is re-run)")
-      return
-    writer.write(state.step, "eval", metrics)
-    last_eval, eval_step = metrics, state.step
-    depth_acc = " ".join(f"acc{k}={metrics[f'mtp_{k}/accuracy']:.3f}"
-                         f" agree{k}={metrics[f'mtp_{k}/teacher_agreement']:.3f}"
-                         f" kl{k}={metrics[f'mtp_{k}/teacher_kl']:.3f}"
-                         for k in range(1, cfg.mtp.depth + cfg.mtp.recursive_steps + 1))
-    rate = (f"bpb {metrics['main/bits_per_byte']:.4f}" if "main/bits_per_byte" in metrics
-            else f"nats/token {metrics['main/loss']:.4f}")
-    log(f"step {state.step}: eval loss {metrics['main/loss']:.4f} "
-        f"{rate} acc {metrics['main/accuracy']:.3f} {depth_acc}")
-
   target = t.num_steps if stop_after is None else min(t.num_steps, stop_after)
   try:
-    with _StopFlag() as stop, tqdm(total=t.num_steps, initial=state.step,
-                                    disable=None if is_main else True, dynamic_ncols=True,
-                                    file=sys.stderr) as bar:
-      if eval_pending:
-        evaluate(stop)
-      start = time.perf_counter()
-      warm_start = warm_steps = None   # timing after the first (compiling) log window
-      window_start, window_steps, done_steps = start, 0, 0
-      while state.step < target and stop.signum is None:
-        state, metrics = trainer.train_step(state, next(data_iter))
-        window_steps += 1
-        done_steps += 1
-        if state.step % t.log_every == 0 or state.step == target:
-          host = jax.device_get(metrics)   # the only host sync in the loop
-          now = time.perf_counter()
-          elapsed = now - window_start
-          if warm_start is not None:   # the first window includes compilation
-            step_times.append(elapsed / window_steps)
-          else:
-            warm_start, warm_steps = now, done_steps
-          last_train = {"loss": float(host["loss"]), "grad_norm": float(host["grad_norm"]),
-                        "learning_rate": float(learning_rate(t, state.step - 1)),
-                        "tokens_per_s": window_steps * t.batch_size * t.seq_len / elapsed,
-                        **losses.summarize(host["sums"])}
-          if not np.isfinite(last_train["loss"]):
-            raise DivergedError(f"training loss is {last_train['loss']} at step {state.step}; no "
-                                "checkpoint written for it (lower train.learning_rate or raise "
-                                "train.warmup_steps; the run resumes from the last checkpoint)")
-          writer.write(state.step, "train", last_train)
-          bar.set_postfix(loss=f"{last_train['loss']:.3f}")
-          if bar.disable:   # no bar (stderr is not a terminal): one line per log window
-            timed = done_steps - warm_steps
-            per_step = (now - warm_start) / timed if timed else elapsed / window_steps
-            log(f"step {state.step}/{t.num_steps}: loss {last_train['loss']:.4f}, "
-                f"{last_train['tokens_per_s']:,.0f} tokens/s{'' if timed else ' (compiling)'}, "
-                f"elapsed {_duration(now - start)}, "
-                f"remaining ~{_duration(per_step * (t.num_steps - state.step))}")
-          window_start, window_steps = time.perf_counter(), 0
-        bar.update(1)
-        if eval_due(state.step):
-          evaluate(stop)
-        if state.step % cfg.checkpoint.every_steps == 0:
-          save()
-        if window_steps == 0:   # eval/checkpoint time stays out of the step time
-          window_start = time.perf_counter()
-      if ckpt.latest_step() != state.step:
-        save()
-      complete = state.step >= t.num_steps and eval_step == state.step
-      interrupted = stop.signum is not None and not complete
-      if interrupted:
-        log(f"signal {stop.signum}: checkpoint saved at step {state.step}; exiting (re-run the "
-            "same command to finish the run)")
-      result = {"step": state.step, "train": last_train,
-                "eval": last_eval if eval_step == state.step else {},
-                "step_time_s": float(np.median(step_times)) if step_times else None,
-                "params": counts, "interrupted": interrupted,
-                "signal": stop.signum if interrupted else None}
-      if is_main and complete:
-        workdir_lib.write_final_metrics(workdir, result)
+    return _loop(cfg, workdir, trainer, state, data_iter, ckpt, writer, eval_batches, rec, counts,
+                 eval_pending=eval_pending, target=target, is_main=is_main, log=log)
   finally:
     ckpt.close()
     writer.close()
-  return result

@@ -71,7 +71,8 @@ files and their globbing, self-distilled text and token datasets), ``sources.py`
 data dir; a dataset split as records or text), ``pipeline.py`` (grain),
 ``prompts.py`` (prompts cut from documents), ``chat.py`` (chat prompts: built
 from the corpora for training, the hand-written held-out set, their overlap
-check). This package re-exports their
+check), ``distilled.py`` (self-distilled datasets around their writing: an
+existing one's metadata, a partial run's folder and batches, token examples). This package re-exports their
 public names, so ``from mtp import data`` is all a caller needs.
 """
 
@@ -84,6 +85,8 @@ from mtp.data.corpora import (
 from mtp.data.chat import (
     CATEGORIES as CHAT_CATEGORIES, HELDOUT_CATEGORIES, HELDOUT_CHAT_PATH, chat_prompts,
     heldout_chat_prompts, overlaps, prompt_messages, prompt_text, read_prompt_jsonl)
+from mtp.data.distilled import (
+    chat_token_example, distilled_metadata, load_partial_batch, partial_run_dir, save_partial_batch)
 from mtp.data.pipeline import (
     JsonStateIterDataset, epoch_rows, make_eval_batches, make_train_dataset, pad_id_of)
 from mtp.data.prompts import held_out_prompts, training_prompts

@@ -1,0 +1,80 @@
+"""The report of ``python -m decode`` (``decode.run.run``): the note about
+draft offsets the MTP modules were never trained for, the result rows, the
+per-row text printed for a batch, and the report's ``config`` record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TextIO
+
+import jax
+
+from decode import stats as stats_lib
+from decode.sampling import SamplingParams
+from decode.speculative import Decoder
+from decode.stops import StopConditions
+
+
+def untrained_offsets_note(decoder: Decoder, method: str, trained: int) -> str | None:
+  """The notice line (ending in a newline) when a chain's draft length G
+  exceeds the ``trained`` offsets of the checkpoint's MTP modules (D plus
+  ``mtp.recursive_steps``): drafts past them reuse module D, never trained
+  for that offset. None otherwise (other methods, trees, G <= trained)."""
+  if not (method == "mtp" and decoder.tree is None and decoder.G > trained):
+    return None
+  depth = decoder.models()[0].mtp_depth
+  first = trained + 1
+  extra = (f"drafts {first}..{decoder.G} reuse" if decoder.G > first else
+           f"draft {decoder.G} reuses")
+  flag = ("--max_draft_tokens" if decoder.num_draft_tokens == "auto" else "--num_draft_tokens")
+  trained_for = (f"the checkpoint's MTP depth D={depth}" if trained == depth else
+                 f"the {trained} offsets the checkpoint's modules were trained for (D={depth}, "
+                 f"mtp.recursive_steps={trained - depth})")
+  return (f"note: {flag}={decoder.G} > {trained_for}: "
+          f"{extra} module {depth}, which was never trained for that offset (acceptance "
+          "decays there)\n")
+
+
+def result_rows(gen, prompts: Sequence[str], categories: Sequence[str | None] | None,
+                num_samples: int) -> list[dict]:
+  """One report row per generated row r (prompt r // num_samples, sample
+  r % num_samples): prompt_index, prompt, category (with ``categories``),
+  sample, tokens (ints), text (UTF-8, errors replaced), finish_reason and
+  the row's own stats (``decode.stats.summarize``)."""
+  results = []
+  for r, ids in enumerate(gen.tokens):
+    results.append({"prompt_index": r // num_samples, "prompt": prompts[r // num_samples],
+                    **({"category": categories[r // num_samples]} if categories else {}),
+                    "sample": r % num_samples, "tokens": [int(t) for t in ids],
+                    "text": gen.texts[r].decode("utf-8", errors="replace"),
+                    "finish_reason": gen.finish_reasons[r], "stats": stats_lib.summarize(gen, [r])})
+  return results
+
+
+def write_rows(out: TextIO, results: Sequence[dict], chat: bool) -> None:
+  """Per result a line ``--- prompt I sample S: 'PROMPT'``, then the prompt
+  (raw prompts only) and the generated text."""
+  for res in results:
+    out.write(f"--- prompt {res['prompt_index']} sample {res['sample']}: "
+              f"{res['prompt']!r}\n{'' if chat else res['prompt']}{res['text']}\n")
+  out.flush()
+
+
+def config_record(workdir: str, method: str, decoder: Decoder, *, batch_size: int,
+                  max_new_tokens: int, sampling: SamplingParams, num_samples: int, seed: int,
+                  chat: bool, stops: StopConditions | None) -> dict:
+  """The report's ``config``: workdir, method, num_draft_tokens
+  (max_draft_tokens with "auto"), tree (branching or None), max_new_tokens,
+  temperature, top_k, top_p, num_samples, seed, batch_size, chat, stop,
+  stop_token_ids and the device kind."""
+  return {"workdir": workdir, "method": method,
+          "num_draft_tokens": decoder.num_draft_tokens,
+          **({"max_draft_tokens": decoder.G} if decoder.num_draft_tokens == "auto" else {}),
+          "tree": None if decoder.tree is None else list(decoder.tree.branching),
+          "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
+          "top_k": sampling.top_k, "top_p": sampling.top_p,
+          "num_samples": num_samples, "seed": seed, "batch_size": batch_size,
+          "chat": chat, "stop": [] if stops is None else list(stops.strings),
+          "stop_token_ids": [] if stops is None else [int(i) for i in stops.token_ids],
+          "device": jax.devices()[0].device_kind}
