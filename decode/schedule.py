@@ -25,7 +25,12 @@ running estimate of row b's acceptance rate at draft position i (an
 exponential moving average of "d_i accepted" over the rounds that tested
 d_i) and cost(g) the measured wall time of one round at g (timed on the
 device for the decoder's batch size and cache length before the first
-generation; ``decode.calibrate``).
+generation, then moved after every generation toward the decoding time its
+rounds took; ``decode.calibrate``). The estimates start at the prior for the
+sampling mode: a fixed 0.8, or per draft position the stage's own
+validation acceptance (``python -m decode`` reads it from the workdir:
+``decode.calibrate.stage_prior``; T = 0 from the argmax agreement, T > 0
+from E[sum min(p, q)]).
 
 Exploration: while g* = 0 the estimates cannot change, so after
 ``probe_interval`` AR segments one short segment drafts with the best
