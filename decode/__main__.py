@@ -33,7 +33,8 @@ _G = flags.DEFINE_string("num_draft_tokens", "2", "Draft length G per round (an 
                          "or 'auto': G in 0..--max_draft_tokens chosen every round from measured "
                          "acceptance and round costs (--method mtp; 0 = a plain AR step).")
 _G_MAX = flags.DEFINE_integer("max_draft_tokens", None, "Longest draft 'auto' considers "
-                              "(default: the checkpoint's MTP depth D).")
+                              "(default: the offsets the checkpoint's MTP modules were trained for, D "
+                              "plus mtp.recursive_steps).")
 _TREE = flags.DEFINE_string("tree", None, "Token tree instead of a chain (--method mtp): "
                             "branching per depth, e.g. 3,2,1 (each in [1, 64], depth 1..D); "
                             "all nodes verified in one target call. Not with --num_draft_tokens.")

@@ -157,8 +157,8 @@ def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
     _, draft, _ = loading.load_model(draft_workdir)
   kw = {}
   if num_draft_tokens == "auto" and method == "mtp":
-    kw = {"max_draft_tokens": max_draft_tokens, "schedule": auto_schedule(
-        workdir, target.mtp_depth if max_draft_tokens is None else max_draft_tokens)}
+    g_max = max_draft_tokens if max_draft_tokens is not None else max(trained, 1)
+    kw = {"max_draft_tokens": g_max, "schedule": auto_schedule(workdir, g_max)}
   elif num_draft_tokens == "auto":
     kw = {"max_draft_tokens": max_draft_tokens}
   if tree is not None:
