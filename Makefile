@@ -29,7 +29,7 @@ STAMP := $(VENV)/.installed
 HF_STAMP := $(VENV)/.installed-hf
 SMOLLM_STAMP := $(VENV)/.installed-smollm
 
-.PHONY: demo test test-hf install install-hf clean-demo reference smollm smollm-mtp
+.PHONY: demo test test-slow test-hf install install-hf clean-demo reference smollm smollm-mtp
 
 install: $(STAMP)
 
@@ -75,8 +75,14 @@ demo: $(STAMP)
 reference: $(STAMP)
 	$(PY) -m train --config configs/reference.py --workdir $(REF_WORKDIR)
 
+# make test: every test but the long end-to-end ones (marked slow: the
+# experiment scripts' quick runs, the 8-device sharding runs, python -m train
+# in a subprocess on a BPE stage); make test-slow runs those. CI runs both.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 -m "not slow" tests
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10 -m slow tests
 
 # MTP_REQUIRE_HF=1: a missing torch/transformers fails instead of skipping.
 test-hf: $(HF_STAMP) $(SMOLLM_STAMP)

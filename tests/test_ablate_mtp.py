@@ -26,6 +26,7 @@ def _ckpt_steps(runs, name):
   return sorted(os.listdir(os.path.join(runs, name, "checkpoints")))
 
 
+@pytest.mark.slow
 def test_quick_grid_resumes_and_reports(ablate, data_dir, tmp_path, capsys):
   runs, out1, out2 = str(tmp_path / "runs"), str(tmp_path / "a1"), str(tmp_path / "a2")
   common = ["--quick", "--data_dir", data_dir, "--runs_dir", runs, "--seeds", "0"]

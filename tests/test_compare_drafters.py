@@ -37,6 +37,7 @@ def test_tiny_config_param_matched_draft(cd):
   assert drafts.cost_candidates(cfg) == [(1, 32), (1, 64), (1, 128)]
 
 
+@pytest.mark.slow
 def test_compare_quick_with_given_draft(cd, markov_workdir, trained_markov, data_dir, tmp_path):
   """The Markov target drafted by an identical copy of itself: every draft
   equals the target's own choice, so every draft is accepted (tau = G + 1)."""

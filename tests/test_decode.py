@@ -63,13 +63,15 @@ def test_mtp_draft_and_verify_logits_equal_cache_free_forward(target, num_draft_
   rng = np.random.default_rng(1)
   for _ in range(6):
     state, (d_tok, d_probs, p, h0, _) = propose(dec.target_params, state)
-    tokens, n = np.asarray(state.tokens), np.asarray(state.length)
+    n = np.asarray(state.length)
+    # the whole token buffer, every row at once: committed + drafts, then slots
+    # not written yet, which a causal forward never lets positions < n + g see
+    # (one compiled shape for every round instead of one per row length)
+    logits, mtp_logits = full(dec.target_params, state.tokens)
     for b in range(len(prompts)):
-      seq = jnp.asarray(tokens[b:b + 1, :n[b] + g])       # committed + drafts
-      logits, mtp_logits = full(dec.target_params, seq)
-      np.testing.assert_allclose(p[b], jax.nn.softmax(logits[0, n[b] - 1:n[b] + g]), atol=2e-5)
+      np.testing.assert_allclose(p[b], jax.nn.softmax(logits[b, n[b] - 1:n[b] + g]), atol=2e-5)
       for k in range(1, min(g, target.mtp_depth) + 1):
-        np.testing.assert_allclose(d_probs[b, k - 1], jax.nn.softmax(mtp_logits[k - 1][0, n[b] - 2]),
+        np.testing.assert_allclose(d_probs[b, k - 1], jax.nn.softmax(mtp_logits[k - 1][b, n[b] - 2]),
                                    atol=2e-5, err_msg=f"row {b} depth {k}")
     a = jnp.asarray(rng.integers(0, g + 1, len(prompts)), jnp.int32)
     nxt = jnp.asarray(rng.choice(ALPHABET, len(prompts)), jnp.int32)
@@ -93,12 +95,12 @@ def test_auto_draft_lengths_keep_every_module_cache_exact(target):
   rng = np.random.default_rng(5)
   for g in [0, 0, 0, 0, 0, 0, 2, 1, 0, 3, 0, 0, 0, 0, 0, 0, 0, 1, 2, 3]:
     state, (d_tok, d_q, p, h0, _) = props[g](dec.target_params, state)
-    tokens, n = np.asarray(state.tokens), np.asarray(state.length)
-    for b in range(len(prompts)):
-      if g:
-        mtp_logits = full(dec.target_params, jnp.asarray(tokens[b:b + 1, :n[b] + g]))
+    n = np.asarray(state.length)
+    if g:   # the whole buffer at once (causal: slots past n + g are never seen)
+      mtp_logits = full(dec.target_params, state.tokens)
+      for b in range(len(prompts)):
         for k in range(1, min(g, target.mtp_depth) + 1):
-          np.testing.assert_allclose(d_q[b, k - 1], jax.nn.softmax(mtp_logits[k - 1][0, n[b] - 2]),
+          np.testing.assert_allclose(d_q[b, k - 1], jax.nn.softmax(mtp_logits[k - 1][b, n[b] - 2]),
                                      atol=2e-5, err_msg=f"g={g} row {b} depth {k}")
     a = jnp.asarray(rng.integers(0, g + 1, len(prompts)), jnp.int32)
     nxt = jnp.asarray(rng.choice(ALPHABET, len(prompts)), jnp.int32)
@@ -116,12 +118,14 @@ def test_draft_model_drafts_equal_cache_free_forward(target):
   propose = jax.jit(lambda tp, dp, s: round_lib.propose(dec.drafter, *dec.models(tp, dp), s, warp, dec.G))
   commit = jax.jit(functools.partial(round_lib.commit, dec.drafter))
   rng = np.random.default_rng(2)
+  forward = jax.jit(lambda tp, dp, x: jax.nn.softmax(dec.models(tp, dp)[1](x).logits))
   for _ in range(5):
     state, (d_tok, d_probs, p, h0, _) = propose(dec.target_params, dec.draft_params, state)
-    tokens, n = np.asarray(state.tokens), np.asarray(state.length)
+    n = np.asarray(state.length)
+    ref = forward(dec.target_params, dec.draft_params, state.tokens)   # every row's whole
+    # buffer at once (causal: the slots past n + g are never seen)
     for b in range(len(prompts)):
-      ref = jax.nn.softmax(draft(jnp.asarray(tokens[b:b + 1, :n[b] + g])).logits[0])
-      np.testing.assert_allclose(d_probs[b], ref[n[b] - 1:n[b] - 1 + g], atol=2e-5)
+      np.testing.assert_allclose(d_probs[b], ref[b, n[b] - 1:n[b] - 1 + g], atol=2e-5)
     # include all-accepted rounds, where d_G was never fed to the draft model
     a = jnp.asarray(rng.choice([0, g, g], len(prompts)), jnp.int32)
     state = commit(state, d_tok, a, jnp.asarray(rng.choice(ALPHABET, len(prompts)), jnp.int32), h0)

@@ -364,6 +364,7 @@ def test_written_dataset_reads_like_any_other(tmp_path):
       data_lib.write_dataset(bad, out, {"train": train_docs}, {})
 
 
+@pytest.mark.slow
 def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
   """scripts/distill_mtp.py --quick end to end from the Markov workdir: a
   self-distilled dataset (every document = a training-text prompt + sampled

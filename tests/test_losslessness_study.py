@@ -95,6 +95,7 @@ def quick(ls, markov_workdir, tmp_path_factory):
   return out, json.load(open(out + ".json")), console.getvalue()
 
 
+@pytest.mark.slow
 def test_quick_report_structure(quick, markov_workdir):
   out, report, _ = quick
   meta, res = report["meta"], report["results"]
@@ -121,6 +122,7 @@ def test_quick_report_structure(quick, markov_workdir):
   assert 5_000 < os.path.getsize(out + "_pvalues.png") < 150_000
 
 
+@pytest.mark.slow
 def test_quick_correct_rule_passes(quick):
   _, report, _ = quick
   c = report["results"]["combined"]["correct"]
@@ -130,6 +132,7 @@ def test_quick_correct_rule_passes(quick):
   assert np.median(pv) > 0.1                             # not all tiny either
 
 
+@pytest.mark.slow
 def test_quick_wrong_rule_is_detected(quick):
   _, report, _ = quick
   res = report["results"]
@@ -171,6 +174,7 @@ def test_verdict_inconclusive_without_live_tests_or_power(ls):
   assert "REJECT" in ls.verdict(ls.combine([{"pvalue": 1e-9}, {"pvalue": 0.3}]), missed)
 
 
+@pytest.mark.slow
 def test_quick_console_and_markdown_give_the_same_verdict(ls, quick):
   out, report, console = quick
   res = report["results"]

@@ -23,6 +23,7 @@ def workdir(markov_workdir):
   return markov_workdir
 
 
+@pytest.mark.slow
 def test_bench_decode_quick(workdir, data_dir, tmp_path):
   out = str(tmp_path / "bd")
   argv = ["--workdir", workdir, "--quick", "--data_dir", data_dir, "--draft_workdir", workdir,

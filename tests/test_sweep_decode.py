@@ -31,6 +31,7 @@ def test_sweep_points_move_one_axis_around_the_base(sweep):
   assert len(unique) == 6 + 1 + 2
 
 
+@pytest.mark.slow
 def test_sweep_decode_quick(sweep, markov_workdir, data_dir, tmp_path):
   out = str(tmp_path / "sd")
   sweep.main(["--workdir", markov_workdir, "--data_dir", data_dir, "--quick", "--out", out])
