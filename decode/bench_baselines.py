@@ -25,7 +25,7 @@ end-of-turn token) or at ``max_new`` tokens, as our Decoder does.
   the text so far; no second model. Greedy verification: the tokens equal
   plain greedy ``generate``'s up to floating-point ties between a block
   forward and a one-token forward.
-- ``llamacpp``: ``llama_cpp.Llama.generate`` on the GGUF file itself (its
+- ``llamacpp[:THREADS]``: ``llama_cpp.Llama.generate`` on the GGUF file itself (its
   own quantised kernels: Q4_1 / Q8_0 dot products, not our dequantised
   float32), greedy (``temp=0``, ``top_k=1``, no repeat penalty),
   ``n_threads`` threads, the prompt ids fed as ids and the KV cache
@@ -40,6 +40,7 @@ inside the functions that use them.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import importlib.util
 import os
@@ -56,37 +57,40 @@ LLAMACPP_HINT = "pip install -e '.[llamacpp]'"
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-  """One requested baseline: ``kind`` in NAMES, ``lookup`` K for prompt_lookup."""
+  """One requested baseline: ``kind`` in NAMES; ``lookup`` K for
+  prompt_lookup; ``threads`` for llamacpp (None: the ``build`` default)."""
   kind: str
   lookup: int | None = None
+  threads: int | None = None
 
   @property
   def label(self) -> str:
-    """The row label: hf_greedy, hf_lookup{K} or llamacpp."""
-    return {"transformers": "hf_greedy", "llamacpp": "llamacpp"}.get(
-        self.kind, f"hf_lookup{self.lookup}")
+    """The row label: hf_greedy, hf_lookup{K}, llamacpp or llamacpp_t{THREADS}."""
+    if self.kind == "llamacpp":
+      return "llamacpp" if self.threads is None else f"llamacpp_t{self.threads}"
+    return "hf_greedy" if self.kind == "transformers" else f"hf_lookup{self.lookup}"
 
 
 def parse_specs(text: str) -> tuple[Spec, ...]:
-  """"transformers,prompt_lookup:3,prompt_lookup,llamacpp" -> Specs (in
-  order, duplicates dropped; ``prompt_lookup`` alone is K = 10). Raises
-  ValueError naming a bad entry."""
+  """"transformers,prompt_lookup:3,prompt_lookup,llamacpp,llamacpp:1" ->
+  Specs (in order, duplicates dropped; ``prompt_lookup`` alone is K = 10,
+  ``llamacpp:T`` runs llama.cpp with T threads). Raises ValueError naming a
+  bad entry."""
   out = []
   for item in (x.strip() for x in text.split(",")):
     if not item:
       continue
     kind, _, arg = item.partition(":")
-    if kind not in NAMES or (arg and kind != "prompt_lookup"):
-      raise ValueError(f"unknown baseline {item!r}; known: transformers, prompt_lookup[:K], llamacpp")
-    lookup = None
-    if kind == "prompt_lookup":
-      try:
-        lookup = int(arg) if arg else DEFAULT_LOOKUP
-      except ValueError:
-        lookup = 0
-      if lookup < 1:
-        raise ValueError(f"baseline {item!r}: K must be an integer >= 1")
-    spec = Spec(kind, lookup)
+    if kind not in NAMES or (arg and kind == "transformers"):
+      raise ValueError(f"unknown baseline {item!r}; known: transformers, prompt_lookup[:K], "
+                       "llamacpp[:THREADS]")
+    try:
+      n = int(arg) if arg else (DEFAULT_LOOKUP if kind == "prompt_lookup" else None)
+    except ValueError:
+      n = 0
+    if n is not None and n < 1:
+      raise ValueError(f"baseline {item!r}: K / THREADS must be an integer >= 1")
+    spec = Spec(kind, n if kind == "prompt_lookup" else None, n if kind == "llamacpp" else None)
     if spec not in out:
       out.append(spec)
   return tuple(out)
@@ -134,6 +138,7 @@ class LlamaCppGenerate:
     self.stop_ids = {int(i) for i in stop_ids}
     self.llm = llama_cpp.Llama(model_path=path, n_threads=n_threads, n_threads_batch=n_threads,
                                n_ctx=n_ctx, seed=0, verbose=False)
+    atexit.register(self.llm.close)  # before interpreter teardown (its __del__ fails then)
 
   def __call__(self, ids, max_new: int) -> np.ndarray:
     """int32 [n]: the new ids of ``ids`` (int [P]), a stop id included."""
@@ -158,7 +163,9 @@ def build(specs: Sequence[Spec], source: str, model_cfg, tokenizer, n_threads: i
     model_cfg: our target's ``model`` config section (the ids its head
       never emits are suppressed in ``generate`` too).
     tokenizer: our target's tokenizer (stop ids, PAD).
-    n_threads: llama.cpp's threads (torch keeps its own setting, reported).
+    n_threads: llama.cpp's threads where a spec names none (torch keeps its
+      own setting, reported). ggml's threads wait for each other spinning:
+      on cores shared with other jobs, more threads can be much slower.
     log: gets one line per skipped baseline (None: quiet).
   Returns:
     ({label: fn(prompt ids, max_new) -> new ids}, info): info has source,
@@ -176,7 +183,8 @@ def build(specs: Sequence[Spec], source: str, model_cfg, tokenizer, n_threads: i
     info.update(torch_version=torch.__version__, transformers_version=transformers.__version__,
                 torch_threads=torch.get_num_threads(),
                 prompt_lookup_num_tokens=[s.lookup for s in hf_specs if s.lookup])
-  if any(s.kind == "llamacpp" for s in specs):
+  llama_specs = [s for s in specs if s.kind == "llamacpp"]
+  if llama_specs:
     why = None
     if not llamacpp_available():
       why = f"llama-cpp-python is not installed ({LLAMACPP_HINT})"
@@ -184,10 +192,13 @@ def build(specs: Sequence[Spec], source: str, model_cfg, tokenizer, n_threads: i
       why = f"{source} is not a GGUF file"
     if why is None:
       import llama_cpp
-      fns["llamacpp"] = LlamaCppGenerate(source, tokenizer.stop_ids, n_threads)
-      info.update(llama_cpp_version=llama_cpp.__version__, llamacpp_threads=n_threads)
+      for s in llama_specs:
+        fns[s.label] = LlamaCppGenerate(source, tokenizer.stop_ids, s.threads or n_threads)
+      info.update(llama_cpp_version=llama_cpp.__version__,
+                  llamacpp_threads={s.label: s.threads or n_threads for s in llama_specs})
     else:
-      info["skipped"]["llamacpp"] = why
+      for s in llama_specs:
+        info["skipped"][s.label] = why
       if log is not None:
         log(f"llama.cpp baseline skipped: {why}")
   info["labels"] = list(fns)

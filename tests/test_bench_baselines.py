@@ -38,10 +38,13 @@ def tiny(tmp_path_factory):
 
 
 def test_parse_specs():
-  specs = bench_baselines.parse_specs("transformers, prompt_lookup:3,prompt_lookup,llamacpp,transformers")
-  assert [s.label for s in specs] == ["hf_greedy", "hf_lookup3", "hf_lookup10", "llamacpp"]
+  specs = bench_baselines.parse_specs(
+      "transformers, prompt_lookup:3,prompt_lookup,llamacpp,transformers,llamacpp:1")
+  assert [s.label for s in specs] == ["hf_greedy", "hf_lookup3", "hf_lookup10", "llamacpp",
+                                      "llamacpp_t1"]
+  assert specs[4].threads == 1 and specs[3].threads is None
   assert bench_baselines.parse_specs("") == ()
-  for bad in ("vllm", "prompt_lookup:0", "prompt_lookup:x", "transformers:3"):
+  for bad in ("vllm", "prompt_lookup:0", "prompt_lookup:x", "transformers:3", "llamacpp:0"):
     with pytest.raises(ValueError, match="baseline"):
       bench_baselines.parse_specs(bad)
 
