@@ -7,7 +7,8 @@
 # make test-hf: also install the [hf] extra (torch, transformers, accelerate) and
 #            SmolLM2, and run the Hugging Face parity tests (export and import:
 #            tests/test_export_hf.py, tests/test_import_hf.py; the benchmark
-#            library on a tiny model: tests/test_bench_hf.py).
+#            library on a tiny model: tests/test_bench_hf.py; the transformers
+#            baselines beside our AR: tests/test_bench_baselines.py).
 # make smollm-mtp: attach one MTP module to SmolLM2 (last-block init), answer
 #            448 training chat prompts with it (self-distilled data, runs/data),
 #            train the module on a frozen backbone (configs/smollm_mtp.py) and
@@ -88,7 +89,7 @@ test-slow: $(STAMP)
 test-hf: $(HF_STAMP) $(SMOLLM_STAMP)
 	MTP_REQUIRE_HF=1 $(PY) -m pytest -q tests/test_export_hf.py tests/test_import_hf.py \
 	  tests/test_chat_smollm.py \
-	  tests/test_bench_hf.py
+	  tests/test_bench_hf.py tests/test_bench_baselines.py
 
 clean-demo:
 	rm -rf $(WORKDIR)

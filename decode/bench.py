@@ -9,6 +9,9 @@ through ``mtp.timing.interleaved_times`` (compile first, then interleaved
 repeats, median). The drafting-step and FLOP probes use the decoder's
 public pieces (``Decoder.prefill``, ``Decoder.models``, its ``drafter``);
 ``ArgmaxAcceptDecoder`` is a ``Decoder`` with a wrong ``accept_rule``.
+``measure_point(..., baselines=)`` times decoders outside this project
+(``Baseline``: transformers, llama.cpp; ``decode/bench_baselines.py``) in
+the same interleaved rounds and compares their tokens with AR's.
 
 Terms (docs/design.md section 7): a *cell* is one decoder (method, G or
 tree) in one form ("while": one jitted while_loop; "stream": one jitted
@@ -164,8 +167,32 @@ class Cell:
   gens: list = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass
+class Baseline:
+  """A decoder outside this project (transformers' ``generate``, llama.cpp;
+  ``decode.bench_baselines``) timed in the same interleaved rounds as the
+  cells: ``fn(prompt, max_new)`` takes one prompt's ids (int32 [P]) and
+  returns its new ids (int [n], n <= max_new, a stop id included when
+  emitted), blocking until done. ``walls`` (seconds per call, measured
+  around ``fn``) and ``tokens`` grow by one per repeat."""
+  name: str
+  fn: object
+  walls: list = dataclasses.field(default_factory=list)
+  tokens: list = dataclasses.field(default_factory=list)
+
+
+def first_divergence(a: np.ndarray, b: np.ndarray) -> int | None:
+  """The first column where the token rows of ``a`` and ``b`` ([B, n])
+  differ, or None when they are identical."""
+  if a.shape == b.shape and np.array_equal(a, b):
+    return None
+  n = min(a.shape[1], b.shape[1])
+  diff = (a[:, :n] != b[:, :n]).any(0)
+  return int(np.argmax(diff)) if diff.any() else n
+
+
 def run_cells(cells: list[Cell], prompts, batch: int, max_new: int, sp: SamplingParams,
-              repeats: int) -> None:
+              repeats: int, baselines: list[Baseline] = ()) -> None:
   """Decodes ``repeats`` rounds with every cell, interleaved
   (``interleaved_times``), appending each call's wall time, decoding-phase
   wall time (wall - prefill) and ``Generation`` to the cell. Repeat r
@@ -173,7 +200,13 @@ def run_cells(cells: list[Cell], prompts, batch: int, max_new: int, sp: Sampling
   cell, so all cells see the same prompts and the sample grows with the
   repeats; before the rounds every prompt-length bucket the repeats will
   hit is compiled (untimed). Times are the decoder's own (``wall_time_s``,
-  ``prefill_time_s``)."""
+  ``prefill_time_s``). ``baselines`` (B = 1 only) decode the same prompt
+  in the same rounds (one untimed warm-up call per bucket first); their
+  times are ``interleaved_times``' own.
+
+  Raises ValueError for baselines at a batch other than 1."""
+  if baselines and batch != 1:
+    raise ValueError(f"baselines decode one prompt per call (B = 1), got batch {batch}")
   encoded = encode_prompts(prompts)
   rows = lambda r: [encoded[(r * batch + i) % len(encoded)] for i in range(batch)]
   call = lambda c, r: (c.decoder.generate if c.form == "while" else c.decoder.stream)(
@@ -184,6 +217,9 @@ def run_cells(cells: list[Cell], prompts, batch: int, max_new: int, sp: Sampling
   for c in cells:
     for r in warm:
       call(c, r)
+  for b in baselines:
+    for r in warm:
+      b.fn(rows(r)[0], max_new)
 
   def timed(c: Cell):
     def one_repeat():            # the cell's r-th call decodes repeat r
@@ -192,7 +228,16 @@ def run_cells(cells: list[Cell], prompts, batch: int, max_new: int, sp: Sampling
       c.decode_walls.append(gen.wall_time_s - gen.prefill_time_s)
       c.gens.append(gen)
     return one_repeat
-  interleaved_times({str(i): timed(c) for i, c in enumerate(cells)}, repeats, warmup=0)
+
+  def timed_baseline(b: Baseline):
+    def one_repeat():
+      b.tokens.append(np.asarray(b.fn(rows(len(b.tokens))[0], max_new)).reshape(-1))
+    return one_repeat
+  fns = {str(i): timed(c) for i, c in enumerate(cells)}
+  fns.update({f"baseline:{b.name}": timed_baseline(b) for b in baselines})
+  times = interleaved_times(fns, repeats, warmup=0)
+  for b in baselines:
+    b.walls.extend(float(t) for t in times[f"baseline:{b.name}"])
 
 
 def _median(values) -> float:
@@ -250,9 +295,39 @@ def summarize_cell(c: Cell, ar_wall: float, ar_decode_wall: float, ar_step_s: fl
   return row
 
 
+def summarize_baseline(b: Baseline, ar: Cell) -> dict:
+  """Row of a baseline beside the AR cell ``ar`` (same prompts, same
+  rounds, B = 1): wall_s_{median,min,max}, tokens_per_s (mean new tokens /
+  median wall), speedup (AR median wall / its median wall), and the tokens
+  against AR's: identical_to_ar (every repeat), agreement_tokens (the
+  shortest common prefix over the repeats), new_tokens / ar_tokens (per
+  repeat). tau, alpha_k and the decoding-phase figures do not apply (None,
+  [])."""
+  ar_rows = [np.asarray(g.tokens[0]).reshape(1, -1) for g in ar.gens]
+  ours = [t.reshape(1, -1) for t in b.tokens]
+  agree = []
+  for a, t in zip(ar_rows, ours):
+    d = first_divergence(a, t)
+    agree.append(a.shape[1] if d is None else d)
+  wall = _median(b.walls)
+  tokens = float(np.mean([t.shape[1] for t in ours]))
+  return {"name": b.name, "method": "baseline", "num_draft_tokens": None, "form": "external",
+          **spread(b.walls, ("median", "min", "max"), "wall_s_"),
+          "decode_s_median": None, "prefill_s_median": None,
+          "tokens_per_s": tokens / wall, "decode_tokens_per_s": None,
+          "speedup": _median(ar.walls) / wall, "speedup_decode": None, "tau": None,
+          "acceptance_rate_per_position": [], "accepted_length_histogram": [],
+          "identical_to_ar": all(a.shape == t.shape and np.array_equal(a, t)
+                                 for a, t in zip(ar_rows, ours)),
+          "agreement_tokens": int(min(agree)),
+          "new_tokens": [int(t.shape[1]) for t in ours],
+          "ar_tokens": [int(a.shape[1]) for a in ar_rows]}
+
+
 def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens: int,
                   sp: SamplingParams, repeats: int, forms=("while",),
-                  draft_cache: dict | None = None, flops_cache: dict | None = None) -> list[dict]:
+                  draft_cache: dict | None = None, flops_cache: dict | None = None,
+                  baselines: dict | None = None) -> list[dict]:
   """Decodes one setting with every decoder, side by side, and summarizes.
 
   Args:
@@ -271,6 +346,11 @@ def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens
     flops_cache: optional {(label, batch): FLOP share c}, the same for
       ``draft_flop_share`` (XLA FLOP counts do not depend on the sampling
       values, so one entry per decoder and batch suffices).
+    baselines: optional {label: fn(prompt ids [P], max_new) -> new ids [n]},
+      decoders outside this project (``Baseline``; B = 1 only), timed in
+      the same interleaved rounds; each gives a ``summarize_baseline`` row
+      against the AR cell of the first form (speedup over AR, tokens
+      compared with AR's).
   Returns:
     one row per (label, form): ``summarize_cell``'s fields (wall_s_median,
     tokens_per_s, speedup over AR in the same form, tau,
@@ -280,7 +360,7 @@ def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens
     step" of c) and draft_cost_ratio_c_flops (the c that drafting would have
     if time followed XLA-counted FLOPs).
   Raises:
-    ValueError: no AR decoder, or more than one.
+    ValueError: no AR decoder, or more than one; baselines at batch != 1.
   """
   ar_labels = [k for k, d in decoders.items() if d.method == "ar"]
   if len(ar_labels) != 1:
@@ -289,7 +369,8 @@ def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens
                         None if dec.tree is None else dec.tree.branching))
            for label, dec in decoders.items() for form in forms]
   cells = [c for _, c in pairs]
-  run_cells(cells, prompts, batch, max_new_tokens, sp, repeats)
+  externals = [Baseline(label, fn) for label, fn in (baselines or {}).items()]
+  run_cells(cells, prompts, batch, max_new_tokens, sp, repeats, externals)
   ar_cells = {c.form: c for c in cells if c.method == "ar"}
   ar_wall = {form: _median(c.walls) for form, c in ar_cells.items()}
   ar_decode = {form: _median(c.decode_walls) for form, c in ar_cells.items()}
@@ -315,6 +396,12 @@ def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens
     row.update({"label": label, "temperature": sp.temperature, "top_p": sp.top_p,
                 "batch_size": batch, "draft_s": draft_s.get(label), "ar_step_s": ar_step,
                 "draft_cost_ratio_c_flops": flops_cache.get((label, batch))})
+    rows.append(row)
+  for b in externals:
+    row = summarize_baseline(b, ar_cells[forms[0]])
+    row.update({"label": b.name, "temperature": sp.temperature, "top_p": sp.top_p,
+                "batch_size": batch, "draft_s": None, "ar_step_s": ar_step,
+                "draft_cost_ratio_c_flops": None})
     rows.append(row)
   return rows
 

@@ -12,6 +12,14 @@ one process. A row is one (category or "all", decoder, temperature):
 ``summarize_cell``'s fields (speedup over AR, tau, alpha_k, the cost ratio
 c, the ideal speedup of Leviathan et al. 2023 Theorem 3.8 and the
 efficiency) plus ``category``.
+
+Baselines (``ChatBench.baselines``, ``decode.bench_baselines``):
+transformers' greedy ``generate``, its prompt lookup decoding and llama.cpp
+on the weights the target was imported from (``baseline_model``), in the
+same interleaved rounds as AR and MTP at T = 0 (they are greedy only), on
+the same prompt ids (transformers' chat template is checked to give the
+same ids: ``check_prompt_ids``). Their rows carry tokens/s, the speedup
+over our AR and the agreement of their tokens with AR's.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from decode import bench
+from decode import bench, bench_baselines
 from decode.sampling import SamplingParams
 from decode.speculative import Decoder
 from mtp import loading
@@ -38,13 +46,17 @@ class ChatBench:
   num_draft_tokens: tuple[int, ...] = (1, 2, 3)
   max_new_tokens: int = 128
   with_auto: bool = False
+  baselines: tuple[bench_baselines.Spec, ...] = ()   # bench_baselines.parse_specs
+  baseline_model: str | None = None   # GGUF file or HF directory of the target's weights
+  llamacpp_threads: int = 2
+  repeats: int | None = None       # timed repeats per category (None: one per prompt)
 
 
-def heldout_prompts(path: str, tokenizer, per_category: int,
-                    categories: Sequence[str] = ()) -> dict[str, list]:
-  """{category: [int32 ids [T], ...]}: the first ``per_category`` prompts of
-  each category of a chat JSONL (``mtp.data.chat.read_prompt_jsonl``),
-  rendered with ``tokenizer``'s chat template (generation prompt appended).
+def heldout_messages(path: str, per_category: int,
+                     categories: Sequence[str] = ()) -> dict[str, list]:
+  """{category: [chat messages, ...]}: the first ``per_category`` prompts of
+  each category of a chat JSONL (``mtp.data.chat.read_prompt_jsonl``) as
+  chat messages (``mtp.data.chat.prompt_messages``: system, then user).
   Raises ValueError for a category the file lacks or ``per_category`` < 1."""
   if per_category < 1:
     raise ValueError(f"per_category must be >= 1, got {per_category}")
@@ -56,8 +68,16 @@ def heldout_prompts(path: str, tokenizer, per_category: int,
   if missing:
     raise ValueError(f"categories {missing} not in {path} (it has {sorted(by_cat)})")
   chosen = list(categories) or sorted(by_cat)
-  return {c: [tokenizer.apply_chat_template(chat_lib.prompt_messages(p))
-              for p in by_cat[c][:per_category]] for c in chosen}
+  return {c: [chat_lib.prompt_messages(p) for p in by_cat[c][:per_category]] for c in chosen}
+
+
+def heldout_prompts(path: str, tokenizer, per_category: int,
+                    categories: Sequence[str] = ()) -> dict[str, list]:
+  """{category: [int32 ids [T], ...]}: ``heldout_messages`` rendered with
+  ``tokenizer``'s chat template (generation prompt appended). Raises
+  ValueError for a category the file lacks or ``per_category`` < 1."""
+  return {c: [tokenizer.apply_chat_template(m) for m in ms]
+          for c, ms in heldout_messages(path, per_category, categories).items()}
 
 
 def decoders(model, tokenizer, gs: Sequence[int], with_auto: bool = False) -> dict[str, Decoder]:
@@ -71,26 +91,43 @@ def decoders(model, tokenizer, gs: Sequence[int], with_auto: bool = False) -> di
   return out
 
 
-def run_chat_bench(s: ChatBench, log: Callable[[str], None] = print) -> list[dict]:
-  """Every (category, decoder, temperature) row of ``s`` (module docstring);
-  ``overall`` summarises them across categories."""
+def run_chat_bench(s: ChatBench, log: Callable[[str], None] = print) -> dict:
+  """Every (category, decoder, temperature) row of ``s`` (module docstring).
+
+  Returns {"rows": [...], "overall": ``overall(rows)``, "baselines": None
+  or ``bench_baselines.build``'s info plus "prompt_ids" (``check_prompt_ids``
+  when a transformers baseline runs)}. Raises ValueError for baselines
+  without ``baseline_model``."""
   cfg, model, step = loading.load_model(s.workdir)
   tokenizer = tok_lib.load_tokenizer(s.workdir)
-  prompts = heldout_prompts(s.prompt_file, tokenizer, s.per_category, s.categories)
+  messages = heldout_messages(s.prompt_file, s.per_category, s.categories)
+  prompts = {c: [tokenizer.apply_chat_template(m) for m in ms] for c, ms in messages.items()}
   decs = decoders(model, tokenizer, s.num_draft_tokens, s.with_auto)
+  base_fns, info = {}, None
+  if s.baselines:
+    if not s.baseline_model:
+      raise ValueError("baselines need baseline_model (the GGUF file or HF directory)")
+    base_fns, info = bench_baselines.build(s.baselines, s.baseline_model, cfg.model, tokenizer,
+                                           s.llamacpp_threads, log)
+    if any(spec.kind != "llamacpp" for spec in s.baselines):
+      info["prompt_ids"] = bench_baselines.check_prompt_ids(s.baseline_model, messages, prompts)
+      log(f"transformers' chat template: {info['prompt_ids']['identical']} of "
+          f"{info['prompt_ids']['prompts']} prompts give our ids")
   draft_cache, rows = {}, []
   # no XLA FLOP-count probe (draft_cost_ratio_c_flops): one more compile of a
   # 30-layer program per decoder, for a figure the byte models' benchmarks give
   flops_cache = {(label, 1): None for label in decs}
   for t in s.temperatures:
     sp = SamplingParams(temperature=t)
+    extra = base_fns if t == 0 else {}     # the baselines decode greedily only
     for cat, ps in prompts.items():
-      log(f"T={t:g} {cat}: {len(ps)} prompt(s) x {len(decs)} decoders")
-      for row in bench.measure_point(decs, ps, 1, s.max_new_tokens, sp, len(ps),
-                                     draft_cache=draft_cache, flops_cache=flops_cache):
+      log(f"T={t:g} {cat}: {len(ps)} prompt(s) x {len(decs) + len(extra)} decoders")
+      for row in bench.measure_point(decs, ps, 1, s.max_new_tokens, sp, s.repeats or len(ps),
+                                     draft_cache=draft_cache, flops_cache=flops_cache,
+                                     baselines=extra):
         row["category"] = cat
         rows.append(row)
-  return rows
+  return {"rows": rows, "overall": overall(rows), "baselines": info}
 
 
 def overall(rows: list[dict]) -> list[dict]:
@@ -104,25 +141,77 @@ def overall(rows: list[dict]) -> list[dict]:
     rs = [r for r in rows if r["label"] == label and r["temperature"] == t]
     alphas = [r["acceptance_rate_per_position"] for r in rs]
     k = min(len(a) for a in alphas)
+    geomean = lambda xs: None if None in xs else float(np.exp(np.mean(np.log(xs))))
+    taus = [r["tau"] for r in rs]
     out.append({"label": label, "temperature": t, "categories": len(rs),
-                "speedup_geomean": float(np.exp(np.mean(np.log([r["speedup"] for r in rs])))),
-                "speedup_decode_geomean": float(np.exp(np.mean(np.log(
-                    [r["speedup_decode"] for r in rs])))),
-                "tau_mean": float(np.mean([r["tau"] for r in rs])),
+                "speedup_geomean": geomean([r["speedup"] for r in rs]),
+                "speedup_decode_geomean": geomean([r["speedup_decode"] for r in rs]),
+                "tokens_per_s_geomean": geomean([r["tokens_per_s"] for r in rs]),
+                "tau_mean": None if None in taus else float(np.mean(taus)),
                 "alpha_mean": [float(np.mean([a[i] for a in alphas if a[i] is not None] or [np.nan]))
                                for i in range(k)]})
   return out
 
 
-def markdown(rows: list[dict], meta: dict) -> str:
-  """Tables: the overall summary, then every (temperature, category, decoder) row."""
+def _tokens_per_s(r: dict) -> dict:
+  """A row's tokens/s as a spread (median from the median wall, min from the
+  slowest call, max from the fastest)."""
+  scale = r["tokens_per_s"] * r["wall_s_median"]
+  return {"median": r["tokens_per_s"], "min": scale / r["wall_s_max"],
+          "max": scale / r["wall_s_min"]}
+
+
+def side_by_side(rows: list[dict]) -> str:
+  """Markdown: per category (and all, geomean), every decoder's tokens/s
+  median [min, max] over the repeats and its speedup over our AR, at T = 0
+  (where the baselines run); "" without baseline rows."""
   from mtp.report import fmt
-  lines = ["## Overall (categories weighted equally)", "",
+  from mtp.timing import format_spread
+  t0 = [r for r in rows if r["temperature"] == 0]
+  if not any(r["method"] == "baseline" for r in t0):
+    return ""
+  labels = sorted({r["label"] for r in t0 if r["method"] != "baseline"}, key=lambda x: (x != "ar", x))
+  labels += [r["label"] for r in t0 if r["method"] == "baseline" and r["category"] == t0[0]["category"]]
+  cats = list(dict.fromkeys(r["category"] for r in t0))
+  by = {(r["category"], r["label"]): r for r in t0}
+  lines = ["## Side by side with other decoders (T = 0, B = 1)", "",
+           "tokens/s median [min, max] over the repeats (new tokens / wall time, prefill "
+           "included); in brackets: our AR's median wall / its median wall.", "",
+           "| category | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+  for c in cats:
+    cells = []
+    for label in labels:
+      r = by.get((c, label))
+      cells.append("-" if r is None else f"{format_spread(_tokens_per_s(r), '.1f')} "
+                   f"({fmt(r['speedup'])}x)")
+    lines.append(f"| {c} | " + " | ".join(cells) + " |")
+  ov = {o["label"]: o for o in overall(t0)}
+  lines.append("| all (geomean) | " + " | ".join(
+      f"{fmt(ov[label]['tokens_per_s_geomean'], '.1f')} ({fmt(ov[label]['speedup_geomean'])}x)"
+      for label in labels) + " |")
+  lines += ["", "Tokens against our AR greedy output (per category: new tokens of each "
+            "repeat; agreement = common prefix, the shortest over the repeats):", "",
+            "| category | decoder | new tokens | AR tokens | identical | agreement |",
+            "|---|---|---|---|---|---|"]
+  for r in t0:
+    if r["method"] == "baseline":
+      lines.append(f"| {r['category']} | {r['label']} | {'/'.join(map(str, r['new_tokens']))} | "
+                   f"{'/'.join(map(str, r['ar_tokens']))} | {r['identical_to_ar']} | "
+                   f"{r['agreement_tokens']} |")
+  return "\n".join(lines) + "\n\n"
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+  """Tables: the baselines side by side (``side_by_side``, when any ran),
+  the overall summary, then every (temperature, category, decoder) row."""
+  from mtp.report import fmt
+  x = lambda v: "-" if v is None else f"{fmt(v)}x"
+  lines = [side_by_side(rows) + "## Overall (categories weighted equally)", "",
            "| T | decoder | speedup (geomean) | decoding phase | tau | alpha_k |",
            "|---|---|---|---|---|---|"]
   for o in overall(rows):
     lines.append(f"| {o['temperature']:g} | {o['label']} | {fmt(o['speedup_geomean'])}x | "
-                 f"{fmt(o['speedup_decode_geomean'])}x | {fmt(o['tau_mean'])} | "
+                 f"{x(o['speedup_decode_geomean'])} | {fmt(o['tau_mean'])} | "
                  + " / ".join(fmt(a) for a in o["alpha_mean"]) + " |")
   lines += ["", "## Per category (B = 1, while_loop form, medians over the category's prompts)", "",
             "| T | category | decoder | tokens/s | speedup | decoding phase | tau | alpha_k | c | ideal | efficiency |",
@@ -130,7 +219,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
   for r in sorted(rows, key=lambda r: (r["temperature"], r["category"], r["label"])):
     alpha = " / ".join(fmt(a) for a in r["acceptance_rate_per_position"])
     lines.append(f"| {r['temperature']:g} | {r['category']} | {r['label']} | {fmt(r['tokens_per_s'], '.1f')} | "
-                 f"{fmt(r['speedup'])}x | {fmt(r['speedup_decode'])}x | {fmt(r['tau'])} | {alpha} | "
+                 f"{fmt(r['speedup'])}x | {x(r['speedup_decode'])} | {fmt(r['tau'])} | {alpha} | "
                  f"{fmt(r.get('draft_cost_ratio_c'))} | {fmt(r.get('ideal_speedup'))} | "
                  f"{fmt(r.get('efficiency'))} |")
   return "\n".join(lines) + "\n"

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from decode.bench import first_divergence
 from decode.speculative import Decoder, SamplingParams
 from mtp import tokenizer as tok
 from mtp.timing import format_spread, interleaved_times, spread
@@ -66,30 +67,45 @@ class Pair:
   source: dict
 
 
-def load_gguf_pair(path: str) -> Pair:
-  """A GGUF file imported by ``mtp.importers.gguf.load_gguf`` (fp32) and
-  loaded by transformers' GGUF loader (``from_pretrained(dir,
-  gguf_file=...)``, fp32). Raises ModelImportError for a bad file."""
+def _from_pretrained(cls, path: str, **kw):
+  """``cls.from_pretrained`` of a GGUF file (transformers' GGUF loader:
+  ``from_pretrained(folder, gguf_file=name)``) or of a Hugging Face directory."""
+  if os.path.isdir(path):
+    return cls.from_pretrained(path, **kw)
+  folder, name = os.path.split(os.path.abspath(path))
+  return cls.from_pretrained(folder, gguf_file=name, **kw)
+
+
+def load_hf_model(path: str):
+  """transformers' ``*ForCausalLM`` (eval mode, float32) of a GGUF file
+  (dequantised by transformers' GGUF loader) or a Hugging Face directory."""
   import torch
   import transformers
+  return _from_pretrained(transformers.AutoModelForCausalLM, path, dtype=torch.float32).eval()
+
+
+def load_hf_tokenizer(path: str):
+  """transformers' tokenizer of a GGUF file or a Hugging Face directory."""
+  import transformers
+  return _from_pretrained(transformers.AutoTokenizer, path)
+
+
+def load_gguf_pair(path: str) -> Pair:
+  """A GGUF file imported by ``mtp.importers.gguf.load_gguf`` (fp32) and
+  loaded by transformers' GGUF loader (``load_hf_model``, fp32). Raises
+  ModelImportError for a bad file."""
   from mtp.importers.gguf import load_gguf
   cfg, model, tk, prov = load_gguf(path)
-  folder, name = os.path.split(os.path.abspath(path))
-  hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                         dtype=torch.float32).eval()
-  return Pair(cfg, model, tk, hf, prov)
+  return Pair(cfg, model, tk, load_hf_model(path), prov)
 
 
 def load_hf_dir_pair(path: str) -> Pair:
   """A Hugging Face directory imported by ``mtp.importers.hf.load_hf_dir``
   (fp32) and loaded by ``AutoModelForCausalLM.from_pretrained`` (fp32).
   Raises ModelImportError for a directory we cannot import."""
-  import torch
-  import transformers
   from mtp.importers.hf import load_hf_dir
   cfg, model, tk, prov = load_hf_dir(path)
-  hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-  return Pair(cfg, model, tk, hf, prov)
+  return Pair(cfg, model, tk, load_hf_model(path), prov)
 
 
 def chat_prompts(tokenizer, batch: int, prompts: Sequence[str] = PROMPTS) -> np.ndarray:
@@ -135,17 +151,26 @@ def ours_fn(pair: Pair, ids: np.ndarray, n: int) -> Callable[[], np.ndarray]:
   return run
 
 
+def generation_config(model_cfg, tokenizer, n: int, stop_ids=(), **extra):
+  """transformers' ``GenerationConfig`` for greedy decoding as our Decoder
+  does it: at most ``n`` new tokens, stopping at ``stop_ids`` (none: exactly
+  ``n``), the ids our head never emits (``mtp.tokenizer.head_mask`` of
+  ``model_cfg``, the ``model`` section) suppressed; ``extra`` is passed on
+  (e.g. ``prompt_lookup_num_tokens``)."""
+  import transformers
+  suppress = np.flatnonzero(~tok.head_mask(model_cfg)).tolist()
+  return transformers.GenerationConfig(
+      max_new_tokens=n, do_sample=False, eos_token_id=list(stop_ids) or None,
+      pad_token_id=int(tokenizer.pad_id if tokenizer.pad_id is not None else 0),
+      suppress_tokens=suppress or None, **extra)
+
+
 def theirs_fn(pair: Pair, ids: np.ndarray, n: int) -> Callable[[], np.ndarray]:
   """fn() -> int64 [B, n]: transformers' greedy ``generate`` of ``ids``
   [B, P] for exactly ``n`` tokens (no EOS stop; the ids our head never
   emits suppressed). Raises TokensDiffer if it stops early."""
   import torch
-  import transformers
-  suppress = np.flatnonzero(~tok.head_mask(pair.cfg.model)).tolist()
-  config = transformers.GenerationConfig(
-      max_new_tokens=n, do_sample=False, eos_token_id=None,
-      pad_token_id=int(pair.tokenizer.pad_id if pair.tokenizer.pad_id is not None else 0),
-      suppress_tokens=suppress or None)
+  config = generation_config(pair.cfg.model, pair.tokenizer, n)
   x = torch.tensor(ids, dtype=torch.long)
   mask = torch.ones_like(x)
 
@@ -157,16 +182,6 @@ def theirs_fn(pair: Pair, ids: np.ndarray, n: int) -> Callable[[], np.ndarray]:
       raise TokensDiffer(f"generate stopped early: {out.shape[1]} of {n} tokens")
     return out
   return run
-
-
-def first_divergence(a: np.ndarray, b: np.ndarray) -> int | None:
-  """The first column where the token rows of ``a`` and ``b`` ([B, n])
-  differ, or None when they are identical."""
-  if a.shape == b.shape and np.array_equal(a, b):
-    return None
-  n = min(a.shape[1], b.shape[1])
-  diff = (a[:, :n] != b[:, :n]).any(0)
-  return int(np.argmax(diff)) if diff.any() else n
 
 
 def bench_row(pair: Pair, batch: int, n: int, repeats: int) -> dict:
