@@ -171,6 +171,9 @@ def theirs_fn(pair: Pair, ids: np.ndarray, n: int) -> Callable[[], np.ndarray]:
   emits suppressed). Raises TokensDiffer if it stops early."""
   import torch
   config = generation_config(pair.cfg.model, pair.tokenizer, n)
+  # generate fills fields left None from the model's own generation config
+  # (a GGUF-loaded SmolLM2 has eos_token_id=2): clear it there so no id stops
+  pair.hf.generation_config.eos_token_id = None
   x = torch.tensor(ids, dtype=torch.long)
   mask = torch.ones_like(x)
 
