@@ -12,7 +12,8 @@ position alpha = sum_v min(p, q) <= p(V')).
 
 Pure functions on numpy arrays (no model inside) plus the hooks that put V'
 on a model (``set_draft_vocab``) or into a parameter State
-(``with_draft_vocab``, e.g. a ``train.loop.TrainState.params``). The ids
+(``with_draft_vocab``, e.g. a ``train.loop.TrainState.params``), or give
+a model's weights another |V'| (``with_draft_vocab_size``). The ids
 live in the model as ``mtp.model.DraftVocab`` [V'] int32 (its size is
 ``mtp.draft_vocab_size``), so checkpoints, restore, resume and the decoder
 carry them with the parameters.
