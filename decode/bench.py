@@ -33,7 +33,8 @@ from decode.speculative import Decoder, SamplingParams
 from decode.tree_spec import TreeSpec
 from mtp.timing import interleaved_times, spread
 from decode.bench_pieces import (  # noqa: F401 (decode.bench's API: the scripts use these names)
-    bare_forward_s, draft_flop_share, draft_time_s, encode_prompts)
+    bare_forward_loop, bare_forward_s, draft_flop_share, draft_loop, draft_time_s, encode_prompts,
+    prefilled)
 
 
 # -- cells: decoders side by side ---------------------------------------------------------

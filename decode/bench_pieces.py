@@ -51,6 +51,15 @@ def bare_forward_s(model, batch: int, length: int, cache_len: int, repeats: int,
   forwards inside one ``lax.fori_loop`` (device time only, comparable with
   the while_loop decoding form), max(repeats, 5) timed calls. Positions
   advance by one per iteration, as they do in decoding."""
+  fn, args, iters = bare_forward_loop(model, batch, length, cache_len, in_loop, iters)
+  return _median_per_iter(fn, args, iters, max(repeats, 5) * (1 if in_loop else 10))
+
+
+def bare_forward_loop(model, batch: int, length: int, cache_len: int, in_loop: bool = True,
+                      iters: int = 20):
+  """``bare_forward_s``' timed program: (fn, args, iters) with ``fn(*args) ->
+  args`` (jitted, the cache donated) running ``iters`` forwards (1 when not
+  ``in_loop``), for timing it interleaved with other programs."""
   graphdef, params = nnx.split(model, nnx.Param)
 
   def forward(params, cache, toks, pos):
@@ -73,7 +82,7 @@ def bare_forward_s(model, batch: int, length: int, cache_len: int, repeats: int,
   cache = init_layer_caches(model.cfg, model.cfg.num_layers, batch, cache_len)
   toks = jnp.zeros((batch, length), jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32) + cache_len // 2, (batch, length))
-  return _median_per_iter(fn, (params, cache, toks, pos), iters, max(repeats, 5) * (1 if in_loop else 10))
+  return fn, (params, cache, toks, pos), iters
 
 
 def _draft_step(decoder: Decoder, sp: SamplingParams):
@@ -94,9 +103,23 @@ def draft_time_s(decoder: Decoder, prompts, max_new: int, sp: SamplingParams, re
   ``lax.fori_loop`` so that, like the while_loop decoding form, no host
   dispatch is counted; max(repeats, 5) timed calls after the prefill of
   ``prompts``. The cost ratio c is this over G AR steps."""
-  encoded = encode_prompts(prompts)
-  state, prefill_len = decoder.prepare(encoded, max_new, 0)
-  state = decoder.prefill(state, prefill_len)
+  fn, args = draft_loop(decoder, prefilled(decoder, prompts, max_new), sp, iters)
+  return _median_per_iter(fn, args, iters, max(repeats, 5))
+
+
+def prefilled(decoder: Decoder, prompts, max_new: int):
+  """``decoder``'s DecodeState after the prefill of ``prompts`` (texts or id
+  lists, ``encode_prompts``) with room for ``max_new`` tokens, seed 0."""
+  state, prefill_len = decoder.prepare(encode_prompts(prompts), max_new, 0)
+  return decoder.prefill(state, prefill_len)
+
+
+def draft_loop(decoder: Decoder, state, sp: SamplingParams, iters: int = 20):
+  """``draft_time_s``' timed program: (fn, args) with ``fn(*args) -> args``
+  (jitted; the drafter state and tokens donated, so ``args`` holds copies
+  of ``state``'s) running ``iters`` drafting steps from ``state`` (a
+  ``prefilled`` state of this decoder, or of one whose drafter state has
+  the same shapes: the same target with another draft vocabulary V')."""
   draft_step = _draft_step(decoder, sp)
 
   def body(_, carry):
@@ -105,9 +128,9 @@ def draft_time_s(decoder: Decoder, prompts, max_new: int, sp: SamplingParams, re
     dstate, tokens, _, _ = draft_step(params, dparams, dstate, tokens, n, sub)
     return params, dparams, dstate, tokens, n, key
   fn = jax.jit(lambda *c: jax.lax.fori_loop(0, iters, body, c), donate_argnums=(2, 3))
-  args = (decoder.target_params, decoder.draft_params, state.drafter, state.tokens,
-          state.length, state.key)
-  return _median_per_iter(fn, args, iters, max(repeats, 5))
+  copy = lambda t: jax.tree.map(jnp.copy, t)
+  return fn, (decoder.target_params, decoder.draft_params, copy(state.drafter),
+              copy(state.tokens), state.length, state.key)
 
 
 def _flops(fn, *args) -> float:

@@ -5,6 +5,7 @@ in one place: closed forms that ``decode.stats``, the benchmarks and
 - ``expected_accepted_length`` tau(alpha, G) (eq. 1) and its inverse
   ``alpha_from_tau``;
 - ``ideal_speedup`` (Theorem 3.8): tau(alpha, G) / (G c + 1);
+- ``chain_tau`` / ``chain_speedup``: the same with per-position rates alpha_k;
 - ``accepted_length_law``: P(a = k) under i.i.d. acceptance;
 - vectorised forms ``closed_form_tau`` / ``closed_form_speedup`` for arrays.
 
@@ -28,6 +29,22 @@ def ideal_speedup(alpha: float, num_draft_tokens: int, cost_ratio: float) -> flo
   (Leviathan et al. 2023, Theorem 3.8); c = drafting time per draft token /
   one target step."""
   return expected_accepted_length(alpha, num_draft_tokens) / (num_draft_tokens * cost_ratio + 1)
+
+
+def chain_tau(alphas) -> float:
+  """E[tokens per target call] = 1 + sum_{j=1..G} prod_{i<=j} alpha_i for
+  per-position rates alpha_1..alpha_G (G = len(alphas), each in [0, 1];
+  alpha_i = P(draft i accepted | drafts 1..i-1 accepted)): eq. 1 of
+  Leviathan et al. 2023 without the i.i.d. assumption; equal to
+  ``expected_accepted_length(alpha, G)`` when all alpha_i = alpha."""
+  return float(1.0 + np.cumprod(np.asarray(alphas, np.float64)).sum())
+
+
+def chain_speedup(alphas, cost_ratio: float) -> float:
+  """Theorem 3.8's walltime improvement with per-position rates:
+  ``chain_tau(alphas)`` / (G c + 1), G = len(alphas) (the theorem's proof
+  needs only E[tokens per call]; with equal alphas it is ``ideal_speedup``)."""
+  return chain_tau(alphas) / (len(alphas) * cost_ratio + 1)
 
 
 def alpha_from_tau(tau: float, num_draft_tokens: int) -> float:

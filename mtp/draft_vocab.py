@@ -12,7 +12,8 @@ position alpha = sum_v min(p, q) <= p(V')).
 
 Pure functions on numpy arrays (no model inside) plus the hooks that put V'
 on a model (``set_draft_vocab``) or into a parameter State
-(``with_draft_vocab``, e.g. a ``train.loop.TrainState.params``). The ids
+(``with_draft_vocab``, e.g. a ``train.loop.TrainState.params``), or give
+a model's weights another |V'| (``with_draft_vocab_size``). The ids
 live in the model as ``mtp.model.DraftVocab`` [V'] int32 (its size is
 ``mtp.draft_vocab_size``), so checkpoints, restore, resume and the decoder
 carry them with the parameters.
@@ -32,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from mtp.model import Transformer
 
 
 def token_counts(tokens, loss_mask=None, *, vocab_size: int) -> np.ndarray:
@@ -152,6 +155,29 @@ def with_draft_vocab(params: nnx.State, ids) -> nnx.State:
   a = check_ids(ids, old.shape[0], vocab)
   flat[key] = var.replace(jax.device_put(jnp.asarray(a), getattr(old, "sharding", None)))
   return nnx.from_flat_state(flat)
+
+
+def with_draft_vocab_size(model, ids):
+  """A model with the parameters of ``model`` (a ``mtp.model.Transformer``
+  with MTP modules; the arrays are shared, not copied) and the draft
+  vocabulary V' = ``ids`` of any size: [V'] ints (sorted, unique, in [0, V))
+  or None for no V' (the MTP heads score every id). ``model`` may have a V'
+  of another size or none; the weights of a head over a larger V' are the
+  same shared W_out rows, so this is how to evaluate or time one set of
+  trained modules against several V' (scripts/sweep_draft_vocab.py).
+  Raises ValueError as ``check_ids``, or for ids with a model without MTP
+  modules."""
+  n = 0 if ids is None else len(np.asarray(ids))
+  new = nnx.eval_shape(lambda: Transformer(model.cfg, model.mtp_depth, rngs=nnx.Rngs(params=0),
+                                           draft_vocab_size=n))
+  graphdef, abstract = nnx.split(new, nnx.Param)
+  flat = {k: v for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+          if k != ("draft_vocab",)}
+  if n:
+    a = check_ids(ids, n, model.cfg.vocab_size)
+    flat[("draft_vocab",)] = dict(nnx.to_flat_state(abstract))[("draft_vocab",)].replace(
+        jnp.asarray(a))
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def draft_vocab_ids(model) -> np.ndarray | None:

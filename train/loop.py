@@ -180,6 +180,16 @@ def _init_has_draft_vocab(cfg: Config, init_step: int | None) -> bool:
   return bool(saved.mtp.draft_vocab_size)
 
 
+def select_draft_vocab(cfg: Config, counts, tokenizer, size: int) -> np.ndarray:
+  """The rule of ``attach_draft_vocab``: the ``size`` most frequent ids of
+  ``counts`` ([V] int, ``mtp.draft_vocab.token_counts`` of the train rows'
+  targets) among those the head may emit (``tokenizer.head_mask``), the
+  tokenizer's stop ids always in. Returns [size] int32, sorted; the sets of
+  two sizes are nested. Raises ValueError as ``mtp.draft_vocab.select``."""
+  return draft_vocab_lib.select(counts, size, always=tuple(getattr(tokenizer, "stop_ids", ())),
+                                allowed=tok_lib.head_mask(cfg.model))
+
+
 def attach_draft_vocab(cfg: Config, params, rows: dict[str, np.ndarray], tokenizer):
   """Chooses V' (``mtp.draft_vocab_size`` ids) for a run that starts without
   one: the most frequent target ids of the train split's rows (tokens /
@@ -190,9 +200,7 @@ def attach_draft_vocab(cfg: Config, params, rows: dict[str, np.ndarray], tokeniz
   a log line giving the share of target tokens V' covers)."""
   counts = draft_vocab_lib.token_counts(rows["tokens"], rows.get("loss_mask"),
                                         vocab_size=cfg.model.vocab_size)
-  ids = draft_vocab_lib.select(counts, cfg.mtp.draft_vocab_size,
-                               always=tuple(getattr(tokenizer, "stop_ids", ())),
-                               allowed=tok_lib.head_mask(cfg.model))
+  ids = select_draft_vocab(cfg, counts, tokenizer, cfg.mtp.draft_vocab_size)
   covered = counts[ids].sum() / max(int(counts.sum()), 1)
   note = (f"draft vocabulary V': {len(ids):,} most frequent of {int((counts > 0).sum()):,} ids "
           f"seen in {int(counts.sum()):,} target tokens; covers {covered:.1%} of them")

@@ -1,0 +1,116 @@
+r"""Acceptance alpha_k, tau, draft cost c and ideal speedup of one trained MTP
+stage against the size of its draft vocabulary V' (issue 22 item 3).
+
+    python scripts/sweep_draft_vocab.py --workdir runs/smollm_mtp \
+        [--draft_vocab 2048,4096,8192,16384,full] [--eval_batches 2] [--batch_size 2] \
+        [--repeats 3] [--out results/sweep_draft_vocab_smollm]
+
+For each |V'| the modules' V' is set to that many most frequent answer ids
+of the stage's train split (``train.loop.select_draft_vocab``, the rule the
+stage itself used; ``full`` = no V'). Acceptance per draft step k = 1..D+R on
+the validation batches: ``train/vocab_sweep.py``; draft cost and speedup:
+``decode/bench_vocab.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from decode import bench_vocab
+from decode.speculative import DecodeError
+from mtp import cli, report
+from mtp import draft_vocab as draft_vocab_lib
+from mtp.timing import format_spread
+from train import vocab_sweep
+
+
+def _sizes(ap, text: str) -> list:
+  """--draft_vocab: ints >= 1 and ``full`` (None), in the given order."""
+  parts = [x.strip() for x in text.split(",") if x.strip()]
+  ints = [x for x in parts if x != vocab_sweep.FULL]
+  vals = cli.parse_list(ap, "draft_vocab", ",".join(ints), int, 1) if ints else []
+  return vals + [None] * (vocab_sweep.FULL in parts)
+
+
+def markdown(acc, costs, rows, meta) -> str:
+  s = meta["settings"]
+  ks = [d["k"] for d in acc[0]["depths"]]
+  lines = [f"# Draft vocabulary sweep: {s['workdir']} (step {meta['step']})", "",
+           f"{report.machine(meta)}; load average {meta['load_average'][0]:.1f}; wall "
+           f"{meta['wall_s']:.0f} s. Acceptance on {meta['positions']} validation positions "
+           f"({s['eval_batches']} x {s['batch_size']} rows of {meta['seq_len']}), along the "
+           "data path (teacher forcing). alpha T=0: module argmax = target argmax; alpha T=1: "
+           "E[sum min(p, q)]; outside: target mass outside V'.", "",
+           "| V' | covers | " + " | ".join(f"k={k} a(T=0) / a(T=1) / outside" for k in ks) + " |",
+           "|---|---|" + "---|" * len(ks)]
+  for r in acc:
+    lines.append(f"| {r['draft_vocab']} | {r['covers']:.3f} | " + " | ".join(
+        f"{d['alpha_t0']:.3f} / {d['alpha_t1']:.3f} / {d['mass_outside']:.3f}"
+        for d in r["depths"]) + " |")
+  ts = list(next(iter(costs["rows"].values())))
+  lines += ["", f"Draft cost at B = 1, G = {costs['G']}: c = one drafting step / (G x one target "
+            f"step), target step {format_spread(costs['forward_s'], '.1f', 1e3)} ms; median "
+            f"[min, max] over {costs['repeats']} interleaved repeats of {costs['iters']} steps.",
+            "", "| V' | " + " | ".join(f"draft ms T={float(t):g} | c T={float(t):g}" for t in ts)
+            + " |", "|---|" + "---|---|" * len(ts)]
+  for label, r in costs["rows"].items():
+    lines.append(f"| {label} | " + " | ".join(
+        f"{format_spread(r[t]['draft_s'], '.1f', 1e3)} | {format_spread(r[t]['c'], '.3f')}"
+        for t in ts) + " |")
+  lines += ["", "tau = 1 + sum_j prod_{i<=j} alpha_i (i.i.d.-along-the-data-path estimate) and "
+            "ideal speedup tau / (G c + 1) (Theorem 3.8 with per-step alphas; range from c's "
+            "min / max).", "", "| V' | T | G | tau | speedup |", "|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['draft_vocab']} | {r['temperature']:g} | {r['G']} | {r['tau']:.3f} | "
+                 f"{r['speedup']:.3f} [{r['speedup_min']:.3f}, {r['speedup_max']:.3f}] |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
+  ap.add_argument("--workdir", default="runs/smollm_mtp", help="trained stage with MTP modules")
+  ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  ap.add_argument("--draft_vocab", default="2048,4096,8192,16384,full",
+                  help="comma list of |V'| >= 1 and 'full' (no V')")
+  ap.add_argument("--eval_batches", type=int, default=2, help="validation batches, >= 1")
+  ap.add_argument("--batch_size", type=int, default=2, help="rows per validation batch, >= 1")
+  ap.add_argument("--data_dir", default=None, help="replaces the stage's data.data_dir")
+  ap.add_argument("--data_name", default=None, help="replaces the stage's data.name")
+  ap.add_argument("--recursive_steps", type=int, default=None,
+                  help="steps of module D past D (default: the stage's mtp.recursive_steps)")
+  ap.add_argument("--temperatures", default="0,1", help="draft costs at T = 0 and / or 1")
+  ap.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds, >= 1")
+  ap.add_argument("--iters", type=int, default=10, help="drafting steps per timed call, >= 1")
+  ap.add_argument("--prompt_len", type=int, default=64, help="prefilled tokens for the timing")
+  ap.add_argument("--out", default="results/sweep_draft_vocab", help="output prefix")
+  args = ap.parse_args(argv)
+  sizes = _sizes(ap, args.draft_vocab)
+  temps = cli.parse_list(ap, "temperatures", args.temperatures, float, choices=(0.0, 1.0))
+  cli.check_positive(ap, args, ["eval_batches", "batch_size", "repeats", "iters", "prompt_len"])
+  t0, log = time.perf_counter(), lambda m: print(m, flush=True)
+  stage = vocab_sweep.load_stage(args.workdir, args.step, batch_size=args.batch_size,
+                                 num_batches=args.eval_batches, data_dir=args.data_dir,
+                                 data_name=args.data_name)
+  vocabs = vocab_sweep.vocab_sets(stage, sizes)
+  acc = vocab_sweep.acceptance(stage, vocabs, args.recursive_steps, log=log)
+  g = len(acc[0]["depths"])
+  models = {k: draft_vocab_lib.with_draft_vocab_size(stage.model, ids) for k, ids in vocabs.items()}
+  prompt = [int(x) for x in stage.batches[0]["tokens"][0, :args.prompt_len]]
+  costs = bench_vocab.draft_costs(models, stage.tokenizer, prompt, g, repeats=args.repeats,
+                                  iters=args.iters, temperatures=temps)
+  rows = bench_vocab.speedup_rows(acc, costs, range(1, g + 1))
+  meta = report.provenance(command=report.command_line(__file__, argv), settings=vars(args),
+                           step=stage.step, seq_len=stage.cfg.train.seq_len,
+                           positions=acc[0]["depths"][0]["positions"],
+                           load_average=os.getloadavg(), wall_s=time.perf_counter() - t0)
+  results = {"acceptance": acc, "costs": costs, "speedups": rows, "best": bench_vocab.best(rows)}
+  md = markdown(acc, costs, rows, meta)
+  report.write_report(args.out, meta, results, md)
+  print(md + f"wrote {args.out}.json and {args.out}.md")
+  return 0
+
+
+if __name__ == "__main__":
+  cli.main_guard(main, errors=(DecodeError, ValueError))
