@@ -9,7 +9,8 @@
 #            tests/test_export_hf.py, tests/test_import_hf.py; the benchmark
 #            library on a tiny model: tests/test_bench_hf.py; the transformers
 #            baselines beside our AR: tests/test_bench_baselines.py).
-# make smollm-mtp: attach one MTP module to SmolLM2 (last-block init), answer
+# make smollm-mtp: attach one MTP module to SmolLM2 (random init: it beat a
+#            last-block copy, docs/results.md 13.3), answer
 #            448 training chat prompts with it (self-distilled data, runs/data),
 #            train the module on a frozen backbone (configs/smollm_mtp.py) and
 #            benchmark it on the held-out chat prompts; every step resumes or
@@ -61,7 +62,7 @@ smollm: $(SMOLLM_STAMP)
 
 smollm-mtp: smollm
 	test -d $(SMOLLM_D1)/checkpoints || $(PY) -m mtp.importers --gguf "$$($(PY) -m mtp.importers.smollm)" \
-	  --workdir $(SMOLLM_D1) --mtp_depth 1 --mtp_init last_block
+	  --workdir $(SMOLLM_D1) --mtp_depth 1 --mtp_init random --seed 0
 	$(PY) -m decode.self_distill --workdir $(SMOLLM_WORKDIR) --out_name smollm_chat --out_dir $(CHAT_DATA) \
 	  --chat_prompts 448 --val_prompts 32 --temperatures 0,1 --method ar --batch_size 32 --max_new_tokens 160
 	$(PY) -m train --config configs/smollm_mtp.py:$(SMOLLM_D1) --workdir $(SMOLLM_MTP) \

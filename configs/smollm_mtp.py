@@ -5,7 +5,7 @@ backbone frozen.
     python -m train --config configs/smollm_mtp.py:runs/smollm_d1 --workdir runs/smollm_mtp
 
 The part after ``:`` is the workdir made by ``python -m mtp.importers
---mtp_depth D --mtp_init last_block`` (default ``runs/smollm_d1``); the
+--mtp_depth D --mtp_init random`` (default ``runs/smollm_d1``); the
 model section (architecture, tokenizer, D) is read from its checkpoint, so
 it can never disagree with the target. ``make smollm-mtp`` runs the whole
 recipe (import, self-distilled data, this stage) and resumes it.
