@@ -326,10 +326,13 @@ def test_loss_with_vprime_is_finite_and_its_teacher_is_the_renormalised_restrict
   assert metrics["mtp_1/teacher_kl"] == metrics["mtp_1/teacher_kl_restricted"]
   assert 0 < metrics["mtp_1/teacher_mass_outside"] < 1
   assert metrics["mtp_1/targets_in_draft_vocab"] == pytest.approx(inside.mean())
-  # without V' the sums are the old ones (no V' keys)
+  # the T = 1 acceptance sum_v min(p, q) against the full teacher (q = 0 outside V')
+  np.testing.assert_allclose(s["overlap"], np.minimum(p, q).sum(-1).sum(), rtol=1e-5)
+  # without V' the sums have no V' keys (positions, outside, agree_full)
   _, plain = losses.mtp_loss(ModelOutput(jnp.asarray(main), (jnp.asarray(main),), ()),
                              jnp.asarray(tokens), None, 1.0)
-  assert set(plain["mtp_1"]) == {"nll", "count", "correct", "byte_nll", "byte_count", "kl", "agree"}
+  assert set(plain["mtp_1"]) == {"nll", "count", "correct", "byte_nll", "byte_count", "kl", "agree",
+                                 "overlap"}
 
 
 def test_bench_draft_head_quick(tmp_path):
