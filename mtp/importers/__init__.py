@@ -45,6 +45,7 @@ import numpy as np
 DTYPES = ("float32", "bfloat16")
 MTP_INITS = ("random", "last_block")
 IMPORT_FILE = "import.json"
+METRICS_FILE = "metrics.jsonl"        # train.workdir.METRICS_FILE (mtp does not import train)
 
 
 class ModelImportError(ValueError):
@@ -86,13 +87,17 @@ def default_never_emitted(tokenizer) -> tuple[int, ...]:
 
 
 def params_from_hf_tensors(cfg, tensors: Mapping[str, np.ndarray], source: str, *,
-                           seed: int = 0, mtp_init: str = "random", mtp_init_scale: float = 1.0):
+                           seed: int = 0, mtp_init: str = "random", mtp_init_scale: float = 1.0,
+                           mtp_params: Mapping[tuple, np.ndarray] | None = None):
   """Our ``Transformer`` from Hugging Face Llama tensors (``{name: float
   array in torch layout}``; Q/K already in rotate-half order), through
   ``mtp.export.hf_name_map``. The backbone must be complete; MTP modules
   (``cfg.mtp.depth`` > 0) are newly initialised when absent: from ``seed``,
   then with ``mtp_init="last_block"`` overwritten by ``attach_init``
   (``mtp_init_scale`` s: the projection's pass-through block is s * I).
+  ``mtp_params``: trained modules instead ({flat path: array} of every
+  ``mtp/...`` parameter and ``draft_vocab``, already shaped and cast:
+  ``mtp.importers.attach.module_params``).
 
   Raises ModelImportError naming ``source`` and the tensor for a missing,
   unexpected, misshapen or non-finite tensor.
@@ -117,7 +122,7 @@ def params_from_hf_tensors(cfg, tensors: Mapping[str, np.ndarray], source: str, 
     raise ModelImportError(f"--mtp_init={mtp_init!r}: must be one of {MTP_INITS}")
   if not (math.isfinite(mtp_init_scale) and mtp_init_scale > 0):
     raise ModelImportError(f"--mtp_init_scale={mtp_init_scale!r}: must be a finite number > 0")
-  if cfg.mtp.depth:
+  if cfg.mtp.depth and mtp_params is None:
     model = build_model(cfg, seed)
   else:
     model = nnx.eval_shape(lambda: build_model(cfg, seed))
@@ -142,9 +147,15 @@ def params_from_hf_tensors(cfg, tensors: Mapping[str, np.ndarray], source: str, 
     leaves[r.path] = var.replace(jnp.asarray(value.astype(pdt)))
   for p, var in flat.items():
     if p not in leaves:
-      if p[0] != "mtp":
+      if p[0] != "mtp" and p != ("draft_vocab",):
         raise ModelImportError(f"{source}: parameter {'.'.join(map(str, p))} has no tensor")
-      leaves[p] = var
+      if mtp_params is None:
+        leaves[p] = var
+      elif p not in mtp_params:
+        raise ModelImportError(f"{source}: parameter {'.'.join(map(str, p))} has no value in the "
+                               "MTP modules given")
+      else:
+        leaves[p] = var.replace(jnp.asarray(mtp_params[p]))
   if cfg.mtp.depth and mtp_init == "last_block":
     leaves = attach_init(leaves, cfg.model.num_layers, cfg.mtp.depth, scale=mtp_init_scale)
   return nnx.merge(graphdef, nnx.from_flat_state(leaves))
@@ -215,10 +226,13 @@ def _check_workdir(workdir: str) -> str:
   return out
 
 
-def write_workdir(workdir: str, cfg, model, tokenizer, provenance: Mapping[str, Any]) -> str:
+def write_workdir(workdir: str, cfg, model, tokenizer, provenance: Mapping[str, Any],
+                  metrics_rows=()) -> str:
   """Writes an imported model as a workdir (module docstring): checkpoint at
-  step 0, tokenizer, ``import.json``. Atomic: a temporary sibling folder is
-  renamed to ``workdir``. Returns the absolute path.
+  step 0, tokenizer, ``import.json``, and ``metrics.jsonl`` with
+  ``metrics_rows`` (dicts, one JSON line each) when there are any (the
+  evaluation row an MTP modules file carries). Atomic: a temporary sibling
+  folder is renamed to ``workdir``. Returns the absolute path.
 
   Raises ModelImportError when ``workdir`` exists and is not empty."""
   from flax import nnx
@@ -237,6 +251,9 @@ def write_workdir(workdir: str, cfg, model, tokenizer, provenance: Mapping[str, 
     with open(os.path.join(tmp, IMPORT_FILE), "w", encoding="utf-8") as f:
       json.dump(dict(provenance), f, indent=2, sort_keys=True)
       f.write("\n")
+    if metrics_rows:
+      with open(os.path.join(tmp, METRICS_FILE), "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(dict(r)) + "\n" for r in metrics_rows)
     os.chmod(tmp, 0o755)
     if os.path.isdir(out):
       os.rmdir(out)                      # empty (checked)

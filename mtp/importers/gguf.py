@@ -190,12 +190,22 @@ def config_from_gguf(meta: dict, tensors: dict, path: str, *, dtype: str, mtp_de
 
 
 def load_gguf(path: str, *, dtype: str = "float32", mtp_depth: int = 0, seed: int = 0,
-              never_emitted=None, mtp_init: str = "random", mtp_init_scale: float = 1.0):
+              never_emitted=None, mtp_init: str = "random", mtp_init_scale: float = 1.0,
+              mtp_modules: str | None = None, allow_other_target: bool = False):
   """Reads a GGUF file into (config, model, tokenizer, provenance) without
   writing anything. ``never_emitted``: ids the head never emits (default
-  ``mtp.importers.default_never_emitted``). Raises ModelImportError."""
+  ``mtp.importers.default_never_emitted``). ``mtp_modules``: an MTP modules
+  file (``mtp.export.modules``) whose trained modules, mtp section and draft
+  vocabulary are attached instead of new modules (excludes ``mtp_depth``,
+  ``mtp_init``, ``mtp_init_scale``, ``seed``; ``mtp.importers.attach``);
+  ``allow_other_target``: attach them to a backbone other than the one they
+  were trained against. Raises ModelImportError."""
   from mtp.bpe import BPETokenizer
+  from mtp.importers import attach
   from mtp.tokenizer import TokenizerError
+  attach.check_exclusive(mtp_modules, attach.new_module_options(mtp_depth, mtp_init,
+                                                                mtp_init_scale, seed))
+  mf = attach.read(mtp_modules) if mtp_modules else None   # fails before the GGUF is read
   path = os.path.abspath(os.path.expanduser(path))
   meta, raw = read_gguf(path)
   try:
@@ -209,6 +219,7 @@ def load_gguf(path: str, *, dtype: str = "float32", mtp_depth: int = 0, seed: in
   tokenizer = tokenizer.with_never_emitted(never_emitted)
   cfg = config_from_gguf(meta, raw, path, dtype=dtype, mtp_depth=mtp_depth,
                          num_tokens=tokenizer.vocab_size, never_emitted=never_emitted)
+  cfg, mtp_params = attach.attach_to_import(cfg, mf, path)
   tensors, types = {}, {}
   for name, (type_name, data, shape) in raw.items():
     hf = hf_name(name)
@@ -223,23 +234,29 @@ def load_gguf(path: str, *, dtype: str = "float32", mtp_depth: int = 0, seed: in
     tensors[hf] = w
     types[type_name] = types.get(type_name, 0) + 1
   model = params_from_hf_tensors(cfg, tensors, path, seed=seed, mtp_init=mtp_init,
-                                 mtp_init_scale=mtp_init_scale)
+                                 mtp_init_scale=mtp_init_scale, mtp_params=mtp_params)
   provenance = {"format": "gguf", "source": path, "size_bytes": os.path.getsize(path),
                 "tensor_types": types, "general.name": meta.get("general.name"),
                 "general.license": meta.get("general.license"), "dtype": dtype,
                 "mtp_depth": mtp_depth, "mtp_seed": seed if mtp_depth else None,
-                **mtp_init_provenance(mtp_depth, mtp_init, mtp_init_scale)}
+                **mtp_init_provenance(mtp_depth, mtp_init, mtp_init_scale),
+                **attach.provenance_entries(model, mf, path, allow_other_target)}
   return cfg, model, tokenizer, provenance
 
 
 def import_gguf(path: str, workdir: str, *, dtype: str = "float32", mtp_depth: int = 0,
                 seed: int = 0, never_emitted=None, mtp_init: str = "random",
-                mtp_init_scale: float = 1.0) -> str:
-  """Imports a GGUF file into a new ``workdir`` (``mtp.importers``). Returns
-  the absolute workdir. Raises ModelImportError; nothing is written then."""
-  from mtp.importers import _check_workdir
+                mtp_init_scale: float = 1.0, mtp_modules: str | None = None,
+                allow_other_target: bool = False) -> str:
+  """Imports a GGUF file into a new ``workdir`` (``mtp.importers``; with
+  ``mtp_modules``, as ``load_gguf``, plus the file's evaluation row in
+  ``metrics.jsonl``). Returns the absolute workdir. Raises
+  ModelImportError; nothing is written then."""
+  from mtp.importers import _check_workdir, attach
   _check_workdir(workdir)                     # fail before the slow part
-  cfg, model, tokenizer, provenance = load_gguf(path, dtype=dtype, mtp_depth=mtp_depth,
-                                                seed=seed, never_emitted=never_emitted,
-      mtp_init=mtp_init, mtp_init_scale=mtp_init_scale)
-  return write_workdir(workdir, cfg, model, tokenizer, provenance)
+  cfg, model, tokenizer, provenance = load_gguf(
+      path, dtype=dtype, mtp_depth=mtp_depth, seed=seed, never_emitted=never_emitted,
+      mtp_init=mtp_init, mtp_init_scale=mtp_init_scale, mtp_modules=mtp_modules,
+      allow_other_target=allow_other_target)
+  return write_workdir(workdir, cfg, model, tokenizer, provenance,
+                       metrics_rows=attach.carried_rows(provenance.get("mtp_modules")))

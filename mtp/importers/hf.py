@@ -132,11 +132,18 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
 
 
 def load_hf_dir(path: str, *, dtype: str = "float32", mtp_depth: int = 0, seed: int = 0,
-                never_emitted=None, mtp_init: str = "random", mtp_init_scale: float = 1.0):
+                never_emitted=None, mtp_init: str = "random", mtp_init_scale: float = 1.0,
+                mtp_modules: str | None = None, allow_other_target: bool = False):
   """Reads a Hugging Face directory into (config, model, tokenizer,
-  provenance) without writing anything. Raises ModelImportError."""
+  provenance) without writing anything. ``mtp_modules``,
+  ``allow_other_target``: as ``mtp.importers.gguf.load_gguf``. Raises
+  ModelImportError."""
   from mtp.bpe import BPETokenizer
+  from mtp.importers import attach
   from mtp.tokenizer import TokenizerError
+  attach.check_exclusive(mtp_modules, attach.new_module_options(mtp_depth, mtp_init,
+                                                                mtp_init_scale, seed))
+  mf = attach.read(mtp_modules) if mtp_modules else None   # fails before the weights are read
   path = os.path.abspath(os.path.expanduser(path))
   if not os.path.isdir(path):
     raise ModelImportError(f"{path}: not a directory")
@@ -152,6 +159,7 @@ def load_hf_dir(path: str, *, dtype: str = "float32", mtp_depth: int = 0, seed: 
   tokenizer = tokenizer.with_never_emitted(never_emitted)
   cfg = config_from_llama(hf, path, dtype=dtype, mtp_depth=mtp_depth,
                           num_tokens=tokenizer.vocab_size, never_emitted=never_emitted)
+  cfg, mtp_params = attach.attach_to_import(cfg, mf, os.path.join(path, CONFIG))
   tensors = read_safetensors(path)
   where = os.path.join(path, WEIGHTS)
   if cfg.model.tie_embeddings and "lm_head.weight" in tensors:
@@ -166,21 +174,26 @@ def load_hf_dir(path: str, *, dtype: str = "float32", mtp_depth: int = 0, seed: 
   for k in [k for k in tensors if k.endswith(".rotary_emb.inv_freq")]:
     del tensors[k]
   model = params_from_hf_tensors(cfg, tensors, where, seed=seed, mtp_init=mtp_init,
-                                 mtp_init_scale=mtp_init_scale)
+                                 mtp_init_scale=mtp_init_scale, mtp_params=mtp_params)
   provenance = {"format": "hf", "source": path, "architecture": hf.get("architectures"),
                 "dtype": dtype, "mtp_depth": mtp_depth, "mtp_seed": seed if mtp_depth else None,
-                **mtp_init_provenance(mtp_depth, mtp_init, mtp_init_scale)}
+                **mtp_init_provenance(mtp_depth, mtp_init, mtp_init_scale),
+                **attach.provenance_entries(model, mf, path, allow_other_target)}
   return cfg, model, tokenizer, provenance
 
 
 def import_hf_dir(path: str, workdir: str, *, dtype: str = "float32", mtp_depth: int = 0,
                   seed: int = 0, never_emitted=None, mtp_init: str = "random",
-                  mtp_init_scale: float = 1.0) -> str:
-  """Imports a Hugging Face directory into a new ``workdir``. Returns the
+                  mtp_init_scale: float = 1.0, mtp_modules: str | None = None,
+                  allow_other_target: bool = False) -> str:
+  """Imports a Hugging Face directory into a new ``workdir`` (with
+  ``mtp_modules`` as ``mtp.importers.gguf.import_gguf``). Returns the
   absolute workdir. Raises ModelImportError; nothing is written then."""
-  from mtp.importers import _check_workdir
+  from mtp.importers import _check_workdir, attach
   _check_workdir(workdir)
-  cfg, model, tokenizer, provenance = load_hf_dir(path, dtype=dtype, mtp_depth=mtp_depth,
-                                                  seed=seed, never_emitted=never_emitted,
-      mtp_init=mtp_init, mtp_init_scale=mtp_init_scale)
-  return write_workdir(workdir, cfg, model, tokenizer, provenance)
+  cfg, model, tokenizer, provenance = load_hf_dir(
+      path, dtype=dtype, mtp_depth=mtp_depth, seed=seed, never_emitted=never_emitted,
+      mtp_init=mtp_init, mtp_init_scale=mtp_init_scale, mtp_modules=mtp_modules,
+      allow_other_target=allow_other_target)
+  return write_workdir(workdir, cfg, model, tokenizer, provenance,
+                       metrics_rows=attach.carried_rows(provenance.get("mtp_modules")))
