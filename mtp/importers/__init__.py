@@ -19,7 +19,12 @@ the D MTP modules are new, for a second training stage; the backbone is the
 imported one. ``--mtp_init`` chooses how the modules start
 (``attach_init``): ``random`` (from ``--seed``) or ``last_block`` (a copy
 of the last backbone block with the projection passing the hidden state
-through); ``import.json`` records the choice.
+through); ``import.json`` records the choice. ``--mtp_modules FILE``
+attaches trained modules from an MTP modules file instead
+(``mtp.importers.attach``, format ``mtp.export.modules``): the file's mtp
+section, weights and draft vocabulary, checked against the target's
+architecture and backbone fingerprint, and its evaluation row written to
+``metrics.jsonl``.
 
 Everything is written into a temporary sibling folder renamed to the
 workdir at the end: a failure (a corrupt file, an unsupported feature) leaves
