@@ -243,12 +243,12 @@ def _metadata(path: str, header: dict | None) -> dict:
     raise ModulesFileError(f"{path}: metadata '{METADATA_KEY}' is not a JSON object")
   if header.get("format") != FORMAT:
     raise ModulesFileError(f"{path}: metadata format={header.get('format')!r}, expected {FORMAT!r}")
+  if meta.get("format_version") != FORMAT_VERSION:       # first: another version may differ
+    raise ModulesFileError(f"{path}: metadata format_version={meta.get('format_version')!r} is "
+                           f"not supported (this reader: {FORMAT_VERSION})")
   missing = [k for k in _REQUIRED if k not in meta]
   if missing:
     raise ModulesFileError(f"{path}: metadata '{METADATA_KEY}' has no '{missing[0]}' field")
-  if meta["format_version"] != FORMAT_VERSION:
-    raise ModulesFileError(f"{path}: metadata format_version={meta['format_version']!r} is not "
-                           f"supported (this reader: {FORMAT_VERSION})")
   if meta["dtype"] not in DTYPES:
     raise ModulesFileError(f"{path}: metadata dtype={meta['dtype']!r}: must be one of {DTYPES}")
   fp = (meta["target"] or {}).get("fingerprint") if isinstance(meta["target"], dict) else None
