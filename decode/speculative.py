@@ -29,7 +29,6 @@ then raises ``NonFiniteLogitsError`` naming the row and the position.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -40,7 +39,7 @@ from flax import nnx
 
 from decode import calibrate, loops, stops as stops_lib, verify
 from decode import mesh as decode_mesh
-from decode import round as round_lib
+from decode import programs as programs_lib
 from decode import state as state_lib
 from decode import tree as tree_lib
 from decode.drafters import DraftModelDrafter, MTPDrafter
@@ -182,23 +181,15 @@ class Decoder:
     self.mesh = mesh
     self._costs: dict = {}
     self._cost_key = None    # the measured costs the last "auto" generation used
-    wrap = lambda f: f
     if mesh is not None:
       self.target_params = decode_mesh.place_params(mesh, self.target_params, target.cfg)
       if self.draft_params is not None:
         self.draft_params = decode_mesh.place_params(mesh, self.draft_params, draft.cfg)
-      wrap = lambda f: decode_mesh.constrain_state(f, mesh)
-    self._prefill_jit = jax.jit(wrap(self._prefill), donate_argnums=(2,), static_argnums=(3,))
-    self._round_jit = jax.jit(wrap(self.round), donate_argnums=(2,), static_argnums=(4,))
-    self._generate_jit = jax.jit(wrap(self._generate), donate_argnums=(2,))
-    self._stop_rows_jit = jax.jit(wrap(lambda s, n, m: s.replace(
-        length=jnp.where(m, n, s.length), done=s.done | m)), donate_argnums=(0,))
-    self._choose_jit = jax.jit(wrap(functools.partial(loops.choose, self.schedule)),
-                               donate_argnums=(0,))
-    # cost measurement ("auto"): rounds at a fixed g inside one fori_loop, state not donated
-    self._calibrate_jit = jax.jit(lambda p, dp, st, sp, g: jax.lax.fori_loop(
-        0, calibrate.CALIBRATION_ROUNDS, lambda i, x: self.round(p, dp, x, sp, g), st),
-        static_argnums=(4,))
+    self.spec = programs_lib.ProgramSpec(
+        target_graphdef=self.target_graphdef, draft_graphdef=self.draft_graphdef,
+        drafter=self.drafter, g=self.G, tree=self.tree, schedule=self.schedule,
+        accept_rule=accept_rule, mesh=mesh)
+    self.programs = programs_lib.programs(self.spec)      # shared by equal specs
 
   @property
   def num_draft_tokens(self) -> int | str:
@@ -208,34 +199,17 @@ class Decoder:
   def models(self, params=None, draft_params=None) -> tuple[Transformer, Transformer | None]:
     """(target, draft model or None) merged from parameters (default: the
     decoder's own; traced ones inside jit)."""
-    params = self.target_params if params is None else params
-    target = nnx.merge(self.target_graphdef, params)
-    if self.draft_graphdef is None:
-      return target, None
-    dp = self.draft_params if draft_params is None else draft_params
-    return target, nnx.merge(self.draft_graphdef, dp)
+    return self.spec.models(self.target_params if params is None else params,
+                            self.draft_params if draft_params is None else draft_params)
 
   # -- traced ------------------------------------------------------------------
-
-  def _prefill(self, params, draft_params, state: DecodeState, p: int) -> DecodeState:
-    """Target (and drafter) over positions 0..p-1 (p = prompt bucket - 1,
-    static): ``decode.loops.prefill``."""
-    return loops.prefill(self.drafter, *self.models(params, draft_params), state, p)
 
   def round(self, params, draft_params, state: DecodeState, sp: SamplingParams,
             g: int | None = None) -> DecodeState:
     """One round for every row at draft length g (static; default G; 0 = an
-    AR step; a token tree ignores g). Traced: call it inside ``jax.jit``."""
-    target, draft = self.models(params, draft_params)
-    if self.tree is not None:
-      return tree_lib.tree_round(self.drafter, target, state, sp)
-    return round_lib.chain_round(self.drafter, target, draft, state, sp,
-                                 self.G if g is None else g, schedule=self.schedule,
-                                 accept_rule=self.accept_rule)
-
-  def _generate(self, params, draft_params, state: DecodeState, sp: SamplingParams):
-    round_g = lambda s, g: self.round(params, draft_params, s, sp, g)
-    return loops.generate_loop(round_g, state, self.G, self.schedule)
+    AR step; a token tree ignores g). Traced: call it inside ``jax.jit``
+    (``ProgramSpec.round``)."""
+    return self.spec.round(params, draft_params, state, sp, g)
 
   # -- host side -----------------------------------------------------------------
 
@@ -243,12 +217,12 @@ class Decoder:
     """(prefill, generate) as ``jax.stages.Lowered`` for these shapes (read
     their HLO, e.g. to map ops to named scopes: decode/bench_profile.py)."""
     p, dp = self.target_params, self.draft_params
-    return (self._prefill_jit.lower(p, dp, state, prefill_len),
-            self._generate_jit.lower(p, dp, state, sp))
+    return (self.programs.prefill.lower(p, dp, state, prefill_len),
+            self.programs.generate.lower(p, dp, state, sp))
 
   def prefill(self, state: DecodeState, prefill_len: int) -> DecodeState:
     """The jitted prefill of ``prepare``'s state (donated)."""
-    return self._prefill_jit(self.target_params, self.draft_params, state, prefill_len)
+    return self.programs.prefill(self.target_params, self.draft_params, state, prefill_len)
 
   def prepare(self, prompts: Sequence[np.ndarray], max_new_tokens: int, seed: int,
               stops: StopConditions | None = None):
@@ -308,7 +282,7 @@ class Decoder:
     t0 = time.perf_counter()
     state = jax.block_until_ready(self.prefill(state, prefill_len))
     t1 = time.perf_counter()
-    state = self._generate_jit(self.target_params, self.draft_params, state, sp)
+    state = self.programs.generate(self.target_params, self.draft_params, state, sp)
     jax.block_until_ready(state.length)
     gen = self._result(state, None, time.perf_counter() - t0, t1 - t0, stops)
     calibrate.learn_costs(self._costs, self._cost_key, gen)
@@ -337,12 +311,12 @@ class Decoder:
     t0 = time.perf_counter()
     state = self.prefill(state, prefill_len)
     prefill = time.perf_counter() - t0
-    step = lambda s, g: self._round_jit(self.target_params, self.draft_params, s, sp, g)
+    step = lambda s, g: self.programs.round(self.target_params, self.draft_params, s, sp, g)
     watch = stops_lib.StreamStops(strings, self.token_bytes, len(prompts), on_tokens, on_text)
     state, emit_times = loops.stream_rounds(
         step, state, max_new_tokens, t0=t0, on_new=watch.on_new if watch.needed else None,
-        stop_rows=lambda s, n, m: self._stop_rows_jit(s, jnp.asarray(n), jnp.asarray(m)),
-        choose_fn=self._choose_jit if self.schedule is not None else None)
+        stop_rows=lambda s, n, m: self.programs.stop_rows(s, jnp.asarray(n), jnp.asarray(m)),
+        choose_fn=self.programs.choose if self.schedule is not None else None)
     watch.flush()
     gen = self._result(state, emit_times, time.perf_counter() - t0, prefill, stops)
     calibrate.learn_costs(self._costs, self._cost_key, gen)

@@ -170,6 +170,10 @@ class TreeMTPDrafter(MTPDrafter):
     self.spec = spec
     self.window = spec.depth + 1
 
+  def settings(self):
+    """As ``MTPDrafter.settings``: the tree and D."""
+    return (self.spec, self.depth) if type(self) is TreeMTPDrafter else id(self)
+
   @property
   def scratch_slots(self) -> int:
     """Cache slots a round may write past the committed length n: the

@@ -1,0 +1,133 @@
+"""The jitted programs of a ``Decoder``, shared by every decoder with the
+same settings.
+
+What a decoder compiles depends only on its ``ProgramSpec``: the graph of
+the target (and draft) model (``nnx.GraphDef``, equal for models built from
+equal configs, whatever their parameter values), the drafter, G, the token
+tree, the "auto" schedule, the acceptance rule and the mesh. All of them
+compare by value (frozen dataclasses, graph definitions, the built-in
+drafters' settings) or by identity (functions, custom drafters), so
+``programs(spec)`` builds the jitted functions once per distinct spec and a
+second ``Decoder`` with equal settings (a benchmark's fresh decoder per
+repeat or per parameter set, a test's decoders over the same fixture
+model) reuses their traces and compiled executables for every shape they
+were already compiled for. The parameters are arguments of every program,
+never constants, so decoders over different weights share them too.
+
+The traced functions here are pure functions of (spec, arguments): nothing
+reads a ``Decoder`` instance, so changing a decoder after construction can
+never change what another decoder runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from decode import calibrate, loops
+from decode import mesh as decode_mesh
+from decode import round as round_lib
+from decode import tree as tree_lib
+from decode.sampling import SamplingParams
+from decode.state import DecodeState
+
+CACHE_SIZE = 64      # distinct specs kept (each holds its executables per shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramSpec:
+  """Everything the traced decoding functions depend on besides their
+  arguments. ``draft_graphdef`` is None unless the method is "draft";
+  ``tree`` a ``TreeSpec`` or None; ``schedule`` an ``AutoSchedule`` or None;
+  ``g`` the draft length G (G_max with "auto", the depth with a tree)."""
+  target_graphdef: Any
+  draft_graphdef: Any
+  drafter: Any
+  g: int
+  tree: Any
+  schedule: Any
+  accept_rule: Callable
+  mesh: Any
+
+  def models(self, params, draft_params):
+    """(target, draft model or None) merged from (traced) parameters."""
+    target = nnx.merge(self.target_graphdef, params)
+    if self.draft_graphdef is None:
+      return target, None
+    return target, nnx.merge(self.draft_graphdef, draft_params)
+
+  def prefill(self, params, draft_params, state: DecodeState, p: int) -> DecodeState:
+    """Target (and drafter) over positions 0..p-1 (static): ``loops.prefill``."""
+    return loops.prefill(self.drafter, *self.models(params, draft_params), state, p)
+
+  def round(self, params, draft_params, state: DecodeState, sp: SamplingParams,
+            g: int | None = None) -> DecodeState:
+    """One round for every row at draft length g (static; default G; 0 =
+    an AR step; a token tree ignores g)."""
+    target, draft = self.models(params, draft_params)
+    if self.tree is not None:
+      return tree_lib.tree_round(self.drafter, target, state, sp)
+    return round_lib.chain_round(self.drafter, target, draft, state, sp,
+                                 self.g if g is None else g, schedule=self.schedule,
+                                 accept_rule=self.accept_rule)
+
+  def generate(self, params, draft_params, state: DecodeState, sp: SamplingParams):
+    """Every round after the prefill in one while_loop (``loops.generate_loop``)."""
+    round_g = lambda s, g: self.round(params, draft_params, s, sp, g)
+    return loops.generate_loop(round_g, state, self.g, self.schedule)
+
+  def calibration_rounds(self, params, draft_params, state: DecodeState, sp: SamplingParams,
+                         g: int) -> DecodeState:
+    """``calibrate.CALIBRATION_ROUNDS`` rounds at draft length g (static)
+    inside one fori_loop (round-cost measurement of "auto")."""
+    return jax.lax.fori_loop(0, calibrate.CALIBRATION_ROUNDS,
+                             lambda i, x: self.round(params, draft_params, x, sp, g), state)
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+  """The jitted functions of one ``ProgramSpec`` (signatures as the spec's
+  methods; ``stop_rows(state, lengths [B], mask [B])`` cuts rows; the
+  decode state is donated everywhere except ``calibrate``)."""
+  prefill: Callable
+  round: Callable
+  generate: Callable
+  stop_rows: Callable
+  choose: Callable
+  calibrate: Callable
+
+
+def _stop_rows(state: DecodeState, lengths, mask) -> DecodeState:
+  return state.replace(length=jnp.where(mask, lengths, state.length), done=state.done | mask)
+
+
+def _build(spec: ProgramSpec) -> Programs:
+  wrap = ((lambda f: f) if spec.mesh is None
+          else (lambda f: decode_mesh.constrain_state(f, spec.mesh)))
+  return Programs(
+      prefill=jax.jit(wrap(spec.prefill), donate_argnums=(2,), static_argnums=(3,)),
+      round=jax.jit(wrap(spec.round), donate_argnums=(2,), static_argnums=(4,)),
+      generate=jax.jit(wrap(spec.generate), donate_argnums=(2,)),
+      stop_rows=jax.jit(wrap(_stop_rows), donate_argnums=(0,)),
+      choose=jax.jit(wrap(functools.partial(loops.choose, spec.schedule)), donate_argnums=(0,)),
+      calibrate=jax.jit(spec.calibration_rounds, static_argnums=(4,)))
+
+
+_cached_build = functools.lru_cache(maxsize=CACHE_SIZE)(_build)
+
+
+def programs(spec: ProgramSpec) -> Programs:
+  """The jitted functions of ``spec``, built once per distinct spec (an
+  LRU cache of ``CACHE_SIZE`` specs); a spec holding something unhashable
+  (a custom drafter defining ``__eq__`` only) gets programs of its own."""
+  try:
+    hash(spec)
+  except TypeError:
+    return _build(spec)
+  return _cached_build(spec)
