@@ -340,7 +340,9 @@ class ArgmaxAcceptDecoder(Decoder):
   the rejection rule of Leviathan et al. 2023 (Algorithm 1): same drafting,
   verification and commit, wrong acceptance. For power checks only."""
 
-  def __init__(self, target, method="mtp", num_draft_tokens=2, draft=None, mesh=None):
+  def __init__(self, target, method="mtp", num_draft_tokens=2, draft=None, mesh=None,
+               tokenizer=None):
     if method == "ar":
       raise ValueError("ArgmaxAcceptDecoder needs a speculative method (mtp or draft)")
-    super().__init__(target, method, num_draft_tokens, draft, mesh, accept_rule=_argmax_rule)
+    super().__init__(target, method, num_draft_tokens, draft, mesh, accept_rule=_argmax_rule,
+                     tokenizer=tokenizer)

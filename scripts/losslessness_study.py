@@ -9,7 +9,9 @@ deliberately wrong acceptance rule as a power check.
 
 For every prompt (held out from ``--dataset`` via ``mtp.data.held_out_prompts``,
 or ``--prompt`` texts; ``--quick`` uses short prompts over the alphabet of the
-tests' Markov source) and every sampling setting (temperature x top-p), it
+tests' Markov source; for a BPE model such as the imported SmolLM2, the
+held-out chat prompts or ``--prompt`` texts as user turns through its chat
+template) and every sampling setting (temperature x top-p), it
 draws ``--num_samples`` continuations of ``--num_tokens`` tokens with
 ``Decoder(target, "ar")`` and as many with ``Decoder(target, "mtp", G)``:
 copies of the prompts fill fixed-size batches (rows are sampled
@@ -351,6 +353,7 @@ class Study:
   num_tokens: int
   batch_size: int
   seed: int
+  tokenizer: object = None
 
 
 def stat_name(n: int) -> str:
@@ -365,8 +368,9 @@ def run_study(s: Study) -> tuple[list[dict], list[dict], list[int]]:
   token counts n compared)."""
   t0 = time.perf_counter()
   target, encoded, g, settings = s.target, s.encoded, s.num_draft_tokens, s.settings
-  decoders = {"ar": Decoder(target, "ar"), "mtp": Decoder(target, "mtp", g),
-              "wrong_argmax": ArgmaxAcceptDecoder(target, "mtp", g)}
+  kw = {"tokenizer": s.tokenizer}
+  decoders = {"ar": Decoder(target, "ar", **kw), "mtp": Decoder(target, "mtp", g, **kw),
+              "wrong_argmax": ArgmaxAcceptDecoder(target, "mtp", g, **kw)}
   draw = lambda name, k, sp, s_idx: sample_continuations(
       decoders[name], encoded, s.num_samples, s.num_tokens, sp,
       s.seed + SEED_STRIDE * (3 * s_idx + k), s.batch_size)
@@ -414,6 +418,26 @@ def study_results(texts: list[str], settings: list[tuple], tests: list[dict],
   }
   results["verdict"] = verdict(results["combined"]["correct"], results["combined"]["wrong"])
   return results
+
+
+def study_prompts(args, cfg):
+  """(texts, encoded prompts with BOS, tokenizer or None). A byte-level
+  model: ``--prompt`` texts or held-out ``--dataset`` prompts, byte-encoded.
+  A BPE model (an imported target): ``--prompt`` texts or the first
+  ``--num_prompts`` held-out chat prompts (``mtp/data/heldout_chat.jsonl``),
+  each as one user turn through the model's chat template."""
+  if cfg.model.tokenizer == "byte":
+    texts = args.prompt or data_lib.held_out_prompts(args.dataset, args.num_prompts,
+                                                     args.prompt_bytes, seed=args.seed,
+                                                     data_dir=args.data_dir)
+    return texts, [tok.ByteTokenizer().encode(t, add_bos=True) for t in texts], None
+  from mtp.data import chat
+  tokenizer = tok.load_tokenizer(args.workdir)
+  prompts = ([{"prompt": t} for t in args.prompt] if args.prompt
+             else chat.heldout_chat_prompts()[:args.num_prompts])
+  encoded = [np.asarray(tokenizer.apply_chat_template(chat.prompt_messages(p)), np.int32)
+             for p in prompts]
+  return [p["prompt"] for p in prompts], encoded, tokenizer
 
 
 def parser() -> argparse.ArgumentParser:
@@ -467,9 +491,7 @@ def main(argv=None):
   if depth < 1:
     ap.error(f"--workdir {args.workdir} has MTP depth D = 0: the study needs D >= 1")
   g = args.num_draft_tokens or depth
-  texts = args.prompt or data_lib.held_out_prompts(args.dataset, args.num_prompts, args.prompt_bytes,
-                                                   seed=args.seed, data_dir=args.data_dir)
-  encoded = [tok.ByteTokenizer().encode(t, add_bos=True) for t in texts]
+  texts, encoded, tokenizer = study_prompts(args, cfg)
   too_long = [i for i, e in enumerate(encoded)
               if len(e) < 2 or len(e) + args.num_tokens > cfg.model.max_seq_len]
   if too_long:
@@ -479,14 +501,15 @@ def main(argv=None):
 
   t0 = time.perf_counter()
   tests, acceptance, ns = run_study(Study(target, encoded, g, settings, args.num_samples,
-                                          args.num_tokens, args.batch_size, args.seed))
+                                          args.num_tokens, args.batch_size, args.seed, tokenizer))
   results = study_results(texts, settings, tests, acceptance, ns, time.perf_counter() - t0)
   correct = [t for t in tests if t["rule"] == "mtp"]
   wrong = [t for t in tests if t["rule"] == "wrong_argmax"]
   meta = report.provenance(
       command=report.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),
-      prompt_source="--prompt" if args.prompt else "held_out_prompts", dataset=args.dataset,
+      prompt_source=("--prompt" if args.prompt else "held_out_prompts" if tokenizer is None
+                     else "heldout_chat.jsonl"), dataset=args.dataset,
       prompt_bytes=args.prompt_bytes, num_prompts=len(texts), temperatures=args.temperatures,
       top_ps=args.top_ps, num_draft_tokens=g, num_samples=args.num_samples,
       num_tokens=args.num_tokens, batch_size=args.batch_size, seed=args.seed, quick=args.quick)
