@@ -13,7 +13,9 @@
 #            SmolLM2, and run the Hugging Face parity tests (export and import:
 #            tests/test_export_hf.py, tests/test_import_hf.py; the benchmark
 #            library on a tiny model: tests/test_bench_hf.py; the transformers
-#            baselines beside our AR: tests/test_bench_baselines.py).
+#            baselines beside our AR: tests/test_bench_baselines.py; SmolLM2's
+#            chat template and data: tests/test_chat_smollm.py; greedy MTP ==
+#            AR on SmolLM2 with the committed module: tests/test_smollm_modules.py).
 # make smollm-mtp: attach one MTP module to SmolLM2 (random init: it beat a
 #            last-block copy, docs/results.md 13.3), answer
 #            448 training chat prompts with it (self-distilled data, runs/data),

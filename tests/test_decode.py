@@ -139,7 +139,8 @@ def test_auto_greedy_equals_ar(target, ar_greedy):
   from tests.schedules import CyclingSchedule
   prompts, ref = ar_greedy
   for dec in (Decoder(target, "mtp", "auto"),
-              Decoder(target, "mtp", "auto", max_draft_tokens=3, schedule=CyclingSchedule(3))):
+              Decoder(target, "mtp", "auto", max_draft_tokens=3, schedule=CyclingSchedule(3),
+                      auto_costs=[1.0, 1.0, 1.0, 1.0])):      # the cycle ignores costs
     for gen in (dec.generate(prompts, 24, GREEDY), dec.stream(prompts, 24, GREEDY)):
       for b in range(len(prompts)):
         np.testing.assert_array_equal(gen.tokens[b], ref.tokens[b], err_msg=f"{dec.schedule} row {b}")

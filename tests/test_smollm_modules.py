@@ -21,6 +21,8 @@ from mtp.importers import smollm
 from tests.schedules import CyclingSchedule
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow     # ~2.5 min: make test-hf runs it (make test leaves it out)
+
 MODULES = os.environ.get("MTP_SMOLLM_MODULES") or os.path.join(REPO, "assets",
                                                                 "smollm2_mtp1.safetensors")
 GREEDY = SamplingParams(temperature=0.0)
