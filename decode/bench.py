@@ -136,16 +136,24 @@ def round_s(c: Cell) -> float:
   return _median([d / int(g.target_calls.max()) for d, g in zip(c.decode_walls, c.gens)])
 
 
-def summarize_cell(c: Cell, ar_wall: float, ar_decode_wall: float, ar_step_s: float,
+def mean_tokens(c: Cell) -> float:
+  """Tokens a repeat of the cell emitted, averaged over its repeats."""
+  return sum(sum(len(t) for t in g.tokens) for g in c.gens) / len(c.gens)
+
+
+def summarize_cell(c: Cell, ar_rate: float, ar_decode_rate: float, ar_step_s: float,
                    draft_s: float | None) -> dict:
-  """Row of the table. ``ar_wall`` / ``ar_decode_wall``: the AR cell's
-  median seconds end to end / of the decoding phase (same form);
-  ``ar_step_s``: one AR step of the decoding phase (one target call) in the
-  while_loop form, the "target step" of the cost ratio c."""
+  """Row of the table. ``ar_rate`` / ``ar_decode_rate``: the AR cell's
+  tokens/s end to end / in the decoding phase (mean tokens over the median
+  wall, same form); the speedups are ratios of these rates, which equal
+  ratios of wall times when both emit the same tokens (T = 0) and stay
+  right when sampled outputs end (EOS) at other lengths. ``ar_step_s``: one
+  AR step of the decoding phase (one target call) in the while_loop form,
+  the "target step" of the cost ratio c."""
   hist = sum(g.accepted_histogram.sum(0) for g in c.gens)
   calls = int(sum(g.target_calls.sum() for g in c.gens))
   auto = c.g == "auto"
-  tokens = sum(sum(len(t) for t in g.tokens) for g in c.gens) / len(c.gens)
+  tokens = mean_tokens(c)
   wall = _median(c.walls)
   decode = _median(c.decode_walls)
   tau = float((hist * (np.arange(len(hist)) + 1)).sum() / calls)
@@ -154,7 +162,8 @@ def summarize_cell(c: Cell, ar_wall: float, ar_decode_wall: float, ar_step_s: fl
          "decode_s_median": decode,
          "prefill_s_median": _median([g.prefill_time_s for g in c.gens]),
          "tokens_per_s": tokens / wall, "decode_tokens_per_s": tokens / decode,
-         "speedup": ar_wall / wall, "speedup_decode": ar_decode_wall / decode, "tau": tau,
+         "speedup": tokens / wall / ar_rate, "speedup_decode": tokens / decode / ar_decode_rate,
+         "tau": tau,
          "acceptance_rate_per_position": stats_lib.acceptance_rates(hist),
          "accepted_length_histogram": [int(x) for x in hist]}
   if auto:      # G varies by round: alpha_k from the rounds that tested d_k
@@ -184,7 +193,8 @@ def summarize_cell(c: Cell, ar_wall: float, ar_decode_wall: float, ar_step_s: fl
 def summarize_baseline(b: Baseline, ar: Cell) -> dict:
   """Row of a baseline beside the AR cell ``ar`` (same prompts, same
   rounds, B = 1): wall_s_{median,min,max}, tokens_per_s (mean new tokens /
-  median wall), speedup (AR median wall / its median wall), and the tokens
+  median wall), speedup (its tokens/s over AR's: baselines stop at their own
+  EOS, so the rates are compared, not the walls), and the tokens
   against AR's: identical_to_ar (every repeat), agreement_tokens (the
   shortest common prefix over the repeats), new_tokens / ar_tokens (per
   repeat). tau, alpha_k and the decoding-phase figures do not apply (None,
@@ -201,7 +211,8 @@ def summarize_baseline(b: Baseline, ar: Cell) -> dict:
           **spread(b.walls, ("median", "min", "max"), "wall_s_"),
           "decode_s_median": None, "prefill_s_median": None,
           "tokens_per_s": tokens / wall, "decode_tokens_per_s": None,
-          "speedup": _median(ar.walls) / wall, "speedup_decode": None, "tau": None,
+          "speedup": tokens / wall / (mean_tokens(ar) / _median(ar.walls)),
+          "speedup_decode": None, "tau": None,
           "acceptance_rate_per_position": [], "accepted_length_histogram": [],
           "identical_to_ar": all(a.shape == t.shape and np.array_equal(a, t)
                                  for a, t in zip(ar_rows, ours)),
@@ -258,8 +269,8 @@ def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens
   externals = [Baseline(label, fn) for label, fn in (baselines or {}).items()]
   run_cells(cells, prompts, batch, max_new_tokens, sp, repeats, externals)
   ar_cells = {c.form: c for c in cells if c.method == "ar"}
-  ar_wall = {form: _median(c.walls) for form, c in ar_cells.items()}
-  ar_decode = {form: _median(c.decode_walls) for form, c in ar_cells.items()}
+  ar_rate = {form: mean_tokens(c) / _median(c.walls) for form, c in ar_cells.items()}
+  ar_decode = {form: mean_tokens(c) / _median(c.decode_walls) for form, c in ar_cells.items()}
   ar_step = round_s(ar_cells.get("while", next(iter(ar_cells.values()))))
   probe = prompts[:batch] if len(prompts) >= batch else [prompts[i % len(prompts)] for i in range(batch)]
   draft_s = {}
@@ -278,7 +289,7 @@ def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens
       flops_cache[label, batch] = draft_flop_share(dec, probe, max_new_tokens, sp)
   rows = []
   for label, c in pairs:
-    row = summarize_cell(c, ar_wall[c.form], ar_decode[c.form], ar_step, draft_s.get(label))
+    row = summarize_cell(c, ar_rate[c.form], ar_decode[c.form], ar_step, draft_s.get(label))
     row.update({"label": label, "temperature": sp.temperature, "top_p": sp.top_p,
                 "batch_size": batch, "draft_s": draft_s.get(label), "ar_step_s": ar_step,
                 "draft_cost_ratio_c_flops": flops_cache.get((label, batch))})
