@@ -181,7 +181,9 @@ class Decoder:
     self.mesh = mesh
     self._costs: dict = {}
     self._cost_key = None    # the measured costs the last "auto" generation used
-    if mesh is not None:
+    if mesh is None:     # host (numpy) leaves would be copied to the device on every call
+      self.target_params, self.draft_params = _on_device((self.target_params, self.draft_params))
+    else:
       self.target_params = decode_mesh.place_params(mesh, self.target_params, target.cfg)
       if self.draft_params is not None:
         self.draft_params = decode_mesh.place_params(mesh, self.draft_params, draft.cfg)
@@ -321,6 +323,14 @@ class Decoder:
     gen = self._result(state, emit_times, time.perf_counter() - t0, prefill, stops)
     calibrate.learn_costs(self._costs, self._cost_key, gen)
     return gen
+
+
+def _on_device(tree):
+  """``tree`` with its numpy leaves moved to the default device (jax arrays
+  are left where they are). A jitted function copies a numpy argument to the
+  device on every call: for a stream round of SmolLM2 that was 540 MB of
+  weights, 100 ms, per round."""
+  return jax.tree.map(lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, tree)
 
 
 def _check_prompts(prompts, max_new_tokens, max_len: int, mesh) -> None:

@@ -110,7 +110,7 @@ def load_model(path: str, step: int | None = None):
   mtp.export`` (``step`` must then be None).
 
   Returns (config, model, step): ``model`` a ``mtp.model.Transformer`` with
-  its parameters on the default device. Raises CheckpointError when the
+  its parameters as jax arrays on the first device. Raises CheckpointError when the
   workdir has no readable checkpoint or the export cannot be read.
   """
   if kind(path) == EXPORTED:
@@ -121,7 +121,11 @@ def load_model(path: str, step: int | None = None):
     cfg = ckpt.restore_config(step)
     model = nnx.eval_shape(lambda: build_model(cfg))
     graphdef, abstract_params = nnx.split(model, nnx.Param)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params)
+    # with a sharding orbax restores device arrays, without one numpy arrays
+    # (which every jitted call would then copy to the device again)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                            abstract_params)
     params, _ = ckpt.restore(step, abstract)
   finally:
     ckpt.close()

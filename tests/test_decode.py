@@ -272,6 +272,17 @@ def test_done_rows_emit_nothing_more(target):
 
 # -- bad input ------------------------------------------------------------------------
 
+def test_host_weights_are_moved_to_the_device_once(target):
+  """A model whose parameters are numpy arrays (as orbax restores them
+  without a sharding) is decoded from device copies made once: passed as
+  numpy, every jitted round would copy the weights to the device again."""
+  graphdef, params = nnx.split(target, nnx.Param)
+  host = nnx.merge(graphdef, jax.tree.map(np.asarray, params))
+  assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(nnx.state(host, nnx.Param)))
+  dec = Decoder(host, "mtp", 2)
+  assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(dec.target_params))
+
+
 def test_bad_input_errors(target):
   dec = Decoder(target, "mtp", 2)
   max_len = target.cfg.max_seq_len
