@@ -311,7 +311,7 @@ class Decoder:
     state = calibrate.with_costs(self, state, sp, prompts, max_new_tokens, form="stream")
     jax.block_until_ready(state)
     t0 = time.perf_counter()
-    state = self.prefill(state, prefill_len)
+    state = jax.block_until_ready(self.prefill(state, prefill_len))   # else: dispatch time only
     prefill = time.perf_counter() - t0
     step = lambda s, g: self.programs.round(self.target_params, self.draft_params, s, sp, g)
     watch = stops_lib.StreamStops(strings, self.token_bytes, len(prompts), on_tokens, on_text)
