@@ -96,6 +96,9 @@ def main(argv):
     print(f"error: {e}", file=sys.stderr)
     return 3
   if _JSON.value:
+    from mtp import report as report_lib
+    report["meta"] = report_lib.provenance(command="python -m decode " + " ".join(
+        repr(a) if (" " in a or "\n" in a) else a for a in sys.argv[1:]))
     with open(_JSON.value, "w") as f:
       json.dump(report, f, indent=2)
   return 0

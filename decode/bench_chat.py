@@ -4,11 +4,14 @@ AR and MTP speculative decoding side by side on chat prompts, per category.
 The prompts are the held-out set ``mtp/data/heldout_chat.jsonl`` (written
 by hand, no overlap with any training prompt: ``mtp.data.chat.overlaps``),
 rendered with the target tokenizer's chat template. Per category the first
-``per_category`` prompts are decoded at B = 1 by every decoder
-(``decode.bench.measure_point``: repeat r decodes prompt r with seed r in
-every cell, interleaved, after an untimed compile of every prompt-length
-bucket), so every speedup is a ratio of medians over the same prompts in
-one process. A row is one (category or "all", decoder, temperature):
+``per_category`` prompts are decoded at each batch size B (1 by default;
+at B > 1 a batch cycles through the category's prompts) by every decoder
+(``decode.bench.measure_point``: repeat r decodes the same rows with seed r
+in every cell, interleaved, after an untimed compile of every prompt-length
+bucket), so every speedup is a ratio of tokens/s over the same prompts in
+one process. Decoders: AR, MTP chains of each G, optionally "auto" and
+token trees (``trees``: branching strings such as "3" or "2,2"). A row is
+one (category, decoder, temperature, B):
 ``summarize_cell``'s fields (speedup over AR, tau, alpha_k, the cost ratio
 c, the ideal speedup of Leviathan et al. 2023 Theorem 3.8 and the
 efficiency) plus ``category``.
@@ -46,6 +49,8 @@ class ChatBench:
   num_draft_tokens: tuple[int, ...] = (1, 2, 3)
   max_new_tokens: int = 128
   with_auto: bool = False
+  trees: tuple[str, ...] = ()      # token trees, e.g. ("3", "2,2")
+  batch_sizes: tuple[int, ...] = (1,)   # baselines run at B = 1 only
   baselines: tuple[bench_baselines.Spec, ...] = ()   # bench_baselines.parse_specs
   baseline_model: str | None = None   # GGUF file or HF directory of the target's weights
   llamacpp_threads: int = 2
@@ -80,14 +85,18 @@ def heldout_prompts(path: str, tokenizer, per_category: int,
           for c, ms in heldout_messages(path, per_category, categories).items()}
 
 
-def decoders(model, tokenizer, gs: Sequence[int], with_auto: bool = False) -> dict[str, Decoder]:
-  """{label: Decoder}: AR and MTP with each G (while_loop form), stop ids
-  from the tokenizer."""
+def decoders(model, tokenizer, gs: Sequence[int], with_auto: bool = False,
+             trees: Sequence[str] = ()) -> dict[str, Decoder]:
+  """{label: Decoder}: AR, MTP with each G, "auto" (``with_auto``) and each
+  token tree (labels ``mtp_tree3``, ``mtp_tree2-2``; while_loop form), stop
+  ids from the tokenizer."""
   out = {"ar": Decoder(model, "ar", tokenizer=tokenizer)}
   for g in gs:
     out[f"mtp_G{g}"] = Decoder(model, "mtp", g, tokenizer=tokenizer)
   if with_auto:
     out["mtp_auto"] = Decoder(model, "mtp", "auto", tokenizer=tokenizer)
+  for t in trees:
+    out["mtp_tree" + t.replace(",", "-")] = Decoder(model, "mtp", tree=t, tokenizer=tokenizer)
   return out
 
 
@@ -102,7 +111,7 @@ def run_chat_bench(s: ChatBench, log: Callable[[str], None] = print) -> dict:
   tokenizer = tok_lib.load_tokenizer(s.workdir)
   messages = heldout_messages(s.prompt_file, s.per_category, s.categories)
   prompts = {c: [tokenizer.apply_chat_template(m) for m in ms] for c, ms in messages.items()}
-  decs = decoders(model, tokenizer, s.num_draft_tokens, s.with_auto)
+  decs = decoders(model, tokenizer, s.num_draft_tokens, s.with_auto, s.trees)
   base_fns, info = {}, None
   if s.baselines:
     if not s.baseline_model:
@@ -117,33 +126,37 @@ def run_chat_bench(s: ChatBench, log: Callable[[str], None] = print) -> dict:
   # no XLA FLOP-count probe (draft_cost_ratio_c_flops): one more compile of a
   # 30-layer program per decoder, for a figure the byte models' benchmarks give
   flops_cache = {(label, 1): None for label in decs}
-  for t in s.temperatures:
-    sp = SamplingParams(temperature=t)
-    extra = base_fns if t == 0 else {}     # the baselines decode greedily only
-    for cat, ps in prompts.items():
-      log(f"T={t:g} {cat}: {len(ps)} prompt(s) x {len(decs) + len(extra)} decoders")
-      for row in bench.measure_point(decs, ps, 1, s.max_new_tokens, sp, s.repeats or len(ps),
-                                     draft_cache=draft_cache, flops_cache=flops_cache,
-                                     baselines=extra):
-        row["category"] = cat
-        rows.append(row)
+  flops_cache.update({(label, b): None for label in decs for b in s.batch_sizes})
+  for b in s.batch_sizes:
+    for t in s.temperatures:
+      sp = SamplingParams(temperature=t)
+      extra = base_fns if t == 0 and b == 1 else {}   # the baselines: greedy, B = 1
+      for cat, ps in prompts.items():
+        log(f"B={b} T={t:g} {cat}: {len(ps)} prompt(s) x {len(decs) + len(extra)} decoders")
+        for row in bench.measure_point(decs, ps, b, s.max_new_tokens, sp, s.repeats or len(ps),
+                                       draft_cache=draft_cache, flops_cache=flops_cache,
+                                       baselines=extra):
+          row["category"] = cat
+          rows.append(row)
   return {"rows": rows, "overall": overall(rows), "baselines": info}
 
 
 def overall(rows: list[dict]) -> list[dict]:
-  """Per (label, temperature): the geometric mean of the per-category
-  speedups (end to end and decoding phase) and the mean tau and alpha_k,
-  each category weighted equally."""
+  """Per (label, temperature, batch size): the geometric mean of the
+  per-category speedups (end to end and decoding phase) and the mean tau and
+  alpha_k, each category weighted equally."""
   import numpy as np
   out = []
-  keys = sorted({(r["label"], r["temperature"]) for r in rows}, key=lambda k: (k[1], k[0]))
-  for label, t in keys:
-    rs = [r for r in rows if r["label"] == label and r["temperature"] == t]
+  keys = sorted({(r["label"], r["temperature"], r.get("batch_size", 1)) for r in rows},
+                key=lambda k: (k[2], k[1], k[0]))
+  for label, t, b in keys:
+    rs = [r for r in rows if r["label"] == label and r["temperature"] == t
+          and r.get("batch_size", 1) == b]
     alphas = [r["acceptance_rate_per_position"] for r in rs]
     k = min(len(a) for a in alphas)
     geomean = lambda xs: None if None in xs else float(np.exp(np.mean(np.log(xs))))
     taus = [r["tau"] for r in rs]
-    out.append({"label": label, "temperature": t, "categories": len(rs),
+    out.append({"label": label, "temperature": t, "batch_size": b, "categories": len(rs),
                 "speedup_geomean": geomean([r["speedup"] for r in rs]),
                 "speedup_decode_geomean": geomean([r["speedup_decode"] for r in rs]),
                 "tokens_per_s_geomean": geomean([r["tokens_per_s"] for r in rs]),
@@ -167,7 +180,7 @@ def side_by_side(rows: list[dict]) -> str:
   (where the baselines run); "" without baseline rows."""
   from mtp.report import fmt
   from mtp.timing import format_spread
-  t0 = [r for r in rows if r["temperature"] == 0]
+  t0 = [r for r in rows if r["temperature"] == 0 and r.get("batch_size", 1) == 1]
   if not any(r["method"] == "baseline" for r in t0):
     return ""
   labels = sorted({r["label"] for r in t0 if r["method"] != "baseline"}, key=lambda x: (x != "ar", x))
@@ -207,18 +220,21 @@ def markdown(rows: list[dict], meta: dict) -> str:
   from mtp.report import fmt
   x = lambda v: "-" if v is None else f"{fmt(v)}x"
   lines = [side_by_side(rows) + "## Overall (categories weighted equally)", "",
-           "| T | decoder | speedup (geomean) | decoding phase | tau | alpha_k |",
-           "|---|---|---|---|---|---|"]
+           "| B | T | decoder | speedup (geomean) | decoding phase | tau | alpha_k |",
+           "|---|---|---|---|---|---|---|"]
   for o in overall(rows):
-    lines.append(f"| {o['temperature']:g} | {o['label']} | {fmt(o['speedup_geomean'])}x | "
+    lines.append(f"| {o['batch_size']} | {o['temperature']:g} | {o['label']} | "
+                 f"{fmt(o['speedup_geomean'])}x | "
                  f"{x(o['speedup_decode_geomean'])} | {fmt(o['tau_mean'])} | "
                  + " / ".join(fmt(a) for a in o["alpha_mean"]) + " |")
-  lines += ["", "## Per category (B = 1, while_loop form, medians over the category's prompts)", "",
-            "| T | category | decoder | tokens/s | speedup | decoding phase | tau | alpha_k | c | ideal | efficiency |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
-  for r in sorted(rows, key=lambda r: (r["temperature"], r["category"], r["label"])):
+  lines += ["", "## Per category (while_loop form, medians over the category's prompts)", "",
+            "| B | T | category | decoder | tokens/s | speedup | decoding phase | tau | alpha_k | c | ideal | efficiency |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in sorted(rows, key=lambda r: (r.get("batch_size", 1), r["temperature"], r["category"],
+                                       r["label"])):
     alpha = " / ".join(fmt(a) for a in r["acceptance_rate_per_position"])
-    lines.append(f"| {r['temperature']:g} | {r['category']} | {r['label']} | {fmt(r['tokens_per_s'], '.1f')} | "
+    lines.append(f"| {r.get('batch_size', 1)} | {r['temperature']:g} | {r['category']} | "
+                 f"{r['label']} | {fmt(r['tokens_per_s'], '.1f')} | "
                  f"{fmt(r['speedup'])}x | {x(r['speedup_decode'])} | {fmt(r['tau'])} | {alpha} | "
                  f"{fmt(r.get('draft_cost_ratio_c'))} | {fmt(r.get('ideal_speedup'))} | "
                  f"{fmt(r.get('efficiency'))} |")

@@ -3,12 +3,13 @@ decode (streaming when there is one prompt), compare with AR, report.
 
 ``run(...)`` writes the generated text to ``out`` (stdout) and statistics,
 comparisons and notices to ``err`` (stderr), and returns the report dict that
-``--json`` writes: ``{"config": {...}, "results": [{"prompt_index",
+``--json`` writes (with ``"meta"``: commit, date, machine and command,
+``mtp.report.provenance``): ``{"config": {...}, "results": [{"prompt_index",
 "prompt", "sample", "tokens", "text", "finish_reason", "stats"}, ...],
 "stats": {...},
-"ar_stats": {...}, "speedup": float, "speedup_per_repeat": [...],
-"wall_times_s": {"ar": [...], METHOD: [...]}}`` (the last four with
-``compare``). With prompts that carry a ``category`` (a JSONL
+"ar_stats": {...}, "speedup": float (tokens/s ratio), "speedup_per_repeat": [...],
+"wall_times_s": {"ar": [...], METHOD: [...]}, "new_tokens": {...},
+"tokens_per_s": {...}}`` (the last six with ``compare``). With prompts that carry a ``category`` (a JSONL
 ``--prompt_file``) every result records its ``"category"`` and the report
 has ``"per_category": {CATEGORY: {"rows", "num_tokens", "target_calls",
 "mean_accepted_length", "acceptance_rate_per_position",

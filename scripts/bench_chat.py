@@ -1,9 +1,10 @@
 r"""Held-out chat benchmark of a target with MTP modules: AR and MTP
-speculative decoding side by side at B = 1, per prompt category.
+speculative decoding side by side, per prompt category and batch size.
 
     python scripts/bench_chat.py --workdir runs/smollm_mtp [--per_category 2] \
         [--temperatures 0,1] [--num_draft_tokens 1,2,3] [--max_new_tokens 128] \
-        [--categories code,math] [--auto] [--repeats N] [--out results/bench_chat_smollm] \
+        [--categories code,math] [--auto] [--trees 3,2-2] [--batch_sizes 1,4] [--repeats N] \
+        [--out results/bench_chat_smollm] \
         [--baselines transformers,prompt_lookup:3,prompt_lookup,llamacpp [--baseline_model GGUF]] \
         [--quick]
 
@@ -37,6 +38,11 @@ def main(argv=None):
   ap.add_argument("--num_draft_tokens", default="1,2,3", help="comma list of G >= 1")
   ap.add_argument("--max_new_tokens", type=int, default=128, help="token budget per prompt, >= 1")
   ap.add_argument("--auto", action="store_true", help="also --num_draft_tokens auto")
+  ap.add_argument("--trees", default="",
+                  help="comma list of token trees, branching per depth joined by '-' "
+                       "(e.g. 3,2-2: the trees (3,) and (2, 2))")
+  ap.add_argument("--batch_sizes", default="1", help="comma list of batch sizes >= 1 "
+                  "(baselines run at B = 1 only)")
   ap.add_argument("--repeats", type=int, default=None,
                   help="timed repeats per category, >= 1 (default: one per prompt; cycling)")
   ap.add_argument("--baselines", default="",
@@ -70,6 +76,8 @@ def main(argv=None):
       temperatures=tuple(cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)),
       num_draft_tokens=tuple(cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1)),
       max_new_tokens=args.max_new_tokens, with_auto=args.auto, repeats=args.repeats,
+      trees=tuple(t.replace("-", ",") for t in args.trees.split(",") if t),
+      batch_sizes=tuple(cli.parse_list(ap, "batch_sizes", args.batch_sizes, int, 1)),
       baselines=specs, baseline_model=args.baseline_model, llamacpp_threads=args.llamacpp_threads)
   load_before = os.getloadavg()
   result = bench_chat.run_chat_bench(s, log=lambda m: print(m, flush=True))

@@ -39,3 +39,19 @@ def test_script_quick_writes_rows_per_category(target, tmp_path):
   mtp = [r for r in rows if r["label"] == "mtp_G1"]
   assert all(r["speedup"] > 0 and 1.0 <= r["tau"] <= 2.0 for r in mtp)
   assert "| code | mtp_G1 |" in open(out + ".md").read()
+
+
+def test_script_trees_and_batch_sizes(target, tmp_path):
+  out = str(tmp_path / "bench")
+  assert script.main(["--workdir", target, "--quick", "--categories", "code", "--trees", "2",
+                      "--batch_sizes", "1,2", "--out", out]) == 0
+  res = json.load(open(out + ".json"))
+  rows = res["results"]["rows"] if "results" in res else res["rows"]
+  assert {(r["label"], r["batch_size"]) for r in rows} == {
+      (label, b) for label in ("ar", "mtp_G1", "mtp_tree2") for b in (1, 2)}
+  tree = [r for r in rows if r["label"] == "mtp_tree2"]
+  assert all(r["tree"] == "2" and 1.0 <= r["tau"] <= 2.0 for r in tree)
+  overall = res["results"]["overall"] if "results" in res else res["overall"]
+  assert {(o["label"], o["batch_size"]) for o in overall} == {
+      (r["label"], r["batch_size"]) for r in rows}
+  assert "| 2 | 0 | code | mtp_tree2 |" in open(out + ".md").read()
