@@ -83,7 +83,7 @@ smollm-mtp: smollm
 demo: $(SMOLLM_STAMP)
 	test -d $(SMOLLM_DEMO)/checkpoints || $(PY) -m mtp.importers --gguf "$$($(PY) -m mtp.importers.smollm)" \
 	  --workdir $(SMOLLM_DEMO) --mtp_modules $(SMOLLM_MODULES)
-	$(PY) -m decode --workdir $(SMOLLM_DEMO) --method mtp --num_draft_tokens auto --compare \
+	$(PY) -m decode --workdir $(SMOLLM_DEMO) --method mtp --num_draft_tokens 1 --compare \
 	  --chat "Write a Python class Stack with push, pop, peek and is_empty methods." \
 	  --max_new_tokens 128 --temperature 0
 
@@ -111,4 +111,4 @@ test-hf: $(HF_STAMP) $(SMOLLM_STAMP)
 	  tests/test_bench_hf.py tests/test_bench_baselines.py
 
 clean-demo:
-	rm -rf $(WORKDIR)
+	rm -rf $(WORKDIR) $(SMOLLM_DEMO)

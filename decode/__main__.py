@@ -19,7 +19,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Trained run directory (target m
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (use --prompt_file for a batch).")
 _CHAT = flags.DEFINE_string("chat", None, "A user message: rendered with the model's chat "
                             "template (its end-of-turn token ends the reply); only the reply "
-                            "is printed. Needs a workdir with a chat template (mtp.importers).")
+                            "is printed. Needs a workdir with a chat template (mtp.importers). "
+                            "Text that spells a special token (<|im_start|>) is encoded as "
+                            "plain text; only the template emits control tokens.")
 _PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "UTF-8 file, one prompt per line, taken "
                                    "literally (batched; prompt i is line i+1; no blank lines); "
                                    "a .jsonl file: one {\"prompt\", \"category\"?, "

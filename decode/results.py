@@ -67,7 +67,8 @@ def config_record(workdir: str, method: str, decoder: Decoder, *, batch_size: in
   """The report's ``config``: workdir, method, num_draft_tokens
   (max_draft_tokens with "auto"), tree (branching or None), max_new_tokens,
   temperature, top_k, top_p, num_samples, seed, batch_size, chat, stop,
-  stop_token_ids and the device kind."""
+  stop_token_ids and the device kind; with "auto" also ``auto``: the prior
+  and the round costs it used (``Decoder.auto_record``)."""
   return {"workdir": workdir, "method": method,
           "num_draft_tokens": decoder.num_draft_tokens,
           **({"max_draft_tokens": decoder.G} if decoder.num_draft_tokens == "auto" else {}),
@@ -77,4 +78,5 @@ def config_record(workdir: str, method: str, decoder: Decoder, *, batch_size: in
           "num_samples": num_samples, "seed": seed, "batch_size": batch_size,
           "chat": chat, "stop": [] if stops is None else list(stops.strings),
           "stop_token_ids": [] if stops is None else [int(i) for i in stops.token_ids],
-          "device": jax.devices()[0].device_kind}
+          "device": jax.devices()[0].device_kind,
+          **({"auto": decoder.auto_record()} if decoder.schedule is not None else {})}

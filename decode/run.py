@@ -223,7 +223,7 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
                 else None)
   check_run_args(max_new_tokens=max_new_tokens, num_samples=num_samples, seed=seed,
                  repeats=repeats, max_draft_tokens=max_draft_tokens, sampling=sampling)
-  check_prompt_text(prompts)
+  check_prompt_text(prompts, "--chat" if chat else "--prompt")
   decoder, trained = load_decoder(workdir, method, num_draft_tokens, draft_workdir,
                                   max_draft_tokens, tree)
   note = results_lib.untrained_offsets_note(decoder, method, trained)

@@ -193,6 +193,19 @@ class Decoder:
         accept_rule=accept_rule, mesh=mesh)
     self.programs = programs_lib.programs(self.spec)      # shared by equal specs
 
+  def auto_record(self) -> dict | None:
+    """With "auto": {"prior", "greedy_prior" (per draft position), and
+    "round_costs_s": {"B=.., S=.., mode, form": [seconds per round at g =
+    0..G_max]}} as the decoder holds them now (measured, then moved by
+    every generation; or the fixed ``auto_costs``); None without "auto"."""
+    if self.schedule is None:
+      return None
+    as_list = lambda v: None if v is None else [float(x) for x in np.atleast_1d(v)]
+    costs = ({"fixed": as_list(self._fixed_costs)} if self._fixed_costs is not None else
+             {", ".join(map(str, k)): as_list(v) for k, v in self._costs.items()})
+    return {"prior": as_list(self.schedule.prior),
+            "greedy_prior": as_list(self.schedule.greedy_prior), "round_costs_s": costs}
+
   @property
   def num_draft_tokens(self) -> int | str:
     """G, or "auto"."""

@@ -115,7 +115,8 @@ def encode_prompts(prompts: Sequence[str], tokenizer=None, chat: bool = False,
   out = []
   for i, p in enumerate(prompts):
     if not p:
-      raise DecodeError(f"--prompt (prompt {i}) is empty: give at least one character")
+      raise DecodeError(f"{'--chat' if chat else '--prompt'} (prompt {i}) is empty: give at "
+                        "least one character")
     system = systems[i] if systems is not None else None
     if system and not chat:
       raise DecodeError(f"prompt {i} has a system message, which needs the chat template; this "

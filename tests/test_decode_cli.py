@@ -57,6 +57,10 @@ def test_auto_draft_length_report(workdir, capsys):
   assert cfg["num_draft_tokens"] == "auto" and cfg["max_draft_tokens"] == 3
   assert len(s["draft_length_histogram"]) == 4 and sum(s["draft_length_histogram"]) == s["target_calls"]
   assert len(s["acceptance_rate_per_position"]) == 3
+  auto = cfg["auto"]                   # what the choices were made from
+  assert len(auto["prior"]) >= 1 and all(0 < a < 1 for a in auto["prior"])
+  (costs,) = auto["round_costs_s"].values()
+  assert len(costs) == 4 and all(c > 0 for c in costs) and costs == sorted(costs)
   err = capsys.readouterr().err
   assert "chosen draft length histogram" in err
   assert "--max_draft_tokens=3 > the checkpoint's MTP depth D=2" in err
