@@ -86,15 +86,22 @@ def heldout_prompts(path: str, tokenizer, per_category: int,
 
 
 def decoders(model, tokenizer, gs: Sequence[int], with_auto: bool = False,
-             trees: Sequence[str] = ()) -> dict[str, Decoder]:
+             trees: Sequence[str] = (), workdir: str | None = None,
+             cfg=None) -> dict[str, Decoder]:
   """{label: Decoder}: AR, MTP with each G, "auto" (``with_auto``) and each
   token tree (labels ``mtp_tree3``, ``mtp_tree2-2``; while_loop form), stop
-  ids from the tokenizer."""
+  ids from the tokenizer. "auto" is built as ``python -m decode`` builds it
+  from ``workdir`` (``decode.run.load_decoder``: G_max = the offsets the
+  modules were trained for, the stage's validation acceptance as prior;
+  ``cfg`` the checkpoint's full Config); without ``workdir`` the schedule's
+  defaults."""
   out = {"ar": Decoder(model, "ar", tokenizer=tokenizer)}
   for g in gs:
     out[f"mtp_G{g}"] = Decoder(model, "mtp", g, tokenizer=tokenizer)
   if with_auto:
-    out["mtp_auto"] = Decoder(model, "mtp", "auto", tokenizer=tokenizer)
+    from decode.run import auto_kwargs
+    kw = auto_kwargs(workdir, cfg, model) if workdir is not None else {}
+    out["mtp_auto"] = Decoder(model, "mtp", "auto", tokenizer=tokenizer, **kw)
   for t in trees:
     out["mtp_tree" + t.replace(",", "-")] = Decoder(model, "mtp", tree=t, tokenizer=tokenizer)
   return out
@@ -111,7 +118,7 @@ def run_chat_bench(s: ChatBench, log: Callable[[str], None] = print) -> dict:
   tokenizer = tok_lib.load_tokenizer(s.workdir)
   messages = heldout_messages(s.prompt_file, s.per_category, s.categories)
   prompts = {c: [tokenizer.apply_chat_template(m) for m in ms] for c, ms in messages.items()}
-  decs = decoders(model, tokenizer, s.num_draft_tokens, s.with_auto, s.trees)
+  decs = decoders(model, tokenizer, s.num_draft_tokens, s.with_auto, s.trees, s.workdir, cfg)
   base_fns, info = {}, None
   if s.baselines:
     if not s.baseline_model:

@@ -23,6 +23,7 @@ from mtp.timing import interleaved_times
 
 CALIBRATION_ROUNDS = 16    # rounds per timed call
 CALIBRATION_REPEATS = 7    # interleaved timed calls per draft length
+OUTLIER = 10.0             # a generation slower than this x the predicted time teaches nothing
 
 
 def round_costs(run_rounds: Callable[[int], None], max_draft_tokens: int, *,
@@ -74,7 +75,9 @@ def updated_costs(costs, rounds, seconds: float, step: float = 0.5) -> np.ndarra
   the factor (1 - step) and only the costs of the g that ran move (in
   proportion to their rounds); then kept positive (>= 1/4 of the old cost)
   and non-decreasing in g, as ``round_costs``. Costs are unchanged when no
-  round ran or ``seconds`` is not positive. step in (0, 1]."""
+  round ran, ``seconds`` is not positive, or ``seconds`` is more than
+  ``OUTLIER`` x the costs' prediction (a compilation, a paused machine: one
+  such call would otherwise move every cost by seconds). step in (0, 1]."""
   c = np.asarray(costs, np.float64)
   n = np.asarray(rounds, np.float64)
   if not 0 < step <= 1:
@@ -82,7 +85,7 @@ def updated_costs(costs, rounds, seconds: float, step: float = 0.5) -> np.ndarra
   if n.shape != c.shape:
     raise ValueError(f"rounds has shape {n.shape}, costs {c.shape}")
   nn = float(n @ n)
-  if nn == 0 or not seconds > 0:
+  if nn == 0 or not seconds > 0 or seconds > OUTLIER * float(n @ c):
     return c
   new = c + step * n * (seconds - float(n @ c)) / nn
   return np.maximum.accumulate(np.maximum(new, c / 4))
@@ -148,8 +151,9 @@ def with_costs(decoder, state, sp, prompts, max_new_tokens: int, form: str = "wh
   schedule's round costs [G_max+1] float32 seconds for this batch size,
   cache length, sampling mode and form (``"while"`` or ``"stream"``),
   measured once each (``decoder_round_costs`` on a probe batch of
-  ``prompts``, kept in ``decoder._costs``, then moved toward each
-  generation's own rounds by ``learn_costs``); ``auto_costs`` given to the
+  ``prompts``, kept in ``decoder._costs``, then moved toward each later
+  generation's own rounds by ``learn_costs``; not the first one of a key,
+  which compiles); ``auto_costs`` given to the
   ``Decoder`` replace both. The schedule's estimates start at its prior for
   this mode (``AutoSchedule.prior_alpha(sp.greedy)``). Replicated on the
   decoder's mesh.
@@ -163,10 +167,14 @@ def with_costs(decoder, state, sp, prompts, max_new_tokens: int, form: str = "wh
   if costs is None:
     probe, prefill_len = decoder.prepare(prompts, max_new_tokens, 0)
     key = (len(prompts), probe.tokens.shape[1], sp.greedy, sp.filtering, form)
-    if key not in decoder._costs:
+    first = key not in decoder._costs
+    if first:
       decoder._costs[key] = decoder_round_costs(decoder, decoder.prefill(probe, prefill_len),
                                                 sp, form)
-    costs, decoder._cost_key = decoder._costs[key], key
+    # the first generation of a key compiles its program inside the timed
+    # decoding phase: learning from it once put seconds of compilation into
+    # every round's cost (SmolLM2: 0.96 s per round instead of 0.05)
+    costs, decoder._cost_key = decoder._costs[key], None if first else key
   costs = jnp.asarray(costs, jnp.float32)
   old_alpha = state.auto.schedule["alpha"]
   alpha = jnp.broadcast_to(decoder.schedule.prior_alpha(sp.greedy), old_alpha.shape)

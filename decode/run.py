@@ -134,6 +134,20 @@ def auto_schedule(workdir: str, max_draft_tokens: int) -> AutoSchedule | None:
   return AutoSchedule(max_draft_tokens, prior=prior["sampling"], greedy_prior=prior["greedy"])
 
 
+def trained_offsets(cfg, target) -> int:
+  """The draft offsets a checkpoint's MTP modules were trained for: D plus
+  ``mtp.recursive_steps`` (0 without modules). ``cfg``: the full Config."""
+  return target.mtp_depth + (getattr(cfg.mtp, "recursive_steps", 0) if target.mtp_depth else 0)
+
+
+def auto_kwargs(workdir: str, cfg, target, max_draft_tokens: int | None = None) -> dict:
+  """``Decoder`` keyword arguments of ``num_draft_tokens="auto"`` for the
+  checkpoint in ``workdir``: G_max (``max_draft_tokens``, default the trained
+  offsets) and the schedule with the stage's prior (``auto_schedule``)."""
+  g_max = max_draft_tokens if max_draft_tokens is not None else max(trained_offsets(cfg, target), 1)
+  return {"max_draft_tokens": g_max, "schedule": auto_schedule(workdir, g_max)}
+
+
 def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
                  draft_workdir: str | None = None, max_draft_tokens: int | None = None,
                  tree=None) -> tuple[Decoder, int]:
@@ -150,7 +164,7 @@ def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
     tokenizer = tok.load_tokenizer(workdir)
   except tok.TokenizerError as e:
     raise DecodeError(str(e)) from None
-  trained = target.mtp_depth + (getattr(cfg.mtp, "recursive_steps", 0) if target.mtp_depth else 0)
+  trained = trained_offsets(cfg, target)
   draft = None
   if method == "draft":
     if not draft_workdir:
@@ -158,8 +172,7 @@ def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
     _, draft, _ = loading.load_model(draft_workdir)
   kw = {}
   if num_draft_tokens == "auto" and method == "mtp":
-    g_max = max_draft_tokens if max_draft_tokens is not None else max(trained, 1)
-    kw = {"max_draft_tokens": g_max, "schedule": auto_schedule(workdir, g_max)}
+    kw = auto_kwargs(workdir, cfg, target, max_draft_tokens)
   elif num_draft_tokens == "auto":
     kw = {"max_draft_tokens": max_draft_tokens}
   if tree is not None:

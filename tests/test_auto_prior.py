@@ -45,6 +45,26 @@ def test_updated_costs_is_a_normalised_lms_step():
   calibrate.learn_costs(costs, "k", gen)              # the batch's rounds: max over rows
   np.testing.assert_allclose(costs["k"], new)
   calibrate.learn_costs(costs, None, gen)             # given auto_costs: nothing to learn
+  # a call far slower than predicted (a compilation, a paused machine) teaches nothing
+  np.testing.assert_allclose(calibrate.updated_costs(c, n, calibrate.OUTLIER * 25.0 + 1), c)
+  assert calibrate.updated_costs(c, n, calibrate.OUTLIER * 25.0 - 1)[0] > c[0]
+
+
+def test_the_first_generation_of_a_shape_does_not_move_the_costs(trained_markov):
+  """The first generate call of a (batch, cache length, mode) compiles its
+  program inside the timed decoding phase: its time must not be learned
+  (it once put seconds of compilation into every round's cost); the second
+  call's is."""
+  _, model, _ = trained_markov
+  prompts = random_prompts([6, 9])
+  dec = Decoder(model, "mtp", "auto", max_draft_tokens=2)
+  sp = SamplingParams(1.0)
+  dec.generate(prompts, 8, sp, seed=0)
+  (key, measured), = dec._costs.items()
+  measured = measured.copy()
+  np.testing.assert_array_equal(dec._costs[key], measured)      # compiled: not learned
+  dec.generate(prompts, 8, sp, seed=1)
+  assert not np.array_equal(dec._costs[key], measured)          # a timed call: learned
 
 
 def _stage(path, rows, steps=(50, 100)):
