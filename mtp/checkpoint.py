@@ -120,7 +120,9 @@ class Checkpointer:
     self.directory = checkpoint_dir(workdir)
     if read_only and not os.path.isdir(self.directory):
       raise CheckpointError(f"no checkpoint in workdir {workdir!r}: {self.directory} does not exist "
-                            "(train first: python -m train --config configs/tiny.py --workdir ...)")
+                            "(train one first: python -m train --config configs/tiny.py --workdir ...; "
+                            "or import a pretrained model: python -m mtp.importers --gguf FILE "
+                            "--workdir ...)")
     with quiet.absl_messages_dropped(*quiet.ORBAX_READ_ONLY):   # we asked for read_only
       options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
                                              read_only=read_only, enable_async_checkpointing=False)
