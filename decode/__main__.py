@@ -10,6 +10,7 @@ model produced NaN/inf logits.
 
 import json
 import os
+import shlex
 import sys
 
 from absl import app, flags, logging
@@ -99,8 +100,8 @@ def main(argv):
     return 3
   if _JSON.value:
     from mtp import report as report_lib
-    report["meta"] = report_lib.provenance(command="python -m decode " + " ".join(
-        repr(a) if (" " in a or "\n" in a) else a for a in sys.argv[1:]))
+    report["meta"] = report_lib.provenance(
+        command="python -m decode " + shlex.join(sys.argv[1:]))   # shell-quoted, retypable
     with open(_JSON.value, "w") as f:
       json.dump(report, f, indent=2)
   return 0

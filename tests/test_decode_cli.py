@@ -142,6 +142,9 @@ def test_cli_end_to_end_and_errors(workdir, tmp_path):
   assert r.returncode == 0, r.stderr[-2000:]
   report = json.loads(out.read_text())
   assert STATS_KEYS <= set(report["stats"])
+  meta = report["meta"]                       # provenance: commit, date, machine, command
+  assert {"commit", "date", "cpu_model"} <= set(meta)
+  assert meta["command"].startswith("python -m decode --workdir ") and "--json" in meta["command"]
   assert r.stdout == "abc" + report["results"][0]["text"] + "\n"     # `> out.txt` gets the text only
   notes = [l for l in r.stderr.splitlines() if l.startswith("note: ")]
   assert len(notes) == 2 and "--top_k has no effect" in notes[0] and "reuses module 2" in notes[1]
