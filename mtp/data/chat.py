@@ -18,7 +18,12 @@ windows) and ``python_docs`` (pydoc topics: paragraph windows), by category:
 - ``summarise``: summarise a pydoc passage or a module docstring;
 - ``rewrite``: rewrite a pydoc passage in simpler words, or refactor code;
 - ``docstring``: write a docstring for a function whose docstring is removed;
-- ``tests``: write unit tests for a short function.
+- ``tests``: write unit tests for a short function;
+- ``math``, ``translate``, ``write``, ``general``: arithmetic and word
+  problems, translations, short pieces of writing and general-knowledge
+  questions composed from word lists and random numbers
+  (``mtp.data.chat_general``; source ``"generated/CATEGORY"``, or a pydoc
+  topic for a translated documentation sentence).
 
 Every context is cut to at most ``max_context_chars`` characters (default
 1200, about 300-400 BPE tokens of SmolLM2's tokenizer for code and prose),
@@ -49,16 +54,19 @@ import functools
 import json
 import os
 import re
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from mtp.config import DataConfig
+from mtp.data.chat_general import GENERAL_CATEGORIES, first_sentence, general_prompt
 from mtp.data.corpora import DataError
 from mtp.data.sources import as_bytes, load_source
 
-CATEGORIES = ("code", "explain", "qa", "summarise", "rewrite", "docstring", "tests")
+CATEGORIES = ("code", "explain", "qa", "summarise", "rewrite", "docstring", "tests",
+              *GENERAL_CATEGORIES)
 HELDOUT_CATEGORIES = ("code", "math", "translation", "summarisation", "question_answering",
                       "writing")
 HELDOUT_CHAT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -210,6 +218,7 @@ class _Corpus:
   """The documents of one split of both embedded corpora (read lazily)."""
 
   def __init__(self, split: str, data_dir: str):
+    self.split = split
     self.code = load_source(DataConfig(name="python_stdlib", data_dir=data_dir), split)
     self.docs = load_source(DataConfig(name="python_docs", data_dir=data_dir), split)
     if not len(self.code) or not len(self.docs):
@@ -231,6 +240,9 @@ class _Corpus:
 
 # Share of each category's prompts cut from a pydoc topic (the rest from a stdlib file).
 _TOPIC_SHARE = {"summarise": 0.75, "rewrite": 0.6, "qa": 0.35}
+# Share of translate prompts whose sentence is the first of a pydoc passage (the
+# rest: composed everyday sentences, mtp.data.chat_general).
+_PYDOC_TRANSLATE_SHARE = 0.25
 
 
 def _pick(rng, seq):
@@ -240,6 +252,15 @@ def _pick(rng, seq):
 def _one_prompt(corpus: _Corpus, category: str, rng, max_chars: int) -> tuple[str, str] | None:
   """(content, source) for one prompt of ``category``, or None when the drawn
   document has no suitable snippet (the caller draws again)."""
+  if category in GENERAL_CATEGORIES:
+    if category == "translate" and rng.random() < _PYDOC_TRANSLATE_SHARE:
+      topic, text = corpus.topic(rng)
+      sentence = first_sentence(_paragraphs(text, rng, max_chars))
+      if sentence is None:
+        return None
+      return (general_prompt(category, rng, split=corpus.split, pydoc_sentence=sentence),
+              f"python_docs/{topic}")
+    return general_prompt(category, rng, split=corpus.split), f"generated/{category}"
   if rng.random() < _TOPIC_SHARE.get(category, 0.0):
     topic, text = corpus.topic(rng)
     window = _paragraphs(text, rng, max_chars)
@@ -323,7 +344,10 @@ def chat_prompts(n: int, *, seed: int = 0, split: str = "train", data_dir: str =
   out, seen = [], set()
   for i in range(n):
     category = categories[i % len(categories)]
-    rng = np.random.default_rng([seed, i, CATEGORIES.index(category)])
+    key = [seed, i, CATEGORIES.index(category)]
+    if category in GENERAL_CATEGORIES:      # no corpus split to tell them apart
+      key.append(zlib.crc32(split.encode()))
+    rng = np.random.default_rng(key)
     for _ in range(200):
       got = _one_prompt(corpus, category, rng, max_context_chars)
       if got is not None and got[0] not in seen:
@@ -421,6 +445,16 @@ def _shingles(text: str, k: int) -> set[tuple[str, ...]]:
   return {tuple(words[i:i + k]) for i in range(len(words) - k + 1)}
 
 
+def _words(text: str) -> tuple[str, ...]:
+  """Lower-cased words without punctuation (for short texts)."""
+  return tuple(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+def _contains(long: tuple[str, ...], short: tuple[str, ...]) -> bool:
+  n = len(short)
+  return any(long[i:i + n] == short for i in range(len(long) - n + 1))
+
+
 def _substrings(text: str, k: int) -> set[str]:
   t = _normalise(text)
   return {t[i:i + k] for i in range(len(t) - k + 1)}
@@ -431,17 +465,29 @@ def overlaps(candidates: Iterable[str], reference: Iterable[str], *, shingle_wor
   """Which ``candidates`` overlap any ``reference`` text (module docstring:
   a shared run of ``shingle_words`` words or a common substring of
   ``substring_chars`` characters, after lower-casing and collapsing
-  whitespace). Returns ``[(candidate_index, shared_text), ...]`` (first
-  evidence per overlapping candidate; empty when none overlaps)."""
+  whitespace). A text of fewer than ``shingle_words`` words has no such run:
+  it overlaps when its words (lower-cased, punctuation dropped) appear in
+  order inside the other text, so a short prompt repeated with other
+  punctuation is caught too. Returns ``[(candidate_index, shared_text), ...]``
+  (first evidence per overlapping candidate; empty when none overlaps)."""
+  reference = list(reference)
   ref_sh, ref_sub = set(), set()
   for r in reference:
     ref_sh |= _shingles(r, shingle_words)
     ref_sub |= _substrings(r, substring_chars)
+  ref_words = [_words(r) for r in reference]
+  short_refs = [w for w in ref_words if 0 < len(w) < shingle_words]
   out = []
   for i, c in enumerate(candidates):
     hit = next((" ".join(s) for s in _shingles(c, shingle_words) if s in ref_sh), None)
     if hit is None:
       hit = next((s for s in _substrings(c, substring_chars) if s in ref_sub), None)
+    if hit is None:
+      cw = _words(c)
+      if 0 < len(cw) < shingle_words:
+        hit = next((" ".join(cw) for rw in ref_words if _contains(rw, cw)), None)
+      if hit is None:
+        hit = next((" ".join(sw) for sw in short_refs if _contains(cw, sw)), None)
     if hit is not None:
       out.append((i, hit))
   return out
