@@ -79,6 +79,12 @@ class DataConfig:
   train_split: str = "train"
   eval_split: str = "validation"
   num_workers: int = 0            # grain worker processes (0 = in-process)
+  # How rows are filled (mtp.data.pipeline): "concat" (concat-then-split: full
+  # rows, a document continues in the next row without its start) or
+  # "first_fit" (token datasets only: whole examples packed first-fit into
+  # rows padded at the end; an example longer than a row keeps its last
+  # seq_len tokens), so every chat answer is trained with its prompt.
+  packing: str = "concat"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +171,7 @@ def parse_id_list(text: str, field: str = "ids") -> tuple[int, ...]:
     raise ConfigError(f"{field}={text!r} must be comma-separated integer ids") from None
 ATTENTION_IMPLS = ("blockwise", "dense", "cudnn")   # model.attention_impl
 DIVERGENCES = ("kl", "tv")      # mtp.distill_divergence
+PACKINGS = ("concat", "first_fit")   # data.packing
 
 
 def _coerce(path: str, value: Any, typ: type) -> Any:
@@ -317,6 +324,7 @@ def _validate_data(d: DataConfig) -> None:
     _check(not d.files, "data.files", "empty unless data.name='text_files' "
            f"(data.name={d.name!r} does not read files)", d.files)
   _check(d.num_workers >= 0, "data.num_workers", ">= 0", d.num_workers)
+  _check(d.packing in PACKINGS, "data.packing", f"one of {PACKINGS}", d.packing)
 
 
 def _validate_train(cfg: Config) -> None:

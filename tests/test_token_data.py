@@ -132,3 +132,70 @@ def test_write_token_dataset_checks_examples(tmp_path):
   bad = {"tokens": np.arange(3, dtype=np.int32), "loss_mask": np.ones(2, np.int32)}
   with pytest.raises(data.DataError, match="same length"):
     data.write_token_dataset("bad_ds", str(tmp_path), {"train": [("k", bad)]}, {})
+
+
+def _whole_examples(rows, by_key, seq_len):
+  """Every real segment of ``rows`` as (tokens, loss_mask) tuples; checks each
+  is a whole stored example (or the last seq_len tokens of a longer one)
+  whose positions count 0, 1, ... and that padding carries loss_mask 0."""
+  whole = {tuple(int(x) for x in e["tokens"][-seq_len:]): e["loss_mask"][-seq_len:]
+           for e in by_key.values()}
+  seen = []
+  for r in range(rows["tokens"].shape[0]):
+    seg = rows["segment_ids"][r]
+    assert (rows["loss_mask"][r][seg == 0] == 0).all()
+    for s in range(1, seg.max() + 1):
+      idx = np.flatnonzero(seg == s)
+      key = tuple(int(x) for x in rows["tokens"][r, idx])
+      assert key in whole, key                       # never a piece of an example
+      np.testing.assert_array_equal(rows["loss_mask"][r, idx], whole[key])
+      np.testing.assert_array_equal(rows["positions"][r, idx], np.arange(idx.size))
+      seen.append(key)
+  return seen
+
+
+def test_first_fit_packing_keeps_every_example_whole(token_cfg):
+  """data.packing = "first_fit": one epoch holds every stored example exactly
+  once, whole (an example longer than a row: its last TF tokens), each with
+  its own mask; concat-then-split (the default) cuts some of them."""
+  import dataclasses
+  cfg, by_key = token_cfg
+  TF = 10                                       # shorter than some examples
+  ff = dataclasses.replace(cfg, packing="first_fit")
+  assert any(len(e["tokens"]) > TF for e in by_key.values())    # the tail rule is exercised
+  rows = data.epoch_rows(ff, seq_len=TF)
+  seen = _whole_examples(rows, by_key, TF)
+  assert sorted(seen) == sorted(tuple(int(x) for x in e["tokens"][-TF:]) for e in by_key.values())
+  assert (rows["segment_ids"] == 0).sum() > 0                  # rows end in padding
+  concat = data.epoch_rows(cfg, seq_len=TF)
+  with pytest.raises(AssertionError):
+    _whole_examples(concat, by_key, TF)
+  # training batches: whole examples too, and the JSON state resumes the exact stream
+  import json
+  ds = data.make_train_dataset(ff, seq_len=TF, batch_size=4, seed=3)
+  it = iter(ds)
+  first = [next(it) for _ in range(3)]
+  for b in first:
+    assert set(b) == {"tokens", "segment_ids", "positions", "loss_mask"}
+    _whole_examples(b, by_key, TF)
+  state = json.loads(json.dumps(it.get_state()))
+  after = [next(it) for _ in range(4)]
+  it2 = iter(data.make_train_dataset(ff, seq_len=TF, batch_size=4, seed=3))
+  it2.set_state(state)
+  for a, b in zip(after, [next(it2) for _ in range(4)]):
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k])
+  again = iter(data.make_train_dataset(ff, seq_len=TF, batch_size=4, seed=3))
+  np.testing.assert_array_equal(next(again)["tokens"], first[0]["tokens"])
+
+
+def test_first_fit_packing_refuses_text_and_bad_values(data_dir):
+  import dataclasses
+
+  from mtp.config import Config, ConfigError, validate
+  cfg = DataConfig(name="python_docs", data_dir=data_dir, packing="first_fit")
+  with pytest.raises(data.DataError, match="data.packing='first_fit' packs whole token"):
+    data.epoch_rows(cfg, seq_len=64, split="validation")
+  c = Config()
+  with pytest.raises(ConfigError, match="data.packing='best' is out of range"):
+    validate(dataclasses.replace(c, data=dataclasses.replace(c.data, packing="best")))
