@@ -41,9 +41,10 @@ Overlap (``overlaps``): two prompts overlap when, after lower-casing and
 collapsing every run of whitespace to one space, they share a run of
 ``shingle_words`` (8) consecutive words (words: maximal runs of
 non-whitespace) or a common substring of ``substring_chars`` (40)
-characters. ``tests/test_chat_data.py`` checks every held-out prompt
-against the first 300 training prompts of seed 0 and the first 100 of the
-validation split; when the set was written it was also checked against the
+characters (a prompt of fewer than 8 words: its words in order inside the
+other). ``tests/test_chat_data.py`` checks every held-out prompt
+against the first 1,100 training prompts of seed 0 (the stage's recipe) and
+the first 100 of the validation split; when the set was written it was also checked against the
 first 400 of seeds 0 and 1 and 200 of the validation split (no overlap).
 """
 
