@@ -25,7 +25,8 @@ end-of-turn token) or at ``max_new`` tokens, as our Decoder does.
   the text so far; no second model. Greedy verification: the tokens equal
   plain greedy ``generate``'s up to floating-point ties between a block
   forward and a one-token forward.
-- ``llamacpp[:THREADS]``: ``llama_cpp.Llama.generate`` on the GGUF file itself (its
+- ``llamacpp[:THREADS]``: ``llama_cpp.Llama.generate`` in a worker process
+  (``decode.llamacpp_worker``; beside JAX in one process it crashed) on the GGUF file itself (its
   own quantised kernels: Q4_1 / Q8_0 dot products, not our dequantised
   float32), greedy (``temp=0``, ``top_k=1``, no repeat penalty),
   ``n_threads`` threads, the prompt ids fed as ids and the KV cache
@@ -128,28 +129,69 @@ class HFGenerate:
 
 
 class LlamaCppGenerate:
-  """llama.cpp's greedy decoding of one prompt (``llama_cpp.Llama.generate``,
-  ``temp=0``, ``top_k=1``), stopping at ``stop_ids`` or the budget; the KV
-  cache is reset before every call. ``n_ctx``: the context llama.cpp
-  allocates (prompt + budget must fit)."""
+  """llama.cpp's greedy decoding of one prompt, run in a worker process of
+  its own (``python -m decode.llamacpp_worker``: ``llama_cpp.Llama.generate``,
+  ``temp=0``, ``top_k=1``, the KV cache reset before every call), stopping at
+  ``stop_ids`` or the budget. llama-cpp-python loaded beside JAX crashed the
+  benchmark process (a general protection fault in libggml-cpu.so); the
+  worker imports neither. A call costs one JSON line each way on a pipe
+  (well under a millisecond against the generation's ~10 ms per token).
 
-  def __init__(self, path: str, stop_ids: Sequence[int], n_threads: int = 2, n_ctx: int = 2048):
-    import llama_cpp
-    self.stop_ids = {int(i) for i in stop_ids}
-    self.llm = llama_cpp.Llama(model_path=path, n_threads=n_threads, n_threads_batch=n_threads,
-                               n_ctx=n_ctx, seed=0, verbose=False)
-    atexit.register(self.llm.close)  # before interpreter teardown (its __del__ fails then)
+  Args:
+    path: the GGUF file; stop_ids: ids that end an answer (kept).
+    n_threads: llama.cpp's threads; n_ctx: the context it allocates (prompt
+      + budget must fit).
+    env: the worker's environment (default: this process's).
+  Raises:
+    RuntimeError: the worker could not load the model (its message) or died
+      (its exit status and stderr's last lines).
+  """
+
+  def __init__(self, path: str, stop_ids: Sequence[int], n_threads: int = 2, n_ctx: int = 2048,
+               env: Mapping[str, str] | None = None):
+    import subprocess
+    import sys
+    self.stop_ids = [int(i) for i in stop_ids]
+    self.proc = subprocess.Popen(
+        [sys.executable, "-m", "decode.llamacpp_worker", "--model", path,
+         "--threads", str(n_threads), "--n_ctx", str(n_ctx)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        bufsize=1, env=None if env is None else dict(env))
+    atexit.register(self.close)
+    ready = self._reply("starting")
+    self.version = ready.get("llama_cpp_version")
+
+  def _reply(self, doing: str) -> dict:
+    import json
+    line = self.proc.stdout.readline()
+    if not line:
+      code = self.proc.wait(timeout=30)
+      err = (self.proc.stderr.read() or "").strip().splitlines()[-5:]
+      raise RuntimeError(f"the llama.cpp worker died while {doing} (exit status {code}"
+                         + (f"; stderr: {' | '.join(err)}" if err else "") + ")")
+    reply = json.loads(line)
+    if "error" in reply:
+      raise RuntimeError(f"llama.cpp worker: {reply['error']}")
+    return reply
 
   def __call__(self, ids, max_new: int) -> np.ndarray:
     """int32 [n]: the new ids of ``ids`` (int [P]), a stop id included."""
-    self.llm.reset()                 # no prefix reuse: every call evaluates its prompt
-    out = []
-    for t in self.llm.generate([int(i) for i in ids], top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
-                               repeat_penalty=1.0, reset=True):
-      out.append(int(t))
-      if t in self.stop_ids or len(out) >= max_new:
-        break
-    return np.asarray(out, np.int32)
+    import json
+    self.proc.stdin.write(json.dumps({"ids": [int(i) for i in ids], "max_new": int(max_new),
+                                      "stop_ids": self.stop_ids}) + "\n")
+    self.proc.stdin.flush()
+    return np.asarray(self._reply("generating")["tokens"], np.int32)
+
+  def close(self) -> None:
+    """Ends the worker (end of input, then a kill after 10 s)."""
+    import subprocess
+    if self.proc.poll() is None:
+      try:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10)
+      except (OSError, subprocess.TimeoutExpired):
+        self.proc.kill()
+        self.proc.wait()
 
 
 def build(specs: Sequence[Spec], source: str, model_cfg, tokenizer, n_threads: int = 2,
@@ -191,10 +233,10 @@ def build(specs: Sequence[Spec], source: str, model_cfg, tokenizer, n_threads: i
     elif not os.path.isfile(source):
       why = f"{source} is not a GGUF file"
     if why is None:
-      import llama_cpp
       for s in llama_specs:
         fns[s.label] = LlamaCppGenerate(source, tokenizer.stop_ids, s.threads or n_threads)
-      info.update(llama_cpp_version=llama_cpp.__version__,
+      info.update(llama_cpp_version=fns[llama_specs[0].label].version,
+                  llamacpp_process="worker (python -m decode.llamacpp_worker)",
                   llamacpp_threads={s.label: s.threads or n_threads for s in llama_specs})
     else:
       for s in llama_specs:

@@ -124,11 +124,13 @@ def round_time_s(decoder: Decoder, prompts, max_new: int, sp: SamplingParams, re
 
 
 def round_breakdown(model, prompts, temperatures, gs, trees, max_new: int, repeats: int,
-                    trace_root: str, log=print) -> list[dict]:
+                    trace_root: str, log=print, tokenizer=None) -> list[dict]:
   """For every temperature: AR, MTP with each G in ``gs`` and each tree in
   ``trees`` (branching tuples), timed (``round_time_s``) and profiled once
   (``profile_generation``, traces under ``trace_root``). ``prompts``:
-  encoded token arrays, one per row. Returns one row per (T, decoder):
+  encoded token arrays, one per row; ``tokenizer``: the model's tokenizer
+  (required for a BPE model: ``mtp.tokenizer.load_tokenizer(workdir)``;
+  its stop ids end rows). Returns one row per (T, decoder):
   temperature, num_draft_tokens (0: AR; tree depth for trees), tree ("b1,b2"
   or None), pieces {piece: {us_per_round, ops_per_round}},
   profiled_us_per_round, round_us, round_over_ar, draft_share,
@@ -138,8 +140,9 @@ def round_breakdown(model, prompts, temperatures, gs, trees, max_new: int, repea
     sp = SamplingParams(temperature=t)
     ar_us = None
     for g, tree in [(0, None)] + [(g, None) for g in gs] + [(len(t), t) for t in trees]:
-      dec = (Decoder(model, "ar") if g == 0 else Decoder(model, "mtp", g) if tree is None
-             else Decoder(model, "mtp", tree=tree))
+      kw = {"tokenizer": tokenizer} if tokenizer is not None else {}
+      dec = (Decoder(model, "ar", **kw) if g == 0 else Decoder(model, "mtp", g, **kw)
+             if tree is None else Decoder(model, "mtp", tree=tree, **kw))
       label = "AR" if g == 0 else f"G={g}" if tree is None else f"tree {','.join(map(str, tree))}"
       rnd_s, wall_s = round_time_s(dec, prompts, max_new, sp, repeats)
       bd, rounds = profile_generation(dec, prompts, max_new, sp, 0,

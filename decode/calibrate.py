@@ -182,5 +182,6 @@ def with_costs(decoder, state, sp, prompts, max_new_tokens: int, form: str = "wh
     costs = jax.device_put(costs, decode_mesh.replicated(decoder.mesh))
     alpha = jax.device_put(alpha, old_alpha.sharding)
   auto = state.auto
+  # alpha moves, prior stays (AR rounds relax alpha toward it); two buffers, as the state is donated
   return state.replace(auto=auto.replace(schedule={**auto.schedule, "costs": costs,
-                                                   "alpha": alpha}))
+                                                   "alpha": alpha, "prior": jnp.copy(alpha)}))

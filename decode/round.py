@@ -188,17 +188,18 @@ def commit(drafter, state: DecodeState, draft_tokens, a, nxt, h0) -> DecodeState
 
 def record_auto(schedule, state: DecodeState, g: int, a, active) -> DecodeState:
   """"auto": folds a round of static draft length g with accepted counts a
-  [B] into the schedule's estimates and the per-position statistics
-  (rows active before the round and not failed in it)."""
+  [B] into the schedule's estimates (an AR round relaxes them toward the
+  prior, ``AutoSchedule.update``) and the per-position statistics (rows
+  active before the round and not failed in it)."""
   auto = state.auto
   ok = active & (state.error == ERROR_NONE)
   auto = auto.replace(draft_length_histogram=auto.draft_length_histogram.at[:, g].add(
       active.astype(jnp.int32)))
+  auto = auto.replace(schedule=schedule.update(auto.schedule, g, a, ok))
   if g:
     j = jnp.arange(1, auto.position_tested.shape[1] + 1)[None, :]
     tested = (j <= g) & (a[:, None] >= j - 1) & ok[:, None]
-    auto = auto.replace(schedule=schedule.update(auto.schedule, g, a, ok),
-                        position_tested=auto.position_tested + tested,
+    auto = auto.replace(position_tested=auto.position_tested + tested,
                         position_accepted=auto.position_accepted + (tested & (a[:, None] >= j)))
   return state.replace(auto=auto)
 

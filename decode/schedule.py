@@ -32,7 +32,18 @@ validation acceptance (``python -m decode`` reads it from the workdir:
 ``decode.calibrate.stage_prior``; T = 0 from the argmax agreement, T > 0
 from E[sum min(p, q)]).
 
-Exploration: while g* = 0 the estimates cannot change, so after
+Exploration: while g* = 0 nothing is drafted, so nothing is learnt about
+acceptance. Acceptance comes in streaks (a run of rejected drafts in one
+stretch of an answer says little about the next stretch), so every AR round
+moves each row's estimates a fraction ``relax`` of the way back to the prior
+(a mean-reverting belief: the stage's validation acceptance is the long-run
+rate; with relax = 0.05 an AR segment of 16 rounds goes 56 % of the way
+back), and drafting resumes by itself once the estimate crosses the break-
+even again. Without it (relax = 0) a streak of misses early in an answer
+could keep the rest of it in AR: replayed on SmolLM2's held-out greedy
+answers with round costs 1 / 1.28 / 1.49 / 1.69 AR steps, the schedule ran
+60 % of its rounds as AR steps and reached 0.85 of the best fixed G on one
+answer (scripts/replay_schedule.py, docs/results.md 13.7). Besides, after
 ``probe_interval`` AR segments one short segment drafts with the best
 g >= 1; the interval doubles after every probe that leaves the choice at AR
 (up to ``max_probe_interval``) and resets when drafting wins again.
@@ -69,6 +80,8 @@ class AutoSchedule:
     probe_rounds: rounds of the first segment and of probe segments, >= 1.
     probe_interval: AR segments before a probe segment with g >= 1, >= 1.
     max_probe_interval: cap of the doubling interval.
+    relax: fraction of the way back to the prior that a row's estimates move
+      in each AR round (g = 0), in [0, 1); 0 = estimates frozen during AR.
   """
   max_draft_tokens: int
   prior: float | tuple[float, ...] = 0.8
@@ -78,6 +91,7 @@ class AutoSchedule:
   probe_interval: int = 4
   max_probe_interval: int = 256
   greedy_prior: float | tuple[float, ...] | None = None
+  relax: float = 0.05
 
   def __post_init__(self):
     if not (isinstance(self.max_draft_tokens, int) and self.max_draft_tokens >= 1):
@@ -90,6 +104,8 @@ class AutoSchedule:
         raise ValueError(f"{name}={v!r} must be in (0, 1) (a number or a non-empty tuple of them)")
     if not 0 < self.ema <= 1:
       raise ValueError(f"ema={self.ema!r} must be in (0, 1]")
+    if not 0 <= self.relax < 1:
+      raise ValueError(f"relax={self.relax!r} must be in [0, 1)")
     if not 1 <= self.probe_interval <= self.max_probe_interval:
       raise ValueError(f"probe_interval={self.probe_interval!r} must be in [1, max_probe_interval]")
     for name in ("rounds_per_choice", "probe_rounds"):
@@ -107,14 +123,17 @@ class AutoSchedule:
 
   def init_state(self, batch: int, costs) -> dict:
     """Schedule state for ``batch`` rows: alpha [B, G_max] float32 estimates,
-    tested [B, G_max] bool (position ever tested in that row), costs [G_max+1] float32 seconds per round, round (choices made) /
+    prior [B, G_max] float32 (where AR rounds relax them to; ``with_costs``
+    sets both for the sampling mode), tested [B, G_max] bool (position ever
+    tested in that row), costs [G_max+1] float32 seconds per round, round (choices made) /
     probe_wait / probe_interval int32 scalars, force int32 (-1; >= 0 forces
     that g)."""
     g = self.max_draft_tokens
     costs = jnp.asarray(costs, jnp.float32)
     if costs.shape != (g + 1,):
       raise ValueError(f"costs must have shape ({g + 1},), got {costs.shape}")
-    return {"alpha": jnp.broadcast_to(self.prior_alpha(), (batch, g)),
+    prior = jnp.broadcast_to(self.prior_alpha(), (batch, g))
+    return {"alpha": prior, "prior": jnp.copy(prior),     # two buffers: the state is donated
             "tested": jnp.zeros((batch, g), bool), "costs": costs,
             "round": jnp.int32(0), "probe_wait": jnp.int32(0),
             "probe_interval": jnp.int32(self.probe_interval), "force": jnp.int32(-1)}
@@ -162,9 +181,15 @@ class AutoSchedule:
   def update(self, sched: dict, g: int, accepted, active) -> dict:
     """Folds a round with static draft length g into the estimates:
     position j = 1..g was tested in rows with accepted >= j-1 (and active),
-    and passed when accepted >= j. accepted: [B] int32; active: [B] bool."""
+    and passed when accepted >= j. An AR round (g = 0) moves the estimates
+    of active rows ``relax`` of the way back to the prior (the state itself
+    when relax = 0). accepted: [B] int32; active: [B] bool."""
     if g == 0:
-      return sched
+      if self.relax == 0:
+        return sched
+      alpha = sched["alpha"]
+      back = alpha + self.relax * (sched["prior"] - alpha)
+      return {**sched, "alpha": jnp.where(active[:, None], back, alpha)}
     j = jnp.arange(1, g + 1)[None, :]
     tested = (accepted[:, None] >= j - 1) & active[:, None]
     passed = (accepted[:, None] >= j).astype(jnp.float32)

@@ -65,7 +65,8 @@ def markdown(results, meta) -> str:
   pieces += sorted({p for r in results for p in r["pieces"]} - set(pieces))
   lines = [f"Round-cost breakdown: {meta['model']} on {report.machine(meta)}, JAX {meta['jax_version']}, "
            f"commit {meta['commit']}, {meta['date']}; batch {meta['batch_size']}, "
-           f"{meta['max_new_tokens']} new tokens, prompts of ~{meta['prompt_bytes']} bytes; "
+           f"{meta['max_new_tokens']} new tokens, prompts {meta['dataset']} "
+           f"({min(meta['prompt_tokens'])}-{max(meta['prompt_tokens'])} tokens); "
            f"while_loop form.", "",
            "Microseconds per round (operations per round) by piece, from one profiled generation; "
            "`loop`: operations of the loop body outside every named scope. The profiler adds a "
@@ -93,7 +94,12 @@ def main(argv=None):
   src.add_argument("--workdir", help="trained checkpoint to decode with")
   src.add_argument("--config", help="config file: decode a randomly initialised model of it "
                                     "(costs only; acceptance is meaningless)")
-  ap.add_argument("--dataset", default="python_stdlib", help="held-out prompt dataset")
+  ap.add_argument("--dataset", default="python_stdlib",
+                  help="held-out prompt dataset (byte targets; a target whose tokenizer has a chat "
+                       "template reads --chat_prompts instead)")
+  ap.add_argument("--chat_prompts", default=data_lib.HELDOUT_CHAT_PATH,
+                  help="chat prompt JSONL for a chat target (default: the held-out set); row i "
+                       "takes the i-th prompt with categories in turn")
   ap.add_argument("--data_dir", default="", help=cli.DATA_DIR_HELP)
   ap.add_argument("--prompt_bytes", type=int, default=256, help="bytes per prompt, >= 1")
   ap.add_argument("--max_new_tokens", type=int, default=128, help="new tokens per row, >= 1")
@@ -132,16 +138,31 @@ def main(argv=None):
       trees.append(tree_lib.parse_tree(text.strip(), depth).branching)
     except ValueError as e:
       ap.error(str(e).replace("--tree=", "--trees: tree "))
-  texts = data_lib.held_out_prompts(args.dataset, args.batch_size, args.prompt_bytes,
-                                    data_dir=args.data_dir)
-  prompts = [tok.ByteTokenizer().encode(t, add_bos=True) for t in texts]
+  tokenizer = tok.load_tokenizer(args.workdir) if args.workdir else None
+  if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+    # a chat target: the held-out chat prompts (categories in turn) through its template
+    chats = [p for p in data_lib.heldout_chat_prompts(args.chat_prompts)]
+    by_cat = {}
+    for p in chats:
+      by_cat.setdefault(p.get("category", ""), []).append(p)
+    order = [p for group in zip(*by_cat.values()) for p in group] or chats
+    prompts = [tokenizer.apply_chat_template(data_lib.prompt_messages(order[i % len(order)]))
+               for i in range(args.batch_size)]
+    source = f"{args.chat_prompts} (chat template)"
+  else:
+    texts = data_lib.held_out_prompts(args.dataset, args.batch_size, args.prompt_bytes,
+                                      data_dir=args.data_dir)
+    prompts = [tok.ByteTokenizer().encode(t, add_bos=True) for t in texts]
+    source = args.dataset
   with tempfile.TemporaryDirectory() as trace_root:
     results = bench_profile.round_breakdown(model, prompts, temps, gs, trees, args.max_new_tokens,
                                             args.repeats, trace_root,
-                                            log=lambda s: print(s, flush=True))
+                                            log=lambda s: print(s, flush=True),
+                                            tokenizer=tokenizer)
   meta = report.provenance(command=report.command_line(__file__, argv), model=name, checkpoint_step=step, config=cfg.to_dict(),
                            batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                           prompt_bytes=args.prompt_bytes, dataset=args.dataset,
+                           prompt_bytes=args.prompt_bytes, dataset=source,
+                           prompt_tokens=[int(len(p)) for p in prompts],
                            repeats=args.repeats)
   report.write_report(args.out, meta, results, markdown(results, meta))
   print(f"wrote {args.out}.json and {args.out}.md")

@@ -1,6 +1,8 @@
 """The adaptive draft-length schedule (decode.schedule): its expected-token
 formula, its choice, exploration and estimate updates, on hand-made states."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -66,7 +68,35 @@ def test_update_is_an_ema_over_tested_positions_only():
   # row 0: d_1 tested and rejected, d_2 not tested; row 1: d_1 passed, d_2 failed;
   # row 2 inactive; position 3 beyond g = 2 untouched
   np.testing.assert_allclose(out, [[0.25, 0.5, 0.5], [0.75, 0.25, 0.5], [0.5, 0.5, 0.5]])
-  assert s.update(st, 0, accepted, jnp.asarray([True] * 3)) is st
+  frozen = AutoSchedule(3, prior=0.5, ema=0.5, relax=0.0)
+  assert frozen.update(st, 0, accepted, jnp.asarray([True] * 3)) is st
+
+
+def test_ar_rounds_relax_the_estimates_back_to_the_prior():
+  """An AR round learns nothing about acceptance; the estimates of active
+  rows move ``relax`` of the way back to the prior, so a streak of misses
+  does not keep a row in AR for the rest of its answer."""
+  s = AutoSchedule(2, prior=0.5, ema=0.5, relax=0.25, rounds_per_choice=1, probe_interval=64,
+                   max_probe_interval=64)
+  st = s.init_state(2, [1.0, 1.3, 1.6])
+  for _ in range(2):                                     # two misses at d_1 in both rows
+    st = s.update(st, 1, jnp.asarray([0, 0]), jnp.asarray([True, True]))
+  np.testing.assert_allclose(st["alpha"][:, 0], [0.125, 0.125])
+  st1 = s.update(st, 0, jnp.asarray([0, 0]), jnp.asarray([True, False]))
+  # row 0: 0.125 + 0.25 (0.5 - 0.125); row 1 inactive: unchanged; position 2 at the prior stays
+  np.testing.assert_allclose(st1["alpha"], [[0.21875, 0.5], [0.125, 0.5]])
+  # AR is chosen after the misses (G = 1 pays above alpha 0.3); after k AR
+  # rounds alpha = 0.5 - 0.375 * 0.75^k crosses 0.3 at k = 3, so the 4th choice
+  # drafts again, without a probe (the probe interval is 64 segments); frozen
+  # estimates (relax = 0) stay in AR
+  active = jnp.asarray([True, True])
+  for sched, want in ((s, [0, 0, 0, 1]), (dataclasses.replace(s, relax=0.0), [0, 0, 0, 0])):
+    cur, chosen = st, []
+    for _ in range(4):
+      g, _, cur = sched.choose(cur, active)
+      chosen.append(int(g))
+      cur = sched.update(cur, int(g), jnp.asarray([0, 0]), active)
+    assert chosen == want
 
 
 def test_untested_positions_count_at_most_the_position_before():
@@ -104,7 +134,8 @@ def test_cycling_schedule_and_bad_settings():
     seq.append(int(g))
   assert seq == [1, 2, 0, 1, 2]
   for bad in (dict(max_draft_tokens=0), dict(max_draft_tokens=2, prior=1.0),
-              dict(max_draft_tokens=2, ema=0.0), dict(max_draft_tokens=2, probe_interval=0)):
+              dict(max_draft_tokens=2, ema=0.0), dict(max_draft_tokens=2, probe_interval=0),
+              dict(max_draft_tokens=2, relax=1.0), dict(max_draft_tokens=2, relax=-0.1)):
     with pytest.raises(ValueError):
       AutoSchedule(**bad)
   with pytest.raises(ValueError, match="costs"):

@@ -1,0 +1,127 @@
+r"""Draft-length schedules replayed on the target's own greedy answers
+(decode/replay.py): how fixed G = 0..G_max, the CLI's "auto" and variants of
+it would spend target calls and time on held-out chat prompts, in seconds
+instead of a benchmark's minutes.
+
+    python scripts/replay_schedule.py --workdir runs/smollm_demo [--per_category 2] \
+        [--max_new_tokens 128] [--costs 1,1.22,1.43,1.63] \
+        [--variants "slow:ema=0.05;probe:probe_interval=1"] [--out results/replay_schedule]
+
+Each prompt is answered once greedily (AR); one cache-free forward of the
+target and its modules over prompt + answer gives the acceptance of every
+draft position at every round start (exact at T = 0: the decoder emits the
+same answer whatever the schedule). Every decoder is then replayed round by
+round with the round costs ``--costs`` (seconds or units of an AR step per
+g = 0..G_max; default: measured on this device as "auto" calibrates them).
+The schedules run the decoder's own ``AutoSchedule.choose`` / ``update``
+code. What it leaves out: the prefill (equal for all), the decoder's cost
+learning between generations, and T > 0. Writes OUT.json and OUT.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+from decode import replay as rp
+from decode import run as run_lib
+from decode.bench_chat import heldout_prompts
+from decode.schedule import AutoSchedule
+from decode.speculative import DecodeError
+from mtp import cli, loading, report
+from mtp import data as data_lib
+from mtp import tokenizer as tok
+
+
+def markdown(rows, labels, schedules, meta) -> str:
+  g_labels = [l for l in labels if l.startswith("G")]
+  lines = [f"Schedules replayed on greedy answers: {meta['model']} on {report.machine(meta)}, "
+           f"commit {meta['commit']}, {meta['date']}; B = 1, T = 0, {meta['max_new_tokens']} new "
+           f"tokens, round costs per g (AR step = 1): "
+           f"{', '.join(f'{c:.3f}' for c in meta['relative_costs'])}.", "",
+           "Speedup over AR per answer (replayed target calls x round costs, prefill left out); "
+           "last columns: each schedule over the fastest fixed G on that answer.", "",
+           "| category | # | tokens | alpha_1 | " + " | ".join(labels) + " | "
+           + " | ".join(f"{s} / best" for s in schedules) + " |",
+           "|---|---|---|---|" + "---|" * (len(labels) + len(schedules))]
+  for r in rows:
+    lines.append(f"| {r['category']} | {r['index']} | {r['tokens']} | {r['alpha_1']:.2f} | "
+                 + " | ".join(f"{r[l]['speedup']:.2f}x" for l in labels) + " | "
+                 + " | ".join(f"{r[f'{s}/best']:.3f}" for s in schedules) + " |")
+  geo = lambda xs: float(np.exp(np.mean(np.log(xs))))
+  lines.append("| **geomean** | | | | " + " | ".join(
+      f"**{geo([r[l]['speedup'] for r in rows]):.3f}x**" for l in labels) + " | " + " | ".join(
+      f"**{geo([r[f'{s}/best'] for r in rows]):.3f}** (min {min(r[f'{s}/best'] for r in rows):.3f})"
+      for s in schedules) + " |")
+  lines += ["", "Schedules: " + "; ".join(f"`{s}` = {v}" for s, v in meta["schedules"].items()),
+            f"Fixed G columns: {', '.join(g_labels)}."]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
+  ap.add_argument("--workdir", required=True, help="target with MTP modules (a chat tokenizer)")
+  ap.add_argument("--chat_prompts", default=data_lib.HELDOUT_CHAT_PATH, help="chat prompt JSONL")
+  ap.add_argument("--per_category", type=int, default=2, help="prompts per category, >= 1")
+  ap.add_argument("--max_new_tokens", type=int, default=128, help="token budget, >= 1")
+  ap.add_argument("--max_draft_tokens", type=int, default=None,
+                  help="G_max (default: the offsets the modules were trained for, as auto)")
+  ap.add_argument("--costs", default=None,
+                  help="round costs for g = 0..G_max, comma list (default: measured here)")
+  ap.add_argument("--variants", default="",
+                  help="schedule variants of the CLI's auto: \"LABEL:field=value,...;...\"")
+  ap.add_argument("--records", default=None,
+                  help="an .npz of recorded answers: read when it exists (no decoding), else "
+                       "written after recording")
+  ap.add_argument("--out", default="results/replay_schedule", help="output prefix")
+  args = ap.parse_args(argv)
+  cli.check_range(ap, args, per_category=1, max_new_tokens=1)
+  cfg, model, step = loading.load_model(args.workdir)
+  if model.mtp_depth < 1:
+    ap.error(f"--workdir={args.workdir!r} has no MTP modules (mtp.depth = 0)")
+  tokenizer = tok.load_tokenizer(args.workdir)
+  kw = run_lib.auto_kwargs(args.workdir, cfg, model, args.max_draft_tokens)
+  g_max = kw["max_draft_tokens"]
+  base = kw["schedule"] or AutoSchedule(g_max)
+  try:
+    schedules = {"auto": base, **rp.parse_variants(args.variants, base)}
+  except ValueError as e:
+    ap.error(f"--variants: {e}")
+  prompts = heldout_prompts(args.chat_prompts, tokenizer, args.per_category)
+  if args.costs:
+    try:
+      costs = [float(x) for x in args.costs.split(",")]
+    except ValueError:
+      costs = []
+    if len(costs) != g_max + 1 or not all(np.isfinite(c) and c > 0 for c in costs):
+      ap.error(f"--costs needs {g_max + 1} positive values (g = 0..{g_max}), got {args.costs!r}")
+  else:
+    first = next(iter(prompts.values()))[0]
+    costs = [float(c) for c in rp.measured_costs(model, tokenizer, first, g_max,
+                                                 args.max_new_tokens)]
+    print("measured round costs (s): " + ", ".join(f"{c:.4f}" for c in costs), flush=True)
+  if args.records and os.path.isfile(args.records):
+    records = rp.load_records(args.records)
+    print(f"read {len(records)} recorded answers from {args.records}")
+  else:
+    records = rp.record(model, tokenizer, prompts, args.max_new_tokens, g_max,
+                        log=lambda s: print(s, flush=True))
+    if args.records:
+      rp.save_records(args.records, records)
+  rows = rp.compare(records, costs, args.max_new_tokens, schedules)
+  labels = [f"G{g}" for g in range(g_max + 1)] + list(schedules)
+  meta = report.provenance(command=report.command_line(__file__, argv),
+                           model=f"{args.workdir} (step {step})", checkpoint_step=step,
+                           max_new_tokens=args.max_new_tokens, costs=costs,
+                           relative_costs=[c / costs[0] for c in costs],
+                           schedules={k: repr(v) for k, v in schedules.items()},
+                           chat_prompts=args.chat_prompts, per_category=args.per_category)
+  report.write_report(args.out, meta, {"rows": rows}, markdown(rows, labels, schedules, meta))
+  print(markdown(rows, labels, schedules, meta))
+  print(f"wrote {args.out}.json and {args.out}.md")
+
+
+if __name__ == "__main__":
+  cli.main_guard(main, errors=(DecodeError, ValueError))
