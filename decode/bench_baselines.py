@@ -26,7 +26,8 @@ end-of-turn token) or at ``max_new`` tokens, as our Decoder does.
   plain greedy ``generate``'s up to floating-point ties between a block
   forward and a one-token forward.
 - ``llamacpp[:THREADS]``: ``llama_cpp.Llama.generate`` in a worker process
-  (``decode.llamacpp_worker``; beside JAX in one process it crashed) on the GGUF file itself (its
+  (``decode.llamacpp_worker``: a crash there is an error, not the end of the
+  benchmark) on the GGUF file itself (its
   own quantised kernels: Q4_1 / Q8_0 dot products, not our dequantised
   float32), greedy (``temp=0``, ``top_k=1``, no repeat penalty),
   ``n_threads`` threads, the prompt ids fed as ids and the KV cache
@@ -53,7 +54,7 @@ from decode import bench_hf
 
 NAMES = ("transformers", "prompt_lookup", "llamacpp")
 DEFAULT_LOOKUP = 10
-LLAMACPP_HINT = "pip install -e '.[llamacpp]'"
+LLAMACPP_HINT = "make install-llamacpp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +133,11 @@ class LlamaCppGenerate:
   """llama.cpp's greedy decoding of one prompt, run in a worker process of
   its own (``python -m decode.llamacpp_worker``: ``llama_cpp.Llama.generate``,
   ``temp=0``, ``top_k=1``, the KV cache reset before every call), stopping at
-  ``stop_ids`` or the budget. llama-cpp-python loaded beside JAX crashed the
-  benchmark process (a general protection fault in libggml-cpu.so); the
-  worker imports neither. A call costs one JSON line each way on a pipe
-  (well under a millisecond against the generation's ~10 ms per token).
+  ``stop_ids`` or the budget. A crash inside llama.cpp (a natively built
+  ggml on a VM without AMX tile state dies on its first AMX instruction)
+  ends the worker, not the benchmark. A call costs one JSON line each way on
+  a pipe (well under a millisecond against the generation's ~10 ms per
+  token).
 
   Args:
     path: the GGUF file; stop_ids: ids that end an answer (kept).

@@ -110,7 +110,8 @@ def decoders(model, tokenizer, gs: Sequence[int], with_auto: bool = False,
 def run_chat_bench(s: ChatBench, log: Callable[[str], None] = print) -> dict:
   """Every (category, decoder, temperature) row of ``s`` (module docstring).
 
-  Returns {"rows": [...], "overall": ``overall(rows)``, "baselines": None
+  Returns {"rows": [...] ("auto" rows carry the decoder's ``auto_record``
+  after the cell: its prior and round costs), "overall": ``overall(rows)``, "baselines": None
   or ``bench_baselines.build``'s info plus "prompt_ids" (``check_prompt_ids``
   when a transformers baseline runs)}. Raises ValueError for baselines
   without ``baseline_model``."""
@@ -144,6 +145,8 @@ def run_chat_bench(s: ChatBench, log: Callable[[str], None] = print) -> dict:
                                        draft_cache=draft_cache, flops_cache=flops_cache,
                                        baselines=extra):
           row["category"] = cat
+          if decs.get(row["label"]) is not None and decs[row["label"]].schedule is not None:
+            row["auto"] = decs[row["label"]].auto_record()     # prior and round costs now
           rows.append(row)
   return {"rows": rows, "overall": overall(rows), "baselines": info}
 

@@ -3,11 +3,16 @@ baseline of ``decode.bench_baselines`` (``LlamaCppGenerate``).
 
     python -m decode.llamacpp_worker --model SmolLM2.gguf [--threads 2] [--n_ctx 2048]
 
-Why a separate process: ``llama-cpp-python`` 0.3.36 loaded into the same
-process as JAX crashed the benchmark with a general protection fault inside
-``libggml-cpu.so`` (docs/results.md 13.6); in an interpreter that imports
-neither JAX nor this project's model code it runs. The worker imports only
-the standard library, numpy-free JSON and ``llama_cpp``.
+Why a separate process: a crash inside the library takes only the worker
+down, and the benchmark reports it (``LlamaCppGenerate`` raises an error
+with the exit status) instead of dying with it. This is not hypothetical:
+``llama-cpp-python`` 0.3.36 built natively (``-march=native``) on this
+machine's Intel CPU, whose virtual machine lists AMX in /proc/cpuinfo but
+does not enable the AMX tile state, dies on its first ``ldtilecfg`` (a
+general protection fault in ``libggml-cpu.so``, exit status -11), with or
+without JAX in the process; ``make install-llamacpp`` builds it without AMX
+(docs/results.md 13.7). The worker imports only the standard library and
+``llama_cpp``, so JAX and this project's code stay out of its process.
 
 Protocol (one JSON object per line; the worker answers every request in
 order on its stdout and logs nothing there):

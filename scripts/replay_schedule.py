@@ -121,6 +121,7 @@ def main(argv=None):
   report.write_report(args.out, meta, {"rows": rows}, markdown(rows, labels, schedules, meta))
   print(markdown(rows, labels, schedules, meta))
   print(f"wrote {args.out}.json and {args.out}.md")
+  return 0
 
 
 if __name__ == "__main__":

@@ -69,3 +69,30 @@ def test_bad_arguments(recorded, trained_markov):
     rp.greedy_acceptance(model, p[:1], ans, 2)
   with pytest.raises(ValueError, match="max_draft_tokens"):
     rp.greedy_acceptance(model, p, ans, 0)
+
+
+@pytest.mark.slow
+def test_script_records_once_and_replays(tmp_path, capsys):
+  from scripts import replay_schedule as script
+  from tests import tiny_bpe
+  target = tiny_bpe.import_tiny_workdir(str(tmp_path), mtp_depth=1)
+  out, rec = str(tmp_path / "replay"), str(tmp_path / "rec.npz")
+  argv = ["--workdir", target, "--per_category", "1", "--max_new_tokens", "8",
+          "--costs", "1,1.2,1.4", "--max_draft_tokens", "2", "--records", rec,
+          "--variants", "slow:ema=0.05,relax=0.0", "--out", out]
+  assert script.main(argv) == 0
+  import json
+  res = json.load(open(out + ".json"))
+  rows = res["results"]["rows"]
+  assert len(rows) == 6 and {r["category"] for r in rows} >= {"code", "math", "writing"}
+  for r in rows:
+    assert r["G0"]["rounds"] == r["tokens"] and r["G0"]["speedup"] == 1.0
+    assert {"G1", "G2", "auto", "slow", "auto/best", "slow/best"} <= set(r)
+    assert sum(r["auto"]["draft_lengths"]) == r["auto"]["rounds"]
+  assert res["meta"]["relative_costs"] == [1.0, 1.2, 1.4]
+  capsys.readouterr()
+  assert script.main(argv) == 0                      # the records are read, nothing decoded
+  assert "read 6 recorded answers" in capsys.readouterr().out
+  assert json.load(open(out + ".json"))["results"]["rows"] == rows
+  with pytest.raises(SystemExit):
+    script.main([*argv[:-2], "--costs", "1,2", "--out", out])   # G_max = 2 needs 3 costs
