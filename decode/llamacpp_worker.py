@@ -98,8 +98,9 @@ def main(argv=None) -> int:
     llm = llama_cpp.Llama(model_path=args.model, n_threads=args.threads,
                           n_threads_batch=args.threads, n_ctx=args.n_ctx, seed=0, verbose=False)
   except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
+    hint = (" (install it: make install-llamacpp)" if isinstance(e, ModuleNotFoundError) else "")
     out.write(json.dumps({"error": f"cannot load {args.model!r} in llama.cpp: "
-                                   f"{type(e).__name__}: {e}"}) + "\n")
+                                   f"{type(e).__name__}: {e}{hint}"}) + "\n")
     out.flush()
     return 2
   out.write(json.dumps({"ready": True, "llama_cpp_version": llama_cpp.__version__}) + "\n")

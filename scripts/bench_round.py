@@ -141,7 +141,7 @@ def main(argv=None):
   tokenizer = tok.load_tokenizer(args.workdir) if args.workdir else None
   if tokenizer is not None and getattr(tokenizer, "chat_template", None):
     # a chat target: the held-out chat prompts (categories in turn) through its template
-    chats = [p for p in data_lib.heldout_chat_prompts(args.chat_prompts)]
+    chats = data_lib.heldout_chat_prompts(args.chat_prompts)
     by_cat = {}
     for p in chats:
       by_cat.setdefault(p.get("category", ""), []).append(p)

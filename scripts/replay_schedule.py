@@ -78,6 +78,19 @@ def main(argv=None):
   ap.add_argument("--out", default="results/replay_schedule", help="output prefix")
   args = ap.parse_args(argv)
   cli.check_range(ap, args, per_category=1, max_new_tokens=1)
+  costs = None
+  if args.costs:                         # checked before the model loads (its count after)
+    try:
+      costs = [float(x) for x in args.costs.split(",")]
+    except ValueError:
+      costs = []
+    if not costs or not all(np.isfinite(c) and c > 0 for c in costs):
+      ap.error(f"--costs={args.costs!r}: give positive seconds (or AR-step units) per round for "
+               "g = 0..G_max, comma-separated")
+  try:
+    rp.parse_variants(args.variants, AutoSchedule(1))
+  except ValueError as e:
+    ap.error(f"--variants: {e}")
   cfg, model, step = loading.load_model(args.workdir)
   if model.mtp_depth < 1:
     ap.error(f"--workdir={args.workdir!r} has no MTP modules (mtp.depth = 0)")
@@ -90,12 +103,8 @@ def main(argv=None):
   except ValueError as e:
     ap.error(f"--variants: {e}")
   prompts = heldout_prompts(args.chat_prompts, tokenizer, args.per_category)
-  if args.costs:
-    try:
-      costs = [float(x) for x in args.costs.split(",")]
-    except ValueError:
-      costs = []
-    if len(costs) != g_max + 1 or not all(np.isfinite(c) and c > 0 for c in costs):
+  if costs is not None:
+    if len(costs) != g_max + 1:
       ap.error(f"--costs needs {g_max + 1} positive values (g = 0..{g_max}), got {args.costs!r}")
   else:
     first = next(iter(prompts.values()))[0]
