@@ -33,6 +33,7 @@ not replayed) and prefill is left out (the same for every schedule).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -69,13 +70,13 @@ def greedy_acceptance(model, prompt, answer, max_draft_tokens: int) -> np.ndarra
   tokens = np.concatenate([prompt, answer])[None]
   out = model(jnp.asarray(tokens), recursive_steps=max(0, max_draft_tokens - d))
   p, n_ans = prompt.size, answer.size
+  k = np.arange(n_ans)                     # round start n = P + k: chain at n-2
   acc = np.zeros((n_ans, max_draft_tokens), bool)
   for j in range(1, max_draft_tokens + 1):
     draft = np.asarray(jnp.argmax(out.mtp_logits[j - 1][0], -1))     # at i: guess for t_{i+j+1}
-    for k in range(n_ans):
-      i, target = p + k - 2, p + k + j - 1           # n = P + k: chain start n-2, position n+j-1
-      if target < p + n_ans:
-        acc[k, j - 1] = draft[i] == tokens[0, target]
+    target = p + k + j - 1                                           # draft j's position n+j-1
+    ok = target < p + n_ans
+    acc[ok, j - 1] = draft[p + k[ok] - 2] == tokens[0, target[ok]]
   return acc
 
 
@@ -88,6 +89,13 @@ class Replay:
   time_s: float
   draft_lengths: tuple[int, ...]
   tokens: int
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted(schedule):
+  """(choose, update) of a schedule jitted once per schedule (a frozen,
+  hashable dataclass), not once per replayed answer."""
+  return jax.jit(schedule.choose), jax.jit(schedule.update, static_argnums=1)
 
 
 def _accepted(acc: np.ndarray, k: int, g: int) -> int:
@@ -120,7 +128,7 @@ def replay(acc: np.ndarray, costs: Sequence[float], max_new: int, schedule=None,
     sched = schedule.init_state(1, jnp.asarray(costs[:schedule.max_draft_tokens + 1]))
     prior = jnp.broadcast_to(schedule.prior_alpha(greedy), (1, schedule.max_draft_tokens))
     sched = {**sched, "alpha": prior, "prior": prior}         # as decode.calibrate.with_costs
-    choose, update = jax.jit(schedule.choose), jax.jit(schedule.update, static_argnums=1)
+    choose, update = _jitted(schedule)
     active = jnp.asarray([True])
   left, cur = 0, g
   while emitted < budget and rounds < max_new:
@@ -179,9 +187,9 @@ def compare(records: list[dict], costs: Sequence[float], max_new: int,
   g_max = len(costs) - 1
   rows = []
   for rec in records:
-    acc = rec["acc"][:, :g_max] if rec["acc"].shape[1] >= g_max else None
-    if acc is None:
+    if rec["acc"].shape[1] < g_max:
       raise ValueError(f"records hold {rec['acc'].shape[1]} draft positions; costs ask for {g_max}")
+    acc = rec["acc"][:, :g_max]
     runs = {f"G{g}": replay(acc, costs, max_new, g=g) for g in range(g_max + 1)}
     for label, s in schedules.items():
       runs[label] = replay(acc, costs, max_new, schedule=s)
@@ -237,7 +245,8 @@ def save_records(path: str, records: list[dict]) -> None:
   arrays = {"category": np.asarray([r["category"] for r in records]),
             "index": np.asarray([r["index"] for r in records], np.int32)}
   for i, r in enumerate(records):
-    arrays[f"prompt_{i}"], arrays[f"answer_{i}"], arrays[f"acc_{i}"] = r["prompt"], r["answer"], r["acc"]
+    for field in ("prompt", "answer", "acc"):
+      arrays[f"{field}_{i}"] = r[field]
   np.savez_compressed(path, **arrays)
 
 

@@ -38,10 +38,11 @@ apart (once per generation). Writes ``OUT.json`` (with provenance) and
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import tempfile
 
-from decode import bench_profile
+from decode import bench_chat, bench_profile
 from decode import tree as tree_lib
 from decode.speculative import DecodeError
 from mtp import loading
@@ -141,13 +142,9 @@ def main(argv=None):
   tokenizer = tok.load_tokenizer(args.workdir) if args.workdir else None
   if tokenizer is not None and getattr(tokenizer, "chat_template", None):
     # a chat target: the held-out chat prompts (categories in turn) through its template
-    chats = data_lib.heldout_chat_prompts(args.chat_prompts)
-    by_cat = {}
-    for p in chats:
-      by_cat.setdefault(p.get("category", ""), []).append(p)
-    order = [p for group in zip(*by_cat.values()) for p in group] or chats
-    prompts = [tokenizer.apply_chat_template(data_lib.prompt_messages(order[i % len(order)]))
-               for i in range(args.batch_size)]
+    by_cat = bench_chat.heldout_prompts(args.chat_prompts, tokenizer, args.batch_size)
+    order = [p for group in itertools.zip_longest(*by_cat.values()) for p in group if p is not None]
+    prompts = [order[i % len(order)] for i in range(args.batch_size)]
     source = f"{args.chat_prompts} (chat template)"
   else:
     texts = data_lib.held_out_prompts(args.dataset, args.batch_size, args.prompt_bytes,
