@@ -50,11 +50,17 @@ def test_updated_costs_is_a_normalised_lms_step():
   assert calibrate.updated_costs(c, n, calibrate.OUTLIER * 25.0 - 1)[0] > c[0]
 
 
-def test_the_first_generation_of_a_shape_does_not_move_the_costs(trained_markov):
+def test_the_first_generation_of_a_shape_does_not_move_the_costs(trained_markov, monkeypatch):
   """The first generate call of a (batch, cache length, mode) compiles its
   program inside the timed decoding phase: its time must not be learned
   (it once put seconds of compilation into every round's cost); the second
-  call's is."""
+  call's is. The outlier rule (a call 10x slower than predicted teaches
+  nothing, tested on updated_costs above) is switched off here: 8 rounds of
+  this tiny model take ~0.5 ms, and the call's fixed overhead is 2-3x that
+  on an idle machine, so beside another test process the second call
+  sometimes crossed 10x and taught nothing (a fresh-clone make test failed
+  that way). The first call is still skipped, by its key alone."""
+  monkeypatch.setattr(calibrate, "OUTLIER", float("inf"))
   _, model, _ = trained_markov
   prompts = random_prompts([6, 9])
   dec = Decoder(model, "mtp", "auto", max_draft_tokens=2)
