@@ -1,7 +1,7 @@
-"""Replaying draft-length schedules on recorded greedy answers: how many
-target calls and how much decoding time a schedule (``decode.schedule``'s
-"auto", or a fixed G) would spend on a given answer, without decoding it
-again (scripts/replay_schedule.py).
+"""Replaying draft-length schedules on recorded answers: how many target
+calls and how much decoding time a schedule (``decode.schedule``'s "auto",
+or a fixed G) would spend on a given answer, without decoding it again
+(scripts/replay_schedule.py). Exact at T = 0; exact in law at T > 0 (below).
 
 At T = 0 a speculative decoder emits the target's greedy answer x whatever
 its schedule, and whether a draft is accepted depends only on where the
@@ -28,6 +28,29 @@ Exact at T = 0 up to floating-point ties between the cache-free forward
 and the cached rounds (a test compares replayed target calls with real
 decoding). The costs are fixed per g (the decoder's own cost learning is
 not replayed) and prefill is left out (the same for every schedule).
+
+T > 0 (``acceptance_probs``). A lossless decoder's output has the law of AR
+sampling whatever its schedule, so an answer x sampled by AR is a draw of
+every schedule's output too, and what remains random given x is only which
+drafts were accepted. For the round starting at n (Leviathan et al. 2023,
+Algorithm 1, with the drafts of ``decode.drafters``), draft j is accepted
+and equals x_{n+j-1} with probability min(p_j, q_j)(x_{n+j-1}) (drafted
+from q_j, kept with probability min(1, p_j/q_j)), and the round emits
+x_{n+j-1} with probability p_j(x_{n+j-1}), so
+
+    P(draft j accepted | drafts 1..j-1 accepted, x) = min(p_j, q_j)(x_{n+j-1}) / p_j(x_{n+j-1})
+
+where p_j is the warped target distribution at position n+j-2 and q_j the
+warped draft distribution of depth j at chain start n-2, both conditioned on
+x (what an accepted prefix is): teacher-forced values of the same
+cache-free forward. Given x these are independent over j and over round
+starts, and the later tokens depend on the round only through x, so
+drawing U [L, G] ~ uniform once and accepting draft j of the round at k iff
+U[k, j-1] < rho[k, j-1] replays the decoder exactly in law; the same U for
+every schedule (common random numbers) makes their differences less noisy.
+Unlike a benchmark at T > 0, every schedule is judged on the same answers,
+so the sampled answer length, which dominates a 2-prompt benchmark cell,
+cancels.
 """
 
 from __future__ import annotations
@@ -39,6 +62,22 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def _teacher_forced(model, prompt, answer, max_draft_tokens: int, who: str):
+  """Checks the arguments and runs the cache-free forward over prompt +
+  answer: (model output, tokens int32 [1, P+L], P, L)."""
+  d = model.mtp_depth
+  if d < 1:
+    raise ValueError(f"{who} needs a model with MTP modules (mtp.depth >= 1)")
+  if max_draft_tokens < 1:
+    raise ValueError(f"max_draft_tokens={max_draft_tokens} must be >= 1")
+  prompt, answer = np.asarray(prompt, np.int32), np.asarray(answer, np.int32)
+  if prompt.size < 2 or answer.size == 0:
+    raise ValueError(f"{who} needs a prompt of >= 2 tokens and a non-empty answer")
+  tokens = np.concatenate([prompt, answer])[None]
+  out = model(jnp.asarray(tokens), recursive_steps=max(0, max_draft_tokens - d))
+  return out, tokens, prompt.size, answer.size
 
 
 def greedy_acceptance(model, prompt, answer, max_draft_tokens: int) -> np.ndarray:
@@ -59,17 +98,8 @@ def greedy_acceptance(model, prompt, answer, max_draft_tokens: int) -> np.ndarra
   Raises ValueError for D = 0, G_max < 1, a prompt shorter than 2 tokens or
   an empty answer.
   """
-  d = model.mtp_depth
-  if d < 1:
-    raise ValueError("greedy_acceptance needs a model with MTP modules (mtp.depth >= 1)")
-  if max_draft_tokens < 1:
-    raise ValueError(f"max_draft_tokens={max_draft_tokens} must be >= 1")
-  prompt, answer = np.asarray(prompt, np.int32), np.asarray(answer, np.int32)
-  if prompt.size < 2 or answer.size == 0:
-    raise ValueError("greedy_acceptance needs a prompt of >= 2 tokens and a non-empty answer")
-  tokens = np.concatenate([prompt, answer])[None]
-  out = model(jnp.asarray(tokens), recursive_steps=max(0, max_draft_tokens - d))
-  p, n_ans = prompt.size, answer.size
+  out, tokens, p, n_ans = _teacher_forced(model, prompt, answer, max_draft_tokens,
+                                          "greedy_acceptance")
   k = np.arange(n_ans)                     # round start n = P + k: chain at n-2
   acc = np.zeros((n_ans, max_draft_tokens), bool)
   for j in range(1, max_draft_tokens + 1):
@@ -78,6 +108,53 @@ def greedy_acceptance(model, prompt, answer, max_draft_tokens: int) -> np.ndarra
     ok = target < p + n_ans
     acc[ok, j - 1] = draft[p + k[ok] - 2] == tokens[0, target[ok]]
   return acc
+
+
+def acceptance_probs(model, prompt, answer, max_draft_tokens: int, params) -> np.ndarray:
+  """Per-round-start acceptance probabilities of a sampled answer (module
+  docstring, T > 0): rho[k, j-1] = min(p_j, q_j)(x) / p_j(x) at x =
+  answer[k+j-1], the probability that draft j of the round starting with
+  answer[:k] committed is accepted, given drafts 1..j-1 were and given the
+  answer (Leviathan et al. 2023, Algorithm 1).
+
+  Args:
+    model, prompt, max_draft_tokens: as ``greedy_acceptance``.
+    answer: int [L], an answer sampled from the target under ``params`` (by
+      AR or any lossless decoder), a final stop id included.
+    params: the ``SamplingParams`` it was sampled with (the same warp,
+      temperature then top-k then top-p, is applied to target and drafts, as
+      in decoding; greedy params give ``greedy_acceptance`` as 0.0 / 1.0).
+  Returns:
+    float32 [L, G_max] in [0, 1] (0 past the answer's end, and where the
+    cache-free p_j(x) is 0: a token at a top-p boundary that float rounding
+    moved out of the nucleus).
+  Raises ValueError as ``greedy_acceptance``.
+  """
+  from decode.sampling import warped_probs
+  if params.greedy:
+    return greedy_acceptance(model, prompt, answer, max_draft_tokens).astype(np.float32)
+  out, tokens, p, n_ans = _teacher_forced(model, prompt, answer, max_draft_tokens,
+                                          "acceptance_probs")
+  probs = warped_probs(out.logits[0], params)                        # [P+L, V]: i predicts i+1
+  k = np.arange(n_ans)
+  rho = np.zeros((n_ans, max_draft_tokens), np.float32)
+  for j in range(1, max_draft_tokens + 1):
+    target = p + k + j - 1
+    ok = target < p + n_ans
+    x = jnp.asarray(tokens[0, target[ok]])
+    q = warped_probs(out.mtp_logits[j - 1][0], params)               # at i: draft for t_{i+j+1}
+    qx = np.asarray(q[jnp.asarray(p + k[ok] - 2), x])
+    px = np.asarray(probs[jnp.asarray(target[ok] - 1), x])
+    rho[ok, j - 1] = np.where(px > 0, np.minimum(px, qx) / np.where(px > 0, px, 1.0), 0.0)
+  return np.clip(rho, 0.0, 1.0)
+
+
+def draw_acceptance(rho: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+  """One draw of the acceptance events: bool [L, G], U < rho with U uniform
+  [L, G] (bool ``rho`` from ``greedy_acceptance`` is returned as it is)."""
+  if rho.dtype == bool:
+    return rho
+  return rng.random(rho.shape) < rho
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,73 +224,134 @@ def replay(acc: np.ndarray, costs: Sequence[float], max_new: int, schedule=None,
 
 
 def record(model, tokenizer, prompts: dict, max_new: int, max_draft_tokens: int,
-           log=None) -> list[dict]:
-  """Greedy answers and their acceptance for chat prompts.
+           log=None, params=None, samples: int = 1) -> list[dict]:
+  """AR answers and their acceptance for chat prompts.
 
   Args:
     model, tokenizer: the target with its modules and its tokenizer.
     prompts: {category: [int32 ids [P], ...]} (chat template applied).
     max_new: token budget per answer; max_draft_tokens: G_max >= 1.
-    log: optional callable getting one line per prompt.
+    log: optional callable getting one line per answer.
+    params: ``SamplingParams`` (default greedy). Greedy: one answer per
+      prompt and bool acceptance (``greedy_acceptance``); sampling:
+      ``samples`` answers per prompt (the rows of one batch) and acceptance
+      probabilities (``acceptance_probs``).
   Returns:
-    [{"category", "index", "prompt" int32 [P], "answer" int32 [L], "acc"
-    bool [L, G_max]}] in category order.
+    [{"category", "index", "sample", "prompt" int32 [P], "answer" int32
+    [L], "acc" bool or float32 [L, G_max]}] in category order.
   """
   from decode.speculative import Decoder, SamplingParams
+  params = SamplingParams(0.0) if params is None else params
+  if samples < 1 or (params.greedy and samples != 1):
+    raise ValueError(f"samples={samples}: give 1 at T = 0 (the answer is the same), >= 1 else")
   ar = Decoder(model, "ar", tokenizer=tokenizer)
   out = []
   for cat, ps in prompts.items():
     for i, p in enumerate(ps):
-      ans = np.asarray(ar.generate([p], max_new, SamplingParams(0.0), seed=0).tokens[0], np.int32)
-      acc = greedy_acceptance(model, p, ans, max_draft_tokens)
-      out.append({"category": cat, "index": i, "prompt": np.asarray(p, np.int32), "answer": ans,
-                  "acc": acc})
-      if log is not None:
-        log(f"{cat} {i}: {len(ans)} tokens, alpha_1 along the answer {acc[:, 0].mean():.2f}")
+      gen = ar.generate([p] * samples, max_new, params, seed=0)      # rows sample independently
+      for s in range(samples):
+        ans = np.asarray(gen.tokens[s], np.int32)
+        acc = acceptance_probs(model, p, ans, max_draft_tokens, params)
+        if params.greedy:
+          acc = acc > 0.5
+        out.append({"category": cat, "index": i, "sample": s, "prompt": np.asarray(p, np.int32),
+                    "answer": ans, "acc": acc})
+        if log is not None:
+          log(f"{cat} {i}.{s}: {len(ans)} tokens, alpha_1 along the answer {acc[:, 0].mean():.2f}")
   return out
 
 
 def compare(records: list[dict], costs: Sequence[float], max_new: int,
-            schedules: dict) -> list[dict]:
+            schedules: dict, draws: int = 1, seed: int = 0) -> list[dict]:
   """Every record replayed with fixed G = 0..G_max (``len(costs) - 1``) and
   with each schedule of ``schedules`` ({label: AutoSchedule}).
 
-  Returns one row per record: category, index, tokens, and per decoder
-  label ("G0".."G<max>", then the schedules' labels) its rounds, time (in
-  the units of ``costs``) and speedup over G0 (AR); ``best_fixed`` (the
-  label of the fastest fixed G) and, per schedule, ``<label>/best`` = its
-  speedup over the fastest fixed G.
+  Records with bool acceptance (T = 0) are replayed once, with the
+  schedules' greedy prior; records with probabilities (T > 0) ``draws``
+  times (``draw_acceptance``, one draw shared by every decoder; seeded by
+  ``seed`` and the record's position) with the sampling prior, and rounds
+  and times are the means over the draws.
+
+  Returns one row per record: category, index, sample, tokens, alpha_1
+  (mean acceptance of draft 1 along the answer) and per decoder label
+  ("G0".."G<max>", then the schedules' labels) its rounds, time (in the
+  units of ``costs``), speedup over G0 (AR) and draft-length histogram (over
+  all draws); ``best_fixed`` (the label of the fastest fixed G) and, per
+  schedule, ``<label>/best`` = its speedup over the fastest fixed G.
+  Raises ValueError when records hold fewer draft positions than ``costs``
+  asks for, or ``draws`` < 1.
   """
+  if draws < 1:
+    raise ValueError(f"draws={draws} must be >= 1")
   g_max = len(costs) - 1
   rows = []
-  for rec in records:
+  for n, rec in enumerate(records):
     if rec["acc"].shape[1] < g_max:
       raise ValueError(f"records hold {rec['acc'].shape[1]} draft positions; costs ask for {g_max}")
-    acc = rec["acc"][:, :g_max]
-    runs = {f"G{g}": replay(acc, costs, max_new, g=g) for g in range(g_max + 1)}
-    for label, s in schedules.items():
-      runs[label] = replay(acc, costs, max_new, schedule=s)
-    ar = runs["G0"].time_s
-    best = min((f"G{g}" for g in range(g_max + 1)), key=lambda k: runs[k].time_s)
-    row = {"category": rec["category"], "index": rec["index"], "tokens": int(len(rec["answer"])),
-           "alpha_1": float(rec["acc"][:, 0].mean()), "best_fixed": best}
-    for label, r in runs.items():
-      row[label] = {"rounds": r.rounds, "time": r.time_s, "speedup": ar / r.time_s,
-                    "draft_lengths": np.bincount(r.draft_lengths, minlength=g_max + 1).tolist()}
+    rho = rec["acc"][:, :g_max]
+    greedy = rho.dtype == bool
+    rng = np.random.default_rng([seed, n])
+    labels = [f"G{g}" for g in range(g_max + 1)] + list(schedules)
+    time = dict.fromkeys(labels, 0.0)
+    rounds = dict.fromkeys(labels, 0)
+    hist = {k: np.zeros(g_max + 1, np.int64) for k in labels}
+    n_draws = 1 if greedy else draws
+    for _ in range(n_draws):
+      acc = draw_acceptance(rho, rng)
+      runs = {f"G{g}": replay(acc, costs, max_new, g=g) for g in range(g_max + 1)}
+      for label, s in schedules.items():
+        runs[label] = replay(acc, costs, max_new, schedule=s, greedy=greedy)
+      for label, r in runs.items():
+        time[label] += r.time_s / n_draws
+        rounds[label] += r.rounds
+        hist[label] += np.bincount(r.draft_lengths, minlength=g_max + 1)
+    ar = time["G0"]
+    best = min((f"G{g}" for g in range(g_max + 1)), key=lambda k: time[k])
+    row = {"category": rec["category"], "index": rec["index"], "sample": int(rec.get("sample", 0)),
+           "tokens": int(len(rec["answer"])), "alpha_1": float(rho[:, 0].mean()),
+           "best_fixed": best}
+    for label in labels:
+      row[label] = {"rounds": rounds[label] / n_draws, "time": time[label],
+                    "speedup": ar / time[label], "draft_lengths": hist[label].tolist()}
     for label in schedules:
-      row[f"{label}/best"] = runs[best].time_s / runs[label].time_s
+      row[f"{label}/best"] = time[best] / time[label]
     rows.append(row)
   return rows
 
 
-def measured_costs(model, tokenizer, prompt, max_draft_tokens: int, max_new: int) -> np.ndarray:
-  """[G_max+1] seconds per round at g = 0..G_max at T = 0 on this device,
-  as "auto" calibrates them (``decode.calibrate.decoder_round_costs``,
-  while_loop form, B = 1, after the prefill of ``prompt``)."""
+def by_category(rows: list[dict], labels: Sequence[str], schedules: Sequence[str]) -> dict:
+  """Per category (and "all"): geomean speedup of each decoder over the
+  category's answers, and per schedule the geomean and minimum of
+  ``<label>/best`` plus its speedup over the best fixed G of the category
+  as a whole (ratio of geomean speedups: the benchmark's per-cell view)."""
+  geo = lambda xs: float(np.exp(np.mean(np.log(xs))))
+  groups = {}
+  for r in rows:
+    groups.setdefault(r["category"], []).append(r)
+  groups["all"] = rows
+  out = {}
+  for cat, rs in groups.items():
+    sp = {l: geo([r[l]["speedup"] for r in rs]) for l in labels}
+    fixed = max((l for l in labels if l.startswith("G")), key=sp.get)
+    entry = {"answers": len(rs), "speedup": sp, "best_fixed": fixed}
+    for s in schedules:
+      entry[f"{s}/best"] = geo([r[f"{s}/best"] for r in rs])
+      entry[f"{s}/best_min"] = min(r[f"{s}/best"] for r in rs)
+      entry[f"{s}/best_cell"] = sp[s] / sp[fixed]
+    out[cat] = entry
+  return out
+
+
+def measured_costs(model, tokenizer, prompt, max_draft_tokens: int, max_new: int,
+                   params=None) -> np.ndarray:
+  """[G_max+1] seconds per round at g = 0..G_max under ``params`` (default
+  T = 0) on this device, as "auto" calibrates them
+  (``decode.calibrate.decoder_round_costs``, while_loop form, B = 1, after
+  the prefill of ``prompt``)."""
   from decode import calibrate
   from decode.speculative import Decoder, SamplingParams
   dec = Decoder(model, "mtp", "auto", tokenizer=tokenizer, max_draft_tokens=max_draft_tokens)
-  sp = SamplingParams(0.0).validate()
+  sp = (SamplingParams(0.0) if params is None else params).validate()
   state, prefill_len = dec.prepare([prompt], max_new, 0)
   return calibrate.decoder_round_costs(dec, dec.prefill(state, prefill_len), sp, "while")
 
@@ -239,20 +377,33 @@ def parse_variants(text: str, base) -> dict:
   return out
 
 
-def save_records(path: str, records: list[dict]) -> None:
+def save_records(path: str, records: list[dict], sampling=(0.0, 0, 1.0)) -> None:
   """Writes ``record``'s list to ``path`` (.npz: one prompt / answer /
-  acceptance array per record, categories and indices as arrays)."""
-  arrays = {"category": np.asarray([r["category"] for r in records]),
-            "index": np.asarray([r["index"] for r in records], np.int32)}
+  acceptance array per record, categories, indices and samples as arrays,
+  and ``sampling`` = (temperature, top_k, top_p) the answers were drawn with)."""
+  arrays = {"sampling": np.asarray(sampling, np.float64),"category": np.asarray([r["category"] for r in records]),
+            "index": np.asarray([r["index"] for r in records], np.int32),
+            "sample": np.asarray([r.get("sample", 0) for r in records], np.int32)}
   for i, r in enumerate(records):
     for field in ("prompt", "answer", "acc"):
       arrays[f"{field}_{i}"] = r[field]
   np.savez_compressed(path, **arrays)
 
 
+def load_sampling(path: str) -> tuple[float, int, float]:
+  """(temperature, top_k, top_p) of the records in ``path`` ((0, 0, 1) for
+  files written before it was stored: greedy records)."""
+  with np.load(path) as z:
+    if "sampling" not in z:
+      return (0.0, 0, 1.0)
+    t, k, p = z["sampling"].tolist()
+    return (float(t), int(k), float(p))
+
+
 def load_records(path: str) -> list[dict]:
   """``save_records``' list back from ``path``."""
   with np.load(path) as z:
-    return [{"category": str(c), "index": int(k), "prompt": z[f"prompt_{i}"],
+    samples = z["sample"] if "sample" in z else np.zeros(len(z["index"]), np.int32)
+    return [{"category": str(c), "index": int(k), "sample": int(s), "prompt": z[f"prompt_{i}"],
              "answer": z[f"answer_{i}"], "acc": z[f"acc_{i}"]}
-            for i, (c, k) in enumerate(zip(z["category"], z["index"]))]
+            for i, (c, k, s) in enumerate(zip(z["category"], z["index"], samples))]

@@ -1,21 +1,27 @@
-r"""Draft-length schedules replayed on the target's own greedy answers
+r"""Draft-length schedules replayed on the target's own answers
 (decode/replay.py): how fixed G = 0..G_max, the CLI's "auto" and variants of
 it would spend target calls and time on held-out chat prompts, in seconds
 instead of a benchmark's minutes.
 
     python scripts/replay_schedule.py --workdir runs/smollm_demo [--per_category 2] \
         [--max_new_tokens 128] [--costs 1,1.22,1.43,1.63] \
+        [--temperature 1 --top_p 1 --samples 4 --draws 8] \
         [--variants "slow:ema=0.05;probe:probe_interval=1"] [--out results/replay_schedule]
 
-Each prompt is answered once greedily (AR); one cache-free forward of the
-target and its modules over prompt + answer gives the acceptance of every
-draft position at every round start (exact at T = 0: the decoder emits the
-same answer whatever the schedule). Every decoder is then replayed round by
-round with the round costs ``--costs`` (seconds or units of an AR step per
-g = 0..G_max; default: measured on this device as "auto" calibrates them).
-The schedules run the decoder's own ``AutoSchedule.choose`` / ``update``
-code. What it leaves out: the prefill (equal for all), the decoder's cost
-learning between generations, and T > 0. Writes OUT.json and OUT.md.
+Each prompt is answered by AR (once greedily at T = 0; ``--samples``
+answers at T > 0); one cache-free forward of the target and its modules over
+prompt + answer gives the acceptance of every draft position at every round
+start: exact at T = 0 (the decoder emits the same answer whatever the
+schedule), and at T > 0 the probability that each draft is accepted given
+the sampled answer, min(p, q)(x) / p(x), which replays a lossless decoder
+exactly in law (``--draws`` draws of the acceptance events per answer,
+shared by every decoder). Every decoder is then replayed round by round with
+the round costs ``--costs`` (seconds or units of an AR step per g =
+0..G_max; default: measured on this device as "auto" calibrates them, at
+the given sampling settings). The schedules run the decoder's own
+``AutoSchedule.choose`` / ``update`` code. What it leaves out: the prefill
+(equal for all) and the decoder's cost learning between generations.
+Writes OUT.json and OUT.md.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from decode import replay as rp
 from decode import run as run_lib
 from decode.bench_chat import heldout_prompts
 from decode.schedule import AutoSchedule
-from decode.speculative import DecodeError
+from decode.speculative import DecodeError, SamplingParams
 from mtp import cli, loading, report
 from mtp import data as data_lib
 from mtp import tokenizer as tok
@@ -37,24 +43,39 @@ from mtp import tokenizer as tok
 
 def markdown(rows, labels, schedules, meta) -> str:
   g_labels = [l for l in labels if l.startswith("G")]
-  lines = [f"Schedules replayed on greedy answers: {meta['model']} on {report.machine(meta)}, "
-           f"commit {meta['commit']}, {meta['date']}; B = 1, T = 0, {meta['max_new_tokens']} new "
-           f"tokens, round costs per g (AR step = 1): "
+  t, top_k, top_p = meta["sampling"]
+  greedy = t == 0
+  setting = ("T = 0" if greedy else
+             f"T = {t:g}, top-k {top_k}, top-p {top_p:g}; {meta['samples']} sampled AR answers per "
+             f"prompt, {meta['draws']} draws of the acceptance events per answer")
+  cats = rp.by_category(rows, labels, list(schedules))
+  lines = [f"Schedules replayed on {'greedy' if greedy else 'sampled'} answers: {meta['model']} on "
+           f"{report.machine(meta)}, commit {meta['commit']}, {meta['date']}; B = 1, {setting}, "
+           f"{meta['max_new_tokens']} new tokens, round costs per g (AR step = 1): "
            f"{', '.join(f'{c:.3f}' for c in meta['relative_costs'])}.", "",
-           "Speedup over AR per answer (replayed target calls x round costs, prefill left out); "
-           "last columns: each schedule over the fastest fixed G on that answer.", "",
-           "| category | # | tokens | alpha_1 | " + " | ".join(labels) + " | "
-           + " | ".join(f"{s} / best" for s in schedules) + " |",
-           "|---|---|---|---|" + "---|" * (len(labels) + len(schedules))]
+           "## Per category", "",
+           "Geomean speedup over AR over the category's answers (replayed target calls x round "
+           "costs, prefill left out); per schedule: over the best fixed G per answer (geomean, "
+           "min) and over the category's best fixed G (the benchmark's per-cell view).", "",
+           "| category | answers | " + " | ".join(labels) + " | best fixed | "
+           + " | ".join(f"{s} / best per answer (min) | {s} / best in category" for s in schedules)
+           + " |",
+           "|---|---|" + "---|" * (len(labels) + 1 + 2 * len(schedules))]
+  for cat, e in cats.items():
+    name = f"**{cat}**" if cat == "all" else cat
+    lines.append(f"| {name} | {e['answers']} | "
+                 + " | ".join(f"{e['speedup'][l]:.3f}x" for l in labels) + f" | {e['best_fixed']} | "
+                 + " | ".join(f"{e[f'{s}/best']:.3f} ({e[f'{s}/best_min']:.3f}) | "
+                              f"{e[f'{s}/best_cell']:.3f}" for s in schedules) + " |")
+  lines += ["", "## Per answer", "",
+            "| category | # | tokens | alpha_1 | " + " | ".join(labels) + " | "
+            + " | ".join(f"{s} / best" for s in schedules) + " |",
+            "|---|---|---|---|" + "---|" * (len(labels) + len(schedules))]
   for r in rows:
-    lines.append(f"| {r['category']} | {r['index']} | {r['tokens']} | {r['alpha_1']:.2f} | "
+    idx = f"{r['index']}" if greedy else f"{r['index']}.{r['sample']}"
+    lines.append(f"| {r['category']} | {idx} | {r['tokens']} | {r['alpha_1']:.2f} | "
                  + " | ".join(f"{r[l]['speedup']:.2f}x" for l in labels) + " | "
                  + " | ".join(f"{r[f'{s}/best']:.3f}" for s in schedules) + " |")
-  geo = lambda xs: float(np.exp(np.mean(np.log(xs))))
-  lines.append("| **geomean** | | | | " + " | ".join(
-      f"**{geo([r[l]['speedup'] for r in rows]):.3f}x**" for l in labels) + " | " + " | ".join(
-      f"**{geo([r[f'{s}/best'] for r in rows]):.3f}** (min {min(r[f'{s}/best'] for r in rows):.3f})"
-      for s in schedules) + " |")
   lines += ["", "Schedules: " + "; ".join(f"`{s}` = {v}" for s, v in meta["schedules"].items()),
             f"Fixed G columns: {', '.join(g_labels)}."]
   return "\n".join(lines) + "\n"
@@ -72,12 +93,34 @@ def main(argv=None):
                   help="round costs for g = 0..G_max, comma list (default: measured here)")
   ap.add_argument("--variants", default="",
                   help="schedule variants of the CLI's auto: \"LABEL:field=value,...;...\"")
+  ap.add_argument("--temperature", type=float, default=0.0,
+                  help="sampling temperature of the AR answers and the replayed decoders, >= 0")
+  ap.add_argument("--top_k", type=int, default=0, help="top-k (0 = off), >= 0")
+  ap.add_argument("--top_p", type=float, default=1.0, help="top-p in (0, 1]")
+  ap.add_argument("--samples", type=int, default=None,
+                  help="sampled AR answers per prompt at T > 0, >= 1 (default 4; 1 at T = 0)")
+  ap.add_argument("--draws", type=int, default=8,
+                  help="draws of the acceptance events per sampled answer, >= 1")
+  ap.add_argument("--seed", type=int, default=0, help="seed of the acceptance draws")
   ap.add_argument("--records", default=None,
                   help="an .npz of recorded answers: read when it exists (no decoding), else "
                        "written after recording")
   ap.add_argument("--out", default="results/replay_schedule", help="output prefix")
   args = ap.parse_args(argv)
-  cli.check_range(ap, args, per_category=1, max_new_tokens=1)
+  cli.check_range(ap, args, per_category=1, max_new_tokens=1, draws=1)
+  params = SamplingParams(args.temperature, args.top_k, args.top_p)
+  try:
+    params.validate()
+  except DecodeError as e:
+    ap.error(str(e))
+  if args.samples is None:
+    args.samples = 1 if params.greedy else 4
+  if args.samples < 1 or (params.greedy and args.samples != 1):
+    ap.error(f"--samples={args.samples}: 1 at --temperature 0 (the answer is the same), >= 1 else")
+  sampling = (float(args.temperature), int(args.top_k), float(args.top_p))
+  if args.records and os.path.isfile(args.records) and rp.load_sampling(args.records) != sampling:
+    ap.error(f"--records={args.records!r} holds answers sampled at (temperature, top_k, top_p) = "
+             f"{rp.load_sampling(args.records)}, not {sampling}: give another --records path")
   costs = None
   if args.costs:                         # checked before the model loads (its count after)
     try:
@@ -109,25 +152,30 @@ def main(argv=None):
   else:
     first = next(iter(prompts.values()))[0]
     costs = [float(c) for c in rp.measured_costs(model, tokenizer, first, g_max,
-                                                 args.max_new_tokens)]
+                                                 args.max_new_tokens, params)]
     print("measured round costs (s): " + ", ".join(f"{c:.4f}" for c in costs), flush=True)
   if args.records and os.path.isfile(args.records):
     records = rp.load_records(args.records)
     print(f"read {len(records)} recorded answers from {args.records}")
   else:
     records = rp.record(model, tokenizer, prompts, args.max_new_tokens, g_max,
-                        log=lambda s: print(s, flush=True))
+                        log=lambda s: print(s, flush=True), params=params, samples=args.samples)
     if args.records:
-      rp.save_records(args.records, records)
-  rows = rp.compare(records, costs, args.max_new_tokens, schedules)
+      rp.save_records(args.records, records, sampling)
+  rows = rp.compare(records, costs, args.max_new_tokens, schedules, draws=args.draws,
+                    seed=args.seed)
   labels = [f"G{g}" for g in range(g_max + 1)] + list(schedules)
   meta = report.provenance(command=report.command_line(__file__, argv),
                            model=f"{args.workdir} (step {step})", checkpoint_step=step,
                            max_new_tokens=args.max_new_tokens, costs=costs,
                            relative_costs=[c / costs[0] for c in costs],
                            schedules={k: repr(v) for k, v in schedules.items()},
-                           chat_prompts=args.chat_prompts, per_category=args.per_category)
-  report.write_report(args.out, meta, {"rows": rows}, markdown(rows, labels, schedules, meta))
+                           chat_prompts=args.chat_prompts, per_category=args.per_category,
+                           sampling=list(sampling), samples=args.samples, draws=args.draws,
+                           seed=args.seed, records=args.records)
+  summary = rp.by_category(rows, labels, list(schedules))
+  report.write_report(args.out, meta, {"rows": rows, "by_category": summary},
+                      markdown(rows, labels, schedules, meta))
   print(markdown(rows, labels, schedules, meta))
   print(f"wrote {args.out}.json and {args.out}.md")
   return 0

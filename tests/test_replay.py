@@ -1,6 +1,8 @@
 """decode.replay: schedules replayed on recorded greedy answers give exactly
 the target calls and draft lengths of real decoding (the tiny Markov model,
-D = 2, drafts past D from module 2 reused)."""
+D = 2, drafts past D from module 2 reused); at T > 0 the replay on AR-sampled
+answers has the law of real speculative decoding (a two-sample test of mean
+target calls, and a replay with the wrong acceptance probabilities fails it)."""
 
 import numpy as np
 import pytest
@@ -71,6 +73,76 @@ def test_bad_arguments(recorded, trained_markov):
     rp.greedy_acceptance(model, p, ans, 0)
 
 
+def test_sampled_acceptance_tends_to_greedy_as_temperature_falls(recorded):
+  """The T > 0 path (warped p and q, min(p, q)(x) / p(x)) at T = 1e-3 on the
+  greedy answers: the same 0/1 acceptance as the argmax path, position by
+  position (an off-by-one in either path breaks it)."""
+  model, rows = recorded
+  for p, ans, acc in rows:
+    rho = rp.acceptance_probs(model, p, ans, 3, SamplingParams(1e-3))
+    assert rho.dtype == np.float32 and rho.shape == acc.shape
+    assert np.mean((rho > 0.5) == acc) > 0.98
+
+
+def _mean_se(x):
+  x = np.asarray(x, np.float64)
+  return x.mean(), x.std(ddof=1) / np.sqrt(len(x))
+
+
+def test_sampled_replay_has_the_law_of_real_decoding(trained_markov):
+  """At T = 1 (and top-p 0.9) replaying G = 3 on AR-sampled answers with
+  acceptance drawn from ``acceptance_probs`` gives the same mean target calls
+  per answer as real speculative decoding (two-sample z-test, |z| < 4 over
+  N = 96 + 96 answers; measured |z| < 1), while the replay with slightly
+  wrong probabilities rho^1.5 is rejected (|z| > 4; measured 6.4-7.0).
+  Modules with noise 1.5 x std: alpha_1 ~0.35, so every draft position
+  matters."""
+  model = with_noisy_mtp(trained_markov[1], 1.5, seed=3)
+  prompt = random_prompts([6], seed=11)[0]
+  n, g = 96, 3
+  for params in (SamplingParams(1.0), SamplingParams(1.0, 0, 0.9)):
+    real = Decoder(model, "mtp", g).generate([prompt] * n, MAX_NEW, params, seed=1)
+    answers = Decoder(model, "ar").generate([prompt] * n, MAX_NEW, params, seed=2).tokens
+    rng = np.random.default_rng(0)
+    right, wrong = [], []
+    for ans in answers:
+      rho = rp.acceptance_probs(model, prompt, np.asarray(ans, np.int32), g, params)
+      right.append(rp.replay(rp.draw_acceptance(rho, rng), COSTS, MAX_NEW, g=g).rounds)
+      wrong.append(rp.replay(rp.draw_acceptance(rho ** 1.5, rng), COSTS, MAX_NEW, g=g).rounds)
+    (m_real, se_real), (m_right, se_right), (m_wrong, se_wrong) = map(
+        _mean_se, (np.asarray(real.target_calls), right, wrong))
+    z_right = (m_right - m_real) / np.hypot(se_real, se_right)
+    z_wrong = (m_wrong - m_real) / np.hypot(se_real, se_wrong)
+    assert 15 < m_real < MAX_NEW - 5                     # drafts neither always nor never accepted
+    assert abs(z_right) < 4, (params, m_real, m_right, z_right)
+    assert abs(z_wrong) > 4, (params, m_real, m_wrong, z_wrong)
+
+
+def test_compare_averages_draws(recorded):
+  """compare at T > 0: one row per record, rounds averaged over the draws
+  (histograms summed), AR rounds = tokens, the same seed the same rows and
+  another seed other ones; bool records are replayed once."""
+  _, rows = recorded
+  recs = [{"category": "c", "index": i, "sample": 0, "prompt": p, "answer": ans,
+           "acc": np.where(acc, 0.7, 0.2).astype(np.float32)} for i, (p, ans, acc) in enumerate(rows)]
+  sched = {"auto": AutoSchedule(3)}
+  out = rp.compare(recs, COSTS, MAX_NEW, sched, draws=5, seed=3)
+  assert len(out) == len(recs)
+  for r, rec in zip(out, recs):
+    assert r["G0"]["rounds"] == len(rec["answer"]) and r["G0"]["speedup"] == 1.0
+    assert sum(r["G2"]["draft_lengths"]) == pytest.approx(5 * r["G2"]["rounds"])
+    assert r["G2"]["draft_lengths"][2] == sum(r["G2"]["draft_lengths"])
+  assert rp.compare(recs, COSTS, MAX_NEW, sched, draws=5, seed=3) == out
+  assert rp.compare(recs, COSTS, MAX_NEW, sched, draws=5, seed=4) != out
+  greedy = rp.compare([{**recs[0], "acc": rows[0][2]}], COSTS, MAX_NEW, sched, draws=5)
+  assert sum(greedy[0]["G1"]["draft_lengths"]) == greedy[0]["G1"]["rounds"]     # one replay
+  summary = rp.by_category(out, ["G0", "G1", "G2", "G3", "auto"], ["auto"])
+  assert set(summary) == {"c", "all"} and summary["all"]["answers"] == len(recs)
+  assert summary["all"]["auto/best_min"] <= summary["all"]["auto/best"]
+  with pytest.raises(ValueError, match="draws"):
+    rp.compare(recs, COSTS, MAX_NEW, {}, draws=0)
+
+
 @pytest.mark.slow
 def test_script_records_once_and_replays(tmp_path, capsys):
   from scripts import replay_schedule as script
@@ -96,3 +168,33 @@ def test_script_records_once_and_replays(tmp_path, capsys):
   assert json.load(open(out + ".json"))["results"]["rows"] == rows
   with pytest.raises(SystemExit):
     script.main([*argv[:-2], "--costs", "1,2", "--out", out])   # G_max = 2 needs 3 costs
+
+
+@pytest.mark.slow
+def test_script_replays_sampled_answers(tmp_path, capsys):
+  """--temperature 1: two sampled answers per prompt, probabilities in the
+  records, a per-category table; records of another temperature are refused
+  before anything is decoded."""
+  from scripts import replay_schedule as script
+  from tests import tiny_bpe
+  import json
+  target = tiny_bpe.import_tiny_workdir(str(tmp_path), mtp_depth=1)
+  out, rec = str(tmp_path / "replay"), str(tmp_path / "rec.npz")
+  argv = ["--workdir", target, "--per_category", "1", "--max_new_tokens", "8",
+          "--costs", "1,1.2,1.4", "--max_draft_tokens", "2", "--records", rec,
+          "--temperature", "1", "--samples", "2", "--draws", "3", "--out", out]
+  assert script.main(argv) == 0
+  res = json.load(open(out + ".json"))
+  rows = res["results"]["rows"]
+  assert len(rows) == 12 and {r["sample"] for r in rows} == {0, 1}
+  assert res["meta"]["sampling"] == [1.0, 0, 1.0] and res["meta"]["draws"] == 3
+  assert "all" in res["results"]["by_category"]
+  assert rp.load_sampling(rec) == (1.0, 0, 1.0)
+  assert all(r["acc"].dtype == np.float32 for r in rp.load_records(rec))
+  assert "## Per category" in open(out + ".md").read()
+  capsys.readouterr()
+  with pytest.raises(SystemExit):
+    script.main([*argv[:-2], "--temperature", "0.7", "--out", out])
+  assert "holds answers sampled at" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    script.main([*argv, "--temperature", "0"])          # samples 2 at T = 0
