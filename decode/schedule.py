@@ -32,6 +32,12 @@ validation acceptance (``python -m decode`` reads it from the workdir:
 ``decode.calibrate.stage_prior``; T = 0 from the argmax agreement, T > 0
 from E[sum min(p, q)]).
 
+A generation whose first choice would be AR (no g >= 1 expected to pay at
+the prior and the measured costs: ``AutoSchedule.drafting_pays``) runs as a
+plain AR decoder instead, without the modules' prefill or probes (on a
+shallow target with batched rows, where a round of drafting costs more than
+it emits, those were what cost `auto` most: docs/results.md 11.3).
+
 Exploration: while g* = 0 nothing is drafted, so nothing is learnt about
 acceptance. Acceptance comes in streaks (a run of rejected drafts in one
 stretch of an answer says little about the next stretch), so every AR round
@@ -156,6 +162,19 @@ class AutoSchedule:
     for j in range(1, alpha.shape[1]):
       cols.append(jnp.where(tested[:, j], alpha[:, j], jnp.minimum(alpha[:, j], cols[-1])))
     return jnp.stack(cols, axis=1)
+
+  def drafting_pays(self, costs, greedy: bool) -> bool:
+    """Host side, before a generation: whether some g >= 1 is expected to
+    emit more tokens per second than AR at the prior and the round costs
+    ``costs`` [G_max+1] (the value ``choose`` maximises, with every row at
+    the prior). When it is False, ``choose``'s first segment would be AR,
+    and the decoder runs the whole generation as plain AR instead
+    (``Decoder.generate``): no module prefill and no probes, which a
+    generation that is not expected to draft cannot win back."""
+    import numpy as np
+    alpha = self.prior_alpha(greedy)[None]
+    value = np.asarray(self.expected_tokens(alpha))[0] / np.asarray(costs, np.float64)
+    return bool(value[1:].max() > value[0])
 
   def choose(self, sched: dict, active) -> tuple[jax.Array, jax.Array, dict]:
     """(g, rounds, updated schedule state) for the next segment, from the

@@ -29,6 +29,7 @@ then raises ``NonFiniteLogitsError`` naming the row and the position.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
@@ -181,6 +182,7 @@ class Decoder:
     self.mesh = mesh
     self._costs: dict = {}
     self._cost_key = None    # the measured costs the last "auto" generation used
+    self._ar = None          # "auto"'s plain AR decoder (``_plain_ar``)
     if mesh is None:     # host (numpy) leaves would be copied to the device on every call
       self.target_params, self.draft_params = _on_device((self.target_params, self.draft_params))
     else:
@@ -293,6 +295,10 @@ class Decoder:
     sp = sampling_params.validate()
     state, prefill_len = self.prepare(prompts, max_new_tokens, seed, stops)
     state = calibrate.with_costs(self, state, sp, prompts, max_new_tokens)
+    if not self._drafting_pays(state, sp):
+      del state
+      return self._as_auto(self._plain_ar().generate(prompts, max_new_tokens, sampling_params,
+                                                     seed, stops))
     jax.block_until_ready(state)
     t0 = time.perf_counter()
     state = jax.block_until_ready(self.prefill(state, prefill_len))
@@ -322,6 +328,10 @@ class Decoder:
     state, prefill_len = self.prepare(prompts, max_new_tokens, seed, stops)
     strings = () if stops is None else tuple(stops.strings)
     state = calibrate.with_costs(self, state, sp, prompts, max_new_tokens, form="stream")
+    if not self._drafting_pays(state, sp):
+      del state
+      return self._as_auto(self._plain_ar().stream(prompts, max_new_tokens, sampling_params, seed,
+                                                   on_tokens, stops, on_text))
     jax.block_until_ready(state)
     t0 = time.perf_counter()
     state = jax.block_until_ready(self.prefill(state, prefill_len))   # else: dispatch time only
@@ -336,6 +346,36 @@ class Decoder:
     gen = self._result(state, emit_times, time.perf_counter() - t0, prefill, stops)
     calibrate.learn_costs(self._costs, self._cost_key, gen)
     return gen
+
+
+  # -- "auto" when drafting is not expected to pay -------------------------------------
+
+  def _drafting_pays(self, state, sp: SamplingParams) -> bool:
+    """True without "auto"; with it, ``AutoSchedule.drafting_pays`` at the
+    costs ``calibrate.with_costs`` put into ``state``."""
+    if self.schedule is None:
+      return True
+    costs = np.asarray(jax.device_get(state.auto.schedule["costs"]), np.float64)
+    return self.schedule.drafting_pays(costs, sp.greedy)
+
+  def _plain_ar(self) -> "Decoder":
+    """The AR decoder an "auto" generation falls back to (same target
+    parameters, tokenizer and mesh; built once)."""
+    if self._ar is None:
+      self._ar = Decoder(self.models()[0], "ar", mesh=self.mesh, tokenizer=self.tokenizer)
+    return self._ar
+
+  def _as_auto(self, gen: Generation) -> Generation:
+    """An AR fallback's ``Generation`` in "auto"'s shape: G_max, every round
+    an AR step (draft length 0, 0 accepted), no draft position tested."""
+    b, g = len(gen.tokens), self.G
+    rounds = np.asarray(gen.target_calls, np.int64)
+    hist = np.zeros((b, g + 1), np.int64)
+    hist[:, 0] = rounds
+    zeros = np.zeros((b, g), np.int64)
+    return dataclasses.replace(gen, num_draft_tokens=g, accepted_histogram=hist,
+                               draft_length_histogram=hist.copy(), position_tested=zeros,
+                               position_accepted=zeros.copy())
 
 
 def _on_device(tree):

@@ -59,8 +59,11 @@ def test_the_first_generation_of_a_shape_does_not_move_the_costs(trained_markov,
   this tiny model take ~0.5 ms, and the call's fixed overhead is 2-3x that
   on an idle machine, so beside another test process the second call
   sometimes crossed 10x and taught nothing (a fresh-clone make test failed
-  that way). The first call is still skipped, by its key alone."""
+  that way). The first call is still skipped, by its key alone. Drafting is
+  forced to be judged worth it (at B = 2 this tiny model's rounds cost 2-3 AR
+  steps, so auto would run plain AR and learn nothing)."""
   monkeypatch.setattr(calibrate, "OUTLIER", float("inf"))
+  monkeypatch.setattr(AutoSchedule, "drafting_pays", lambda self, costs, greedy: True)
   _, model, _ = trained_markov
   prompts = random_prompts([6, 9])
   dec = Decoder(model, "mtp", "auto", max_draft_tokens=2)
@@ -117,3 +120,35 @@ def test_the_prior_for_the_sampling_mode_decides_the_first_segment(trained_marko
         assert hist[:, 1:].sum() > 0 and hist[:, 0].sum() == 0, (temperature, hist)
       else:
         assert hist[:, 1:].sum() == 0, (temperature, hist)
+
+
+def test_drafting_pays_is_the_first_choice_at_the_prior():
+  s = AutoSchedule(2, prior=0.5)                     # E[tokens] 1 / 1.5 / 1.75
+  assert s.drafting_pays([1.0, 1.4, 1.8], greedy=False)          # 1.5 / 1.4 > 1
+  assert not s.drafting_pays([1.0, 1.6, 1.8], greedy=False)      # 0.94, 0.97 < 1
+  assert s.drafting_pays([1.0, 1.6, 1.7], greedy=False)          # G = 2: 1.03
+  assert not AutoSchedule(2, prior=0.5, greedy_prior=0.1).drafting_pays([1.0, 1.4, 1.8], True)
+
+
+def test_auto_runs_plain_ar_when_drafting_cannot_pay(trained_markov):
+  """Round costs at which no g >= 1 pays at the prior: the generation is the
+  plain AR decoder's, token for token at T = 1 for the same seed (a drafting
+  generation would draw other random numbers), in auto's shape (every round
+  an AR step, no position tested), in both forms; with cheap rounds it
+  drafts and the tokens differ."""
+  _, model, _ = trained_markov
+  prompts = random_prompts([6, 9, 3])
+  sp = SamplingParams(1.0)
+  ar = Decoder(model, "ar").generate(prompts, 24, sp, seed=4)
+  dear = Decoder(model, "mtp", "auto", max_draft_tokens=2, auto_costs=[1.0, 3.0, 5.0],
+                 schedule=AutoSchedule(2, prior=0.7))
+  for gen in (dear.generate(prompts, 24, sp, seed=4), dear.stream(prompts, 24, sp, seed=4)):
+    assert [t.tolist() for t in gen.tokens] == [t.tolist() for t in ar.tokens]
+    assert gen.num_draft_tokens == 2 and gen.draft_length_histogram.shape == (3, 3)
+    assert gen.draft_length_histogram[:, 1:].sum() == 0 and gen.position_tested.sum() == 0
+    np.testing.assert_array_equal(gen.draft_length_histogram[:, 0], ar.target_calls)
+    np.testing.assert_array_equal(gen.accepted_histogram[:, 0], ar.target_calls)
+  cheap = Decoder(model, "mtp", "auto", max_draft_tokens=2, auto_costs=[1.0, 1.1, 1.2],
+                  schedule=AutoSchedule(2, prior=0.7)).generate(prompts, 24, sp, seed=4)
+  assert cheap.draft_length_histogram[:, 1:].sum() > 0
+  assert [t.tolist() for t in cheap.tokens] != [t.tolist() for t in ar.tokens]
