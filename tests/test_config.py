@@ -99,3 +99,21 @@ def test_config_file_arg():
   assert config_lib.config_file_arg(["-config=b.py:x", "--config.mtp.depth=1"]) == "b.py:x"
   assert config_lib.config_file_arg(["--workdir", "w", "--configs=x"]) is None
   assert config_lib.config_file_arg(["--", "--config=c.py"]) is None
+
+
+def test_smollm_stage_config_trains_three_offsets_whatever_the_depth(tmp_path):
+  """configs/smollm_mtp.py reads D from the imported workdir and recurses
+  module D for 3 - D more steps (D = 1: 2, D = 2: 1, D = 3: 0)."""
+  import importlib.util
+  from tests import tiny_bpe
+  spec = importlib.util.spec_from_file_location("smollm_mtp", "configs/smollm_mtp.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  for d, r in ((1, 2), (2, 1), (3, 0)):
+    (tmp_path / f"d{d}").mkdir()
+    wd = tiny_bpe.import_tiny_workdir(str(tmp_path / f"d{d}"), mtp_depth=d)
+    cd = mod.get_config(wd)
+    cd.mtp.draft_vocab_size = 64                  # 4,096 is for SmolLM2's 49k ids, not 320
+    cfg = config_lib.from_dict(cd)
+    assert (cfg.mtp.depth, cfg.mtp.recursive_steps) == (d, r)
+    assert cfg.train.init_from == wd and cfg.train.freeze_backbone
