@@ -34,7 +34,10 @@ class DecodeBench:
   empty: AR alone); trees: token trees (branching tuples); prompts:
   held-out prompt texts; batch_sizes, temperatures, forms ("while" /
   "stream"); max_new_tokens per row; repeats: interleaved timed repeats;
-  cache_len: KV cache length of the bare-forward probe.
+  cache_len: KV cache length of the bare-forward probe; auto_kwargs: the
+  "auto" decoder's keyword arguments (``decode.run.auto_kwargs``: G_max =
+  the trained offsets and the stage's prior, as ``python -m decode`` builds
+  it; empty: ``Decoder``'s defaults).
   """
   target: object
   draft: object | None
@@ -47,6 +50,7 @@ class DecodeBench:
   max_new_tokens: int
   repeats: int
   cache_len: int
+  auto_kwargs: dict = dataclasses.field(default_factory=dict)
 
 
 def bench_cells(workdir: str, depth: int, has_draft: bool, *, gs_given: list | None,
@@ -98,7 +102,8 @@ def decoders_for(s: DecodeBench) -> dict[str, Decoder]:
   "draft_G<g>" (with a draft model; no auto)."""
   depth = s.target.mtp_depth
   decoders = {"ar": Decoder(s.target, "ar")}
-  decoders.update({("mtp_auto" if g == "auto" else f"mtp_G{g}"): Decoder(s.target, "mtp", g)
+  decoders.update({("mtp_auto" if g == "auto" else f"mtp_G{g}"):
+                   Decoder(s.target, "mtp", g, **(s.auto_kwargs if g == "auto" else {}))
                    for g in s.gs if depth})
   decoders.update({f"mtp_tree{'-'.join(map(str, t))}": Decoder(s.target, "mtp", tree=t)
                    for t in s.trees})

@@ -165,10 +165,10 @@ def with_costs(decoder, state, sp, prompts, max_new_tokens: int, form: str = "wh
   from decode import mesh as decode_mesh
   costs, decoder._cost_key = decoder._fixed_costs, None
   if costs is None:
-    probe, prefill_len = decoder.prepare(prompts, max_new_tokens, 0)
-    key = (len(prompts), probe.tokens.shape[1], sp.greedy, sp.filtering, form)
+    key = (len(prompts), state.tokens.shape[1], sp.greedy, sp.filtering, form)
     first = key not in decoder._costs
-    if first:
+    if first:           # a probe batch of its own: ``state`` is prefilled (and donated) later
+      probe, prefill_len = decoder.prepare(prompts, max_new_tokens, 0)
       decoder._costs[key] = decoder_round_costs(decoder, decoder.prefill(probe, prefill_len),
                                                 sp, form)
     # the first generation of a key compiles its program inside the timed

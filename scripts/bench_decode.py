@@ -42,6 +42,7 @@ import argparse
 import numpy as np
 
 from decode import bench_grid
+from decode import run as run_lib
 from decode.speculative import DecodeError
 from mtp import loading
 from mtp import cli, report
@@ -171,7 +172,9 @@ def main(argv=None):
   settings = bench_grid.DecodeBench(
       target=target, draft=draft, gs=gs, trees=trees, prompts=prompts_all, batch_sizes=batch_sizes,
       temperatures=temps, forms=forms, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-      cache_len=64 * int(np.ceil((args.prompt_bytes + args.max_new_tokens + 64) / 64)))
+      cache_len=64 * int(np.ceil((args.prompt_bytes + args.max_new_tokens + 64) / 64)),
+      auto_kwargs=(run_lib.auto_kwargs(args.workdir, cfg, target)
+                   if "auto" in gs and cfg.mtp.depth else {}))
   results, bare, bare_loop = bench_grid.run_decode_bench(settings, log=lambda s: print(s, flush=True))
   meta = report.provenance(
       command=report.command_line(__file__, argv),
