@@ -186,7 +186,8 @@ def replay(acc: np.ndarray, costs: Sequence[float], max_new: int, schedule=None,
            g: int | None = None, greedy: bool = True) -> Replay:
   """Decodes one recorded answer with a fixed draft length ``g`` (0 = AR)
   or with ``schedule`` (an ``AutoSchedule``; its G_max must not exceed
-  ``acc``'s columns), B = 1, as ``decode.loops`` does.
+  ``acc``'s columns), B = 1, as ``decode.loops`` does (plain AR when the
+  schedule's ``drafting_pays`` says no, as ``Decoder.generate``).
 
   Args:
     acc: bool [L, G] from ``greedy_acceptance`` (L answer tokens).
@@ -208,6 +209,9 @@ def replay(acc: np.ndarray, costs: Sequence[float], max_new: int, schedule=None,
     choose, update = _jitted(schedule)
     active = jnp.asarray([True])
   left, cur = 0, g
+  if schedule is not None and not schedule.drafting_pays(costs[:schedule.max_draft_tokens + 1],
+                                                         greedy):
+    schedule, cur = None, 0              # the decoder runs plain AR (Decoder._plain_ar)
   while emitted < budget and rounds < max_new:
     if schedule is not None and left == 0:
       gg, n_rounds, sched = choose(sched, active)
@@ -258,6 +262,25 @@ def record(model, tokenizer, prompts: dict, max_new: int, max_draft_tokens: int,
                     "answer": ans, "acc": acc})
         if log is not None:
           log(f"{cat} {i}.{s}: {len(ans)} tokens, alpha_1 along the answer {acc[:, 0].mean():.2f}")
+  return out
+
+
+def rescore(model, records: list[dict], max_draft_tokens: int, params=None,
+            log=None) -> list[dict]:
+  """``records`` (``record``'s list, e.g. read back by ``load_records``)
+  with their acceptance recomputed for ``model``'s modules: the same
+  prompts and answers, so other modules on the same target are compared on
+  the same answers (valid since the answers are the target's: greedy, or
+  sampled under ``params``, which must be the records' settings)."""
+  from decode.speculative import SamplingParams
+  params = SamplingParams(0.0) if params is None else params
+  out = []
+  for rec in records:
+    acc = acceptance_probs(model, rec["prompt"], rec["answer"], max_draft_tokens, params)
+    out.append({**rec, "acc": acc > 0.5 if params.greedy else acc})
+    if log is not None:
+      log(f"{rec['category']} {rec['index']}.{rec.get('sample', 0)}: alpha_1 along the answer "
+          f"{out[-1]['acc'][:, 0].mean():.2f}")
   return out
 
 

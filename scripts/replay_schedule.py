@@ -6,7 +6,8 @@ instead of a benchmark's minutes.
     python scripts/replay_schedule.py --workdir runs/smollm_demo [--per_category 2] \
         [--max_new_tokens 128] [--costs 1,1.22,1.43,1.63] \
         [--temperature 1 --top_p 1 --samples 4 --draws 8] \
-        [--variants "slow:ema=0.05;probe:probe_interval=1"] [--out results/replay_schedule]
+        [--variants "slow:ema=0.05;probe:probe_interval=1"] [--answers OTHER_RECORDS.npz] \
+        [--out results/replay_schedule]
 
 Each prompt is answered by AR (once greedily at T = 0; ``--samples``
 answers at T > 0); one cache-free forward of the target and its modules over
@@ -105,6 +106,10 @@ def main(argv=None):
   ap.add_argument("--records", default=None,
                   help="an .npz of recorded answers: read when it exists (no decoding), else "
                        "written after recording")
+  ap.add_argument("--answers", default=None,
+                  help="an .npz of recorded answers (--records of another run on the same "
+                       "target): its prompts and answers, with the acceptance recomputed for "
+                       "--workdir's modules (compares modules on the same answers)")
   ap.add_argument("--out", default="results/replay_schedule", help="output prefix")
   args = ap.parse_args(argv)
   cli.check_range(ap, args, per_category=1, max_new_tokens=1, draws=1)
@@ -118,6 +123,11 @@ def main(argv=None):
   if args.samples < 1 or (params.greedy and args.samples != 1):
     ap.error(f"--samples={args.samples}: 1 at --temperature 0 (the answer is the same), >= 1 else")
   sampling = (float(args.temperature), int(args.top_k), float(args.top_p))
+  if args.answers and (not os.path.isfile(args.answers) or args.records):
+    ap.error(f"--answers={args.answers!r}: give an existing records file, without --records")
+  if args.answers and rp.load_sampling(args.answers) != sampling:
+    ap.error(f"--answers={args.answers!r} holds answers sampled at (temperature, top_k, top_p) = "
+             f"{rp.load_sampling(args.answers)}, not {sampling}")
   if args.records and os.path.isfile(args.records) and rp.load_sampling(args.records) != sampling:
     ap.error(f"--records={args.records!r} holds answers sampled at (temperature, top_k, top_p) = "
              f"{rp.load_sampling(args.records)}, not {sampling}: give another --records path")
@@ -154,7 +164,11 @@ def main(argv=None):
     costs = [float(c) for c in rp.measured_costs(model, tokenizer, first, g_max,
                                                  args.max_new_tokens, params)]
     print("measured round costs (s): " + ", ".join(f"{c:.4f}" for c in costs), flush=True)
-  if args.records and os.path.isfile(args.records):
+  if args.answers:
+    records = rp.rescore(model, rp.load_records(args.answers), g_max, params,
+                         log=lambda s: print(s, flush=True))
+    print(f"rescored {len(records)} answers of {args.answers} with {args.workdir}'s modules")
+  elif args.records and os.path.isfile(args.records):
     records = rp.load_records(args.records)
     print(f"read {len(records)} recorded answers from {args.records}")
   else:
@@ -172,7 +186,7 @@ def main(argv=None):
                            schedules={k: repr(v) for k, v in schedules.items()},
                            chat_prompts=args.chat_prompts, per_category=args.per_category,
                            sampling=list(sampling), samples=args.samples, draws=args.draws,
-                           seed=args.seed, records=args.records)
+                           seed=args.seed, records=args.records, answers=args.answers)
   summary = rp.by_category(rows, labels, list(schedules))
   report.write_report(args.out, meta, {"rows": rows, "by_category": summary},
                       markdown(rows, labels, schedules, meta))

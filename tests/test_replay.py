@@ -168,6 +168,14 @@ def test_script_records_once_and_replays(tmp_path, capsys):
   assert json.load(open(out + ".json"))["results"]["rows"] == rows
   with pytest.raises(SystemExit):
     script.main([*argv[:-2], "--costs", "1,2", "--out", out])   # G_max = 2 needs 3 costs
+  # --answers: the same answers rescored with the same modules give the same rows
+  out2 = str(tmp_path / "rescored")
+  i = argv.index("--records")
+  assert script.main([*argv[:i], *argv[i + 2:-2], "--answers", rec, "--out", out2]) == 0
+  assert "rescored 6 answers" in capsys.readouterr().out
+  assert json.load(open(out2 + ".json"))["results"]["rows"] == rows
+  with pytest.raises(SystemExit):
+    script.main([*argv[:-2], "--answers", rec, "--out", out2])   # with --records
 
 
 @pytest.mark.slow
@@ -198,3 +206,12 @@ def test_script_replays_sampled_answers(tmp_path, capsys):
   assert "holds answers sampled at" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     script.main([*argv, "--temperature", "0"])          # samples 2 at T = 0
+
+
+def test_a_schedule_that_cannot_pay_replays_as_plain_ar(recorded):
+  _, rows = recorded
+  acc = rows[0][2]
+  r = rp.replay(acc, [1.0, 3.0, 5.0, 7.0], MAX_NEW, schedule=AutoSchedule(3, prior=0.7))
+  assert set(r.draft_lengths) == {0} and r.rounds == len(rows[0][1])
+  r = rp.replay(acc, COSTS, MAX_NEW, schedule=AutoSchedule(3, prior=0.7))
+  assert max(r.draft_lengths) > 0
