@@ -41,6 +41,7 @@ SMOLLM_D1 ?= runs/smollm_d$(SMOLLM_DEPTH)
 SMOLLM_MTP ?= runs/smollm_mtp$(SMOLLM_SUFFIX)
 SMOLLM_DEMO ?= runs/smollm_demo
 SMOLLM_MODULES ?= assets/smollm2_mtp$(SMOLLM_DEPTH).safetensors
+SMOLLM_DEMO_MODULES ?= assets/smollm2_mtp1.safetensors
 CHAT_DATA ?= runs/data
 STAMP := $(VENV)/.installed
 HF_STAMP := $(VENV)/.installed-hf
@@ -100,7 +101,7 @@ smollm-mtp: smollm
 
 demo: $(SMOLLM_STAMP)
 	test -d $(SMOLLM_DEMO)/checkpoints || $(PY) -m mtp.importers --gguf "$$($(PY) -m mtp.importers.smollm)" \
-	  --workdir $(SMOLLM_DEMO) --mtp_modules $(SMOLLM_MODULES)
+	  --workdir $(SMOLLM_DEMO) --mtp_modules $(SMOLLM_DEMO_MODULES)
 	$(PY) -m decode --workdir $(SMOLLM_DEMO) --method mtp --num_draft_tokens 1 --compare \
 	  --chat "Write a Python class Stack with push, pop, peek and is_empty methods." \
 	  --max_new_tokens 128 --temperature 0

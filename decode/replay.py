@@ -250,6 +250,7 @@ def record(model, tokenizer, prompts: dict, max_new: int, max_draft_tokens: int,
     raise ValueError(f"samples={samples}: give 1 at T = 0 (the answer is the same), >= 1 else")
   ar = Decoder(model, "ar", tokenizer=tokenizer)
   out = []
+  total = samples * sum(len(ps) for ps in prompts.values())
   for cat, ps in prompts.items():
     for i, p in enumerate(ps):
       gen = ar.generate([p] * samples, max_new, params, seed=0)      # rows sample independently
@@ -261,7 +262,8 @@ def record(model, tokenizer, prompts: dict, max_new: int, max_draft_tokens: int,
         out.append({"category": cat, "index": i, "sample": s, "prompt": np.asarray(p, np.int32),
                     "answer": ans, "acc": acc})
         if log is not None:
-          log(f"{cat} {i}.{s}: {len(ans)} tokens, alpha_1 along the answer {acc[:, 0].mean():.2f}")
+          log(f"[{len(out)}/{total}] {cat} {i}.{s}: {len(ans)} tokens, alpha_1 along the answer "
+              f"{acc[:, 0].mean():.2f}")
   return out
 
 
@@ -279,8 +281,8 @@ def rescore(model, records: list[dict], max_draft_tokens: int, params=None,
     acc = acceptance_probs(model, rec["prompt"], rec["answer"], max_draft_tokens, params)
     out.append({**rec, "acc": acc > 0.5 if params.greedy else acc})
     if log is not None:
-      log(f"{rec['category']} {rec['index']}.{rec.get('sample', 0)}: alpha_1 along the answer "
-          f"{out[-1]['acc'][:, 0].mean():.2f}")
+      log(f"[{len(out)}/{len(records)}] {rec['category']} {rec['index']}.{rec.get('sample', 0)}: "
+          f"alpha_1 along the answer {out[-1]['acc'][:, 0].mean():.2f}")
   return out
 
 

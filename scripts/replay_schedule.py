@@ -22,7 +22,11 @@ the round costs ``--costs`` (seconds or units of an AR step per g =
 the given sampling settings). The schedules run the decoder's own
 ``AutoSchedule.choose`` / ``update`` code. What it leaves out: the prefill
 (equal for all) and the decoder's cost learning between generations.
-Writes OUT.json and OUT.md.
+Writes OUT.json and OUT.md. The replay itself takes seconds; recording or
+rescoring does not: one AR generation and one cache-free forward with
+full-vocabulary softmaxes per answer (108 answers of SmolLM2 at T = 1:
+~13 min and 8 GB peak on 2 busy cores; with ``--answers`` the prompts are
+the records', whatever ``--per_category`` says).
 """
 
 from __future__ import annotations
@@ -121,13 +125,17 @@ def main(argv=None):
   if args.samples is None:
     args.samples = 1 if params.greedy else 4
   if args.samples < 1 or (params.greedy and args.samples != 1):
-    ap.error(f"--samples={args.samples}: 1 at --temperature 0 (the answer is the same), >= 1 else")
+    ap.error(f"--samples={args.samples}: must be 1 at --temperature 0 (the greedy answer is "
+             "always the same) and >= 1 at --temperature > 0")
   sampling = (float(args.temperature), int(args.top_k), float(args.top_p))
-  if args.answers and (not os.path.isfile(args.answers) or args.records):
-    ap.error(f"--answers={args.answers!r}: give an existing records file, without --records")
+  if args.answers and not os.path.isfile(args.answers):
+    ap.error(f"--answers={args.answers!r}: no such file (give a records .npz of an earlier run)")
+  if args.answers and args.records:
+    ap.error("--answers and --records exclude each other (--answers rescores a records file)")
   if args.answers and rp.load_sampling(args.answers) != sampling:
-    ap.error(f"--answers={args.answers!r} holds answers sampled at (temperature, top_k, top_p) = "
-             f"{rp.load_sampling(args.answers)}, not {sampling}")
+    t, k, p = rp.load_sampling(args.answers)
+    ap.error(f"--answers={args.answers!r} holds answers sampled at --temperature {t:g} --top_k {k} "
+             f"--top_p {p:g}; pass those (given: {sampling[0]:g}, {sampling[1]}, {sampling[2]:g})")
   if args.records and os.path.isfile(args.records) and rp.load_sampling(args.records) != sampling:
     ap.error(f"--records={args.records!r} holds answers sampled at (temperature, top_k, top_p) = "
              f"{rp.load_sampling(args.records)}, not {sampling}: give another --records path")
