@@ -135,16 +135,16 @@ def acceptance_probs(model, prompt, answer, max_draft_tokens: int, params) -> np
     return greedy_acceptance(model, prompt, answer, max_draft_tokens).astype(np.float32)
   out, tokens, p, n_ans = _teacher_forced(model, prompt, answer, max_draft_tokens,
                                           "acceptance_probs")
-  probs = warped_probs(out.logits[0], params)                        # [P+L, V]: i predicts i+1
   k = np.arange(n_ans)
   rho = np.zeros((n_ans, max_draft_tokens), np.float32)
+  pick = lambda logits, rows, x: np.asarray(          # the warp is per row: only the rows needed
+      jnp.take_along_axis(warped_probs(logits[jnp.asarray(rows)], params), x[:, None], 1)[:, 0])
   for j in range(1, max_draft_tokens + 1):
     target = p + k + j - 1
     ok = target < p + n_ans
     x = jnp.asarray(tokens[0, target[ok]])
-    q = warped_probs(out.mtp_logits[j - 1][0], params)               # at i: draft for t_{i+j+1}
-    qx = np.asarray(q[jnp.asarray(p + k[ok] - 2), x])
-    px = np.asarray(probs[jnp.asarray(target[ok] - 1), x])
+    qx = pick(out.mtp_logits[j - 1][0], p + k[ok] - 2, x)          # at i: draft for t_{i+j+1}
+    px = pick(out.logits[0], target[ok] - 1, x)                     # at i: target for t_{i+1}
     rho[ok, j - 1] = np.where(px > 0, np.minimum(px, qx) / np.where(px > 0, px, 1.0), 0.0)
   return np.clip(rho, 0.0, 1.0)
 
@@ -227,6 +227,14 @@ def replay(acc: np.ndarray, costs: Sequence[float], max_new: int, schedule=None,
   return Replay(rounds, time_s, tuple(lengths), emitted)
 
 
+def _acceptance(model, prompt, answer, max_draft_tokens: int, params) -> np.ndarray:
+  """What a record stores: bool ``greedy_acceptance`` at T = 0, else
+  ``acceptance_probs``."""
+  if params.greedy:
+    return greedy_acceptance(model, prompt, answer, max_draft_tokens)
+  return acceptance_probs(model, prompt, answer, max_draft_tokens, params)
+
+
 def record(model, tokenizer, prompts: dict, max_new: int, max_draft_tokens: int,
            log=None, params=None, samples: int = 1) -> list[dict]:
   """AR answers and their acceptance for chat prompts.
@@ -256,9 +264,7 @@ def record(model, tokenizer, prompts: dict, max_new: int, max_draft_tokens: int,
       gen = ar.generate([p] * samples, max_new, params, seed=0)      # rows sample independently
       for s in range(samples):
         ans = np.asarray(gen.tokens[s], np.int32)
-        acc = acceptance_probs(model, p, ans, max_draft_tokens, params)
-        if params.greedy:
-          acc = acc > 0.5
+        acc = _acceptance(model, p, ans, max_draft_tokens, params)
         out.append({"category": cat, "index": i, "sample": s, "prompt": np.asarray(p, np.int32),
                     "answer": ans, "acc": acc})
         if log is not None:
@@ -278,8 +284,8 @@ def rescore(model, records: list[dict], max_draft_tokens: int, params=None,
   params = SamplingParams(0.0) if params is None else params
   out = []
   for rec in records:
-    acc = acceptance_probs(model, rec["prompt"], rec["answer"], max_draft_tokens, params)
-    out.append({**rec, "acc": acc > 0.5 if params.greedy else acc})
+    out.append({**rec, "acc": _acceptance(model, rec["prompt"], rec["answer"], max_draft_tokens,
+                                          params)})
     if log is not None:
       log(f"[{len(out)}/{len(records)}] {rec['category']} {rec['index']}.{rec.get('sample', 0)}: "
           f"alpha_1 along the answer {out[-1]['acc'][:, 0].mean():.2f}")
