@@ -24,9 +24,9 @@ the given sampling settings). The schedules run the decoder's own
 (equal for all) and the decoder's cost learning between generations.
 Writes OUT.json and OUT.md. The replay itself takes seconds; recording or
 rescoring does not: one AR generation and one cache-free forward with
-full-vocabulary softmaxes per answer (108 answers of SmolLM2 at T = 1:
-~13 min and 8 GB peak on 2 busy cores; with ``--answers`` the prompts are
-the records', whatever ``--per_category`` says).
+a softmax over the vocabulary per answer token and draft depth (108
+answers of SmolLM2 at T = 1: ~13 min on 2 busy cores; with ``--answers`` the
+prompts are the records', whatever ``--per_category`` says).
 """
 
 from __future__ import annotations
