@@ -309,6 +309,38 @@ class Decoder:
     calibrate.learn_costs(self._costs, self._cost_key, gen)
     return gen
 
+  def sample(self, prompt, num_samples: int, max_new_tokens: int,
+             sampling_params: SamplingParams, seed: int = 0,
+             stops: StopConditions | None = None) -> Generation:
+    """``num_samples`` independent continuations of one prompt in one batch,
+    the prompt prefilled once (B = 1) and its state repeated into the batch
+    (``state.repeat_row``), then every round in one ``while_loop`` as in
+    ``generate``. The rows have the law of ``generate([prompt] *
+    num_samples, ...)``'s (each round draws all rows' randomness from one
+    key); tokens may differ from it only where the prefill's floating point
+    depends on the batch size. For studies of the output law (e.g.
+    scripts/losslessness_study.py), where the prefill of B copies of one
+    prompt would be most of the work.
+
+    With a mesh or "auto" this is ``generate([prompt] * num_samples, ...)``.
+    Raises DecodeError for num_samples < 1 and as ``generate``.
+    """
+    if not (isinstance(num_samples, int) and num_samples >= 1):
+      raise DecodeError(f"num_samples={num_samples!r} must be an integer >= 1")
+    if self.mesh is not None or self.schedule is not None or num_samples == 1:
+      return self.generate([prompt] * num_samples, max_new_tokens, sampling_params, seed, stops)
+    sp = sampling_params.validate()
+    like = jax.eval_shape(lambda: self.prepare([prompt] * num_samples, max_new_tokens, seed,
+                                               stops)[0])
+    state, prefill_len = self.prepare([prompt], max_new_tokens, seed, stops)
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(state_lib.repeat_row(self.prefill(state, prefill_len), like))
+    t1 = time.perf_counter()
+    state = self.programs.generate(self.target_params, self.draft_params, state, sp)
+    jax.block_until_ready(state.length)
+    return self._result(state, None, time.perf_counter() - t0, t1 - t0, stops)
+
   def stream(self, prompts, max_new_tokens: int, sampling_params: SamplingParams, seed: int = 0,
              on_tokens: Callable[[int, np.ndarray], None] | None = None,
              stops: StopConditions | None = None,

@@ -172,6 +172,29 @@ def init_state(model_cfg, prompts, max_new_tokens: int, seed: int, cache_len: in
       drafter=drafter_state, auto=auto)
 
 
+def repeat_row(one: DecodeState, like) -> DecodeState:
+  """``one``'s single row repeated into a batch of ``like``'s shape.
+
+  one: a ``DecodeState`` of B = 1 (typically after the prefill); like: a
+  ``DecodeState`` (or its ``jax.eval_shape``) of B rows built by the same
+  decoder for the same prompt. Every leaf of ``one`` is broadcast to the
+  shape of ``like``'s leaf: batched leaves ([1, ...] -> [B, ...]) are copied
+  row for row, shared ones (the PRNG key, "auto"'s scalars and costs) are
+  kept. Since every round draws its randomness for all rows from one key
+  (``decode.sampling``), the B rows then sample independently.
+
+  Raises ValueError when the two states differ in structure, dtype or any
+  dimension but a leading 1 -> B.
+  """
+  def rep(a, b):
+    if a.dtype != b.dtype or (a.shape != b.shape and (a.ndim != b.ndim or a.shape[0] != 1
+                                                       or a.shape[1:] != b.shape[1:])):
+      raise ValueError(f"repeat_row: a leaf of {a.shape} {a.dtype} does not repeat into "
+                       f"{b.shape} {b.dtype}")
+    return a if a.shape == b.shape else jnp.broadcast_to(a, b.shape)
+  return jax.tree.map(rep, one, like)
+
+
 def init_auto(schedule, batch: int) -> AutoState:
   """``AutoState`` for ``batch`` rows of ``schedule`` (an ``AutoSchedule``);
   round costs 1 s each until measured (``decode.calibrate``)."""

@@ -3,7 +3,7 @@ as autoregressive (AR) sampling from the target, tested statistically, with a
 deliberately wrong acceptance rule as a power check.
 
     python scripts/losslessness_study.py --workdir runs/tiny [--dataset python_stdlib] \
-        [--num_prompts 4] [--prompt_bytes 48] [--temperatures 0.7,1.0,1.3] [--top_ps 1.0,0.9] \
+        [--num_prompts 4 | --prompt_indices 3,6] [--prompt_bytes 48] [--plan_only] [--temperatures 0.7,1.0,1.3] [--top_ps 1.0,0.9] \
         [--num_draft_tokens 2] [--num_samples 4000] [--num_tokens 4] [--batch_size 1000] \
         [--out results/losslessness_study]
 
@@ -13,10 +13,10 @@ tests' Markov source; for a BPE model such as the imported SmolLM2, the
 held-out chat prompts or ``--prompt`` texts as user turns through its chat
 template) and every sampling setting (temperature x top-p), it
 draws ``--num_samples`` continuations of ``--num_tokens`` tokens with
-``Decoder(target, "ar")`` and as many with ``Decoder(target, "mtp", G)``:
-copies of the prompts fill fixed-size batches (rows are sampled
-independently; one compilation per decoder), each batch with its own seed,
-and AR and MTP never share a seed.
+``Decoder(target, "ar")`` and as many with ``Decoder(target, "mtp", G)``,
+``--batch_size`` rows at a time by ``Decoder.sample`` (the prompt prefilled
+once, its state repeated into the batch; rows are sampled independently),
+each batch with its own seed, and AR and MTP never share a seed.
 
 Tests (per prompt, setting and statistic): a two-sample chi-square test of
 homogeneity (``scipy.stats.chi2_contingency`` without continuity correction,
@@ -52,12 +52,22 @@ it. The total-variation distance between the empirical first-token
 distributions (AR vs each rule) is reported next to the tests.
 
 Writes OUT.json, OUT.md and OUT_pvalues.png (p-value histogram and a QQ plot
-against the uniform law, correct vs wrong rule). The full run takes roughly
-(prompts x settings x 2 + prompts) x num_samples / batch_size generate calls
-(208 with the defaults above), 3-5 s each for configs/tiny.py on 2 idle CPU
-cores: about 15 minutes (more on a shared machine; the time scales with
---num_samples). ``--quick`` takes about 20-30 s, mostly compiling the three
-decoders.
+against the uniform law, correct vs wrong rule).
+
+Planned power: before sampling, the script prints for every prompt the
+power of its first-token test against the wrong rule, from the exact laws
+of one forward pass (``planned_power``; ``--plan_only`` stops there, in
+seconds). The wrong rule moves the first token's law only by q(m) (1 -
+p(m)), q(m) being module 1's probability of the target's argmax m, so on a
+prompt whose first draft is poor no feasible sample size sees it there;
+size ``--num_samples`` (or pick prompts with ``--prompt_indices``) from it.
+
+Cost: one generate call per ``--batch_size`` samples, (prompts x settings x
+2 + prompts) x num_samples / batch_size calls in all; each costs its rounds
+only, since ``Decoder.sample`` prefills a prompt once. For configs/tiny.py
+a call takes 3-5 s on 2 idle CPU cores; for SmolLM2 at B = 250 and 3 tokens
+~10 s (vs ~35 s with the prompt prefilled in every row). ``--quick`` takes
+about 20-30 s, mostly compiling the three decoders.
 """
 
 from __future__ import annotations
@@ -94,27 +104,29 @@ def sample_continuations(decoder: Decoder, prompts: list[np.ndarray], num_sample
                          num_tokens: int, sp: SamplingParams, seed: int, batch_size: int):
   """``num_samples`` independent continuations of every prompt.
 
-  The (prompt, sample) pairs fill batches of exactly ``batch_size`` rows (the
-  last one topped up with spare rows that are dropped), batch i with seed
-  ``seed + i``; ``Decoder.generate`` samples rows independently.
+  Each prompt's samples come in batches of ``batch_size`` rows (the last one
+  smaller), drawn by ``Decoder.sample``: the prompt is prefilled once and its
+  state repeated into the batch, so a batch costs its rounds, not B
+  prefills. Batch i (counted over all prompts) has seed ``seed + i``; rows
+  of a batch sample independently.
 
   Args: prompts: token arrays (BOS included). Returns (samples, histogram):
   samples, a list (one per prompt) of [num_samples, num_tokens] int64 arrays
   padded with -1 after an EOS; histogram [G+1] int64, accepted-draft counts
-  summed over the kept rows ([1] for AR).
+  summed over all rows ([1] for AR).
   """
-  jobs = [(i, j) for i in range(len(prompts)) for j in range(num_samples)]
   out = [np.full((num_samples, num_tokens), -1, np.int64) for _ in prompts]
   hist = np.zeros(decoder.G + 1, np.int64)
-  for b, start in enumerate(range(0, len(jobs), batch_size)):
-    chunk = jobs[start:start + batch_size]
-    rows = [prompts[i] for i, _ in chunk]
-    rows += [rows[0]] * (batch_size - len(rows))
-    gen = decoder.generate(rows, num_tokens, sp, seed=seed + b)
-    for r, (i, j) in enumerate(chunk):
-      toks = gen.tokens[r][:num_tokens]
-      out[i][j, :len(toks)] = toks
-    hist += gen.accepted_histogram[:len(chunk)].sum(0)
+  b = 0
+  for i, prompt in enumerate(prompts):
+    for start in range(0, num_samples, batch_size):
+      rows = min(batch_size, num_samples - start)
+      gen = decoder.sample(prompt, rows, num_tokens, sp, seed=seed + b)
+      b += 1
+      for r, toks in enumerate(gen.tokens):
+        toks = toks[:num_tokens]
+        out[i][start + r, :len(toks)] = toks
+      hist += gen.accepted_histogram.sum(0)
   return out, hist
 
 
@@ -229,6 +241,75 @@ def tau_from_histogram(hist) -> float | None:
   return float((h * (np.arange(len(h)) + 1)).sum() / h.sum()) if h.sum() else None
 
 
+# -- planned power -------------------------------------------------------------------
+
+def wrong_rule_first_token_law(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+  """The first token's law under ``ArgmaxAcceptDecoder``: the first draft
+  (drawn from q) is kept iff it is the target's argmax m, else the token is
+  drawn from p, so P(m) = q(m) + (1 - q(m)) p(m) and P(x) = (1 - q(m)) p(x)
+  elsewhere. p, q: [V] float64 laws (target, module 1) -> [V] float64."""
+  p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
+  m = int(np.argmax(p))
+  law = (1.0 - q[m]) * p
+  law[m] += q[m]
+  return law
+
+
+def chi2_power(a: np.ndarray, b: np.ndarray, n: int, alpha: float,
+               min_expected: float = MIN_EXPECTED) -> dict:
+  """Approximate power of ``two_sample_chi2`` at level ``alpha`` with n
+  samples from each of two laws a, b ([K] float64): categories whose
+  expected count n (a + b) / 2 is below ``min_expected`` are pooled as the
+  test pools them, and the statistic is noncentral chi-square with K' - 1
+  degrees of freedom and noncentrality n sum (a - b)^2 / (a + b) (the
+  two-sample form for equal sizes; e.g. Lehmann & Romano, Testing
+  Statistical Hypotheses, 14.3). Returns {noncentrality, dof, power, tv}."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  small = n * (a + b) / 2 < min_expected
+  pa, pb = list(a[~small]), list(b[~small])
+  if small.any():
+    if n * (a[small].sum() + b[small].sum()) / 2 >= min_expected or not pa:
+      pa.append(a[small].sum())
+      pb.append(b[small].sum())
+    else:
+      j = int(np.argmax(np.add(pa, pb)))
+      pa[j] += a[small].sum()
+      pb[j] += b[small].sum()
+  pa, pb = np.asarray(pa), np.asarray(pb)
+  tv = float(0.5 * np.abs(a - b).sum())
+  dof = len(pa) - 1
+  if dof < 1:
+    return {"noncentrality": 0.0, "dof": 0, "power": 0.0, "tv": tv}
+  lam = float(n * ((pa - pb) ** 2 / np.maximum(pa + pb, 1e-300)).sum())
+  power = float(sps.ncx2.sf(sps.chi2.isf(alpha, dof), dof, lam)) if lam > 0 else alpha
+  return {"noncentrality": lam, "dof": dof, "power": power, "tv": tv}
+
+
+def planned_power(target, encoded: list, num_samples: int, alpha: float) -> list[dict]:
+  """Before any sampling: the power of each prompt's first-token test against
+  the wrong rule at ``POWER_SETTING`` (T = 1, top-p 1), from the exact laws
+  of one forward pass: p, the target's next-token law after the prompt; q,
+  module 1's law for that token (its output at the prompt's second-to-last
+  position, which reads the last prompt token: the first draft of the first
+  round); the wrong rule's law by ``wrong_rule_first_token_law``; power by
+  ``chi2_power`` at ``alpha`` (the power check's Holm 0.001 over its tests
+  is at least as strict as 0.001 / tests). The multi-token statistics have
+  no such closed form and are not planned. Returns one dict per prompt:
+  p_argmax, q_argmax, tv, noncentrality, dof, power."""
+  import jax
+  import jax.numpy as jnp
+  rows = []
+  for enc in encoded:
+    out = target(jnp.asarray(np.asarray(enc, np.int32)[None]))
+    p = np.asarray(jax.nn.softmax(out.logits[0, -1].astype(jnp.float32)), np.float64)
+    q = np.asarray(jax.nn.softmax(out.mtp_logits[0][0, -2].astype(jnp.float32)), np.float64)
+    p, q = p / p.sum(), q / q.sum()
+    m = int(np.argmax(p))
+    rows.append({"p_argmax": float(p[m]), "q_argmax": float(q[m]),
+                 **chi2_power(p, wrong_rule_first_token_law(p, q), num_samples, alpha)})
+  return rows
+
+
 # -- report --------------------------------------------------------------------------
 
 def _p(x):
@@ -297,6 +378,18 @@ def markdown(results: dict, meta: dict) -> str:
         f"{t['statistic']} | {t['n_a']} / {t['n_b']} | {t['num_categories']} ({t['num_columns']}) | "
         f"{t['chi2']:.1f} | {t['dof']} | {_p(t['pvalue'])} | {_p(t.get('holm_pvalue'))} | "
         f"{t['tv']:.3f} |")
+  if results.get("planned_power"):
+    lines += ["", "## Planned power (first token, wrong rule, before sampling)", "",
+              "From the exact laws after each prompt (target p, module 1's q, the wrong rule's "
+              "P(argmax) = q(m) + (1 - q(m)) p(m)): the power of the first-token chi-square test "
+              "at level 0.001 / (wrong-rule tests) with these sample sizes (noncentral chi-square "
+              "approximation). Low power here means the first-token test cannot see this fault at "
+              "this size, whatever the decoder does.", "",
+              "| prompt | p(argmax) | q(argmax) | TV | noncentrality | dof | power |",
+              "|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(results["planned_power"]):
+      lines.append(f"| {i} | {r['p_argmax']:.3f} | {r['q_argmax']:.3f} | {r['tv']:.4f} | "
+                   f"{r['noncentrality']:.1f} | {r['dof']} | {r['power']:.2f} |")
   lines += ["", "## Acceptance", "",
             "| T | top-p | rule | G | tau | accepted-length histogram |", "|---|---|---|---|---|---|"]
   for a in results["acceptance"]:
@@ -426,15 +519,20 @@ def study_prompts(args, cfg):
   A BPE model (an imported target): ``--prompt`` texts or the first
   ``--num_prompts`` held-out chat prompts (``mtp/data/heldout_chat.jsonl``),
   each as one user turn through the model's chat template."""
+  idx = args.prompt_indices
+  count = max(idx) + 1 if idx else args.num_prompts
+  pick = (lambda xs: [xs[i] for i in idx]) if idx else (lambda xs: xs)
   if cfg.model.tokenizer == "byte":
-    texts = args.prompt or data_lib.held_out_prompts(args.dataset, args.num_prompts,
-                                                     args.prompt_bytes, seed=args.seed,
-                                                     data_dir=args.data_dir)
+    texts = args.prompt or pick(data_lib.held_out_prompts(args.dataset, count, args.prompt_bytes,
+                                                          seed=args.seed, data_dir=args.data_dir))
     return texts, [tok.ByteTokenizer().encode(t, add_bos=True) for t in texts], None
   from mtp.data import chat
   tokenizer = tok.load_tokenizer(args.workdir)
-  prompts = ([{"prompt": t} for t in args.prompt] if args.prompt
-             else chat.heldout_chat_prompts()[:args.num_prompts])
+  heldout = chat.heldout_chat_prompts()
+  if idx and count > len(heldout):
+    raise DecodeError(f"--prompt_indices: {max(idx)} is past the {len(heldout)} held-out chat "
+                      f"prompts (indices 0..{len(heldout) - 1})")
+  prompts = ([{"prompt": t} for t in args.prompt] if args.prompt else pick(heldout[:count]))
   encoded = [np.asarray(tokenizer.apply_chat_template(chat.prompt_messages(p)), np.int32)
              for p in prompts]
   return [p["prompt"] for p in prompts], encoded, tokenizer
@@ -447,6 +545,9 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--data_dir", default="", help=cli.DATA_DIR_HELP)
   ap.add_argument("--num_prompts", type=int, default=4, help="held-out prompts, in [1, 1000]")
   ap.add_argument("--prompt_bytes", type=int, default=48, help="bytes per held-out prompt, >= 1")
+  ap.add_argument("--prompt_indices", default=None,
+                  help="comma list of held-out prompt indices (each in [0, 1000)) instead of the "
+                  "first --num_prompts; chat prompts keep their system message")
   ap.add_argument("--prompt", action="append", default=None,
                   help="prompt text (repeatable); replaces the held-out prompts")
   ap.add_argument("--temperatures", default=None,
@@ -459,9 +560,12 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--batch_size", type=int, default=1000, help="rows per generate call")
   ap.add_argument("--seed", type=int, default=0, help="sampling and prompt seed")
   ap.add_argument("--out", default="results/losslessness_study", help="output prefix")
+  ap.add_argument("--plan_only", action="store_true",
+                  help="print each prompt's planned first-token power against the wrong rule "
+                  "(exact laws, one forward pass; seconds) and exit without sampling")
   ap.add_argument("--quick", action="store_true",
                   help=f"for the tests' Markov model: prompts {QUICK_PROMPTS}, temperatures 0.7,1.0, "
-                  "500 samples of 2 tokens, one batch per setting")
+                  "500 samples of 2 tokens, one batch per prompt and setting")
   return ap
 
 
@@ -471,9 +575,13 @@ def main(argv=None):
   if args.quick:        # only what the user did not give
     args.prompt = args.prompt or list(QUICK_PROMPTS)
     cli.apply_quick(ap, args, temperatures="0.7,1.0", num_samples=500, num_tokens=2)
-    cli.apply_quick(ap, args, batch_size=len(args.prompt) * args.num_samples)
+    cli.apply_quick(ap, args, batch_size=args.num_samples)
   args.temperatures = cli.parse_list(ap, "temperatures", args.temperatures or "0.7,1.0,1.3", float,
                                      0.0, 100.0, lo_open=True)
+  if args.prompt_indices is not None:
+    if args.prompt:
+      ap.error("--prompt_indices and --prompt are exclusive: give one")
+    args.prompt_indices = cli.parse_list(ap, "prompt_indices", args.prompt_indices, int, 0, 999)
   args.top_ps = cli.parse_list(ap, "top_ps", args.top_ps or "1.0,0.9", float, 0.0, 1.0, lo_open=True)
   for flag, val, lo, hi in [("--num_samples", args.num_samples, 20, 10**7),
                             ("--num_tokens", args.num_tokens, 1, 64),
@@ -498,11 +606,21 @@ def main(argv=None):
     ap.error(f"prompts {too_long} are empty or, with --num_tokens={args.num_tokens}, longer than "
              f"the model's max_seq_len={cfg.model.max_seq_len} (lower --prompt_bytes)")
   settings = [(t, p) for t in args.temperatures for p in args.top_ps]
+  num_wrong_tests = len(encoded) * len({1, min(2, args.num_tokens), args.num_tokens})
+  plan = planned_power(target, encoded, args.num_samples, 0.001 / num_wrong_tests)
+  for i, r in enumerate(plan):
+    print(f"planned power, prompt {i} first token vs the wrong rule: {r['power']:.2f} at "
+          f"{args.num_samples} samples (p(argmax) {r['p_argmax']:.3f}, q(argmax) "
+          f"{r['q_argmax']:.3f}, TV {r['tv']:.4f}, noncentrality {r['noncentrality']:.1f}, "
+          f"dof {r['dof']})", flush=True)
+  if args.plan_only:
+    return {"planned_power": plan}
 
   t0 = time.perf_counter()
   tests, acceptance, ns = run_study(Study(target, encoded, g, settings, args.num_samples,
                                           args.num_tokens, args.batch_size, args.seed, tokenizer))
   results = study_results(texts, settings, tests, acceptance, ns, time.perf_counter() - t0)
+  results["planned_power"] = plan
   correct = [t for t in tests if t["rule"] == "mtp"]
   wrong = [t for t in tests if t["rule"] == "wrong_argmax"]
   meta = report.provenance(
@@ -510,7 +628,7 @@ def main(argv=None):
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),
       prompt_source=("--prompt" if args.prompt else "held_out_prompts" if tokenizer is None
                      else "heldout_chat.jsonl"), dataset=args.dataset,
-      prompt_bytes=args.prompt_bytes, num_prompts=len(texts), temperatures=args.temperatures,
+      prompt_bytes=args.prompt_bytes, num_prompts=len(texts), prompt_indices=args.prompt_indices, temperatures=args.temperatures,
       top_ps=args.top_ps, num_draft_tokens=g, num_samples=args.num_samples,
       num_tokens=args.num_tokens, batch_size=args.batch_size, seed=args.seed, quick=args.quick)
   report.write_report(args.out, meta, results, markdown(results, meta))

@@ -152,3 +152,39 @@ def test_the_chi_square_harness_detects_a_wrong_q(model, laws):
   decoder = Decoder(model, "mtp", 2, drafter=_ArgmaxDraftsSoftQ(model.mtp_depth, 2))
   pairs, _ = _sample_pairs(decoder, SETTINGS["t0.7_top3"], seed=7)
   assert chi_square_pvalue(pairs, laws["t0.7_top3"]) < ALPHA
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft"])
+def test_sample_prefills_once_and_keeps_the_target_law(model, laws, method):
+  """``Decoder.sample``: one prompt prefilled once (B = 1), its state repeated
+  into NUM_SAMPLES rows; the rows' first two tokens follow the exact law (a
+  repeat that copied the PRNG state per row would give identical rows and
+  fail), and drafts are accepted."""
+  decoder = Decoder(model, method, 2, _perturbed(model) if method == "draft" else None)
+  sp = SETTINGS["t1"]
+  gen = decoder.sample(PROMPT, NUM_SAMPLES, 2, sp, seed=300)
+  pairs = np.stack([t[:2] for t in gen.tokens])
+  assert len(pairs) == NUM_SAMPLES
+  assert chi_square_pvalue(pairs, laws["t1"]) > ALPHA
+  assert gen.accepted_histogram[:, 1:].sum() > 0
+
+
+def test_repeat_row_equals_the_prefill_of_copies(model):
+  """The prefilled one-row state repeated into 4 rows equals the prefill of
+  4 copies of the prompt (float leaves to 1e-5: XLA may block a batch of 4
+  differently), and a state of another shape is refused."""
+  from decode import state as state_lib
+  dec = Decoder(model, "mtp", 2)
+  one, p = dec.prepare([PROMPT], 6, seed=1)
+  many, _ = dec.prepare([PROMPT] * 4, 6, seed=1)
+  got = state_lib.repeat_row(dec.prefill(one, p), jax.eval_shape(lambda: many))
+  want = dec.prefill(many, p)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    if jnp.issubdtype(a.dtype, jnp.floating):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    elif not jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  other, _ = dec.prepare([PROMPT] * 4, 70, seed=1)        # more cache slots
+  with pytest.raises(ValueError, match="does not repeat"):
+    state_lib.repeat_row(dec.prepare([PROMPT], 6, seed=1)[0], other)

@@ -145,11 +145,42 @@ def test_quick_wrong_rule_is_detected(quick):
     assert tv[("wrong_argmax", i)] > 2 * tv[("mtp", i)]
 
 
+def test_wrong_rule_first_token_law(ls):
+  """P(m) = q(m) + (1 - q(m)) p(m), the rest scaled by 1 - q(m); q(m) = 0 is AR."""
+  p = np.array([0.5, 0.3, 0.2])
+  law = ls.wrong_rule_first_token_law(p, np.array([0.4, 0.1, 0.5]))
+  np.testing.assert_allclose(law, [0.4 + 0.6 * 0.5, 0.6 * 0.3, 0.6 * 0.2])
+  np.testing.assert_allclose(ls.wrong_rule_first_token_law(p, np.array([0.0, 0.5, 0.5])), p)
+
+
+def test_chi2_power_matches_simulation(ls):
+  """The planned power (noncentral chi-square) agrees with the rejection rate
+  of ``two_sample_chi2`` on simulated samples (400 studies of n = 600 per
+  side), at a small and a large deviation; equal laws give power alpha and
+  the power grows with n."""
+  rng = np.random.default_rng(0)
+  k = 12
+  a = rng.dirichlet(np.ones(k))
+  for shift in (0.15, 0.2):          # planned power 0.45 and 0.81
+    b = ls.wrong_rule_first_token_law(a, np.full(k, shift))
+    plan = ls.chi2_power(a, b, 600, 0.01)
+    hits = 0
+    for _ in range(400):
+      xa, xb = rng.choice(k, 600, p=a), rng.choice(k, 600, p=b)
+      hits += ls.two_sample_chi2(xa, xb)["pvalue"] < 0.01
+    assert abs(hits / 400 - plan["power"]) < 0.08, (shift, hits / 400, plan)
+  assert ls.chi2_power(a, a, 600, 0.01)["power"] == pytest.approx(0.01)
+  assert ls.chi2_power(a, b, 2000, 0.01)["power"] > ls.chi2_power(a, b, 200, 0.01)["power"]
+
+
 def test_cli_errors(ls, tmp_path, capsys):
   for flags, name in [(["--workdir", str(tmp_path / "none")], "--workdir"),
                       (["--workdir", "x", "--top_ps", "0"], "--top_ps"),
                       (["--workdir", "x", "--temperatures", "1,-1"], "--temperatures"),
-                      (["--workdir", "x", "--num_samples", "5"], "--num_samples")]:
+                      (["--workdir", "x", "--num_samples", "5"], "--num_samples"),
+                      (["--workdir", "x", "--prompt_indices", "1,-2"], "--prompt_indices"),
+                      (["--workdir", "x", "--prompt_indices", "1", "--prompt", "ab"],
+                       "--prompt_indices")]:
     with pytest.raises(SystemExit):
       ls.main(flags + ["--out", str(tmp_path / "o")])
     assert name in capsys.readouterr().err
