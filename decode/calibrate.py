@@ -5,7 +5,8 @@ into the "auto" state (``with_costs``).
 
 The measurement (``round_costs``): each g's rounds timed with the g
 interleaved (``mtp.timing.interleaved_times``), so noise hits every g
-alike; each g's cost is its median ratio to the AR step (g = 0) timed in
+alike; in the while_loop form they run in the generation's own program
+(``decoder_round_costs``); each g's cost is its median ratio to the AR step (g = 0) timed in
 the same repeat, times the fastest AR step (robust to slow drift and
 bursts), made non-decreasing in g (a longer draft never costs less: noise
 must not invert the order). A busy machine can still skew the costs, which
@@ -23,47 +24,103 @@ from mtp.timing import interleaved_times
 
 CALIBRATION_ROUNDS = 16    # rounds per timed call
 CALIBRATION_REPEATS = 7    # interleaved timed calls per draft length
+PREFILL_REPEATS = 5       # interleaved timed prefills of "auto" and of its AR fallback
 OUTLIER = 10.0             # a generation slower than this x the predicted time teaches nothing
 
 
-def round_costs(run_rounds: Callable[[int], None], max_draft_tokens: int, *,
-                rounds: int = CALIBRATION_ROUNDS, repeats: int = CALIBRATION_REPEATS) -> np.ndarray:
+def round_costs(run_rounds: Callable[[int], tuple[float, int]], max_draft_tokens: int, *,
+                repeats: int = CALIBRATION_REPEATS) -> np.ndarray:
   """[G_max+1] float64 seconds per round for g = 0..G_max.
 
   Args:
-    run_rounds: ``run_rounds(g)`` runs ``rounds`` rounds at draft length g
-      and blocks until they are done (the first call per g compiles; it is
-      not timed).
+    run_rounds: ``run_rounds(g)`` runs some rounds at draft length g, blocks
+      until they are done and returns (seconds, rounds run): the seconds of
+      the rounds alone (its own setup, e.g. copying a state, left out). The
+      first call per g compiles; it is not used.
     max_draft_tokens: G_max >= 1.
-    rounds: rounds per call (the per-round cost is the call's time / rounds).
-    repeats: interleaved timed calls per g.
+    repeats: interleaved timed calls per g (``mtp.timing.interleaved_times``
+      gives the order).
   """
-  times = interleaved_times({g: (lambda g=g: run_rounds(g)) for g in range(max_draft_tokens + 1)},
-                            repeats, warmup=1)
-  t = np.stack([times[g] for g in range(max_draft_tokens + 1)]) / rounds     # [G+1, repeats]
+  got = {g: [] for g in range(max_draft_tokens + 1)}
+
+  def call(g):
+    seconds, rounds = run_rounds(g)
+    got[g].append(seconds / max(int(rounds), 1))
+  interleaved_times({g: (lambda g=g: call(g)) for g in got}, repeats, warmup=1)
+  t = np.stack([np.asarray(got[g][1:]) for g in got])         # [G+1, repeats], warm-up dropped
   costs = np.median(t / t[:1], axis=1) * t[0].min()
   return np.maximum.accumulate(costs)
 
 
 def decoder_round_costs(decoder, state, sp, form: str) -> np.ndarray:
   """``round_costs`` of a ``Decoder`` with "auto", after the prefill
-  ``state`` (not donated). While_loop form: ``CALIBRATION_ROUNDS`` rounds
-  inside one jitted fori_loop (no host dispatch). Stream form: rounds called
-  one by one from Python with the host sync the stream loop makes (its host
-  overhead is part of a round's cost there, which favours longer drafts)."""
+  ``state`` (not donated: every call runs on a copy, made before its clock
+  starts). While_loop form: the generation's own jitted program
+  (``programs.generate``, its segments, ``choose`` and rounds) with the
+  schedule forced to g (``force``) and the budget cut to
+  ``CALIBRATION_ROUNDS`` x (g + 1) tokens, per round of what it ran: a
+  separate fori_loop of bare rounds once measured a cheaper round than the
+  generation's (the tiny byte model: an AR step 1.5x too dear next to a
+  G = 2 round), and every decision rests on these ratios. Stream form:
+  ``CALIBRATION_ROUNDS`` rounds called one by one from Python with the host
+  sync the stream loop makes (its host overhead is part of a round's cost
+  there, which favours longer drafts)."""
+  import time
+
   import jax
   import jax.numpy as jnp
   p, dp = decoder.target_params, decoder.draft_params
+
+  def fresh(g):
+    s = jax.tree.map(jnp.copy, state)
+    if form == "while":
+      s = s.replace(max_new=jnp.minimum(s.max_new, CALIBRATION_ROUNDS * (g + 1)),
+                    auto=s.auto.replace(schedule={**s.auto.schedule, "force": jnp.int32(g)}))
+    return jax.block_until_ready(s)
+
   if form == "while":
     def run_rounds(g):
-      jax.block_until_ready(decoder.programs.calibrate(p, dp, state, sp, g))
+      s = fresh(g)
+      t0 = time.perf_counter()
+      s = decoder.programs.generate(p, dp, s, sp)
+      jax.block_until_ready(s.length)
+      return time.perf_counter() - t0, int(s.auto.rounds)
   else:
     def run_rounds(g):
-      s = jax.tree.map(jnp.copy, state)
+      s = fresh(g)
+      t0 = time.perf_counter()
       for _ in range(CALIBRATION_ROUNDS):
         s = decoder.programs.round(p, dp, s, sp, g)
         jax.device_get((s.length, s.done, s.error))
+      return time.perf_counter() - t0, CALIBRATION_ROUNDS
   return round_costs(run_rounds, decoder.G)
+
+
+def extra_prefill_seconds(decoder, prompts, max_new_tokens: int,
+                          repeats: int = PREFILL_REPEATS) -> float:
+  """Seconds the "auto" decoder's prefill (target and MTP modules over the
+  prompt bucket) takes beyond its plain AR fallback's (target only), on
+  ``prompts``: the median of ``repeats`` interleaved timings of each
+  (states prepared before the clock starts; the first call of each, which
+  may compile, untimed), floored at 0. ``AutoSchedule.drafting_pays``
+  charges it to drafting: on a shallow target at B = 1 it can exceed what
+  a short generation's drafts save (the tiny byte model: ~5 ms next to a
+  23 ms decoding phase)."""
+  import time
+
+  import jax
+  ar = decoder._plain_ar()
+  got = {"auto": [], "ar": []}
+
+  def call(name):
+    dec = decoder if name == "auto" else ar
+    state, p_len = dec.prepare(prompts, max_new_tokens, 0)
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    jax.block_until_ready(dec.prefill(state, p_len))
+    got[name].append(time.perf_counter() - t0)
+  interleaved_times({n: (lambda n=n: call(n)) for n in got}, repeats, warmup=1)
+  return max(0.0, float(np.median(got["auto"][1:]) - np.median(got["ar"][1:])))
 
 
 def updated_costs(costs, rounds, seconds: float, step: float = 0.5) -> np.ndarray:
@@ -153,8 +210,10 @@ def with_costs(decoder, state, sp, prompts, max_new_tokens: int, form: str = "wh
   measured once each (``decoder_round_costs`` on a probe batch of
   ``prompts``, kept in ``decoder._costs``, then moved toward each later
   generation's own rounds by ``learn_costs``; not the first one of a key,
-  which compiles); ``auto_costs`` given to the
-  ``Decoder`` replace both. The schedule's estimates start at its prior for
+  which compiles), and with them what the modules add to the prefill
+  (``extra_prefill_seconds``, into ``decoder._extra_prefill_s`` for
+  ``drafting_pays``); ``auto_costs`` given to the ``Decoder`` replace both
+  (no prefill charge then). The schedule's estimates start at its prior for
   this mode (``AutoSchedule.prior_alpha(sp.greedy)``). Replicated on the
   decoder's mesh.
   Without "auto" ``state`` is returned unchanged."""
@@ -163,7 +222,7 @@ def with_costs(decoder, state, sp, prompts, max_new_tokens: int, form: str = "wh
   import jax
   import jax.numpy as jnp
   from decode import mesh as decode_mesh
-  costs, decoder._cost_key = decoder._fixed_costs, None
+  costs, decoder._cost_key, decoder._extra_prefill_s = decoder._fixed_costs, None, 0.0
   if costs is None:
     key = (len(prompts), state.tokens.shape[1], sp.greedy, sp.filtering, form)
     first = key not in decoder._costs
@@ -171,6 +230,8 @@ def with_costs(decoder, state, sp, prompts, max_new_tokens: int, form: str = "wh
       probe, prefill_len = decoder.prepare(prompts, max_new_tokens, 0)
       decoder._costs[key] = decoder_round_costs(decoder, decoder.prefill(probe, prefill_len),
                                                 sp, form)
+      decoder._prefill_extra[key] = extra_prefill_seconds(decoder, prompts, max_new_tokens)
+    decoder._extra_prefill_s = decoder._prefill_extra.get(key, 0.0)
     # the first generation of a key compiles its program inside the timed
     # decoding phase: learning from it once put seconds of compilation into
     # every round's cost (SmolLM2: 0.96 s per round instead of 0.05)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from decode import calibrate, loops
+from decode import loops
 from decode import mesh as decode_mesh
 from decode import round as round_lib
 from decode import tree as tree_lib
@@ -82,25 +82,17 @@ class ProgramSpec:
     round_g = lambda s, g: self.round(params, draft_params, s, sp, g)
     return loops.generate_loop(round_g, state, self.g, self.schedule)
 
-  def calibration_rounds(self, params, draft_params, state: DecodeState, sp: SamplingParams,
-                         g: int) -> DecodeState:
-    """``calibrate.CALIBRATION_ROUNDS`` rounds at draft length g (static)
-    inside one fori_loop (round-cost measurement of "auto")."""
-    return jax.lax.fori_loop(0, calibrate.CALIBRATION_ROUNDS,
-                             lambda i, x: self.round(params, draft_params, x, sp, g), state)
-
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
   """The jitted functions of one ``ProgramSpec`` (signatures as the spec's
   methods; ``stop_rows(state, lengths [B], mask [B])`` cuts rows; the
-  decode state is donated everywhere except ``calibrate``)."""
+  decode state is donated everywhere)."""
   prefill: Callable
   round: Callable
   generate: Callable
   stop_rows: Callable
   choose: Callable
-  calibrate: Callable
 
 
 def _stop_rows(state: DecodeState, lengths, mask) -> DecodeState:
@@ -115,8 +107,7 @@ def _build(spec: ProgramSpec) -> Programs:
       round=jax.jit(wrap(spec.round), donate_argnums=(2,), static_argnums=(4,)),
       generate=jax.jit(wrap(spec.generate), donate_argnums=(2,)),
       stop_rows=jax.jit(wrap(_stop_rows), donate_argnums=(0,)),
-      choose=jax.jit(wrap(functools.partial(loops.choose, spec.schedule)), donate_argnums=(0,)),
-      calibrate=jax.jit(spec.calibration_rounds, static_argnums=(4,)))
+      choose=jax.jit(wrap(functools.partial(loops.choose, spec.schedule)), donate_argnums=(0,)))
 
 
 _cached_build = functools.lru_cache(maxsize=CACHE_SIZE)(_build)

@@ -163,18 +163,25 @@ class AutoSchedule:
       cols.append(jnp.where(tested[:, j], alpha[:, j], jnp.minimum(alpha[:, j], cols[-1])))
     return jnp.stack(cols, axis=1)
 
-  def drafting_pays(self, costs, greedy: bool) -> bool:
+  def drafting_pays(self, costs, greedy: bool, budget: int | None = None,
+                    extra_prefill_s: float = 0.0) -> bool:
     """Host side, before a generation: whether some g >= 1 is expected to
-    emit more tokens per second than AR at the prior and the round costs
-    ``costs`` [G_max+1] (the value ``choose`` maximises, with every row at
-    the prior). When it is False, ``choose``'s first segment would be AR,
-    and the decoder runs the whole generation as plain AR instead
+    finish sooner than AR at the prior and the round costs ``costs``
+    [G_max+1] seconds (the value ``choose`` maximises, with every row at
+    the prior): with ``budget`` new tokens per row, g >= 1 pays when
+    ``extra_prefill_s`` (what the modules' prefill adds to the target's,
+    seconds) + budget x cost(g) / E[tokens | g] < budget x cost(0); without
+    a budget, when E[tokens | g] / cost(g) > 1 / cost(0). When it is False,
+    ``choose``'s first segment would be AR (or the prefill would eat the
+    gain), and the decoder runs the whole generation as plain AR instead
     (``Decoder.generate``): no module prefill and no probes, which a
     generation that is not expected to draft cannot win back."""
     import numpy as np
     alpha = self.prior_alpha(greedy)[None]
-    value = np.asarray(self.expected_tokens(alpha))[0] / np.asarray(costs, np.float64)
-    return bool(value[1:].max() > value[0])
+    per_token = np.asarray(costs, np.float64) / np.asarray(self.expected_tokens(alpha))[0]
+    if budget is None:
+      return bool(per_token[1:].min() < per_token[0])
+    return bool(extra_prefill_s + budget * per_token[1:].min() < budget * per_token[0])
 
   def choose(self, sched: dict, active) -> tuple[jax.Array, jax.Array, dict]:
     """(g, rounds, updated schedule state) for the next segment, from the

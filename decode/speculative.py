@@ -182,6 +182,8 @@ class Decoder:
     self.mesh = mesh
     self._costs: dict = {}
     self._cost_key = None    # the measured costs the last "auto" generation used
+    self._prefill_extra: dict = {}   # "auto": seconds the modules add to the prefill, per cost key
+    self._extra_prefill_s = 0.0      # ... for the current generation (``calibrate.with_costs``)
     self._ar = None          # "auto"'s plain AR decoder (``_plain_ar``)
     if mesh is None:     # host (numpy) leaves would be copied to the device on every call
       self.target_params, self.draft_params = _on_device((self.target_params, self.draft_params))
@@ -295,10 +297,10 @@ class Decoder:
     sp = sampling_params.validate()
     state, prefill_len = self.prepare(prompts, max_new_tokens, seed, stops)
     state = calibrate.with_costs(self, state, sp, prompts, max_new_tokens)
-    if not self._drafting_pays(state, sp):
+    if not self._drafting_pays(state, sp, max_new_tokens):
       del state
-      return self._as_auto(self._plain_ar().generate(prompts, max_new_tokens, sampling_params,
-                                                     seed, stops))
+      return self._fallback(self._plain_ar().generate(prompts, max_new_tokens, sampling_params,
+                                                      seed, stops))
     jax.block_until_ready(state)
     t0 = time.perf_counter()
     state = jax.block_until_ready(self.prefill(state, prefill_len))
@@ -360,10 +362,10 @@ class Decoder:
     state, prefill_len = self.prepare(prompts, max_new_tokens, seed, stops)
     strings = () if stops is None else tuple(stops.strings)
     state = calibrate.with_costs(self, state, sp, prompts, max_new_tokens, form="stream")
-    if not self._drafting_pays(state, sp):
+    if not self._drafting_pays(state, sp, max_new_tokens):
       del state
-      return self._as_auto(self._plain_ar().stream(prompts, max_new_tokens, sampling_params, seed,
-                                                   on_tokens, stops, on_text))
+      return self._fallback(self._plain_ar().stream(prompts, max_new_tokens, sampling_params, seed,
+                                                    on_tokens, stops, on_text))
     jax.block_until_ready(state)
     t0 = time.perf_counter()
     state = jax.block_until_ready(self.prefill(state, prefill_len))   # else: dispatch time only
@@ -382,13 +384,23 @@ class Decoder:
 
   # -- "auto" when drafting is not expected to pay -------------------------------------
 
-  def _drafting_pays(self, state, sp: SamplingParams) -> bool:
+  def _drafting_pays(self, state, sp: SamplingParams, max_new_tokens: int) -> bool:
     """True without "auto"; with it, ``AutoSchedule.drafting_pays`` at the
-    costs ``calibrate.with_costs`` put into ``state``."""
+    costs ``calibrate.with_costs`` put into ``state``, the token budget and
+    the modules' prefill as measured with the costs."""
     if self.schedule is None:
       return True
     costs = np.asarray(jax.device_get(state.auto.schedule["costs"]), np.float64)
-    return self.schedule.drafting_pays(costs, sp.greedy)
+    return self.schedule.drafting_pays(costs, sp.greedy, max_new_tokens, self._extra_prefill_s)
+
+  def _fallback(self, gen: Generation) -> Generation:
+    """The AR fallback's result in "auto"'s shape (``_as_auto``); its
+    decoding time moves the AR step's cost as a drafting generation's moves
+    its g's (``calibrate.learn_costs``), so a calibration that put the AR
+    step too high or too low is corrected by the generations it decides."""
+    gen = self._as_auto(gen)
+    calibrate.learn_costs(self._costs, self._cost_key, gen)
+    return gen
 
   def _plain_ar(self) -> "Decoder":
     """The AR decoder an "auto" generation falls back to (same target

@@ -63,7 +63,7 @@ def test_the_first_generation_of_a_shape_does_not_move_the_costs(trained_markov,
   forced to be judged worth it (at B = 2 this tiny model's rounds cost 2-3 AR
   steps, so auto would run plain AR and learn nothing)."""
   monkeypatch.setattr(calibrate, "OUTLIER", float("inf"))
-  monkeypatch.setattr(AutoSchedule, "drafting_pays", lambda self, costs, greedy: True)
+  monkeypatch.setattr(AutoSchedule, "drafting_pays", lambda self, *a, **k: True)
   _, model, _ = trained_markov
   prompts = random_prompts([6, 9])
   dec = Decoder(model, "mtp", "auto", max_draft_tokens=2)
@@ -128,6 +128,80 @@ def test_drafting_pays_is_the_first_choice_at_the_prior():
   assert not s.drafting_pays([1.0, 1.6, 1.8], greedy=False)      # 0.94, 0.97 < 1
   assert s.drafting_pays([1.0, 1.6, 1.7], greedy=False)          # G = 2: 1.03
   assert not AutoSchedule(2, prior=0.5, greedy_prior=0.1).drafting_pays([1.0, 1.4, 1.8], True)
+  # with a budget, the modules' prefill is charged: G = 1 saves 1 - 1.4 / 1.5 of a step per token
+  assert s.drafting_pays([1.0, 1.4, 1.8], False, budget=100, extra_prefill_s=3.0)   # 96.3 < 100
+  assert not s.drafting_pays([1.0, 1.4, 1.8], False, budget=10, extra_prefill_s=3.0)  # 12.3
+  assert s.drafting_pays([1.0, 1.4, 1.8], False, budget=10, extra_prefill_s=0.0)
+
+
+def test_round_costs_are_per_round_of_what_ran():
+  """``calibrate.round_costs`` divides each call's seconds by the rounds it
+  reports (the while_loop calibration runs a token budget, so the rounds
+  vary with acceptance), drops the warm-up call and keeps g monotone."""
+  calls = {0: 0, 1: 0, 2: 0}
+
+  def run_rounds(g):
+    calls[g] += 1
+    if calls[g] == 1:
+      return 100.0, 1                                  # warm-up (compilation): dropped
+    rounds = 16 if g == 0 else 9 + calls[g]           # varying round counts
+    return 0.001 * (1 + 0.5 * g) * rounds, rounds
+  costs = calibrate.round_costs(run_rounds, 2, repeats=4)
+  np.testing.assert_allclose(costs, [0.001, 0.0015, 0.002])
+  assert calls == {0: 5, 1: 5, 2: 5}
+
+
+def test_calibration_leaves_the_state_and_runs_the_generation_program(trained_markov):
+  """While_loop calibration on a prefilled state: the state is untouched (each
+  call runs on a copy), the costs are positive and non-decreasing, and the
+  generation program it ran is the one the generation then uses (nothing
+  else compiled for the rounds)."""
+  import jax
+  _, model, _ = trained_markov
+  prompts = random_prompts([6, 9])
+  dec = Decoder(model, "mtp", "auto", max_draft_tokens=2)
+  sp = SamplingParams(1.0)
+  state, p = dec.prepare(prompts, 8, 0)
+  state = dec.prefill(state, p)
+  host = lambda s: jax.tree.map(
+      lambda x: np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
+          x.dtype, jax.dtypes.prng_key) else x), s)
+  before = host(state)
+  costs = calibrate.decoder_round_costs(dec, state, sp, "while")
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(host(state))):
+    np.testing.assert_array_equal(a, b)
+  assert (costs > 0).all() and (np.diff(costs) >= 0).all()
+  compiled = dec.programs.generate._cache_size()
+  dec.generate(prompts, 8, sp, seed=3)
+  assert dec.programs.generate._cache_size() == compiled
+
+
+def test_the_ar_fallback_learns_the_ar_step_and_charges_the_prefill(trained_markov, monkeypatch):
+  """When auto runs plain AR, the AR fallback's decoding time moves the AR
+  step's cost (from the second generation of a key, as a drafting one's),
+  the drafting costs stay; the modules' prefill difference is measured once
+  per key and handed to ``drafting_pays`` with the budget."""
+  monkeypatch.setattr(calibrate, "OUTLIER", float("inf"))
+  seen = []
+
+  def never(self, costs, greedy, budget=None, extra_prefill_s=0.0):
+    seen.append((budget, extra_prefill_s))
+    return False
+  monkeypatch.setattr(AutoSchedule, "drafting_pays", never)
+  _, model, _ = trained_markov
+  prompts = random_prompts([6, 9])
+  dec = Decoder(model, "mtp", "auto", max_draft_tokens=2)
+  sp = SamplingParams(1.0)
+  dec.generate(prompts, 8, sp, seed=0)
+  (key, measured), = dec._costs.items()
+  measured = measured.copy()
+  np.testing.assert_array_equal(dec._costs[key], measured)      # first call: not learned
+  gen = dec.generate(prompts, 8, sp, seed=1)
+  assert gen.draft_length_histogram[:, 1:].sum() == 0
+  assert dec._costs[key][0] != measured[0]                      # the AR step learned
+  np.testing.assert_array_equal(dec._costs[key][1:], np.maximum(measured[1:], dec._costs[key][0]))
+  assert key in dec._prefill_extra and dec._prefill_extra[key] >= 0
+  assert seen == [(8, dec._prefill_extra[key])] * 2
 
 
 def test_auto_runs_plain_ar_when_drafting_cannot_pay(trained_markov):
