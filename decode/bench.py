@@ -293,6 +293,8 @@ def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens
     row.update({"label": label, "temperature": sp.temperature, "top_p": sp.top_p,
                 "batch_size": batch, "draft_s": draft_s.get(label), "ar_step_s": ar_step,
                 "draft_cost_ratio_c_flops": flops_cache.get((label, batch))})
+    if c.decoder.num_draft_tokens == "auto":      # prior and round costs as the decoder holds them
+      row["auto"] = c.decoder.auto_record()
     rows.append(row)
   for b in externals:
     row = summarize_baseline(b, ar_cells[forms[0]])

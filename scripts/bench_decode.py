@@ -49,6 +49,30 @@ from mtp import cli, report
 from mtp import data as data_lib
 
 
+def auto_costs_note(row: dict, results: list[dict]) -> str:
+  """"; round costs auto held after the cell (AR steps) a / b / c, fixed G
+  rounds measured x / y / z": the costs of ``row``'s "auto" record for its
+  batch size, sampling mode and form (``Decoder.auto_record``), each
+  divided by its g = 0 cost, beside the ms per round of the fixed-G rows of
+  the same setting divided by AR's ("" when either is missing)."""
+  rec = (row.get("auto") or {}).get("round_costs_s") or {}
+  greedy = row["temperature"] == 0
+  key = lambda k: k.split(", ")      # "B, S, greedy, filtering, form" (Decoder.auto_record)
+  costs = next((v for k, v in rec.items() if len(key(k)) == 5 and key(k)[0] == str(row["batch_size"])
+                and key(k)[2] == str(greedy) and key(k)[4] == row["form"]), rec.get("fixed"))
+  same = [r for r in results if r["temperature"] == row["temperature"] and not r.get("tree")
+          and r["batch_size"] == row["batch_size"] and r["form"] == row["form"]
+          and r["method"] in ("ar", "mtp")]
+  ar = next((r["round_s"] for r in same if r["method"] == "ar"), None)
+  fixed = {r["num_draft_tokens"]: r["round_s"] for r in same if isinstance(r["num_draft_tokens"], int)}
+  if not costs or not ar:
+    return ""
+  held = " / ".join(f"{c / costs[0]:.2f}" for c in costs)
+  meas = " / ".join(["1.00"] + [f"{fixed[g] / ar:.2f}" if g in fixed else "-"
+                                for g in range(1, len(costs))])
+  return f"; round costs `auto` held after the cell (AR steps) {held}, fixed-G rounds measured {meas}"
+
+
 def markdown(results, meta) -> str:
   lines = [f"Decode benchmark: {meta['workdir']} on {report.machine(meta)}, "
            f"JAX {meta['jax_version']}, commit {meta['commit']}, {meta['date']}; "
@@ -92,7 +116,7 @@ def markdown(results, meta) -> str:
     lines += ["", "Draft lengths chosen by `auto` (rounds per G = 0..G_max, 0 = AR step; summed over "
               "repeats and rows):", ""]
     lines += [f"- T = {r['temperature']}, B = {r['batch_size']}, {r['form']}: "
-              f"{r['draft_length_histogram']}" for r in auto]
+              f"{r['draft_length_histogram']}{auto_costs_note(r, results)}" for r in auto]
   comp = bench_grid.tree_comparison(results, meta["bare_forward_in_loop_s_by_batch"])
   if comp:
     lines += ["", "Trees beside the chain of their depth (G = m), same temperature, batch and form: "

@@ -43,6 +43,7 @@ def test_bench_decode_quick(workdir, data_dir, tmp_path):
       hist = r["draft_length_histogram"]
       assert len(hist) == 3 and sum(hist) > 0              # G_max = D = 2
       assert "ideal_speedup" not in r
+      assert len(r["auto"]["round_costs_s"]) >= 1 and len(r["auto"]["prior"]) >= 1
     elif r["method"] != "ar":
       assert r["ideal_speedup"] > 0 and r["efficiency"] > 0
       assert 0 < r["draft_cost_ratio_c_flops"] < 5
@@ -53,6 +54,8 @@ def test_bench_decode_quick(workdir, data_dir, tmp_path):
   bare = report["meta"]["bare_forward_in_loop_s_by_batch"]["1"]
   assert set(bare) == {"1", "2"} and all(v > 0 for v in bare.values())
   assert any(l.startswith("| 1 | ") for l in md[:md.index(next(l for l in md if l.startswith("| T | B |")))])
+  notes = [l for l in md if l.startswith("- T = ") and "round costs `auto` held" in l]
+  assert len(notes) == sum(r["num_draft_tokens"] == "auto" for r in report["results"]), md
 
 
 def test_bench_train_quick(tmp_path):
