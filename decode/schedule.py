@@ -32,11 +32,13 @@ validation acceptance (``python -m decode`` reads it from the workdir:
 ``decode.calibrate.stage_prior``; T = 0 from the argmax agreement, T > 0
 from E[sum min(p, q)]).
 
-A generation whose first choice would be AR (no g >= 1 expected to pay at
-the prior and the measured costs: ``AutoSchedule.drafting_pays``) runs as a
-plain AR decoder instead, without the modules' prefill or probes (on a
-shallow target with batched rows, where a round of drafting costs more than
-it emits, those were what cost `auto` most: docs/results.md 11.3).
+A generation for which no g >= 1 is expected to finish sooner than AR
+(``AutoSchedule.drafting_pays``: at the prior and the measured round costs,
+charging the modules' prefill and, at B > 1, the rounds the batch's slowest
+row needs, ``batch_rounds``) runs as a plain AR decoder instead, without
+the modules' prefill or probes (on a shallow target with batched rows,
+where a round of drafting costs more than it emits, those were what cost
+`auto` most: docs/results.md 11.3 and 13.9).
 
 Exploration: while g* = 0 nothing is drafted, so nothing is learnt about
 acceptance. Acceptance comes in streaks (a run of rejected drafts in one
@@ -65,6 +67,8 @@ speculative round with a fixed G and emits tokens with the target's law
 from __future__ import annotations
 
 import dataclasses
+import math
+from statistics import NormalDist
 
 import jax
 import jax.numpy as jnp
@@ -164,24 +168,29 @@ class AutoSchedule:
     return jnp.stack(cols, axis=1)
 
   def drafting_pays(self, costs, greedy: bool, budget: int | None = None,
-                    extra_prefill_s: float = 0.0) -> bool:
+                    extra_prefill_s: float = 0.0, batch: int = 1) -> bool:
     """Host side, before a generation: whether some g >= 1 is expected to
     finish sooner than AR at the prior and the round costs ``costs``
     [G_max+1] seconds (the value ``choose`` maximises, with every row at
-    the prior): with ``budget`` new tokens per row, g >= 1 pays when
+    the prior). Without a ``budget``: when E[tokens | g] / cost(g) >
+    1 / cost(0). With ``budget`` new tokens per row: when
     ``extra_prefill_s`` (what the modules' prefill adds to the target's,
-    seconds) + budget x cost(g) / E[tokens | g] < budget x cost(0); without
-    a budget, when E[tokens | g] / cost(g) > 1 / cost(0). When it is False,
-    ``choose``'s first segment would be AR (or the prefill would eat the
+    seconds) + rounds(g) x cost(g) < budget x cost(0), where rounds(g) is the
+    expected number of rounds until the slowest of ``batch`` rows has its
+    budget (``batch_rounds``). When it is False, ``choose``'s first segment
+    would be AR (or the prefill and the batch's slowest row would eat the
     gain), and the decoder runs the whole generation as plain AR instead
     (``Decoder.generate``): no module prefill and no probes, which a
     generation that is not expected to draft cannot win back."""
     import numpy as np
-    alpha = self.prior_alpha(greedy)[None]
-    per_token = np.asarray(costs, np.float64) / np.asarray(self.expected_tokens(alpha))[0]
+    alpha = self.prior_alpha(greedy)
+    costs = np.asarray(costs, np.float64)
     if budget is None:
+      per_token = costs / np.asarray(self.expected_tokens(alpha[None]))[0]
       return bool(per_token[1:].min() < per_token[0])
-    return bool(extra_prefill_s + budget * per_token[1:].min() < budget * per_token[0])
+    rounds = np.array([batch_rounds(np.asarray(alpha)[:g], budget, batch)
+                       for g in range(len(costs))])
+    return bool(extra_prefill_s + (rounds[1:] * costs[1:]).min() < budget * costs[0])
 
   def choose(self, sched: dict, active) -> tuple[jax.Array, jax.Array, dict]:
     """(g, rounds, updated schedule state) for the next segment, from the
@@ -225,3 +234,24 @@ class AutoSchedule:
     head = jnp.where(tested, head + self.ema * (passed - head), head)
     return {**sched, "alpha": alpha.at[:, :g].set(head),
             "tested": sched["tested"].at[:, :g].set(sched["tested"][:, :g] | tested)}
+
+
+def batch_rounds(alpha, budget: int, batch: int = 1) -> float:
+  """Expected rounds until every one of ``batch`` rows has emitted
+  ``budget`` tokens, drafting g = len(alpha) tokens a round accepted with
+  per-position rates ``alpha`` [g] (draft j kept with probability alpha_j
+  given d_1..d_{j-1} were): a round emits 1 + A tokens, P(A >= j) = prod_{i
+  <= j} alpha_i, mean mu and variance s^2; by the renewal central limit
+  theorem a row needs budget / mu rounds with standard deviation sqrt(budget
+  s^2 / mu^3), and the slowest of B independent rows Phi^-1((B - 0.375) /
+  (B + 0.25)) standard deviations more (Blom's approximation of the
+  expected maximum of B standard normals). A
+  batch's loop runs until its slowest row is done, so drafting pays less at
+  B > 1 than the mean tau says; AR (g = 0) needs exactly ``budget``.
+  Returns float rounds."""
+  import numpy as np
+  reach = np.cumprod(np.asarray(alpha, np.float64))        # P(A >= j), j = 1..g
+  mu = 1.0 + reach.sum()
+  var = float((np.arange(1, 2 * len(reach), 2) * reach).sum() - reach.sum() ** 2)
+  spread = NormalDist().inv_cdf((batch - 0.375) / (batch + 0.25)) if batch > 1 else 0.0
+  return budget / mu + spread * math.sqrt(max(var, 0.0) * budget / mu ** 3)

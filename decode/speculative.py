@@ -386,12 +386,13 @@ class Decoder:
 
   def _drafting_pays(self, state, sp: SamplingParams, max_new_tokens: int) -> bool:
     """True without "auto"; with it, ``AutoSchedule.drafting_pays`` at the
-    costs ``calibrate.with_costs`` put into ``state``, the token budget and
-    the modules' prefill as measured with the costs."""
+    costs ``calibrate.with_costs`` put into ``state``, the token budget, the
+    batch size and the modules' prefill as measured with the costs."""
     if self.schedule is None:
       return True
     costs = np.asarray(jax.device_get(state.auto.schedule["costs"]), np.float64)
-    return self.schedule.drafting_pays(costs, sp.greedy, max_new_tokens, self._extra_prefill_s)
+    return self.schedule.drafting_pays(costs, sp.greedy, max_new_tokens, self._extra_prefill_s,
+                                       batch=int(state.tokens.shape[0]))
 
   def _fallback(self, gen: Generation) -> Generation:
     """The AR fallback's result in "auto"'s shape (``_as_auto``); its
