@@ -324,11 +324,14 @@ class Decoder:
     scripts/losslessness_study.py), where the prefill of B copies of one
     prompt would be most of the work.
 
-    With a mesh or "auto" this is ``generate([prompt] * num_samples, ...)``.
+    With a mesh, "auto" or num_samples = 1 this is ``generate([prompt] *
+    num_samples, ...)``.
     Raises DecodeError for num_samples < 1 and as ``generate``.
     """
-    if not (isinstance(num_samples, int) and num_samples >= 1):
+    if isinstance(num_samples, bool) or not (isinstance(num_samples, (int, np.integer))
+                                             and num_samples >= 1):
       raise DecodeError(f"num_samples={num_samples!r} must be an integer >= 1")
+    num_samples = int(num_samples)
     if self.mesh is not None or self.schedule is not None or num_samples == 1:
       return self.generate([prompt] * num_samples, max_new_tokens, sampling_params, seed, stops)
     sp = sampling_params.validate()

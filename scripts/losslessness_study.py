@@ -397,7 +397,9 @@ def markdown(results: dict, meta: dict) -> str:
     lines.append(f"| {a['temperature']:g} | {a['top_p']:g} | {a['rule']} | {a['num_draft_tokens']} | "
                  f"{tau} | {a['accepted_length_histogram']} |")
   lines += ["", "## Prompts", ""]
-  lines += [f"{i}. `{p!r}`" for i, p in enumerate(results["prompts"])]
+  held = meta.get("prompt_indices") or []
+  lines += [f"{i}. `{p!r}`" + (f" (held-out prompt {held[i]}, with its system message if any)"
+                               if i < len(held) else "") for i, p in enumerate(results["prompts"])]
   return "\n".join(lines) + "\n"
 
 
@@ -517,8 +519,10 @@ def study_prompts(args, cfg):
   """(texts, encoded prompts with BOS, tokenizer or None). A byte-level
   model: ``--prompt`` texts or held-out ``--dataset`` prompts, byte-encoded.
   A BPE model (an imported target): ``--prompt`` texts or the first
-  ``--num_prompts`` held-out chat prompts (``mtp/data/heldout_chat.jsonl``),
-  each as one user turn through the model's chat template."""
+  ``--num_prompts`` held-out chat prompts (``mtp/data/heldout_chat.jsonl``;
+  ``--prompt_indices`` picks others, keeping their system message), each
+  as one user turn through the model's chat template. Raises DecodeError
+  for an index past the held-out chat prompts."""
   idx = args.prompt_indices
   count = max(idx) + 1 if idx else args.num_prompts
   pick = (lambda xs: [xs[i] for i in idx]) if idx else (lambda xs: xs)
@@ -546,8 +550,9 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--num_prompts", type=int, default=4, help="held-out prompts, in [1, 1000]")
   ap.add_argument("--prompt_bytes", type=int, default=48, help="bytes per held-out prompt, >= 1")
   ap.add_argument("--prompt_indices", default=None,
-                  help="comma list of held-out prompt indices (each in [0, 1000)) instead of the "
-                  "first --num_prompts; chat prompts keep their system message")
+                  help="comma list of held-out prompt indices (each >= 0 and within the held-out "
+                  "set: 57 chat prompts for a BPE model) instead of the first --num_prompts; chat "
+                  "prompts keep their system message; reports label prompts by position in this list")
   ap.add_argument("--prompt", action="append", default=None,
                   help="prompt text (repeatable); replaces the held-out prompts")
   ap.add_argument("--temperatures", default=None,
@@ -608,7 +613,8 @@ def main(argv=None):
   settings = [(t, p) for t in args.temperatures for p in args.top_ps]
   num_wrong_tests = len(encoded) * len({1, min(2, args.num_tokens), args.num_tokens})
   plan = planned_power(target, encoded, args.num_samples, 0.001 / num_wrong_tests)
-  for i, r in enumerate(plan):
+  labels = args.prompt_indices or list(range(len(encoded)))      # held-out indices when given
+  for i, r in zip(labels, plan):
     print(f"planned power, prompt {i} first token vs the wrong rule: {r['power']:.2f} at "
           f"{args.num_samples} samples (p(argmax) {r['p_argmax']:.3f}, q(argmax) "
           f"{r['q_argmax']:.3f}, TV {r['tv']:.4f}, noncentrality {r['noncentrality']:.1f}, "
