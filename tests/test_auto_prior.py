@@ -62,8 +62,19 @@ def test_the_first_generation_of_a_shape_does_not_move_the_costs(trained_markov,
   that way). The first call is still skipped, by its key alone. Drafting is
   forced to be judged worth it (at B = 2 this tiny model's rounds cost 2-3 AR
   steps, so auto would run plain AR and learn nothing)."""
+  dec, key, measured, prompts, sp = _first_auto_generation(
+      trained_markov, monkeypatch, lambda self, *a, **k: True)
+  dec.generate(prompts, 8, sp, seed=1)
+  assert not np.array_equal(dec._costs[key], measured)          # a timed call: learned
+
+
+def _first_auto_generation(trained_markov, monkeypatch, drafting_pays):
+  """An "auto" decoder after its first generation (2 rows, 8 tokens, T = 1)
+  with ``drafting_pays`` patched and the outlier rule off; checks that the
+  first (compiling) call left its measured costs as measured. Returns
+  (decoder, cost key, measured costs, prompts, sampling params)."""
   monkeypatch.setattr(calibrate, "OUTLIER", float("inf"))
-  monkeypatch.setattr(AutoSchedule, "drafting_pays", lambda self, *a, **k: True)
+  monkeypatch.setattr(AutoSchedule, "drafting_pays", drafting_pays)
   _, model, _ = trained_markov
   prompts = random_prompts([6, 9])
   dec = Decoder(model, "mtp", "auto", max_draft_tokens=2)
@@ -71,9 +82,8 @@ def test_the_first_generation_of_a_shape_does_not_move_the_costs(trained_markov,
   dec.generate(prompts, 8, sp, seed=0)
   (key, measured), = dec._costs.items()
   measured = measured.copy()
-  np.testing.assert_array_equal(dec._costs[key], measured)      # compiled: not learned
-  dec.generate(prompts, 8, sp, seed=1)
-  assert not np.array_equal(dec._costs[key], measured)          # a timed call: learned
+  np.testing.assert_array_equal(dec._costs[key], measured)      # first call: not learned
+  return dec, key, measured, prompts, sp
 
 
 def _stage(path, rows, steps=(50, 100)):
@@ -202,21 +212,12 @@ def test_the_ar_fallback_learns_the_ar_step_and_charges_the_prefill(trained_mark
   step's cost (from the second generation of a key, as a drafting one's),
   the drafting costs stay; the modules' prefill difference is measured once
   per key and handed to ``drafting_pays`` with the budget."""
-  monkeypatch.setattr(calibrate, "OUTLIER", float("inf"))
   seen = []
 
   def never(self, costs, greedy, budget=None, extra_prefill_s=0.0, batch=1):
     seen.append((budget, extra_prefill_s, batch))
     return False
-  monkeypatch.setattr(AutoSchedule, "drafting_pays", never)
-  _, model, _ = trained_markov
-  prompts = random_prompts([6, 9])
-  dec = Decoder(model, "mtp", "auto", max_draft_tokens=2)
-  sp = SamplingParams(1.0)
-  dec.generate(prompts, 8, sp, seed=0)
-  (key, measured), = dec._costs.items()
-  measured = measured.copy()
-  np.testing.assert_array_equal(dec._costs[key], measured)      # first call: not learned
+  dec, key, measured, prompts, sp = _first_auto_generation(trained_markov, monkeypatch, never)
   gen = dec.generate(prompts, 8, sp, seed=1)
   assert gen.draft_length_histogram[:, 1:].sum() == 0
   assert dec._costs[key][0] != measured[0]                      # the AR step learned
