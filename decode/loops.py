@@ -36,11 +36,12 @@ def prefill(drafter, target, draft, state: DecodeState, p: int) -> DecodeState:
   """The prefill, traced: ``target.backbone`` over positions 0..p-1 of
   ``state.tokens`` [B, S] (p = prompt bucket - 1, static) writing its KV
   cache, then ``drafter.prefill`` (on ``draft`` for a draft model, else the
-  target's MTP modules, with h^0 [B, p, D]); ``drafter`` None for AR."""
+  target's MTP modules, with h^0 [B, p, D], or module 1's fused input with
+  ``mtp.feature_layers``); ``drafter`` None for AR."""
   b = state.tokens.shape[0]
   with jax.named_scope("prefill"):
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    h0, cache = target.backbone(state.tokens[:, :p], pos, cache=state.cache)
+    _, h0, cache = target.backbone_features(state.tokens[:, :p], pos, cache=state.cache)
     state = state.replace(cache=cache)
     if drafter is not None:
       model = draft if draft is not None else target

@@ -47,7 +47,8 @@ class Proposal(NamedTuple):
     logits when greedy (None for an AR step).
   p: [B, g+1, V] float32, the warped target distributions, or the target
     logits when greedy.
-  h0: [B, g+1, D], the target's last hidden states over the verify block.
+  h0: [B, g+1, D], the target's last hidden states over the verify block
+    (module 1's fused input with ``mtp.feature_layers``: what the drafter stores).
   key: the acceptance key (None when greedy).
   """
   draft_tokens: jax.Array | None
@@ -98,18 +99,21 @@ def flag_non_finite(state: DecodeState, target_logits, draft_q, n, positions=Non
 
 def verify_block(target: Transformer, state: DecodeState, block, positions, params: SamplingParams,
                  **backbone_kw):
-  """The target over a verify block: (h0 [B, T, D], logits [B, T, V], p
+  """The target over a verify block: (h_draft [B, T, D], logits [B, T, V], p
   [B, T, V] (warped probabilities; the logits when greedy), new cache).
-  block / positions: [B, T] int32; ``backbone_kw``: write_offsets / mask
-  for token trees."""
+  h_draft is what the MTP drafter stores for module 1
+  (``Transformer.backbone_features``: h^0, or the fused lower-layer features
+  with ``mtp.feature_layers``). block / positions: [B, T] int32;
+  ``backbone_kw``: write_offsets / mask for token trees."""
   with jax.named_scope("verify"):
     with jax.named_scope("forward"):
-      h0, cache = target.backbone(block, positions, cache=state.cache, **backbone_kw)
+      h0, h_draft, cache = target.backbone_features(block, positions, cache=state.cache,
+                                                    **backbone_kw)
     with jax.named_scope("head"):
       logits = target.head(h0)
     with jax.named_scope("warp"):
       p = logits if params.greedy else warped_probs(logits, params)
-  return h0, logits, p, cache
+  return h_draft, logits, p, cache
 
 
 def propose(drafter, target: Transformer, draft: Transformer | None, state: DecodeState,

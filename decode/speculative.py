@@ -249,12 +249,13 @@ class Decoder:
     returns (state, prefill_len). ``stops``: stop token ids beside EOS.
 
     Raises DecodeError for an empty batch, a prompt without any token after
-    BOS, prompt + max_new_tokens beyond the model's max_seq_len, bad stop
-    conditions, or (with a mesh) a batch that the ``data`` axis does not
-    divide.
+    BOS, a token id outside [0, vocab_size), prompt + max_new_tokens beyond
+    the model's max_seq_len, bad stop conditions, or (with a mesh) a batch
+    that the ``data`` axis does not divide.
     """
     stops = (stops or StopConditions()).validate(self.target_cfg.vocab_size)
-    _check_prompts(prompts, max_new_tokens, self.target_cfg.max_seq_len, self.mesh)
+    _check_prompts(prompts, max_new_tokens, self.target_cfg.max_seq_len, self.mesh,
+                   self.target_cfg.vocab_size)
     headroom = 2 * self.G + 4 + (self.drafter.depth if isinstance(self.drafter, MTPDrafter) else 0)
     if self.tree is not None:           # the verify block and module calls of a tree
       headroom += self.drafter.scratch_slots
@@ -434,7 +435,7 @@ def _on_device(tree):
   return jax.tree.map(lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, tree)
 
 
-def _check_prompts(prompts, max_new_tokens, max_len: int, mesh) -> None:
+def _check_prompts(prompts, max_new_tokens, max_len: int, mesh, vocab_size: int | None = None) -> None:
   """``Decoder.prepare``'s input checks (DecodeError naming the field)."""
   if not prompts:
     raise DecodeError("no prompts given")
@@ -447,6 +448,10 @@ def _check_prompts(prompts, max_new_tokens, max_len: int, mesh) -> None:
     if len(p) < 2:
       raise DecodeError(f"prompt {i} is empty or has a single token: give at least 2 tokens "
                         "(one byte of text after BOS with the byte tokenizer)")
+    if vocab_size is not None and len(p) and (np.min(p) < 0 or np.max(p) >= vocab_size):
+      bad = int(np.asarray(p)[(np.asarray(p) < 0) | (np.asarray(p) >= vocab_size)][0])
+      raise DecodeError(f"prompt {i} holds token id {bad}, outside the model's vocabulary "
+                        f"[0, {vocab_size})")
     if len(p) + max_new_tokens > max_len:
       room = max_len - len(p)
       raise DecodeError(

@@ -68,6 +68,12 @@ class MTPConfig:
   # the MTP heads score only these many ids (the model's ``draft_vocab``, saved with the
   # checkpoint), q = 0 outside them; verification stays exact. 0 = the full vocabulary.
   draft_vocab_size: int = 0
+  # Lower-layer features for module 1 (an option beyond DeepSeek-V3 eq. 21, after
+  # EAGLE-3's fusion of low, middle and high features; mtp.model.FeatureFuse):
+  # comma-separated 0-based backbone block indices in [0, model.num_layers - 2]
+  # whose outputs, RMS-normalised, are projected together with h^0 into module
+  # 1's hidden input. "" = eq. 21 as written (module 1 reads h^0 only).
+  feature_layers: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +160,8 @@ class Config:
 ARCHITECTURE_FIELDS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
                             if f.name not in ("dtype", "max_seq_len", "attention_impl",
                                               "attention_block_size")) + ("mtp.depth",
-                                                                    "mtp.draft_vocab_size")
+                                                                    "mtp.draft_vocab_size",
+                                                                    "mtp.feature_layers")
 
 _DTYPES = ("float32", "bfloat16", "float16")
 TOKENIZER_KINDS = ("byte", "bpe")   # model.tokenizer
@@ -305,6 +312,12 @@ def _validate_mtp(cfg: Config) -> None:
          f"{m.vocab_size}]", cfg.mtp.draft_vocab_size)
   _check(cfg.mtp.draft_vocab_size == 0 or cfg.mtp.depth >= 1, "mtp.draft_vocab_size",
          "0 when mtp.depth = 0 (there are no MTP heads to reduce)", cfg.mtp.draft_vocab_size)
+  layers = parse_id_list(cfg.mtp.feature_layers, "mtp.feature_layers")
+  _check(all(0 <= i <= m.num_layers - 2 for i in layers), "mtp.feature_layers",
+         f"comma-separated block indices in [0, model.num_layers - 2 = {m.num_layers - 2}] "
+         "(the last block's output h^0 is always read)", cfg.mtp.feature_layers)
+  _check(not layers or cfg.mtp.depth >= 1, "mtp.feature_layers",
+         "empty when mtp.depth = 0 (there is no module 1 to feed)", cfg.mtp.feature_layers)
   _check(not t.freeze_backbone or cfg.mtp.depth >= 1, "train.freeze_backbone",
          "False when mtp.depth = 0 (nothing would be trained)", t.freeze_backbone)
   _check(not t.hidden_cache or t.freeze_backbone, "train.hidden_cache",

@@ -169,7 +169,8 @@ def with_draft_vocab_size(model, ids):
   modules."""
   n = 0 if ids is None else len(np.asarray(ids))
   new = nnx.eval_shape(lambda: Transformer(model.cfg, model.mtp_depth, rngs=nnx.Rngs(params=0),
-                                           draft_vocab_size=n))
+                                           draft_vocab_size=n,
+                                           feature_layers=model.feature_layers))
   graphdef, abstract = nnx.split(new, nnx.Param)
   flat = {k: v for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
           if k != ("draft_vocab",)}

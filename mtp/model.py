@@ -15,6 +15,13 @@ E and W_out are shared with the main model. Each module has its own output
 RMSNorm (as in the released DeepSeek-V3 weights, ``shared_head.norm``), so
 module k's hidden states can differ in scale from the backbone's.
 
+Option beyond eq. 21 (``mtp.feature_layers``, after EAGLE-3, Li et al. 2025,
+which fuses low, middle and high target features): module 1 reads, in place
+of h^0, the draft input f = W_f [RMSNorm(h^{(l_1)}); ...; RMSNorm(h^{(l_m)}); h^0]
+over the outputs h^{(l)} of backbone blocks l_1 < ... < l_m (``FeatureFuse``,
+part of module 1, initialised to pass h^0 through: f = h^0). Modules k > 1
+and the recursive steps read h^{k-1} as in eq. 21.
+
 Shapes use the letters of docs/design.md: B batch, T query length, S key/cache
 length, D model width, N query heads, K kv heads, H head dim, V vocab,
 F MLP width.
@@ -359,12 +366,43 @@ class DraftVocab(nnx.Param):
   """
 
 
+class FeatureFuse(nnx.Module):
+  """Module 1's draft input from m lower backbone layers and h^0
+  (``mtp.feature_layers``; EAGLE-3's feature fusion, Li et al. 2025):
+
+      f_i = W_f [RMSNorm_1(h^{(l_1)}_i); ...; RMSNorm_m(h^{(l_m)}_i); h^0_i]     [B, T, D]
+
+  W_f [(m+1) D, D] starts as [0; ...; 0; I] (f = h^0 exactly, the plain
+  module of eq. 21), so attaching it to a trained module changes nothing
+  until it is trained. No random numbers are drawn (adding it leaves the
+  other parameters' initialisation unchanged)."""
+
+  def __init__(self, cfg: ModelConfig, num_lower: int):
+    dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
+    d = cfg.d_model
+    self.num_lower = num_lower
+    self.norms = nnx.List([nnx.RMSNorm(d, epsilon=cfg.norm_eps, dtype=dt, param_dtype=pdt,
+                                       rngs=nnx.Rngs(0)) for _ in range(num_lower)])
+    kernel = jnp.concatenate([jnp.zeros((num_lower * d, d)), jnp.eye(d)], 0).astype(pdt)
+    self.proj = nnx.Linear((num_lower + 1) * d, d, use_bias=False, dtype=dt, param_dtype=pdt,
+                           kernel_init=lambda *_: kernel, rngs=nnx.Rngs(0))
+
+  def __call__(self, lower, h0):
+    """lower: [B, T, m * D] (the m layers' outputs, concatenated in
+    ``feature_layers`` order); h0: [B, T, D]. Returns f [B, T, D]."""
+    parts = jnp.split(lower, self.num_lower, axis=-1)
+    x = [norm(p.astype(h0.dtype)) for norm, p in zip(self.norms, parts)] + [h0]
+    return self.proj(jnp.concatenate(x, -1))
+
+
 class MTPModule(nnx.Module):
   """One sequential MTP module (DeepSeek-V3 eq. 21-22): RMSNorm both inputs,
   project the concatenation [2D -> D] with M_k, run one transformer block;
-  plus the module's own output RMSNorm applied before the shared head."""
+  plus the module's own output RMSNorm applied before the shared head.
+  ``num_lower`` > 0 (module 1 only, ``mtp.feature_layers``): also holds the
+  ``FeatureFuse`` (``fuse``) that makes its hidden input."""
 
-  def __init__(self, cfg: ModelConfig, *, out_scale: float, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, out_scale: float, rngs: nnx.Rngs, num_lower: int = 0):
     dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
     norm = lambda: nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, param_dtype=pdt,
                                rngs=rngs)
@@ -374,6 +412,8 @@ class MTPModule(nnx.Module):
                            param_dtype=pdt, rngs=rngs)
     self.block = Block(cfg, out_scale=out_scale, rngs=rngs)
     self.out_norm = norm()
+    if num_lower:
+      self.fuse = FeatureFuse(cfg, num_lower)
 
   def block_input(self, h_prev, next_embeds):
     """h'^k = M_k[RMSNorm(h^{k-1}); RMSNorm(E(t_{i+k}))] (eq. 21), [B, T, D]."""
@@ -396,12 +436,15 @@ class Transformer(nnx.Module):
       0 = none, the default: the MTP heads score every id). With V' the model
       holds ``draft_vocab`` (a ``DraftVocab`` [V'] int32, sorted ids) and
       ``mtp_head`` scores only those ids (see there).
-  Raises ValueError: mtp_depth < 0, draft_vocab_size outside [0, V], or
-    draft_vocab_size > 0 with mtp_depth = 0.
+    feature_layers: sorted 0-based block indices < L - 1 whose outputs feed
+      module 1 with h^0 (``mtp.feature_layers``, ``FeatureFuse``); () = eq. 21.
+  Raises ValueError: mtp_depth < 0, draft_vocab_size outside [0, V],
+    draft_vocab_size > 0 with mtp_depth = 0, or feature_layers out of range,
+    unsorted or given with mtp_depth = 0.
   """
 
   def __init__(self, cfg: ModelConfig, mtp_depth: int, *, rngs: nnx.Rngs,
-               draft_vocab_size: int = 0):
+               draft_vocab_size: int = 0, feature_layers: tuple[int, ...] = ()):
     if mtp_depth < 0:
       raise ValueError(f"mtp_depth must be >= 0, got {mtp_depth}")
     self.cfg = cfg
@@ -417,8 +460,15 @@ class Transformer(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dt,
                                 param_dtype=pdt, rngs=rngs)
-    self.mtp = nnx.List([MTPModule(cfg, out_scale=out_scale, rngs=rngs)
-                         for _ in range(mtp_depth)])
+    feature_layers = tuple(int(i) for i in feature_layers)
+    if feature_layers and (not mtp_depth or list(feature_layers) != sorted(set(feature_layers))
+                           or not all(0 <= i <= cfg.num_layers - 2 for i in feature_layers)):
+      raise ValueError(f"feature_layers must be sorted unique block indices in "
+                       f"[0, {cfg.num_layers - 2}] with mtp_depth >= 1, got {feature_layers}")
+    self.feature_layers = feature_layers
+    self.mtp = nnx.List([MTPModule(cfg, out_scale=out_scale, rngs=rngs,
+                                   num_lower=len(feature_layers) if k == 0 else 0)
+                         for k in range(mtp_depth)])
     if not 0 <= draft_vocab_size <= cfg.vocab_size:
       raise ValueError(f"draft_vocab_size must be in [0, {cfg.vocab_size}], got {draft_vocab_size}")
     if draft_vocab_size and not mtp_depth:
@@ -435,14 +485,57 @@ class Transformer(nnx.Module):
     ``write_offsets`` [B] int32 and ``mask`` [B, T, S] bool (same for every
     layer; see the module docstring). Returns (h^0 [B, T, D], new per-layer
     caches or None)."""
+    h0, _, new_cache = self._run_blocks(tokens, positions, segment_ids, cache, write_offsets,
+                                        mask, collect=())
+    return h0, new_cache
+
+  def backbone_features(self, tokens, positions, segment_ids=None,
+                        cache: list[LayerCache] | None = None, write_offsets=None, mask=None):
+    """``backbone`` plus what the MTP drafter stores for module 1: returns
+    (h^0 [B, T, D], draft input [B, T, D], new caches or None). The draft
+    input is h^0 itself (the same array) unless ``feature_layers`` is set,
+    then ``FeatureFuse`` over the listed blocks' outputs and h^0."""
+    h0, lower, new_cache = self._run_blocks(tokens, positions, segment_ids, cache, write_offsets,
+                                            mask, collect=self.feature_layers)
+    return h0, self.draft_input(h0, lower), new_cache
+
+  def backbone_hidden(self, tokens, positions, segment_ids=None):
+    """What the frozen-backbone stage caches per token (``train.hidden_cache``):
+    [B, T, (m + 1) D] = [h^{(l_1)}; ...; h^{(l_m)}; h^0] over the m
+    ``feature_layers`` (h^0 alone, [B, T, D], without them); split again by
+    ``split_hidden``."""
+    h0, lower, _ = self._run_blocks(tokens, positions, segment_ids, None, None, None,
+                                    collect=self.feature_layers)
+    return h0 if lower is None else jnp.concatenate([lower, h0], -1)
+
+  def split_hidden(self, hidden):
+    """``backbone_hidden``'s output -> (h^0 [B, T, D], lower [B, T, m D] or None)."""
+    if not self.feature_layers:
+      return hidden, None
+    d = self.cfg.d_model
+    return hidden[..., -d:], hidden[..., :-d]
+
+  def draft_input(self, h0, lower):
+    """Module 1's hidden input: h^0 without ``feature_layers``, else
+    ``FeatureFuse``(lower [B, T, m D], h^0) [B, T, D]."""
+    if lower is None:
+      return h0
+    return self.mtp[0].fuse(lower, h0)
+
+  def _run_blocks(self, tokens, positions, segment_ids, cache, write_offsets, mask, collect):
+    """(h^0, the outputs of blocks ``collect`` concatenated [B, T, len * D]
+    or None when ``collect`` is empty, new caches or None)."""
     x = self.embed(tokens)
     new_cache = [] if cache is not None else None
+    lower = []
     for i, block in enumerate(self.blocks):
       x, c = block(x, positions, segment_ids, None if cache is None else cache[i],
                    write_offsets, mask)
       if cache is not None:
         new_cache.append(c)
-    return x, new_cache
+      if i in collect:
+        lower.append(x)
+    return x, (jnp.concatenate(lower, -1) if lower else None), new_cache
 
   def head(self, h, norm: nnx.RMSNorm | None = None) -> jax.Array:
     """Output head: logits [B, T, V] float32 = W_out(norm(h)); ``norm``
@@ -555,7 +648,8 @@ class Transformer(nnx.Module):
 
     Args:
       tokens, positions: [B, T] int32; segment_ids: [B, T] int32 or None.
-      h_prev: h^{D-1} [B, T, D] (module D's input in the ordinary pass).
+      h_prev: [B, T, D] module D's hidden input in the ordinary pass (h^{D-1};
+        module 1's is ``draft_input``).
       h_last: h^D [B, T, D] (module D's ordinary output).
       steps: R >= 0.
       compact: logits over V' only ([B, T, V'], ``mtp_head_compact``).
@@ -607,11 +701,14 @@ class Transformer(nnx.Module):
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    h, _ = self.backbone(tokens, positions, segment_ids)
-    return self.forward_from_hidden(tokens, positions, segment_ids, h, recursive_steps)
+    h0, lower, _ = self._run_blocks(tokens, positions, segment_ids, None, None, None,
+                                    collect=self.feature_layers)
+    return self.forward_from_hidden(tokens, positions, segment_ids, h0, recursive_steps,
+                                    lower=lower)
 
   def forward_from_hidden(self, tokens, positions, segment_ids, h0,
-                          recursive_steps: int = 0, compact: bool = False) -> ModelOutput:
+                          recursive_steps: int = 0, compact: bool = False,
+                          lower=None) -> ModelOutput:
     """``__call__`` from a precomputed backbone output, without running the
     backbone: the frozen-backbone stage with cached hidden states
     (``train.hidden_cache``; Medusa-1 and FastMTP train their heads on a
@@ -626,23 +723,31 @@ class Transformer(nnx.Module):
     (DeepSeek-V3 eq. 21-23, then ``mtp_recursive``) and hidden (h0, h^1..h^D).
     ``compact=True`` (needs a draft vocabulary V'): every head over V' only
     (``ModelOutput.compact_ids``); the same logits as the full form at the
-    V' ids. Raises ValueError for compact without V'.
+    V' ids. ``lower``: [B, T, m D] the ``feature_layers`` blocks' outputs
+    (``split_hidden``), required exactly when the model has feature layers.
+    Raises ValueError for compact without V', or ``lower`` missing or given
+    against ``feature_layers``.
     """
     if compact and not self.draft_vocab_size:
       raise ValueError("forward_from_hidden(compact=True) needs mtp.draft_vocab_size > 0")
+    if (lower is None) != (not self.feature_layers):
+      raise ValueError(f"forward_from_hidden: lower layers {'missing' if lower is None else 'given'}"
+                       f" for feature_layers={self.feature_layers}")
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    h = h0.astype(_dtype(self.cfg.dtype))
-    hidden, mtp_logits = [h], []
+    h0 = h0.astype(_dtype(self.cfg.dtype))
+    h = self.draft_input(h0, lower) if self.mtp_depth else h0
+    inputs, mtp_logits = [h], []           # module k's hidden input is inputs[k - 1]
     for k in range(1, self.mtp_depth + 1):
       shifted = jnp.concatenate([tokens[:, k:], jnp.full((b, k), MTP_FILL_ID, tokens.dtype)], 1)
       h, _ = self.mtp_forward(k, h, shifted, positions, segment_ids)
-      hidden.append(h)
+      inputs.append(h)
       mtp_logits.append(self.mtp_head_compact(k, h)[0] if compact else self.mtp_head(k, h))
     if recursive_steps:
-      mtp_logits += self.mtp_recursive(tokens, positions, segment_ids, hidden[-2], hidden[-1],
+      mtp_logits += self.mtp_recursive(tokens, positions, segment_ids, inputs[-2], inputs[-1],
                                        recursive_steps, compact)
+    hidden = [h0] + inputs[1:]
     if compact:
       return ModelOutput(self.head_compact(hidden[0]), tuple(mtp_logits), tuple(hidden),
                          None, self.draft_vocab[...])
@@ -659,8 +764,10 @@ def init_layer_caches(cfg: ModelConfig, num_layers: int, batch: int, max_len: in
 
 def build_model(cfg: Config, seed: int = 0) -> Transformer:
   """The model described by ``cfg`` with parameters initialised from ``seed``."""
+  from mtp.config import parse_id_list
   return Transformer(cfg.model, cfg.mtp.depth, rngs=nnx.Rngs(params=seed),
-                     draft_vocab_size=cfg.mtp.draft_vocab_size)
+                     draft_vocab_size=cfg.mtp.draft_vocab_size,
+                     feature_layers=parse_id_list(cfg.mtp.feature_layers, "mtp.feature_layers"))
 
 
 def count_params(model: nnx.Module) -> dict[str, int]:

@@ -52,7 +52,9 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"mlp/(gate|up)/kernel", ("embed", "mlp")),       # [D, F]
     (r"mlp/down/kernel", ("mlp", "embed")),            # [F, D]
     (r"mtp/\d+/proj/kernel", ("embed2", "embed")),     # M_k [2D, D]
+    (r"mtp/0/fuse/proj/kernel", ("embed2", "embed")),  # W_f [(m+1)D, D] (mtp.feature_layers)
     (r"\w*norm/scale", ("norm",)),                     # RMSNorm scales [D]
+    (r"fuse/norms/\d+/scale", ("norm",)),              # FeatureFuse's RMSNorm scales [D]
     (r"draft_vocab", ("draft_vocab",)),                # V' ids [V'] int32 (mtp.model.DraftVocab)
 )
 

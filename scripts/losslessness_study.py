@@ -597,6 +597,16 @@ def main(argv=None):
     if not lo <= val <= hi:
       ap.error(f"{flag}={val} must be in {lo}..{hi}")
   try:
+    cfg, _ = loading.load_config(args.workdir)      # cheap: checks before the weights load
+  except ckpt_lib.CheckpointError as e:
+    ap.error(f"--workdir {args.workdir}: {e}")
+  if args.prompt_indices and cfg.model.tokenizer != "byte":
+    from mtp.data import chat
+    count = len(chat.heldout_chat_prompts())
+    if max(args.prompt_indices) >= count:
+      ap.error(f"--prompt_indices: {max(args.prompt_indices)} is past the {count} held-out chat "
+               f"prompts (indices 0..{count - 1})")
+  try:
     cfg, target, step = loading.load_model(args.workdir)
   except ckpt_lib.CheckpointError as e:
     ap.error(f"--workdir {args.workdir}: {e}")

@@ -296,6 +296,9 @@ def test_bad_input_errors(target):
     dec.prepare(_prompts([max_len - 4]), 4, 0)
   with pytest.raises(DecodeError, match="max_new_tokens"):
     dec.prepare(_prompts([3]), 0, 0)
+  for bad in (target.cfg.vocab_size, -1):       # an id past the vocabulary, not a NaN later
+    with pytest.raises(DecodeError, match=f"prompt 1 holds token id {bad}, outside .*vocabulary"):
+      dec.prepare(_prompts([3]) + [np.asarray([tok.BOS_ID, 70, bad], np.int32)], 4, 0)
   for sp, flag in [(SamplingParams(-1.0), "temperature"), (SamplingParams(1.0, -1), "top_k"),
                    (SamplingParams(1.0, 0, 0.0), "top_p"), (SamplingParams(1.0, 0, 1.5), "top_p")]:
     with pytest.raises(DecodeError, match=flag):

@@ -16,6 +16,8 @@ Layout of ``WORKDIR/hidden_cache/`` (written into a temporary sibling and
 renamed, so a cache killed mid-build is never read):
 
 - ``h0.npy``: [N, T, D] h^0 of every row in the model's activation dtype
+  ([N, T, (m + 1) D] with m ``mtp.feature_layers``: those blocks' outputs
+  then h^0, ``Transformer.backbone_hidden``)
   (``model.dtype``: the backbone's output as the uncached step sees it, so
   cached training is the uncached one up to float rounding of two programs;
   bfloat16 is stored as its uint16 bit pattern, ``meta.json`` says so).
@@ -89,7 +91,8 @@ def source_fingerprint(cfg, tokenizer, frozen_params) -> dict[str, Any]:
           "init_from": os.path.abspath(cfg.train.init_from) if cfg.train.init_from else "",
           "data": {"name": d.name, "files": d.files, "text_feature": d.text_feature,
                    "train_split": d.train_split},
-          "seq_len": cfg.train.seq_len, "tokenizer": _digest(tk), "dtype": cfg.model.dtype}
+          "seq_len": cfg.train.seq_len, "tokenizer": _digest(tk), "dtype": cfg.model.dtype,
+          **({"feature_layers": cfg.mtp.feature_layers} if cfg.mtp.feature_layers else {})}
 
 
 def check_rows(rows: Mapping[str, np.ndarray], seq_len: int, vocab_size: int) -> dict[str, np.ndarray]:

@@ -34,7 +34,7 @@ from mtp import draft_vocab as draft_vocab_lib
 from mtp import loading
 from mtp import sharding as shard_lib
 from mtp import tokenizer as tok_lib
-from mtp.config import Config, ConfigError, MTPConfig, TrainConfig
+from mtp.config import Config, ConfigError, MTPConfig, TrainConfig, parse_id_list
 from mtp.model import DraftVocab, build_model, count_params
 from train import hidden_cache as cache_lib
 from train import losses
@@ -107,9 +107,10 @@ def make_loss_fn(graphdef, loss_weight: float, mtp_cfg: MTPConfig | None = None,
     if "h0" in batch:
       # with V' every head runs over V' only (ModelOutput.compact_ids): the same
       # module gradients as the full form, without the full-vocabulary logits
+      h0, lower = model.split_hidden(batch["h0"])     # [h^(l); h^0] with mtp.feature_layers
       out = model.forward_from_hidden(batch["tokens"], batch["positions"], batch["segment_ids"],
-                                      batch["h0"], recursive_steps=steps,
-                                      compact=bool(model.draft_vocab_size))
+                                      h0, recursive_steps=steps,
+                                      compact=bool(model.draft_vocab_size), lower=lower)
     else:
       out = model(batch["tokens"], batch["positions"], batch["segment_ids"], recursive_steps=steps)
     return losses.mtp_loss(out, batch["tokens"], batch["segment_ids"], loss_weight,
@@ -258,7 +259,7 @@ class Trainer:
 
     def hidden_fn(params, batch):
       model = nnx.merge(graphdef, params)
-      return model.backbone(batch["tokens"], batch["positions"], batch["segment_ids"])[0]
+      return model.backbone_hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
 
     def init_fn():
       params = nnx.state(build_model(cfg, cfg.train.seed), nnx.Param)
@@ -308,8 +309,9 @@ class Trainer:
 
   def hidden_states(self, params, local_batch: dict[str, np.ndarray]) -> np.ndarray:
     """The backbone's h^0 [B, T, D] (activation dtype, numpy) of a batch of
-    tokens, positions, segment_ids int32 [B, T] (one jitted program per
-    shape; ``train.hidden_cache`` builds its cache with it)."""
+    tokens, positions, segment_ids int32 [B, T], [B, T, (m + 1) D] with the
+    m ``mtp.feature_layers`` (``Transformer.backbone_hidden``; one jitted
+    program per shape; ``train.hidden_cache`` builds its cache with it)."""
     h = self._hidden(params, shard_lib.global_batch(local_batch, self.mesh))
     return np.asarray(jax.device_get(h))
 
@@ -526,7 +528,8 @@ def _attach_hidden_cache(cfg: Config, workdir: str, trainer: Trainer, state: Tra
       lambda: cache_lib.check_rows(rows_fn(), t.seq_len, cfg.model.vocab_size))
   cache = cache_lib.prepare(
       workdir, source, get_rows, lambda b: trainer.hidden_states(state.params, b),
-      batch_size=t.batch_size, d_model=cfg.model.d_model, dtype=cfg.model.dtype,
+      batch_size=t.batch_size, dtype=cfg.model.dtype,
+      d_model=cfg.model.d_model * (1 + len(parse_id_list(cfg.mtp.feature_layers))),
       vocab_size=cfg.model.vocab_size, log=log)
   data_iter.attach(cache)
 

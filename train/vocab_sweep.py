@@ -105,8 +105,8 @@ def vocab_sets(stage: Stage, sizes) -> dict[str, np.ndarray | None]:
 
 def _hidden(model, batches) -> list:
   graphdef, params = nnx.split(model, nnx.Param)
-  fn = jax.jit(lambda p, b: nnx.merge(graphdef, p).backbone(
-      b["tokens"], b["positions"], b["segment_ids"])[0])
+  fn = jax.jit(lambda p, b: nnx.merge(graphdef, p).backbone_hidden(
+      b["tokens"], b["positions"], b["segment_ids"]))
   return [fn(params, b) for b in batches]
 
 
@@ -115,8 +115,9 @@ def _sums_fn(model, steps: int, byte_level: bool):
 
   def sums(p, b, h0):
     m = nnx.merge(graphdef, p)
+    h0, lower = m.split_hidden(h0)
     out = m.forward_from_hidden(b["tokens"], b["positions"], b["segment_ids"], h0,
-                                recursive_steps=steps)
+                                recursive_steps=steps, lower=lower)
     return losses.mtp_loss(out, b["tokens"], b["segment_ids"], 1.0, depth=m.mtp_depth,
                            loss_mask=b.get("loss_mask"), byte_level=byte_level)[1]
   return jax.jit(sums), params

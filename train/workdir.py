@@ -98,6 +98,10 @@ def check_init_from(cfg: Config) -> int | None:
     # attaching a draft vocabulary V' in this stage (chosen from its data:
     # train.loop.attach_draft_vocab) is allowed; changing an existing one is not
     diffs = [d for d in diffs if not d.startswith("mtp.draft_vocab_size")]
+  if not saved.mtp.feature_layers and cfg.mtp.feature_layers:
+    # attaching lower-layer features to module 1 (mtp.model.FeatureFuse, which
+    # starts as the identity on h^0) is allowed; changing existing ones is not
+    diffs = [d for d in diffs if not d.startswith("mtp.feature_layers")]
   if diffs:
     raise ckpt_lib.CheckpointError(
         f"train.init_from={src!r}: its checkpoint (step {step}) has another architecture than "
@@ -109,11 +113,25 @@ def restore_init_params(abstract_params, src: str, step: int):
   """The parameters of checkpoint ``step`` of ``src`` (``train.init_from``),
   restored straight into ``abstract_params``' shardings (a Trainer's
   ``abstract_params``); optimizer state, step and data position are not
-  read. Raises CheckpointError."""
+  read. Parameters new in this run (a draft vocabulary, module 1's
+  ``FeatureFuse``: see ``check_init_from``) start at their own initial
+  values. Raises CheckpointError."""
   if loading.kind(src) == loading.EXPORTED:
     step = None                        # one set of weights (check_init_from read its step)
   saved, _ = loading.load_config(src, step)
   flat = dict(nnx.to_flat_state(abstract_params))
+  fuse = {p: v for p, v in flat.items() if p[:3] == ("mtp", 0, "fuse")}
+  if fuse and not saved.mtp.feature_layers:
+    # FeatureFuse is new in this run: restore everything else, start it at its
+    # own initial values (the identity on h^0; no random numbers)
+    rest = restore_init_params(nnx.from_flat_state({p: v for p, v in flat.items()
+                                                    if p not in fuse}), src, step)
+    flat = dict(nnx.to_flat_state(rest))
+    fresh = _fresh_fuse(fuse)
+    for p, v in fuse.items():
+      a = v.get_value()
+      flat[p] = v.replace(jax.device_put(fresh[p], getattr(a, "sharding", None)))
+    return nnx.from_flat_state(flat)
   if ("draft_vocab",) in flat and not saved.mtp.draft_vocab_size:
     # V' is new in this run: restore everything else, keep the placeholder
     # (train.loop.attach_draft_vocab fills it from the data)
@@ -125,6 +143,21 @@ def restore_init_params(abstract_params, src: str, step: int):
         jax.device_put(np.arange(a.shape[0], dtype=a.dtype), getattr(a, "sharding", None)))
     return nnx.from_flat_state(flat)
   return loading.load_params(src, step, abstract_params)
+
+
+def _fresh_fuse(fuse) -> dict:
+  """{path: initial value} of module 1's ``FeatureFuse`` parameters (``fuse``:
+  {flat path: abstract Param}) from its own deterministic init (the identity
+  on h^0)."""
+  from mtp.model import FeatureFuse
+  kernel = fuse[("mtp", 0, "fuse", "proj", "kernel")].get_value()
+  d = kernel.shape[1]
+  dtype = np.dtype(kernel.dtype).name if kernel.dtype != jax.numpy.bfloat16 else "bfloat16"
+  module = FeatureFuse(config_lib.ModelConfig(d_model=d, dtype=dtype, param_dtype=dtype),
+                       kernel.shape[0] // d - 1)
+  values = {("mtp", 0, "fuse") + tuple(p): np.asarray(v.get_value())
+            for p, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+  return {p: values[p] for p in fuse}
 
 
 def metric_rows(path: str) -> list[dict]:
