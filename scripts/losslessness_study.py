@@ -353,7 +353,10 @@ def markdown(results: dict, meta: dict) -> str:
       f"{meta['num_tokens']} tokens per prompt and setting; MTP G = {meta['num_draft_tokens']}. "
       "Two-sample chi-square tests of homogeneity (AR vs speculative); categories with an "
       f"expected count below {MIN_EXPECTED:g} are pooled into 'other' (merged into the largest "
-      "category if still below).", "",
+      "category if still below).", ""] + ([
+      f"**Partial report: {results['settings_done']} of {results['settings_total']} settings "
+      "finished** (the study was still running, or was stopped; the tests below are those of "
+      "the finished settings).", ""] if results.get("complete") is False else []) + [
       "## Verdict", "",
       f"- Correct rule (Leviathan et al. 2023, Algorithm 1): {c['num_tests']} tests "
       f"({c['num_degenerate']} degenerate, skipped); fraction of p < 0.01: "
@@ -456,11 +459,14 @@ def stat_name(n: int) -> str:
   return "first_token" if n == 1 else f"first_{n}_tokens"
 
 
-def run_study(s: Study) -> tuple[list[dict], list[dict], list[int]]:
+def run_study(s: Study, on_setting=None) -> tuple[list[dict], list[dict], list[int]]:
   """AR vs MTP samples at every setting (and the wrong rule at
   ``POWER_SETTING``), compared with ``two_sample_chi2`` per prompt on the
   first 1, 2 and num_tokens tokens. Returns (tests, acceptance rows, the
-  token counts n compared)."""
+  token counts n compared). ``on_setting(tests, acceptance, ns, done,
+  total)``, if given, is called after each setting with what is finished
+  so far (the CLI writes a partial report there: a long study that is
+  killed keeps its finished settings)."""
   t0 = time.perf_counter()
   target, encoded, g, settings = s.target, s.encoded, s.num_draft_tokens, s.settings
   kw = {"tokenizer": s.tokenizer}
@@ -491,6 +497,8 @@ def run_study(s: Study) -> tuple[list[dict], list[dict], list[int]]:
       acceptance.append({"temperature": temp, "top_p": top_p, "rule": rule, "num_draft_tokens": g,
                          "tau": tau_from_histogram(hist), "accepted_length_histogram": hist.tolist()})
     print(f"T={temp:g} top-p={top_p:g}: done ({time.perf_counter() - t0:.1f} s)", flush=True)
+    if on_setting is not None:
+      on_setting(tests, acceptance, ns, s_idx + 1, len(all_settings))
   return tests, acceptance, ns
 
 
@@ -632,13 +640,6 @@ def main(argv=None):
   if args.plan_only:
     return {"planned_power": plan}
 
-  t0 = time.perf_counter()
-  tests, acceptance, ns = run_study(Study(target, encoded, g, settings, args.num_samples,
-                                          args.num_tokens, args.batch_size, args.seed, tokenizer))
-  results = study_results(texts, settings, tests, acceptance, ns, time.perf_counter() - t0)
-  results["planned_power"] = plan
-  correct = [t for t in tests if t["rule"] == "mtp"]
-  wrong = [t for t in tests if t["rule"] == "wrong_argmax"]
   meta = report.provenance(
       command=report.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),
@@ -647,7 +648,23 @@ def main(argv=None):
       prompt_bytes=args.prompt_bytes, num_prompts=len(texts), prompt_indices=args.prompt_indices, temperatures=args.temperatures,
       top_ps=args.top_ps, num_draft_tokens=g, num_samples=args.num_samples,
       num_tokens=args.num_tokens, batch_size=args.batch_size, seed=args.seed, quick=args.quick)
-  report.write_report(args.out, meta, results, markdown(results, meta))
+  t0 = time.perf_counter()
+
+  def write(tests, acceptance, ns, done, total):
+    """The report of the settings finished so far (``complete`` once all are)."""
+    res = study_results(texts, settings, tests, acceptance, ns, time.perf_counter() - t0)
+    res.update(planned_power=plan, settings_done=done, settings_total=total, complete=done == total)
+    report.write_report(args.out, {**meta, **report.provenance()}, res, markdown(res, meta))
+    return res
+
+  progress = {}
+  tests, acceptance, ns = run_study(
+      Study(target, encoded, g, settings, args.num_samples, args.num_tokens, args.batch_size,
+            args.seed, tokenizer),
+      on_setting=lambda *a: progress.update(results=write(*a)))
+  results = progress["results"]
+  correct = [t for t in tests if t["rule"] == "mtp"]
+  wrong = [t for t in tests if t["rule"] == "wrong_argmax"]
   plot_pvalues(args.out + "_pvalues.png", [t["pvalue"] for t in correct if t["pvalue"] is not None],
                [t["pvalue"] for t in wrong if t["pvalue"] is not None])
   c, w = results["combined"]["correct"], results["combined"]["wrong"]

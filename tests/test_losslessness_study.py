@@ -102,6 +102,8 @@ def test_quick_report_structure(quick, markov_workdir):
   assert {"commit", "date", "config", "num_samples", "num_tokens", "temperatures", "top_ps",
           "num_draft_tokens"} <= set(meta)
   assert meta["num_draft_tokens"] == 2 and meta["num_tokens"] == 2
+  assert res["complete"] is True and res["settings_done"] == res["settings_total"] == 4
+  assert "Partial report" not in open(out + ".md").read()
   assert res["statistics"] == ["first_token", "first_2_tokens"]
   n_correct = len(res["prompts"]) * len(res["settings"]) * 2
   correct = [t for t in res["tests"] if t["rule"] == "mtp"]
@@ -120,6 +122,29 @@ def test_quick_report_structure(quick, markov_workdir):
       ["python scripts/losslessness_study.py --workdir", markov_workdir, "--quick --out", out])
   assert "Holm" in md and md.count("| wrong_argmax | first") == len(wrong)
   assert 5_000 < os.path.getsize(out + "_pvalues.png") < 150_000
+
+
+@pytest.mark.slow
+def test_a_stopped_study_keeps_its_finished_settings(ls, markov_workdir, tmp_path, monkeypatch):
+  """A study stopped in its second setting leaves the report of the first
+  (marked partial); a finished one is marked complete (``quick``)."""
+  calls = []
+  real = ls.sample_continuations
+
+  def stop_on_third(*a, **k):
+    calls.append(None)
+    if len(calls) == 3:          # the first setting drew AR and MTP
+      raise KeyboardInterrupt
+    return real(*a, **k)
+
+  monkeypatch.setattr(ls, "sample_continuations", stop_on_third)
+  out = str(tmp_path / "ll")
+  with pytest.raises(KeyboardInterrupt):
+    ls.main(["--workdir", markov_workdir, "--quick", "--num_samples", "100", "--out", out])
+  res = json.load(open(out + ".json"))["results"]
+  assert res["complete"] is False and res["settings_done"] == 1 and res["settings_total"] == 4
+  assert {(t["temperature"], t["top_p"]) for t in res["tests"]} == {(0.7, 1.0)}
+  assert "Partial report: 1 of 4 settings" in open(out + ".md").read()
 
 
 @pytest.mark.slow

@@ -313,6 +313,61 @@ def test_top_p_exact_set():
   assert _support(_warp(y, 1.0, 0, 0.85)) == {2, 5, 0, 3}
 
 
+def _reference_kept(z, k, top_p):
+  """float64 numpy reference of the top-k / top-p kept set of one row z [V]
+  (ranks by decreasing z, ties to the lowest index), and the distance of the
+  nearest rank's preceding mass to top_p (a float32 result may differ from
+  float64 within rounding of that boundary)."""
+  z = np.asarray(z, np.float64)
+  order = np.lexsort((np.arange(z.size), -z))
+  keep = np.isfinite(z[order])
+  if k > 0:
+    keep &= np.arange(z.size) < k
+  w = np.where(keep, np.exp(z[order] - z[order][0]), 0.0)
+  w /= w.sum()
+  before = np.concatenate([[0.0], np.cumsum(w)[:-1]])
+  margin = np.inf
+  if top_p < 1.0:
+    margin = float(np.min(np.abs(before[keep] - top_p)))
+    keep &= (before < top_p) | (np.arange(z.size) == 0)
+  kept = np.zeros(z.size, bool)
+  kept[order[keep]] = True
+  return kept, margin
+
+
+_filter = jax.jit(sampling._top_k_top_p, static_argnames="candidates")
+
+
+def test_top_candidates_agree_with_the_full_sort():
+  """The partial-sort path (``candidates`` ranks, the rest dropped) and its
+  fallback to the full sort give the kept sets of the float64 reference,
+  identical to a full sort's, whatever the other rows of the batch are."""
+  rng = np.random.default_rng(7)
+  vocab, cand = 64, 8
+  peaked = rng.normal(size=(4, vocab)) * 6           # nucleus inside 8 ranks
+  flat = rng.normal(size=(4, vocab)) * 0.3           # nucleus past 8 ranks
+  tied = rng.integers(0, 4, size=(4, vocab)) * 2.0   # ties across the boundary
+  x = np.concatenate([peaked, flat, tied]).astype(np.float32)
+  x[rng.random(x.shape) < 0.1] = -np.inf
+  x[:, 0] = np.maximum(x[:, 0], -1.0)
+  z = x - x.max(-1, keepdims=True)
+  compared = 0
+  for k in (0, 1, 5, 8, 9, 40):
+    for top_p in (0.2, 0.7, 0.95, 1.0):
+      args = (jnp.int32(k), jnp.float32(top_p))
+      got = np.isfinite(np.asarray(_filter(jnp.asarray(z), *args, candidates=cand)))
+      full = np.isfinite(np.asarray(_filter(jnp.asarray(z), *args, candidates=vocab)))
+      np.testing.assert_array_equal(got, full, err_msg=f"k={k} top_p={top_p}")
+      for r in range(z.shape[0]):
+        alone = np.isfinite(np.asarray(_filter(jnp.asarray(z[r:r + 1]), *args, candidates=cand)))[0]
+        np.testing.assert_array_equal(alone, got[r], err_msg=f"row {r} k={k} top_p={top_p}")
+        want, margin = _reference_kept(z[r], k, top_p)
+        if margin > 1e-5:
+          np.testing.assert_array_equal(got[r], want, err_msg=f"row {r} k={k} top_p={top_p}")
+          compared += 1
+  assert compared > 250   # of 288: only rows whose boundary sits within rounding are skipped
+
+
 def test_temperature_zero_is_one_hot():
   x = jnp.array([[1.0, 3.0, 2.0, 3.0], [-jnp.inf, 0.5, 0.5, -jnp.inf], [-jnp.inf, -5.0, -jnp.inf, -7.0]])
   for k, top_p in ((0, 1.0), (1, 1.0), (3, 0.2), (0, 0.01)):
