@@ -183,7 +183,7 @@ def _accepted(acc: np.ndarray, k: int, g: int) -> int:
 
 
 def replay(acc: np.ndarray, costs: Sequence[float], max_new: int, schedule=None,
-           g: int | None = None, greedy: bool = True) -> Replay:
+           g: int | None = None, greedy: bool = True, extra_prefill_s: float = 0.0) -> Replay:
   """Decodes one recorded answer with a fixed draft length ``g`` (0 = AR)
   or with ``schedule`` (an ``AutoSchedule``; its G_max must not exceed
   ``acc``'s columns), B = 1, as ``decode.loops`` does (plain AR when the
@@ -194,6 +194,10 @@ def replay(acc: np.ndarray, costs: Sequence[float], max_new: int, schedule=None,
     costs: seconds per round for g = 0..G (at least up to the largest g used).
     max_new: the token budget the answer was generated with (>= L).
     greedy: which prior of the schedule to start from (T = 0: True).
+    extra_prefill_s: what the modules' prefill adds (seconds), charged in
+      ``drafting_pays``'s decision with the budget ``max_new`` and B = 1, as
+      ``Decoder.generate`` decides (not added to the replayed time, which
+      counts rounds only).
   Returns a ``Replay``. Raises ValueError when neither or both of
   ``schedule`` and ``g`` are given.
   """
@@ -210,7 +214,7 @@ def replay(acc: np.ndarray, costs: Sequence[float], max_new: int, schedule=None,
     active = jnp.asarray([True])
   left, cur = 0, g
   if schedule is not None and not schedule.drafting_pays(costs[:schedule.max_draft_tokens + 1],
-                                                         greedy):
+                                                         greedy, max_new, extra_prefill_s, batch=1):
     schedule, cur = None, 0              # the decoder runs plain AR (Decoder._plain_ar)
   while emitted < budget and rounds < max_new:
     if schedule is not None and left == 0:

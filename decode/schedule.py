@@ -241,9 +241,12 @@ def batch_rounds(alpha, budget: int, batch: int = 1) -> float:
   ``budget`` tokens, drafting g = len(alpha) tokens a round accepted with
   per-position rates ``alpha`` [g] (draft j kept with probability alpha_j
   given d_1..d_{j-1} were): a round emits 1 + A tokens, P(A >= j) = prod_{i
-  <= j} alpha_i, mean mu and variance s^2; by the renewal central limit
-  theorem a row needs budget / mu rounds with standard deviation sqrt(budget
-  s^2 / mu^3), and the slowest of B independent rows Phi^-1((B - 0.375) /
+  <= j} alpha_i, mean mu and variance s^2; a row needs R(budget) rounds in
+  expectation, computed exactly (R(n) = 1 + sum_a P(A = a) R(n - 1 - a),
+  R(n <= 0) = 0: at least one round however small the budget, where the
+  renewal estimate budget / mu would promise a fraction), with standard
+  deviation sqrt(budget s^2 / mu^3) by the renewal central limit theorem,
+  and the slowest of B independent rows Phi^-1((B - 0.375) /
   (B + 0.25)) standard deviations more (Blom's approximation of the
   expected maximum of B standard normals). A
   batch's loop runs until its slowest row is done, so drafting pays less at
@@ -254,4 +257,21 @@ def batch_rounds(alpha, budget: int, batch: int = 1) -> float:
   mu = 1.0 + reach.sum()
   var = float((np.arange(1, 2 * len(reach), 2) * reach).sum() - reach.sum() ** 2)
   spread = NormalDist().inv_cdf((batch - 0.375) / (batch + 0.25)) if batch > 1 else 0.0
-  return budget / mu + spread * math.sqrt(max(var, 0.0) * budget / mu ** 3)
+  return (expected_rounds(reach, budget)
+          + spread * math.sqrt(max(var, 0.0) * budget / mu ** 3))
+
+
+def expected_rounds(reach, budget: int) -> float:
+  """Expected rounds for one row to emit ``budget`` tokens when a round
+  emits 1 + A, P(A >= j) = ``reach[j - 1]`` (j = 1..g): the renewal
+  recursion R(n) = 1 + sum_a P(A = a) R(n - 1 - a), R(n <= 0) = 0, solved
+  exactly in O(budget g). Float rounds (0.0 for budget <= 0)."""
+  import numpy as np
+  reach = np.asarray(reach, np.float64)
+  p_ge = np.concatenate([[1.0], reach])                       # P(A >= a), a = 0..g
+  p_eq = p_ge - np.concatenate([reach, [0.0]])                # P(A = a)
+  steps = 1 + np.arange(len(p_eq))
+  r = np.zeros(max(int(budget), 0) + 1)
+  for n in range(1, len(r)):
+    r[n] = 1.0 + p_eq @ r[np.maximum(n - steps, 0)]
+  return float(r[-1])

@@ -165,6 +165,23 @@ def test_batch_rounds_matches_a_simulation():
     assert abs(batch_rounds(alpha, budget, b) / sim - 1) < 0.02, (alpha, b, sim)
 
 
+def test_expected_rounds_is_exact_at_small_budgets():
+  """One row needs at least one round whatever it drafts (budget / mu would
+  say 0.31 for one token at G = 3): R(1) = 1, R(2) = 1 + P(A = 0) = 1.3 at
+  alpha 0.7, and a simulation agrees at budgets 1..9."""
+  from decode.schedule import batch_rounds, expected_rounds
+  assert batch_rounds((0.7, 0.7, 0.7), 1) == 1.0
+  assert abs(batch_rounds((0.7,), 2) - 1.3) < 1e-12
+  assert expected_rounds((), 5) == 5.0 and expected_rounds((0.5,), 0) == 0.0
+  rng = np.random.default_rng(1)
+  alpha = np.array([0.8, 0.6])
+  u = rng.random((20000, 9, 2)) < alpha
+  tokens = 1 + np.cumprod(u, axis=-1).sum(-1)
+  for budget in range(1, 10):
+    sim = ((np.cumsum(tokens, -1) < budget).sum(-1) + 1).mean()
+    assert abs(expected_rounds(np.cumprod(alpha), budget) - sim) < 0.03, budget
+
+
 def test_round_costs_are_per_round_of_what_ran():
   """``calibrate.round_costs`` divides each call's seconds by the rounds it
   reports (the while_loop calibration runs a token budget, so the rounds

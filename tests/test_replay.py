@@ -215,3 +215,17 @@ def test_a_schedule_that_cannot_pay_replays_as_plain_ar(recorded):
   assert set(r.draft_lengths) == {0} and r.rounds == len(rows[0][1])
   r = rp.replay(acc, COSTS, MAX_NEW, schedule=AutoSchedule(3, prior=0.7))
   assert max(r.draft_lengths) > 0
+
+
+def test_replay_decides_with_the_budget_and_prefill_as_the_decoder(recorded):
+  """Per token G = 1 pays at these costs, but a 1-token budget cannot win
+  back a round dearer than an AR step, nor a large budget a prefill charge
+  above its whole saving: both replay as plain AR (``drafting_pays`` with
+  the budget, as ``Decoder.generate`` decides)."""
+  _, rows = recorded
+  acc = rows[0][2]
+  sched = AutoSchedule(3, prior=0.7)
+  assert set(rp.replay(acc, COSTS, 1, schedule=sched).draft_lengths) == {0}
+  assert max(rp.replay(acc, COSTS, MAX_NEW, schedule=sched).draft_lengths) > 0
+  r = rp.replay(acc, COSTS, MAX_NEW, schedule=sched, extra_prefill_s=10.0 * MAX_NEW)
+  assert set(r.draft_lengths) == {0}
