@@ -116,7 +116,8 @@ def decode_times(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tok
                  repeats: int, log: Callable[[str], None] = print) -> list[dict]:
   """Tokens/s of AR and MTP G = ``num_draft_tokens`` at ``temperature``
   with each top-p, B = 1, while_loop form, every (decoder, top_p) cell
-  timed in the same interleaved rounds (repeat r decodes prompt r mod
+  timed in the same interleaved rounds after one untimed call per prompt
+  (every prompt's shapes compiled; repeat r decodes prompt r mod
   len(prompts), seed r; ``num_draft_tokens`` 0: AR alone). One row per cell: tokens/s spread, and its ratio
   to the same decoder with top-p off (the first of ``top_ps``)."""
   decs = {"ar": Decoder(model, "ar", tokenizer=tokenizer)}
@@ -135,15 +136,16 @@ def decode_times(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tok
         gen = dec.generate([list(prompts[r % len(prompts)])], max_new_tokens, sp, seed=r)
         tokens[key].append(len(gen.tokens[0]))
       cells[key] = fn
-  log(f"timing {len(cells)} cells x {repeats} rounds")
-  times = interleaved_times(cells, repeats)
+  warmup = len(prompts)            # every prompt's shapes compiled before the clock starts
+  log(f"timing {len(cells)} cells x {repeats} rounds after {warmup} warm-up calls each")
+  times = interleaved_times(cells, repeats, warmup=warmup)
   rows = []
   for key, secs in times.items():
     label, tp = key.split("@top_p=")
-    n = np.asarray(tokens[key][1:], np.float64)        # the warm-up call's tokens left out
+    n = np.asarray(tokens[key][warmup:], np.float64)   # the warm-up calls' tokens left out
     rate = n / secs
     base = times[f"{label}@top_p={top_ps[0]:g}"]
-    base_rate = np.asarray(tokens[f"{label}@top_p={top_ps[0]:g}"][1:], np.float64) / base
+    base_rate = np.asarray(tokens[f"{label}@top_p={top_ps[0]:g}"][warmup:], np.float64) / base
     rows.append({"label": label, "temperature": temperature, "top_p": float(tp),
                  "tokens_per_s": spread(rate, ("median", "min", "max")),
                  "vs_top_p_off": spread(rate / base_rate, ("median", "min", "max"))})
@@ -163,7 +165,7 @@ def markdown(result: dict, meta: dict) -> str:
     lines.append(f"| {r['temperature']:g} | {r['top_p']:g} | {r['positions']} | "
                  f"{r['nucleus_median']:.0f} | {r['nucleus_p90']:.0f} | {r['nucleus_max']:.0f} | "
                  f"{r['fits_candidates']:.3f} |")
-  lines += ["", "## The warp on real rows, ms per call [min, max] (interleaved)", "",
+  lines += [] if not result["warp"] else ["", "## The warp on real rows, ms per call [min, max] (interleaved)", "",
             "| [B, G+1, V] | T | top-p | blocks fitting | candidates | full sort | softmax only | "
             "full sort / candidates |", "|---|---|---|---|---|---|---|---|"]
   for r in result["warp"]:

@@ -34,7 +34,7 @@ def main(argv=None):
   ap.add_argument("--top_ps", default="0.8,0.9,0.95", help="comma list of top-p in (0, 1)")
   ap.add_argument("--warp_shapes", default="1x2,1x4,32x2",
                   help="comma list of BxROWS warp blocks (a verify pass: B x (G + 1))")
-  ap.add_argument("--warp_repeats", type=int, default=20, help="interleaved warp rounds, >= 1")
+  ap.add_argument("--warp_repeats", type=int, default=20, help="interleaved warp rounds, >= 0 (0: no warp rows)")
   ap.add_argument("--decode_temperature", type=float, default=1.0, help="temperature > 0")
   ap.add_argument("--decode_top_ps", default="1,0.9",
                   help="comma list of top-p for the decoding rows; the first is the baseline")
@@ -51,7 +51,7 @@ def main(argv=None):
   if args.quick:
     cli.apply_quick(ap, args, answer_tokens=8, warp_shapes="1x2", warp_repeats=2,
                     decode_repeats=1, max_new_tokens=8, temperatures="1", top_ps="0.9")
-  cli.check_range(ap, args, per_category=1, answer_tokens=1, warp_repeats=1, decode_repeats=0,
+  cli.check_range(ap, args, per_category=1, answer_tokens=1, warp_repeats=0, decode_repeats=0,
                   max_new_tokens=1, num_draft_tokens=0)
   temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0, lo_open=True)
   top_ps = cli.parse_list(ap, "top_ps", args.top_ps, float, 0.0, 1.0, lo_open=True)
@@ -77,7 +77,7 @@ def main(argv=None):
   for r in result["nucleus"]:
     print(f"T={r['temperature']:g} top_p={r['top_p']:g}: nucleus median {r['nucleus_median']:.0f}, "
           f"max {r['nucleus_max']:.0f}; fits {r['fits_candidates']:.3f}", flush=True)
-  for shape in shapes:
+  for shape in (shapes if args.warp_repeats else []):
     for t in temps:
       for tp in top_ps:
         w = bench_top_p.warp_times(logits, shape, t, tp, args.warp_repeats)
