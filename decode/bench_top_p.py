@@ -119,7 +119,8 @@ def decode_times(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tok
   timed in the same interleaved rounds after one untimed call per prompt
   (every prompt's shapes compiled; repeat r decodes prompt r mod
   len(prompts), seed r; ``num_draft_tokens`` 0: AR alone). One row per cell: tokens/s spread, and its ratio
-  to the same decoder with top-p off (the first of ``top_ps``)."""
+  to the same decoder at the first of ``top_ps`` (1: top-p off), under the
+  key "vs_top_p_off"."""
   decs = {"ar": Decoder(model, "ar", tokenizer=tokenizer)}
   if num_draft_tokens > 0:
     decs[f"mtp_G{num_draft_tokens}"] = Decoder(model, "mtp", num_draft_tokens, tokenizer=tokenizer)
@@ -174,8 +175,9 @@ def markdown(result: dict, meta: dict) -> str:
                  f"{format_spread(c, '.2f', 1e3)} | {format_spread(f, '.2f', 1e3)} | "
                  f"{format_spread(o, '.2f', 1e3)} | {f['median'] / c['median']:.1f}x |")
   if result.get("decode"):
+    first = result["decode"][0]["top_p"]
     lines += ["", "## Decoding, B = 1, while_loop form (interleaved)", "",
-              "| decoder | T | top-p | tokens/s [min, max] | vs top-p off [min, max] |",
+              f"| decoder | T | top-p | tokens/s [min, max] | vs top-p {first:g} [min, max] |",
               "|---|---|---|---|---|"]
     for r in result["decode"]:
       lines.append(f"| {r['label']} | {r['temperature']:g} | {r['top_p']:g} | "

@@ -14,6 +14,7 @@ Library: ``decode/bench_top_p.py``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from decode import bench_chat, bench_top_p
@@ -31,7 +32,7 @@ def main(argv=None):
   ap.add_argument("--answer_tokens", type=int, default=64,
                   help="greedy answer tokens per prompt whose logits are measured, >= 1")
   ap.add_argument("--temperatures", default="0.7,1", help="comma list of temperatures > 0")
-  ap.add_argument("--top_ps", default="0.8,0.9,0.95", help="comma list of top-p in (0, 1)")
+  ap.add_argument("--top_ps", default="0.8,0.9,0.95", help="comma list of top-p in (0, 1]")
   ap.add_argument("--warp_shapes", default="1x2,1x4,32x2",
                   help="comma list of BxROWS warp blocks (a verify pass: B x (G + 1))")
   ap.add_argument("--warp_repeats", type=int, default=20, help="interleaved warp rounds, >= 0 (0: no warp rows)")
@@ -57,8 +58,8 @@ def main(argv=None):
   top_ps = cli.parse_list(ap, "top_ps", args.top_ps, float, 0.0, 1.0, lo_open=True)
   decode_top_ps = cli.parse_list(ap, "decode_top_ps", args.decode_top_ps, float, 0.0, 1.0,
                                  lo_open=True)
-  if args.decode_temperature <= 0:
-    ap.error(f"--decode_temperature={args.decode_temperature} must be > 0")
+  if not (math.isfinite(args.decode_temperature) and args.decode_temperature > 0):
+    ap.error(f"--decode_temperature={args.decode_temperature}: must be a finite number > 0")
   try:
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.warp_shapes.split(",") if s]
   except ValueError:
