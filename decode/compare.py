@@ -64,7 +64,10 @@ def compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: st
             f"{repeats} interleaved repeat{'s' if repeats != 1 else ''}, per repeat "
             f"{min(ratios):.2f}x-{max(ratios):.2f}x; same prompts and budget, after compilation"
             + ("; one repeat is noisy, see scripts/bench_decode.py" if repeats == 1 else "") + ")"
-            + ("" if sampling.temperature else
+            + (f" (T > 0: different samples, {np.mean(new_tokens['ar']):.0f} vs "
+               f"{np.mean(new_tokens[method]):.0f} new tokens per call, so the two rates are "
+               "over different texts; many prompts or scripts/bench_decode.py average that out)"
+               if sampling.temperature else
                " (greedy outputs identical)" if same else
                " (WARNING: greedy outputs differ; a float near-tie or a bug)") + "\n")
   return {"ar_stats": ar_summary, "speedup": speedup, "speedup_per_repeat": ratios,

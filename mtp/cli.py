@@ -44,8 +44,9 @@ def parse_list(ap: argparse.ArgumentParser, flag: str, text, typ=float, lo=None,
 
   Returns the values in order (``duplicates="drop"``: repeated values
   dropped; ``"error"``: refused). Errors: ``ap.error`` (exit status 2) with
-  "--flag=TEXT: ..." naming the allowed values, for an empty list, a value
-  that is not a ``typ``, or one out of range.
+  "--flag=TEXT: ..." naming the allowed values, for an empty list, an empty
+  item (``"0.9,,0.8"``, a trailing comma), a value that is not a ``typ``, or
+  one out of range.
   """
   if choices is not None:
     allowed = "one of " + ", ".join(map(str, choices))
@@ -58,12 +59,16 @@ def parse_list(ap: argparse.ArgumentParser, flag: str, text, typ=float, lo=None,
   else:
     allowed = f"a {typ.__name__}"
   kind = {int: "integers", float: "numbers"}.get(typ, "values")
+  items = [x.strip() for x in str(text if text is not None else "").split(",")]
+  if not any(items):
+    ap.error(f"--{flag}={text!r}: empty; give a comma list of {kind}, every value {allowed}")
+  if not all(items):
+    ap.error(f"--{flag}={text!r}: item {items.index('') + 1} is empty; give a comma list of "
+             f"{kind} without empty items, every value {allowed}")
   try:
-    vals = [typ(x.strip()) for x in str(text if text is not None else "").split(",") if x.strip()]
+    vals = [typ(x) for x in items]
   except ValueError:
     ap.error(f"--{flag}={text!r}: must be a comma list of {kind}, every value {allowed}")
-  if not vals:
-    ap.error(f"--{flag}={text!r}: empty; give a comma list of {kind}, every value {allowed}")
 
   def ok(v):
     if choices is not None:

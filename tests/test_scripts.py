@@ -127,7 +127,9 @@ def test_parse_list_values_and_errors(capsys):
                        (("d", "x", int, 0), "comma list of integers"), (("t", "nan", float, 0.0), ">= 0"),
                        (("p", "0", float, 0.0, 1.0), "in (0, 1]"),
                        (("f", "bogus", str), "one of while, stream"),
-                       (("s", "0,0", int, 0), "duplicate")]:
+                       (("s", "0,0", int, 0), "duplicate"),
+                       (("t", "0.9,,0.8", float, 0.0), "item 2 is empty"),
+                       (("t", "1,", float, 0.0), "item 2 is empty")]:
     kw = {"lo_open": True} if args[0] == "p" else {"choices": ("while", "stream")} if args[0] == "f" else {}
     if args[0] == "s":
       kw = {"duplicates": "error"}
