@@ -2,16 +2,18 @@ r"""Top-p (nucleus) sampling on a real target: how many tokens the nucleus
 holds, what the warp costs on each of its two paths, and what top-p costs a
 whole decoding step (``scripts/bench_top_p.py``).
 
-``decode.sampling`` ranks only the ``TOP_CANDIDATES`` best tokens
-(``jax.lax.top_k``) and sorts the whole vocabulary only for a batch where a
-row's nucleus may reach past them. Whether that pays depends on the
+``decode.sampling`` ranks only the ``TOP_CANDIDATES[0]`` best tokens
+(``jax.lax.top_k``), the ``TOP_CANDIDATES[1]`` best for a batch where a
+row's nucleus may reach past those, and sorts the whole vocabulary only for
+a batch past both. Whether that pays depends on the
 target's distributions, so they are measured here: the target's next-token
 logits along its own greedy answers to held-out chat prompts (one
 cache-free forward over prompt + answer), the nucleus size of every answer
 position at each temperature and top-p, the share of positions whose
-nucleus fits in the candidates, and the warp (``warped_probs``) timed at a
-verify pass's shape [B, G + 1, V] on those rows with the candidates and
-with a full sort (``candidates`` >= V), interleaved. End to end: AR and MTP
+nucleus fits in each tier of candidates, and the warp (``warped_probs``)
+timed at a verify pass's shape [B, G + 1, V] on those rows with both tiers,
+with the first tier alone (then the full sort), and with a full sort
+(``candidates`` >= V), interleaved. End to end: AR and MTP
 (``num_draft_tokens``) generations with top-p off and on, interleaved in
 the same rounds.
 """
@@ -56,15 +58,17 @@ def nucleus_sizes(logits: np.ndarray, temperature: float, top_p: float) -> np.nd
 
 
 def nucleus_stats(logits: np.ndarray, temperatures: Sequence[float], top_ps: Sequence[float],
-                  candidates: int = sampling.TOP_CANDIDATES) -> list[dict]:
+                  candidates: Sequence[int] = sampling.TOP_CANDIDATES) -> list[dict]:
   """One row per (temperature, top_p): nucleus size spread and the share of
-  positions whose nucleus fits in ``candidates`` tokens (no full sort)."""
+  positions whose nucleus fits in ``candidates[0]`` tokens
+  (``fits_candidates``) and in ``candidates[1]`` (``fits_second_tier``)."""
   out = []
   for t in temperatures:
     for tp in top_ps:
       n = nucleus_sizes(logits, t, tp)
       out.append({"temperature": t, "top_p": tp, "positions": int(n.size),
-                  "fits_candidates": float(np.mean(n <= candidates)),
+                  "fits_candidates": float(np.mean(n <= candidates[0])),
+                  "fits_second_tier": float(np.mean(n <= candidates[-1])),
                   **spread(n, ("median", "p90", "max"), "nucleus_")})
   return out
 
@@ -82,10 +86,11 @@ def _warp(logits, temperature, top_p, candidates):
 def warp_times(logits: np.ndarray, shape: tuple[int, int], temperature: float, top_p: float,
                repeats: int, seed: int = 0) -> dict:
   """Seconds per warp of a [B, G + 1, V] block of real rows (drawn at random
-  from ``logits``, a fresh block per round): with the candidates
-  (``sampling.TOP_CANDIDATES``), with the full sort, and the softmax alone
-  (top-p off), interleaved. Returns {path: spread of seconds} and the
-  share of blocks whose every row fit in the candidates."""
+  from ``logits``, a fresh block per round): with both tiers of candidates
+  (``sampling.TOP_CANDIDATES``), with the first tier alone (its fallback is
+  the full sort), with the full sort, and the softmax alone (top-p off),
+  interleaved. Returns {path: spread of seconds} and the shares of blocks
+  whose every row fit in the first tier and in the second."""
   rng = np.random.default_rng(seed)
   b, g1 = shape
   vocab = logits.shape[-1]
@@ -93,7 +98,7 @@ def warp_times(logits: np.ndarray, shape: tuple[int, int], temperature: float, t
             for _ in range(repeats + 1)]
   sizes = [nucleus_sizes(np.asarray(x).reshape(-1, vocab), temperature, top_p) for x in blocks[1:]]
   t, p = jnp.float32(temperature), jnp.float32(top_p)
-  calls = {"candidates": 0, "full_sort": 0, "softmax_only": 0}
+  calls = {"candidates": 0, "first_tier_only": 0, "full_sort": 0, "softmax_only": 0}
 
   def timed(path, cands, tp):
     def fn():
@@ -102,12 +107,15 @@ def warp_times(logits: np.ndarray, shape: tuple[int, int], temperature: float, t
       jax.block_until_ready(_warp(x, t, tp, cands))
     return fn
 
+  n1, n2 = sampling.TOP_CANDIDATES
   times = interleaved_times({"candidates": timed("candidates", sampling.TOP_CANDIDATES, p),
+                             "first_tier_only": timed("first_tier_only", n1, p),
                              "full_sort": timed("full_sort", vocab, p),
                              "softmax_only": timed("softmax_only", 0, p)},
                             repeats)
   return {"shape": [b, g1, vocab], "temperature": temperature, "top_p": top_p,
-          "blocks_fitting": float(np.mean([np.all(s <= sampling.TOP_CANDIDATES) for s in sizes])),
+          "blocks_fitting": float(np.mean([np.all(s <= n1) for s in sizes])),
+          "blocks_fitting_second_tier": float(np.mean([np.all(s <= n2) for s in sizes])),
           **{f"{k}_s": spread(v, ("median", "min", "max")) for k, v in times.items()}}
 
 
@@ -156,23 +164,28 @@ def decode_times(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tok
 def markdown(result: dict, meta: dict) -> str:
   """The report's three tables (nucleus sizes, warp paths, decoding)."""
   from mtp.timing import format_spread
+  n1, n2 = sampling.TOP_CANDIDATES
   lines = [f"# Top-p on {meta.get('workdir')}", "",
            f"`{meta.get('command')}`; commit {meta.get('commit')}, {meta.get('date')}, "
            f"{meta.get('cpu_model', '')} ({meta.get('cpu_count')} cores)", "",
            "## Nucleus size along the target's greedy answers", "",
-           f"| T | top-p | positions | median | p90 | max | fits in {sampling.TOP_CANDIDATES} |",
-           "|---|---|---|---|---|---|---|"]
+           f"| T | top-p | positions | median | p90 | max | fits in {n1} | fits in {n2} |",
+           "|---|---|---|---|---|---|---|---|"]
   for r in result["nucleus"]:
     lines.append(f"| {r['temperature']:g} | {r['top_p']:g} | {r['positions']} | "
                  f"{r['nucleus_median']:.0f} | {r['nucleus_p90']:.0f} | {r['nucleus_max']:.0f} | "
-                 f"{r['fits_candidates']:.3f} |")
+                 f"{r['fits_candidates']:.3f} | {r.get('fits_second_tier', float('nan')):.3f} |")
   lines += [] if not result["warp"] else ["", "## The warp on real rows, ms per call [min, max] (interleaved)", "",
-            "| [B, G+1, V] | T | top-p | blocks fitting | candidates | full sort | softmax only | "
-            "full sort / candidates |", "|---|---|---|---|---|---|---|---|"]
+            f"| [B, G+1, V] | T | top-p | blocks fitting {n1} / {n2} | {n1} then {n2} | {n1} alone "
+            "| full sort | softmax only | full sort / candidates |",
+            "|---|---|---|---|---|---|---|---|---|"]
   for r in result["warp"]:
     c, f, o = r["candidates_s"], r["full_sort_s"], r["softmax_only_s"]
-    lines.append(f"| {r['shape']} | {r['temperature']:g} | {r['top_p']:g} | {r['blocks_fitting']:.2f} | "
-                 f"{format_spread(c, '.2f', 1e3)} | {format_spread(f, '.2f', 1e3)} | "
+    one = r.get("first_tier_only_s")
+    lines.append(f"| {r['shape']} | {r['temperature']:g} | {r['top_p']:g} | {r['blocks_fitting']:.2f} / "
+                 f"{r.get('blocks_fitting_second_tier', float('nan')):.2f} | "
+                 f"{format_spread(c, '.2f', 1e3)} | {format_spread(one, '.2f', 1e3) if one else '-'} | "
+                 f"{format_spread(f, '.2f', 1e3)} | "
                  f"{format_spread(o, '.2f', 1e3)} | {f['median'] / c['median']:.1f}x |")
   if result.get("decode"):
     first = result["decode"][0]["top_p"]

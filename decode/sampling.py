@@ -129,10 +129,11 @@ class SamplingParams:
   def tree_unflatten(cls, flags, leaves):
     return cls(*leaves, _flags=tuple(flags))
 
-# Top-k / top-p rank this many best tokens first (``jax.lax.top_k``, a partial
-# sort: ~20x cheaper than sorting a 49k vocabulary on a CPU); the full sort
-# runs only for a batch where some row's kept set may reach past them.
-TOP_CANDIDATES = 1024
+# Top-k / top-p rank the 1,024 best tokens first (``jax.lax.top_k``, a partial
+# sort: ~20x cheaper than sorting a 49k vocabulary on a CPU); a batch where
+# some row's kept set may reach past them ranks 4,096 (~6x cheaper than the
+# full sort), and only a batch past those sorts the whole vocabulary.
+TOP_CANDIDATES = (1024, 4096)
 
 
 def _cumulative(x):
@@ -147,61 +148,92 @@ def _scatter_rows(values, ids, vocab):
   return jnp.zeros((values.shape[0], vocab), bool).at[rows, ids].set(values)
 
 
-def _top_k_top_p(z, k, top_p, candidates: int = TOP_CANDIDATES):
+def _top_k_keep(zs, k, top_p):
+  """Kept mask [R, m] of ranked logits zs [R, m] (best first, every rank
+  top-k may keep included: k <= m) under top-k k > 0 and top-p."""
+  pos = jnp.arange(zs.shape[-1], dtype=jnp.int32)
+  in_k = pos < k
+  lse = jax.nn.logsumexp(jnp.where(in_k, zs, _NEG_INF), axis=-1, keepdims=True)
+  before, _ = _cumulative(jnp.where(in_k, jnp.exp(zs - lse), 0.0))
+  return in_k & ((top_p >= 1.0) | (before < top_p) | (pos == 0))
+
+
+def _top_p_keep(zs, lse, last, top_p):
+  """Top-p kept mask [R, m] of ranks ``a .. a + m`` (zs [R, m], best first)
+  of a row with normaliser ``lse`` [R, 1] and mass ``last`` [R, 1] before rank
+  a; and the mass before rank a + m [R, 1]. Each segment's masses are summed
+  once and reused by every wider path, so a row's kept set never depends on
+  how far its batch had to rank."""
+  before, total = _cumulative(jnp.exp(zs - lse))
+  return (last + before) < top_p, last + total
+
+
+def _top_k_top_p(z, k, top_p, candidates=TOP_CANDIDATES):
   """Top-k then top-p on temperature-scaled logits z [..., V] (-inf = removed).
 
   The sets ``warp_logits`` documents: tokens ranked by decreasing z, ties to
   the lowest index; top-k keeps ranks < k; top-p keeps rank j when the
   top-k-filtered probability of ranks < j is below ``top_p`` (rank 0 always).
-  The first n = min(candidates, V) ranks come from ``jax.lax.top_k`` (the
-  same order: ties to the lower index), and the normaliser and cumulative
-  mass there are computed once, before the branch. When every row's kept set
-  lies inside them (0 < k <= n, or top-k off and the first n ranks hold at
-  least ``top_p`` of the mass) the rest of the vocabulary is dropped;
-  otherwise (a flat distribution, or k > n) the batch takes the full sort,
-  whose first n ranks reuse those numbers, so a row's result does not depend
-  on the branch its batch took. k and top_p are scalars; ``candidates`` is
-  static (tests pass small values to reach both branches).
+  Ranks come from ``jax.lax.top_k`` over the first n1 (then n2) of them
+  (the same order: ties to the lower index) and from a full sort only past
+  those; ``candidates = (n1, n2)`` (or one int: no second tier) is static
+  (tests pass small values to reach every path). The path a batch takes:
+  n1 ranks when every row's kept set lies inside them (0 < k <= n1, or
+  top-k off and the first n1 ranks hold at least ``top_p`` of the mass),
+  else n2 ranks when they do (k <= n2, or the first n2 ranks hold
+  ``top_p``), else the full sort. With top-k on the path depends on k only;
+  with top-k off the masses of ranks [0, n1), [n1, n2) and past n2 are each
+  computed once and reused by the wider paths, so a row's kept set does not
+  depend on the path its batch took.
   """
   shape, vocab = z.shape, z.shape[-1]
   zf = z.reshape((-1, vocab))
-  n = min(int(candidates), vocab)
+  tiers = (candidates,) if isinstance(candidates, int) else tuple(candidates)
+  n = min(int(tiers[0]), vocab)
+  n2 = min(int(tiers[1]), vocab) if len(tiers) > 1 and int(tiers[1]) > n else vocab
   head, ids = jax.lax.top_k(zf, n)                 # [R, n], best first
   pos = jnp.arange(n, dtype=jnp.int32)
   top_k_on = k > 0
   p_on = top_p < 1.0
-  in_k = ~top_k_on | (pos < k)
-  # Normaliser of the top-k-filtered law: the first k ranks (k <= n), else
-  # the whole row (k > n takes the full sort, which recomputes it).
-  lse_head = jax.nn.logsumexp(jnp.where(in_k, head, _NEG_INF), axis=-1, keepdims=True)
-  lse = jnp.where(top_k_on, lse_head, jax.nn.logsumexp(zf, axis=-1, keepdims=True))
-  p_head = jnp.where(in_k, jnp.exp(head - lse), 0.0)
-  before, cum_last = _cumulative(p_head)
-  keep_head = in_k & (~p_on | (before < top_p) | (pos == 0))
+  # top-k off: the normaliser is the whole row's; ranks [0, n)
+  lse = jax.nn.logsumexp(zf, axis=-1, keepdims=True)
+  keep_p, last = _top_p_keep(head, lse, 0.0, top_p)
+  keep_off = ~p_on | keep_p | (pos == 0)
+  keep_head = jnp.where(top_k_on, _top_k_keep(head, jnp.minimum(k, n), top_p), keep_off)
   if n == vocab:
     return jnp.where(_scatter_rows(keep_head, ids, vocab).reshape(shape), z, _NEG_INF)
-  inside = (top_k_on & (k <= n)) | (~top_k_on & p_on & jnp.all(cum_last >= top_p))
+  inside = (top_k_on & (k <= n)) | (~top_k_on & p_on & jnp.all(last >= top_p))
 
   def drop_tail(_):
     return _scatter_rows(keep_head, ids, vocab)
 
-  def full_sort(_):
-    order = jnp.argsort(-zf, axis=-1, stable=True)   # ranks < n: the tokens ``ids``
-    tail = jnp.take_along_axis(zf, order[:, n:], axis=-1)
-    t_in_k = ~top_k_on | (jnp.arange(n, vocab, dtype=jnp.int32) < k)
-    # k > n: the top-k normaliser spans ranks past n; the head's masses change.
-    big_k = top_k_on & (k > n)
-    lse_k = jax.nn.logsumexp(jnp.concatenate([head, jnp.where(t_in_k, tail, _NEG_INF)], axis=-1),
-                             axis=-1, keepdims=True)
-    norm = jnp.where(big_k, lse_k, lse)
-    before_k, last_k = _cumulative(jnp.where(in_k, jnp.exp(head - norm), 0.0))
-    head_keep = jnp.where(big_k, in_k & (~p_on | (before_k < top_p) | (pos == 0)), keep_head)
-    last = jnp.where(big_k, last_k, cum_last)
-    before_tail, _ = _cumulative(jnp.where(t_in_k, jnp.exp(tail - norm), 0.0))
-    keep_tail = t_in_k & (~p_on | (last + before_tail < top_p))
-    return _scatter_rows(jnp.concatenate([head_keep, keep_tail], axis=-1), order, vocab)
+  def full_sort(prefix, keep_prefix, last_prefix):
+    m = prefix.shape[-1]
 
-  keep = jax.lax.cond(inside, drop_tail, full_sort, None)
+    def run(_):
+      order = jnp.argsort(-zf, axis=-1, stable=True)   # ranks < m: the prefix's tokens
+      tail = jnp.take_along_axis(zf, order[:, m:], axis=-1)
+      keep_tail, _ = _top_p_keep(tail, lse, last_prefix, top_p)
+      off = jnp.concatenate([keep_prefix, ~p_on | keep_tail], axis=-1)
+      on = _top_k_keep(jnp.concatenate([prefix, tail], axis=-1), k, top_p)   # k > m
+      return _scatter_rows(jnp.where(top_k_on, on, off), order, vocab)
+    return run
+
+  if n2 == vocab:
+    fallback = full_sort(head, keep_off, last)
+  else:
+    def fallback(_):
+      zs2, ids2 = jax.lax.top_k(zf, n2)            # ranks < n: the tokens ``ids``
+      keep2, last2 = _top_p_keep(zs2[:, n:], lse, last, top_p)
+      keep_off2 = jnp.concatenate([keep_off, ~p_on | keep2], axis=-1)
+      fits = (top_k_on & (k <= n2)) | (~top_k_on & p_on & jnp.all(last2 >= top_p))
+
+      def second_tier(_):
+        on = _top_k_keep(zs2, jnp.minimum(k, n2), top_p)        # n < k <= n2
+        return _scatter_rows(jnp.where(top_k_on, on, keep_off2), ids2, vocab)
+      return jax.lax.cond(fits, second_tier, full_sort(zs2, keep_off2, last2), None)
+
+  keep = jax.lax.cond(inside, drop_tail, fallback, None)
   return jnp.where(keep.reshape(shape), z, _NEG_INF)
 
 

@@ -77,13 +77,15 @@ def main(argv=None):
   result = {"nucleus": bench_top_p.nucleus_stats(logits, temps, top_ps), "warp": [], "decode": []}
   for r in result["nucleus"]:
     print(f"T={r['temperature']:g} top_p={r['top_p']:g}: nucleus median {r['nucleus_median']:.0f}, "
-          f"max {r['nucleus_max']:.0f}; fits {r['fits_candidates']:.3f}", flush=True)
+          f"max {r['nucleus_max']:.0f}; fits {r['fits_candidates']:.3f} / "
+          f"{r['fits_second_tier']:.3f}", flush=True)
   for shape in (shapes if args.warp_repeats else []):
     for t in temps:
       for tp in top_ps:
         w = bench_top_p.warp_times(logits, shape, t, tp, args.warp_repeats)
         print(f"warp {w['shape']} T={t:g} top_p={tp:g}: candidates "
-              f"{w['candidates_s']['median'] * 1e3:.2f} ms, full sort "
+              f"{w['candidates_s']['median'] * 1e3:.2f} ms, first tier alone "
+              f"{w['first_tier_only_s']['median'] * 1e3:.2f} ms, full sort "
               f"{w['full_sort_s']['median'] * 1e3:.2f} ms", flush=True)
         result["warp"].append(w)
   if args.decode_repeats:

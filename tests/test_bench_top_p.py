@@ -37,8 +37,9 @@ def test_nucleus_sizes_match_the_decoders_warp():
 
 def test_nucleus_stats_fit_share():
   x = np.log(np.array([[0.1, 0.4, 0.2, 0.3], [0.97, 0.01, 0.01, 0.01]]))
-  (row,) = bench_top_p.nucleus_stats(x, [1.0], [0.75], candidates=2)
+  (row,) = bench_top_p.nucleus_stats(x, [1.0], [0.75], candidates=(2, 3))
   assert row["positions"] == 2 and row["nucleus_max"] == 3 and row["fits_candidates"] == 0.5
+  assert row["fits_second_tier"] == 1.0
 
 
 def test_warp_times_and_markdown_run():
@@ -46,6 +47,7 @@ def test_warp_times_and_markdown_run():
   x = (rng.normal(size=(12, 64)) * 4).astype(np.float32)
   w = bench_top_p.warp_times(x, (2, 2), 1.0, 0.9, repeats=2)
   assert w["shape"] == [2, 2, 64] and w["candidates_s"]["median"] > 0
+  assert w["first_tier_only_s"]["median"] > 0 and 0 <= w["blocks_fitting_second_tier"] <= 1
   md = bench_top_p.markdown({"nucleus": bench_top_p.nucleus_stats(x, [1.0], [0.9]), "warp": [w],
                              "decode": []}, {"command": "x", "workdir": "w"})
   assert "fits in" in md and "full sort / candidates" in md

@@ -339,25 +339,33 @@ _filter = jax.jit(sampling._top_k_top_p, static_argnames="candidates")
 
 
 def test_top_candidates_agree_with_the_full_sort():
-  """The partial-sort path (``candidates`` ranks, the rest dropped) and its
-  fallback to the full sort give the kept sets of the float64 reference,
-  identical to a full sort's, whatever the other rows of the batch are."""
+  """Every path of the ranked warp (``candidates`` = (8, 16) over 64 ids: 8
+  ranks and the rest dropped, 16 ranks, the full sort) gives the kept sets of
+  the float64 reference, identical to a full sort's, whatever the other rows
+  of the batch are (each row alone, and batches that take each path)."""
   rng = np.random.default_rng(7)
-  vocab, cand = 64, 8
+  vocab, cand = 64, (8, 16)
   peaked = rng.normal(size=(4, vocab)) * 6           # nucleus inside 8 ranks
-  flat = rng.normal(size=(4, vocab)) * 0.3           # nucleus past 8 ranks
-  tied = rng.integers(0, 4, size=(4, vocab)) * 2.0   # ties across the boundary
-  x = np.concatenate([peaked, flat, tied]).astype(np.float32)
+  middle = rng.normal(size=(4, vocab)) * 1.6         # some nuclei between 8 and 16 ranks
+  flat = rng.normal(size=(4, vocab)) * 0.3           # nucleus past 16 ranks
+  tied = rng.integers(0, 4, size=(4, vocab)) * 2.0   # ties across the boundaries
+  x = np.concatenate([peaked, middle, flat, tied]).astype(np.float32)
   x[rng.random(x.shape) < 0.1] = -np.inf
   x[:, 0] = np.maximum(x[:, 0], -1.0)
   z = x - x.max(-1, keepdims=True)
-  compared = 0
-  for k in (0, 1, 5, 8, 9, 40):
+  batches = {"all": np.arange(len(z)), "fit 8": np.arange(4), "fit 16": np.arange(8)}
+  compared, tiers_seen = 0, set()
+  for k in (0, 1, 5, 8, 9, 16, 17, 40):
     for top_p in (0.2, 0.7, 0.95, 1.0):
       args = (jnp.int32(k), jnp.float32(top_p))
       got = np.isfinite(np.asarray(_filter(jnp.asarray(z), *args, candidates=cand)))
       full = np.isfinite(np.asarray(_filter(jnp.asarray(z), *args, candidates=vocab)))
       np.testing.assert_array_equal(got, full, err_msg=f"k={k} top_p={top_p}")
+      one_tier = np.isfinite(np.asarray(_filter(jnp.asarray(z), *args, candidates=8)))
+      np.testing.assert_array_equal(one_tier, full, err_msg=f"one tier k={k} top_p={top_p}")
+      for name, rows in batches.items():
+        part = np.isfinite(np.asarray(_filter(jnp.asarray(z[rows]), *args, candidates=cand)))
+        np.testing.assert_array_equal(part, got[rows], err_msg=f"{name} k={k} top_p={top_p}")
       for r in range(z.shape[0]):
         alone = np.isfinite(np.asarray(_filter(jnp.asarray(z[r:r + 1]), *args, candidates=cand)))[0]
         np.testing.assert_array_equal(alone, got[r], err_msg=f"row {r} k={k} top_p={top_p}")
@@ -365,7 +373,10 @@ def test_top_candidates_agree_with_the_full_sort():
         if margin > 1e-5:
           np.testing.assert_array_equal(got[r], want, err_msg=f"row {r} k={k} top_p={top_p}")
           compared += 1
-  assert compared > 250   # of 288: only rows whose boundary sits within rounding are skipped
+          if 0 < top_p < 1 and k == 0:
+            tiers_seen.add(min(t for t in (8, 16, vocab) if want.sum() <= t))
+  assert compared > 450   # of 512: only rows whose boundary sits within rounding are skipped
+  assert tiers_seen == {8, 16, vocab}      # the rows reach every path on their own
 
 
 def test_temperature_zero_is_one_hot():
