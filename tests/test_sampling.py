@@ -673,3 +673,16 @@ def test_doc_worked_example_numbers():
   qv = np.array([[float(x) for x in q]], np.float32)
   pvals = _round_pvalues(verify.rejection_sample, pv, qv, 301, 50_000)
   assert min(pvals.values()) > SIG, pvals
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU's TopK kernel")
+def test_candidate_tiers_compile_to_top_k_not_to_a_sort():
+  """Both tiers of candidates reach XLA CPU's TopK kernel: an earlier form
+  sliced the second tier's values, XLA folded the slice into the sort and ran
+  a full sort there (as dear as the fallback it exists to avoid). The only
+  sort left is the fallback's argsort."""
+  z = jnp.zeros((2, 49152), jnp.float32)
+  f = jax.jit(lambda z: sampling._top_k_top_p(z, jnp.int32(0), jnp.float32(0.9)))
+  hlo = f.lower(z).compile().as_text()
+  assert hlo.count('custom_call_target="TopK"') == len(sampling.TOP_CANDIDATES) == 2
+  assert len(re.findall(r"= \([^)]*\) sort\(", hlo)) == 1
