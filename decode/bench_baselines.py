@@ -51,6 +51,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from decode import bench_hf
+from mtp.cli import split_items
 
 NAMES = ("transformers", "prompt_lookup", "llamacpp")
 DEFAULT_LOOKUP = 10
@@ -79,9 +80,9 @@ def parse_specs(text: str) -> tuple[Spec, ...]:
   ``llamacpp:T`` runs llama.cpp with T threads). Raises ValueError naming a
   bad entry."""
   out = []
-  for item in (x.strip() for x in text.split(",")):
-    if not item:
-      continue
+  if not str(text or "").strip():
+    return ()
+  for item in split_items("baselines", text):
     kind, _, arg = item.partition(":")
     if kind not in NAMES or (arg and kind == "transformers"):
       raise ValueError(f"unknown baseline {item!r}; known: transformers, prompt_lookup[:K], "

@@ -64,9 +64,9 @@ def compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: st
             f"{repeats} interleaved repeat{'s' if repeats != 1 else ''}, per repeat "
             f"{min(ratios):.2f}x-{max(ratios):.2f}x; same prompts and budget, after compilation"
             + ("; one repeat is noisy, see scripts/bench_decode.py" if repeats == 1 else "") + ")"
-            + (f" (T > 0: different samples, {np.mean(new_tokens['ar']):.0f} vs "
-               f"{np.mean(new_tokens[method]):.0f} new tokens per call, so the two rates are "
-               "over different texts; many prompts or scripts/bench_decode.py average that out)"
+            + (f" (T > 0: {method} and AR sample different texts, {method} "
+               f"{np.mean(new_tokens[method]):.0f} and AR {np.mean(new_tokens['ar']):.0f} new "
+               "tokens over all prompts; many prompts or scripts/bench_decode.py average that out)"
                if sampling.temperature else
                " (greedy outputs identical)" if same else
                " (WARNING: greedy outputs differ; a float near-tie or a bug)") + "\n")

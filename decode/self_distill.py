@@ -87,6 +87,7 @@ from decode.self_distill_chat import (  # noqa: F401 (chat mode; decode.self_dis
     ChatRecipe, answer_examples, make_chat_dataset, parse_temperatures)
 from decode.speculative import METHODS, DecodeError, Decoder, SamplingParams
 from mtp import checkpoint as ckpt_lib
+from mtp import cli
 from mtp import data as data_lib
 from mtp import loading
 from mtp import tokenizer as tok
@@ -262,7 +263,7 @@ def main(argv=None) -> int:
           num_draft_tokens=args.num_draft_tokens,
           batch_size=args.batch_size if args.batch_size is not None else c.batch_size,
           seed=args.seed, max_context_chars=args.max_context_chars,
-          categories=tuple(x.strip() for x in args.categories.split(",") if x.strip()))
+          categories=tuple(cli.list_items(ap, "categories", args.categories)))
       meta = make_chat_dataset(args.workdir, args.out_name, recipe, data_dir=args.data_dir,
                                out_dir=args.out_dir, log=log)
     except (DecodeError, ckpt_lib.CheckpointError, data_lib.DataError) as e:

@@ -36,6 +36,28 @@ def _fmt(v) -> str:
   return f"{v:g}" if isinstance(v, float) else str(v)
 
 
+def split_items(flag: str, text) -> list[str]:
+  """``--flag``'s comma list -> its items, stripped, in order. Raises
+  ValueError "--flag=TEXT: ..." for an empty list or an empty item
+  (``"a,,b"``, a trailing comma): a dropped item would change a run without
+  a word."""
+  items = [x.strip() for x in str(text if text is not None else "").split(",")]
+  if not any(items):
+    raise ValueError(f"--{flag}={text!r}: empty; give a comma list")
+  if not all(items):
+    raise ValueError(f"--{flag}={text!r}: item {items.index('') + 1} is empty; give a comma "
+                     "list without empty items")
+  return items
+
+
+def list_items(ap: argparse.ArgumentParser, flag: str, text) -> list[str]:
+  """``split_items`` with its error as ``ap.error`` (exit status 2)."""
+  try:
+    return split_items(flag, text)
+  except ValueError as e:
+    ap.error(str(e))
+
+
 def parse_list(ap: argparse.ArgumentParser, flag: str, text, typ=float, lo=None, hi=None,
                choices=None, lo_open: bool = False, duplicates: str = "drop") -> list:
   """Parses ``--flag``'s comma list of ``typ`` values, each in [lo, hi]

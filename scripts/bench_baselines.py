@@ -62,7 +62,7 @@ def main(argv=None):
   gs = cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1) if args.num_draft_tokens else []
   s = bench_chat.ChatBench(
       workdir=args.workdir, prompt_file=args.prompt_file, per_category=args.per_category,
-      categories=tuple(c for c in args.categories.split(",") if c), temperatures=(0.0,),
+      categories=tuple(cli.list_items(ap, "categories", args.categories)), temperatures=(0.0,),
       num_draft_tokens=tuple(gs), max_new_tokens=args.max_new_tokens, repeats=args.repeats,
       baselines=specs, baseline_model=source, llamacpp_threads=args.llamacpp_threads)
   load_before = os.getloadavg()

@@ -72,11 +72,12 @@ def main(argv=None):
       ap.error(f"--baselines without --baseline_model needs {smollm.PACKAGE} (make smollm)")
   s = bench_chat.ChatBench(
       workdir=args.workdir, prompt_file=args.prompt_file, per_category=args.per_category,
-      categories=tuple(c for c in args.categories.split(",") if c),
+      categories=tuple(cli.list_items(ap, "categories", args.categories)) if args.categories else (),
       temperatures=tuple(cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)),
       num_draft_tokens=tuple(cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1)),
       max_new_tokens=args.max_new_tokens, with_auto=args.auto, repeats=args.repeats,
-      trees=tuple(t.replace("-", ",") for t in args.trees.split(",") if t),
+      trees=tuple(t.replace("-", ",") for t in cli.list_items(ap, "trees", args.trees))
+      if args.trees else (),
       batch_sizes=tuple(cli.parse_list(ap, "batch_sizes", args.batch_sizes, int, 1)),
       baselines=specs, baseline_model=args.baseline_model, llamacpp_threads=args.llamacpp_threads)
   load_before = os.getloadavg()

@@ -176,7 +176,7 @@ def main(argv=None):
   forms = cli.parse_list(ap, "forms", args.forms, str, choices=("while", "stream"))
   gs_given = None
   if args.num_draft_tokens is not None:
-    items = [x.strip() for x in args.num_draft_tokens.split(",") if x.strip()]
+    items = cli.list_items(ap, "num_draft_tokens", args.num_draft_tokens)
     auto_given = "auto" in items
     rest = ",".join(x for x in items if x != "auto")
     gs_given = (cli.parse_list(ap, "num_draft_tokens", rest, int, 1) if rest else []) + (

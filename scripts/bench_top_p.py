@@ -61,7 +61,8 @@ def main(argv=None):
   if not (math.isfinite(args.decode_temperature) and args.decode_temperature > 0):
     ap.error(f"--decode_temperature={args.decode_temperature}: must be a finite number > 0")
   try:
-    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.warp_shapes.split(",") if s]
+    shapes = [tuple(int(v) for v in s.lower().split("x"))
+              for s in cli.list_items(ap, "warp_shapes", args.warp_shapes)]
   except ValueError:
     shapes = []
   if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):

@@ -28,7 +28,7 @@ from train import vocab_sweep
 
 def _sizes(ap, text: str) -> list:
   """--draft_vocab: ints >= 1 and ``full`` (None), in the given order."""
-  parts = [x.strip() for x in text.split(",") if x.strip()]
+  parts = cli.list_items(ap, "draft_vocab", text)
   ints = [x for x in parts if x != vocab_sweep.FULL]
   vals = cli.parse_list(ap, "draft_vocab", ",".join(ints), int, 1) if ints else []
   return vals + [None] * (vocab_sweep.FULL in parts)

@@ -44,7 +44,8 @@ def test_parse_specs():
                                       "llamacpp_t1"]
   assert specs[4].threads == 1 and specs[3].threads is None
   assert bench_baselines.parse_specs("") == ()
-  for bad in ("vllm", "prompt_lookup:0", "prompt_lookup:x", "transformers:3", "llamacpp:0"):
+  for bad in ("vllm", "prompt_lookup:0", "prompt_lookup:x", "transformers:3", "llamacpp:0",
+              "prompt_lookup,,llamacpp", "transformers,"):
     with pytest.raises(ValueError, match="baseline"):
       bench_baselines.parse_specs(bad)
 

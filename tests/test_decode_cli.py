@@ -45,7 +45,7 @@ def test_run_report_has_tokens_text_and_stats(workdir, capsys):
   assert out == "".join(f"--- prompt {r['prompt_index']} sample {r['sample']}: {r['prompt']!r}\n"
                         f"{r['prompt']}{r['text']}\n" for r in report["results"])
   assert "tau" in err and "speedup over AR" in err and "2 interleaved repeats" in err
-  assert "T > 0: different samples" in err        # the rates are over different texts
+  assert "T > 0: mtp and AR sample different texts, mtp " in err   # rates over different texts
   assert "tau" not in out and "note:" not in err    # G = D: nothing to note
 
 

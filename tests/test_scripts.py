@@ -140,6 +140,22 @@ def test_parse_list_values_and_errors(capsys):
     assert f"--{args[0]}=" in err and needle in err, err
 
 
+def test_list_items_refuses_empty_items(capsys):
+  """String comma lists (categories, trees, shapes, baselines) are refused
+  with an empty item, as parse_list's are, not silently shortened."""
+  ap = _ap()
+  assert cli.list_items(ap, "categories", " code, qa ") == ["code", "qa"]
+  for text, needle in (("code,,qa", "item 2 is empty"), ("code,", "item 2 is empty"),
+                       ("", "empty"), (" , ", "empty")):
+    with pytest.raises(SystemExit) as e:
+      cli.list_items(ap, "categories", text)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--categories=" in err and needle in err, err
+  with pytest.raises(ValueError, match="--trees='3,,2': item 2 is empty"):
+    cli.split_items("trees", "3,,2")
+
+
 def test_apply_quick_keeps_given_values():
   ap = _ap()
   ap.add_argument("--repeats", type=int, default=5)

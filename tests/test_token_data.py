@@ -225,6 +225,8 @@ def test_a_mixture_reads_its_parts_one_after_another(token_cfg, tmp_path):
   np.testing.assert_array_equal(src[-1]["tokens"], b[len(b) - 1]["tokens"])
   with pytest.raises(IndexError):
     src[len(src)]
+  with pytest.raises(TypeError):
+    src[1.7]
   # the packed epoch covers both parts' tokens; the training stream carries loss_mask
   rows = data.epoch_rows(mix, seq_len=T)
   n_tok = sum(len(e["tokens"]) for _, e in _examples(23)) + sum(len(e["tokens"]) for _, e in extra)
@@ -233,7 +235,8 @@ def test_a_mixture_reads_its_parts_one_after_another(token_cfg, tmp_path):
   val = data.load_source(mix, "validation")
   assert val.parts == ("tok_ds",) and len(val) == 5
   for name, match in (("tok_ds+", "non-empty dataset names"), ("tok_ds+tok_ds", "twice"),
-                      ("tok_ds+text_files", "text_files")):
+                      ("tok_ds+text_files", "text_files"),
+                      ("tok_ds+nowhere", "data.name='tok_ds\\+nowhere', part 'nowhere': unknown")):
     with pytest.raises(data.DataError, match=match):
       data.load_source(DataConfig(name=name, data_dir=d), "train")
   with pytest.raises(data.DataError, match="split 'test'"):

@@ -12,6 +12,7 @@ data is added without regenerating what exists.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 from typing import Any
 
@@ -73,10 +74,11 @@ def mixture_names(name: str) -> tuple[str, ...]:
 
 class ConcatSource:
   """Random-access sources read one after another: record ``i`` of the
-  mixture is record ``i - offset_k`` of part ``k``. ``parts`` names the
-  datasets read (in order), ``dataset_info`` is the first part's (the
-  parts are checked to hold the same kind of records: all token datasets or
-  all text)."""
+  mixture is record ``i - offset_k`` of part ``k`` (negative i from the
+  end; an integer index only). ``parts`` names the datasets read, in order
+  (the mixture's parts that have the split); ``dataset_info`` is the first
+  of them's (``load_source`` checks that all parts hold the same kind of
+  records: token ids or text)."""
 
   def __init__(self, sources, names: tuple[str, ...]):
     self._sources = list(sources)
@@ -92,7 +94,7 @@ class ConcatSource:
 
   def __getitem__(self, i):
     n = len(self)
-    i = int(i)
+    i = operator.index(i)
     if not -n <= i < n:
       raise IndexError(f"record {i} of a mixture of {n}")
     i %= n
@@ -206,8 +208,11 @@ def _load_mixture(cfg: DataConfig, split: str, parts: tuple[str, ...]) -> Concat
   sources, names, kinds = [], [], {}
   for name in parts:
     part = dataclasses.replace(cfg, name=name)
-    builder = _open_builder(part, data_dir)
-    _check_text_feature(builder, part, data_dir)
+    try:
+      builder = _open_builder(part, data_dir)
+      _check_text_feature(builder, part, data_dir)
+    except DataError as e:
+      raise DataError(f"data.name={cfg.name!r}, part {name!r}: {e}") from e
     kinds[name] = "token ids" if is_token_dataset(builder) else "text"
     if split in builder.info.splits:
       sources.append(load_source(part, split))
