@@ -81,12 +81,10 @@ def parse_list(ap: argparse.ArgumentParser, flag: str, text, typ=float, lo=None,
   else:
     allowed = f"a {typ.__name__}"
   kind = {int: "integers", float: "numbers"}.get(typ, "values")
-  items = [x.strip() for x in str(text if text is not None else "").split(",")]
-  if not any(items):
-    ap.error(f"--{flag}={text!r}: empty; give a comma list of {kind}, every value {allowed}")
-  if not all(items):
-    ap.error(f"--{flag}={text!r}: item {items.index('') + 1} is empty; give a comma list of "
-             f"{kind} without empty items, every value {allowed}")
+  try:
+    items = split_items(flag, text)
+  except ValueError as e:
+    ap.error(f"{e} ({kind}, every value {allowed})")
   try:
     vals = [typ(x) for x in items]
   except ValueError:

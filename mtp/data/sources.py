@@ -215,7 +215,7 @@ def _load_mixture(cfg: DataConfig, split: str, parts: tuple[str, ...]) -> Concat
       raise DataError(f"data.name={cfg.name!r}, part {name!r}: {e}") from e
     kinds[name] = "token ids" if is_token_dataset(builder) else "text"
     if split in builder.info.splits:
-      sources.append(load_source(part, split))
+      sources.append(builder.as_data_source(split=split))
       names.append(name)
   if len(set(kinds.values())) > 1:
     raise DataError(f"data.name={cfg.name!r} mixes token-id and text datasets ({kinds}); a "
