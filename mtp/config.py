@@ -116,6 +116,10 @@ class TrainConfig:
   # rows (mtp.data.epoch_rows), store h^0 in WORKDIR/hidden_cache/ and train
   # the modules from it (train.hidden_cache; Transformer.forward_from_hidden).
   hidden_cache: bool = False
+  # "" = WORKDIR/hidden_cache; else a folder of caches shared between runs,
+  # one subfolder per source fingerprint (train.hidden_cache.cache_folder):
+  # a sweep over the schedule or learning rate builds the cache once.
+  hidden_cache_dir: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +238,9 @@ def _build(cls, path: str, values: Mapping[str, Any]):
 
 def _check(cond: bool, field: str, allowed: str, value: Any):
   if not cond:
-    raise ConfigError(f"{field}={value!r} is out of range: must be {allowed}")
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    raise ConfigError(f"{field}={value!r} is {'out of range' if numeric else 'not allowed'}: "
+                      f"must be {allowed}")
 
 
 def validate(cfg: Config) -> Config:
@@ -324,6 +330,9 @@ def _validate_mtp(cfg: Config) -> None:
   _check(not t.hidden_cache or t.freeze_backbone, "train.hidden_cache",
          "False unless train.freeze_backbone=True (cached backbone states are only valid for "
          "a frozen backbone)", t.hidden_cache)
+  _check(not t.hidden_cache_dir or t.hidden_cache, "train.hidden_cache_dir",
+         "empty unless train.hidden_cache=True (it says where cached backbone states live)",
+         t.hidden_cache_dir)
 
 
 def _validate_data(d: DataConfig) -> None:

@@ -163,7 +163,7 @@ def test_cached_stage_equals_uncached_stage_on_the_same_rows(tmp_path):
   rows = cache_lib.check_rows(_random_rows(), T, cfg.model.vocab_size)
   start = trainer.init_state()
   init = jax.tree.map(np.asarray, jax.device_get(start.params))
-  cache = cache_lib.build(str(tmp_path), rows, lambda b: trainer.hidden_states(start.params, b),
+  cache = cache_lib.build(str(tmp_path / "cache"), rows, lambda b: trainer.hidden_states(start.params, b),
                           batch_size=4, d_model=cfg.model.d_model, dtype="float32",
                           source={"test": 1}, log=lambda s: None)
   assert cache.h0.shape == (10, T, cfg.model.d_model)
@@ -281,9 +281,36 @@ def test_stage_with_cache_resumes_exactly_and_rebuilds_or_refuses(row_data, tmp_
     train(_loop_cfg(hidden_cache=False), other, log=lambda s: None)
 
 
+def test_shared_cache_dir_is_built_once_per_fingerprint(row_data, tmp_path):
+  shared = str(tmp_path / "caches")
+  cfg = _loop_cfg(hidden_cache_dir=shared, num_steps=2, eval_every=2)
+  logs = []
+  train(cfg, str(tmp_path / "a"), log=logs.append)
+  assert any(l.startswith("hidden cache: built") for l in logs), logs
+  (key,) = os.listdir(shared)
+  assert not os.path.exists(tmp_path / "a" / "hidden_cache")
+  logs = []                                   # another schedule, same source: reused
+  train(_loop_cfg(hidden_cache_dir=shared, num_steps=3, eval_every=3), str(tmp_path / "b"),
+        log=logs.append)
+  assert any(l.startswith(f"hidden cache: reusing {os.path.join(shared, key)}") for l in logs), logs
+  want = _losses(str(tmp_path / "a"))          # same rows, same seed: the first batch agrees
+  np.testing.assert_allclose(_losses(str(tmp_path / "b"))[(1, "train")], want[(1, "train")],
+                             rtol=1e-6)
+  row_data["rows"] = _random_rows(10, seed=5)  # other rows: a second folder, the first kept
+  logs = []
+  train(cfg, str(tmp_path / "c"), log=logs.append)
+  assert any(l.startswith("hidden cache: built") for l in logs), logs
+  assert len(os.listdir(shared)) == 2 and key in os.listdir(shared)
+  assert cache_lib.load(os.path.join(shared, key)).meta["rows"]["crc32"] != \
+      cache_lib.load(os.path.join(shared, (set(os.listdir(shared)) - {key}).pop())).meta["rows"]["crc32"]
+
+
 def test_bad_combinations_are_clear_errors(tmp_path):
   with pytest.raises(ConfigError, match="train.hidden_cache.*freeze_backbone"):
     tiny_config(train=dict(hidden_cache=True))
+  with pytest.raises(ConfigError, match="train.hidden_cache_dir='c' is not allowed: must be empty "
+                                        "unless train.hidden_cache=True"):
+    tiny_config(train=dict(freeze_backbone=True, hidden_cache_dir="c"))
   bpe = tiny_config(model=dict(tokenizer="bpe", num_tokens=260))
   with pytest.raises(ConfigError, match="model.tokenizer='bpe'.*train.init_from"):
     train(bpe, str(tmp_path / "wd"), log=lambda s: None)

@@ -200,7 +200,7 @@ def test_first_fit_packing_refuses_text_and_bad_values(data_dir):
   with pytest.raises(data.DataError, match="data.packing='first_fit' packs whole token"):
     data.epoch_rows(cfg, seq_len=64, split="validation")
   c = Config()
-  with pytest.raises(ConfigError, match="data.packing='best' is out of range"):
+  with pytest.raises(ConfigError, match="data.packing='best' is not allowed: must be"):
     validate(dataclasses.replace(c, data=dataclasses.replace(c.data, packing="best")))
 
 

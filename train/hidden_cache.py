@@ -12,8 +12,11 @@ heads over a frozen backbone's last hidden state) and FastMTP (Cai et al.
 2025); a step then costs the modules and the two heads, not the backbone
 (30 blocks of SmolLM2-135M against one module block).
 
-Layout of ``WORKDIR/hidden_cache/`` (written into a temporary sibling and
-renamed, so a cache killed mid-build is never read):
+Layout of the cache folder, ``WORKDIR/hidden_cache/`` or, with
+``train.hidden_cache_dir``, ``DIR/<digest of the source and rows fingerprints>/``
+(shared by every run whose backbone, rows, tokenizer, seq_len and dtype
+agree: a schedule or learning-rate sweep builds it once), written into a
+temporary sibling and renamed, so a cache killed mid-build is never read:
 
 - ``h0.npy``: [N, T, D] h^0 of every row in the model's activation dtype
   ([N, T, (m + 1) D] with m ``mtp.feature_layers``: those blocks' outputs
@@ -68,7 +71,25 @@ class HiddenCacheError(ckpt_lib.CheckpointError):
 
 
 def cache_dir(workdir: str) -> str:
+  """A run's own cache folder, ``WORKDIR/hidden_cache`` (absolute)."""
   return os.path.join(os.path.abspath(workdir), CACHE_DIR)
+
+
+def cache_folder(workdir: str, shared_dir: str, source: Mapping[str, Any],
+                 rows: Mapping[str, np.ndarray] | None = None) -> str:
+  """The folder a run's cache lives in: ``cache_dir(workdir)`` when
+  ``shared_dir`` (``train.hidden_cache_dir``) is empty, else
+  ``shared_dir/<16 hex digits of sha256(source, rows_fingerprint(rows))>``
+  (absolute), so runs with one ``source_fingerprint`` and the same rows (a
+  dataset regenerated under its old name has other rows) share a cache and
+  runs with others never replace it. ``rows`` (``check_rows`` output) is
+  required with ``shared_dir``."""
+  if not shared_dir:
+    return cache_dir(workdir)
+  if rows is None:
+    raise ValueError("cache_folder: a shared cache folder is keyed by the rows; pass rows")
+  key = _digest({"source": dict(source), "rows": rows_fingerprint(rows)})
+  return os.path.join(os.path.abspath(shared_dir), key)
 
 
 def _digest(obj: Any) -> str:
@@ -154,21 +175,23 @@ def _storage(dtype: str) -> tuple[np.dtype, str]:
   return np.dtype(dtype), dtype
 
 
-def build(workdir: str, rows: Mapping[str, np.ndarray], hidden_fn: Callable[[dict], np.ndarray],
+def build(folder: str, rows: Mapping[str, np.ndarray], hidden_fn: Callable[[dict], np.ndarray],
           *, batch_size: int, d_model: int, dtype: str, source: Mapping[str, Any],
           log: Callable[[str], None] = print) -> Cache:
   """Runs ``hidden_fn`` (a jitted backbone: batch dict of int32 [B, T] ->
   h^0 [B, T, D] in ``dtype``) over every row in batches of ``batch_size``
   (the last one padded with copies of row 0, one compiled shape) and writes
-  the cache (module docstring), replacing an existing one. Logs the build
+  the cache into ``folder`` (module docstring; its parent is created),
+  replacing an existing one. Logs the build
   time (seconds) and size. Returns the loaded cache.
 
   rows: ``check_rows`` output. Raises HiddenCacheError for an h^0 of another
   shape."""
   n, t = rows["tokens"].shape
   disk, disk_name = _storage(dtype)
-  out = cache_dir(workdir)
+  out = os.path.abspath(folder)
   parent = os.path.dirname(out)
+  os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=f".{CACHE_DIR}.build-", dir=parent)
   start = time.perf_counter()
   try:
@@ -203,13 +226,13 @@ def build(workdir: str, rows: Mapping[str, np.ndarray], hidden_fn: Callable[[dic
     raise
   log(f"hidden cache: built {out} in {seconds:.1f} s: {n} rows x {t} tokens, h0 {dtype} "
       f"[{n}, {t}, {d_model}], {size / 2**20:.1f} MiB ({size / max(n * t, 1):.0f} bytes/token)")
-  return load(workdir)
+  return load(out)
 
 
-def load(workdir: str) -> Cache | None:
-  """The cache of ``workdir``; None when there is none. Raises
-  HiddenCacheError for an unreadable or inconsistent one."""
-  folder = cache_dir(workdir)
+def load(folder: str) -> Cache | None:
+  """The cache in ``folder`` (``cache_dir`` / ``cache_folder``); None when
+  there is none. Raises HiddenCacheError for an unreadable or inconsistent
+  one."""
   meta_path = os.path.join(folder, META_FILE)
   if not os.path.isfile(meta_path):
     return None
@@ -235,24 +258,24 @@ def load(workdir: str) -> Cache | None:
   return Cache(rows, h0, meta)
 
 
-def prepare(workdir: str, source: Mapping[str, Any], rows_fn: Callable[[], Mapping[str, np.ndarray]],
+def prepare(folder: str, source: Mapping[str, Any], rows_fn: Callable[[], Mapping[str, np.ndarray]],
             hidden_fn: Callable[[dict], np.ndarray], *, batch_size: int, d_model: int, dtype: str,
             vocab_size: int, log: Callable[[str], None] = print) -> Cache:
-  """The run's cache: the existing one when its ``source`` fingerprint
-  equals ``source``, else one built from ``rows_fn()`` (``epoch_rows``)
-  with ``build`` (the reason logged). Raises HiddenCacheError (and whatever
+  """The run's cache in ``folder`` (``cache_folder``): the existing one
+  when its ``source`` fingerprint equals ``source``, else one built there
+  from ``rows_fn()`` (``epoch_rows``) with ``build`` (the reason logged). Raises HiddenCacheError (and whatever
   ``rows_fn`` raises: DataError)."""
-  cache = load(workdir)
+  cache = load(folder)
   if cache is not None and cache.meta["source"] == dict(source):
-    log(f"hidden cache: reusing {cache_dir(workdir)} ({cache.num_rows} rows, "
+    log(f"hidden cache: reusing {folder} ({cache.num_rows} rows, "
         f"{cache.meta['bytes'] / 2**20:.1f} MiB, built in {cache.meta['build_s']:.1f} s)")
     return cache
   if cache is not None:
     changed = sorted(k for k in set(source) | set(cache.meta["source"])
                      if source.get(k) != cache.meta["source"].get(k))
-    log(f"hidden cache: {cache_dir(workdir)} was built for another {', '.join(changed)}; rebuilding")
+    log(f"hidden cache: {folder} was built for another {', '.join(changed)}; rebuilding")
   rows = check_rows(rows_fn(), source["seq_len"], vocab_size)
-  return build(workdir, rows, hidden_fn, batch_size=batch_size, d_model=d_model, dtype=dtype,
+  return build(folder, rows, hidden_fn, batch_size=batch_size, d_model=d_model, dtype=dtype,
                source=source, log=log)
 
 

@@ -484,7 +484,9 @@ def _open_data(cfg: Config, workdir: str, tokenizer, resume_step: int | None):
     if jax.process_count() != 1:
       raise ConfigError(f"train.hidden_cache=True runs on one process (got "
                         f"{jax.process_count()}); set it False for multi-host runs")
-    if resume_step is None and cache_lib.load(workdir) is None:
+    # a shared cache's folder is keyed by the rows (read on resume too)
+    if t.hidden_cache_dir or (resume_step is None
+                              and cache_lib.load(cache_lib.cache_dir(workdir)) is None):
       train_rows = cache_lib.check_rows(rows_fn(), t.seq_len, cfg.model.vocab_size)
     dataset = None
   else:
@@ -526,8 +528,10 @@ def _attach_hidden_cache(cfg: Config, workdir: str, trainer: Trainer, state: Tra
   source = cache_lib.source_fingerprint(cfg, tokenizer, split_trainable(cfg, state.params)[1])
   get_rows = (lambda: train_rows) if train_rows is not None else (
       lambda: cache_lib.check_rows(rows_fn(), t.seq_len, cfg.model.vocab_size))
+  folder = cache_lib.cache_folder(workdir, t.hidden_cache_dir, source,
+                                  get_rows() if t.hidden_cache_dir else None)
   cache = cache_lib.prepare(
-      workdir, source, get_rows, lambda b: trainer.hidden_states(state.params, b),
+      folder, source, get_rows, lambda b: trainer.hidden_states(state.params, b),
       batch_size=t.batch_size, dtype=cfg.model.dtype,
       d_model=cfg.model.d_model * (1 + len(parse_id_list(cfg.mtp.feature_layers))),
       vocab_size=cfg.model.vocab_size, log=log)
