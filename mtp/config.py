@@ -117,7 +117,7 @@ class TrainConfig:
   # the modules from it (train.hidden_cache; Transformer.forward_from_hidden).
   hidden_cache: bool = False
   # "" = WORKDIR/hidden_cache; else a folder of caches shared between runs,
-  # one subfolder per source fingerprint (train.hidden_cache.cache_folder):
+  # one subfolder per (source, rows) fingerprint (hidden_cache.cache_folder):
   # a sweep over the schedule or learning rate builds the cache once.
   hidden_cache_dir: str = ""
 
