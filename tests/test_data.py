@@ -157,6 +157,23 @@ def test_split_is_stable_and_build_is_race_safe(data_dir, docs_cfg, tmp_path):
               if "incomplete" in f]
 
 
+def test_a_builder_made_before_another_process_built_the_dataset_is_made_again(
+    monkeypatch, tmp_path):
+  # The race CI hit once: process B makes its builder (no dataset yet, so it
+  # reads no splits), process A finishes the build, then B's "is it prepared?"
+  # says yes. B must not return the builder that knows no splits.
+  from mtp.data import corpora
+  real, built = corpora._is_prepared, []
+  def is_prepared_after_another_build(builder):
+    if not built:
+      built.append(True)
+      corpora.prepare_embedded("python_docs", str(tmp_path))   # "process A"
+    return real(builder)
+  monkeypatch.setattr(corpora, "_is_prepared", is_prepared_after_another_build)
+  src = data.load_source(DataConfig(name="python_docs", data_dir=str(tmp_path)), "validation")
+  assert built and len(src) > 0
+
+
 def test_resolve_data_dir(monkeypatch, tmp_path):
   monkeypatch.delenv(data.DATA_DIR_ENV, raising=False)
   assert data.resolve_data_dir(DataConfig()) == os.path.expanduser(

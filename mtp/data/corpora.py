@@ -21,7 +21,7 @@ import stat
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -232,6 +232,32 @@ def _is_prepared(builder: tfds.core.DatasetBuilder) -> bool:
     return builder.is_prepared()
 
 
+def _build_once(make: Callable[[], tfds.core.DatasetBuilder],
+                lock_path: str) -> tfds.core.DatasetBuilder:
+  """The builder made by ``make`` once its dataset is prepared, building it
+  first (under an exclusive lock on ``lock_path``) unless present.
+
+  A builder reads ``dataset_info.json`` when it is made, so one made before
+  another process finished the build reports the dataset prepared but knows
+  no splits; such a builder is made again. Inside the lock the re-check
+  is made after any other builder has finished (TFDS writes into a temporary
+  folder and renames it).
+  """
+  builder = make()
+  if _is_prepared(builder):
+    return builder if builder.info.splits else make()
+  os.makedirs(os.path.dirname(lock_path), exist_ok=True)
+  with _file_lock(lock_path):
+    builder = make()
+    if not _is_prepared(builder):
+      with tempfile.TemporaryDirectory(prefix="mtp_tfds_dl_") as dl_dir, _quiet_tfds():
+        builder.download_and_prepare(
+            download_dir=dl_dir, file_format="array_record",
+            download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+      builder = make()
+  return builder
+
+
 def prepare_embedded(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
   """Builds embedded corpus ``name`` under ``data_dir`` unless present; returns
   its builder. Safe when several processes call it at once (file lock; TFDS
@@ -244,26 +270,15 @@ def prepare_embedded(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
     raise DataError(f"'{name}' is not an embedded corpus; those are {EMBEDDED_DATASETS}")
   cls = _EMBEDDED_BUILDERS[name]
   config = interpreter_tag()
-  kwargs = dict(data_dir=data_dir, config=config, file_format="array_record")
-  builder = cls(**kwargs)
-  if _is_prepared(builder):
-    return builder
   try:
-    os.makedirs(data_dir, exist_ok=True)
-    with _file_lock(os.path.join(data_dir, f".{name}-{config}.lock")):
-      builder = cls(**kwargs)       # re-check: another process may have built it
-      if not _is_prepared(builder):
-        with tempfile.TemporaryDirectory(prefix="mtp_tfds_dl_") as dl_dir, _quiet_tfds():
-          builder.download_and_prepare(
-              download_dir=dl_dir, file_format="array_record",
-              download_config=tfds.download.DownloadConfig(try_download_gcs=False))
-        builder = cls(**kwargs)
+    return _build_once(
+        lambda: cls(data_dir=data_dir, config=config, file_format="array_record"),
+        os.path.join(data_dir, f".{name}-{config}.lock"))
   except DataError:
     raise
   except Exception as e:  # noqa: BLE001 - report any build failure uniformly
     raise DataError(f"building embedded dataset '{name}' (config {config}) in data_dir "
                     f"'{data_dir}' failed: {type(e).__name__}: {e}") from e
-  return builder
 
 
 # ----------------------------------------------------------------------------
@@ -486,25 +501,13 @@ def prepare_text_files(files: str, data_dir: str) -> tfds.core.DatasetBuilder:
                        file_format="array_record")
     finally:
       absl_logger.removeFilter(quiet)
-  builder = make()
-  if _is_prepared(builder):
-    return builder
   try:
-    os.makedirs(data_dir, exist_ok=True)
-    with _file_lock(os.path.join(data_dir, f".{TEXT_FILES}-{config.name}.lock")):
-      builder = make()
-      if not _is_prepared(builder):
-        with tempfile.TemporaryDirectory(prefix="mtp_tfds_dl_") as dl_dir, _quiet_tfds():
-          builder.download_and_prepare(
-              download_dir=dl_dir, file_format="array_record",
-              download_config=tfds.download.DownloadConfig(try_download_gcs=False))
-        builder = make()
+    return _build_once(make, os.path.join(data_dir, f".{TEXT_FILES}-{config.name}.lock"))
   except DataError:
     raise
   except Exception as e:  # noqa: BLE001 - report any build failure uniformly
     raise DataError(f"building the text_files dataset of data.files={files!r} in data_dir "
                     f"'{data_dir}' failed: {type(e).__name__}: {e}") from e
-  return builder
 
 
 # ----------------------------------------------------------------------------
