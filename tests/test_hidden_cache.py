@@ -305,6 +305,23 @@ def test_shared_cache_dir_is_built_once_per_fingerprint(row_data, tmp_path):
       cache_lib.load(os.path.join(shared, (set(os.listdir(shared)) - {key}).pop())).meta["rows"]["crc32"]
 
 
+def test_source_fingerprint_follows_the_frozen_parameters_not_the_modules():
+  # Stages attaching other modules (depth, init_from workdir) to one frozen
+  # target share a cache; another frozen parameter or seq_len does not.
+  tokenizer = tok.ByteTokenizer()
+  params = {"embed": np.arange(6, dtype=np.float32), "block": np.ones((2, 3), np.float32)}
+  def fp(p=params, depth=1, **train):
+    cfg = tiny_config(mtp=dict(depth=depth, recursive_steps=1, distill_weight=1.0),
+                      train={"freeze_backbone": True, "hidden_cache": True, "seq_len": T, **train})
+    return cache_lib.source_fingerprint(cfg, tokenizer, p)
+  a = fp(init_from="/x/d1")
+  assert fp(depth=3, init_from="/x/d3") == a
+  moved = {**params, "block": params["block"].copy()}
+  moved["block"][1, 2] = 1.5
+  assert fp(moved) != a
+  assert fp(seq_len=2 * T) != a
+
+
 def test_bad_combinations_are_clear_errors(tmp_path):
   with pytest.raises(ConfigError, match="train.hidden_cache.*freeze_backbone"):
     tiny_config(train=dict(hidden_cache=True))
@@ -378,7 +395,7 @@ def test_bpe_stage_through_python_m_train(bpe_target, tmp_path):
   ev = [r for r in rows if r["split"] == "eval"][-1]
   assert ev["step"] == 3 and "main/bits_per_byte" not in ev and np.isfinite(ev["mtp_1/teacher_kl"])
   meta = json.load(open(os.path.join(stage, "hidden_cache", "meta.json")))
-  assert meta["source"]["init_from"] == bpe_target and meta["shape"][2] == 32
+  assert "init_from" not in meta["source"] and meta["shape"][2] == 32
   # V' attached in this stage (the target has none): chosen from the rows, stop ids in,
   # saved with the checkpoint and unchanged by training
   assert "draft vocabulary V': 64 most frequent" in p.stderr, p.stderr[-3000:]

@@ -28,7 +28,7 @@ temporary sibling and renamed, so a cache killed mid-build is never read:
   (SmolLM2-135M, fp32: 0.74 MB per 320-token row, 2.3 KB per token).
 - ``rows.npz``: tokens, segment_ids, positions, loss_mask, int32 [N, T].
 - ``meta.json``: the fingerprint (``source``: a checksum of the frozen
-  parameters, ``train.init_from``, the data fields that choose the rows,
+  parameters, the data fields that choose the rows,
   ``train.seq_len``, the tokenizer, the dtype; ``rows``: N and a CRC-32 of
   the rows), shape, storage dtype, build seconds and bytes.
 
@@ -100,16 +100,18 @@ def source_fingerprint(cfg, tokenizer, frozen_params) -> dict[str, Any]:
   """What decides the cached states before the rows are read: a digest of
   the frozen parameters' CRC-32s (``mtp.checkpoint.array_checksums``; equal
   for every checkpoint of one frozen stage and for its ``train.init_from``
-  step), ``train.init_from``, the data fields choosing the rows (name, files,
-  text feature, train split), ``train.seq_len``, a digest of the tokenizer
-  and the activation dtype. JSON-native dict."""
+  step), the data fields choosing the rows (name, files, text feature, train
+  split), ``train.seq_len``, a digest of the tokenizer, the activation dtype
+  and ``mtp.feature_layers``. Not ``train.init_from`` itself nor the modules:
+  stages that attach other modules (D = 1..3, another initialisation) to one
+  frozen target cache the same states and share a ``train.hidden_cache_dir``
+  folder. JSON-native dict."""
   d = cfg.data
   tk = tokenizer.to_dict()
   inner = getattr(tokenizer, "_tok", None)
   if inner is not None and hasattr(inner, "to_str"):
     tk = {**tk, "model": hashlib.sha256(inner.to_str().encode()).hexdigest()}
   return {"backbone": _digest(ckpt_lib.array_checksums(frozen_params)),
-          "init_from": os.path.abspath(cfg.train.init_from) if cfg.train.init_from else "",
           "data": {"name": d.name, "files": d.files, "text_feature": d.text_feature,
                    "train_split": d.train_split},
           "seq_len": cfg.train.seq_len, "tokenizer": _digest(tk), "dtype": cfg.model.dtype,
