@@ -6,17 +6,28 @@ into the "auto" state (``with_costs``).
 The measurement (``round_costs``): each g's rounds timed with the g
 interleaved (``mtp.timing.interleaved_times``), so noise hits every g
 alike; in the while_loop form they run in the generation's own program
-(``decoder_round_costs``); each g's cost is its median ratio to the AR step (g = 0) timed in
+(``decoder_round_costs``), beside a call of that program that runs no
+round, whose seconds (the call's fixed cost: dispatch, loop entry, the
+state in and out) are taken off every timed call before dividing by its
+rounds; each g's cost is its median ratio to the AR step (g = 0) timed in
 the same repeat, times the fastest AR step (robust to slow drift and
 bursts), made non-decreasing in g (a longer draft never costs less: noise
 must not invert the order). A busy machine can still skew the costs, which
 only costs speed, never correctness: the schedule's choices depend on the
 past only.
+
+Why the fixed cost matters: a calibration call runs ~16 rounds, a
+generation 40-128. On the tiny byte model a call's fixed cost was ~1.4 ms
+next to a 0.42 ms AR step (B = 1), so it put ~20 % into the AR step's
+calibrated cost and less into a G = 1 round's (fewer, dearer rounds): the
+G = 1 round came out 1.44 AR steps where the rounds of whole generations
+cost 1.56 (docs/results.md 13.14).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,9 +39,18 @@ PREFILL_REPEATS = 5       # interleaved timed prefills of "auto" and of its AR f
 OUTLIER = 10.0             # a generation slower than this x the predicted time teaches nothing
 
 
+class Calibration(NamedTuple):
+  """What ``round_costs`` measured. costs: [G_max+1] float64 seconds per
+  round at g = 0..G_max, the call's fixed cost taken off; call_s: seconds of
+  a call that runs no round (that fixed cost; 0.0 when not measured)."""
+  costs: np.ndarray
+  call_s: float
+
+
 def round_costs(run_rounds: Callable[[int], tuple[float, int]], max_draft_tokens: int, *,
-                repeats: int = CALIBRATION_REPEATS) -> np.ndarray:
-  """[G_max+1] float64 seconds per round for g = 0..G_max.
+                repeats: int = CALIBRATION_REPEATS,
+                run_none: Callable[[], float] | None = None) -> Calibration:
+  """Seconds per round for g = 0..G_max (``Calibration``).
 
   Args:
     run_rounds: ``run_rounds(g)`` runs some rounds at draft length g, blocks
@@ -40,19 +60,28 @@ def round_costs(run_rounds: Callable[[int], tuple[float, int]], max_draft_tokens
     max_draft_tokens: G_max >= 1.
     repeats: interleaved timed calls per g (``mtp.timing.interleaved_times``
       gives the order).
+    run_none: optional; ``run_none()`` makes the same call with no round to
+      run and returns its seconds. Timed in the same interleaved repeats; its
+      median (``call_s``) is taken off each timed call of ``run_rounds``
+      (keeping at least half of the call) before dividing by the rounds.
   """
   got = {g: [] for g in range(max_draft_tokens + 1)}
+  none = []
 
   def call(g):
     seconds, rounds = run_rounds(g)
-    got[g].append(seconds / max(int(rounds), 1))
-  interleaved_times({g: (lambda g=g: call(g)) for g in got}, repeats, warmup=1)
-  t = np.stack([np.asarray(got[g][1:]) for g in got])         # [G+1, repeats], warm-up dropped
-  costs = np.median(t / t[:1], axis=1) * t[0].min()
-  return np.maximum.accumulate(costs)
+    got[g].append((seconds, max(int(rounds), 1)))
+  fns = {str(g): (lambda g=g: call(g)) for g in got}
+  if run_none is not None:
+    fns["none"] = lambda: none.append(run_none())
+  interleaved_times(fns, repeats, warmup=1)
+  call_s = float(np.median(none[1:])) if run_none is not None else 0.0
+  t = np.array([[max(sec - call_s, sec / 2) / n for sec, n in got[g][1:]] for g in got])
+  costs = np.median(t / t[:1], axis=1) * t[0].min()              # t: [G+1, repeats]
+  return Calibration(np.maximum.accumulate(costs), call_s)
 
 
-def decoder_round_costs(decoder, state, sp, form: str) -> np.ndarray:
+def decoder_round_costs(decoder, state, sp, form: str) -> Calibration:
   """``round_costs`` of a ``Decoder`` with "auto", after the prefill
   ``state`` (not donated: every call runs on a copy, made before its clock
   starts). While_loop form: the generation's own jitted program
@@ -61,7 +90,9 @@ def decoder_round_costs(decoder, state, sp, form: str) -> np.ndarray:
   ``CALIBRATION_ROUNDS`` x (g + 1) tokens, per round of what it ran: a
   separate fori_loop of bare rounds once measured a cheaper round than the
   generation's (the tiny byte model: an AR step 1.5x too dear next to a
-  G = 2 round), and every decision rests on these ratios. Stream form:
+  G = 2 round), and every decision rests on these ratios; the same program
+  on a state whose rows are all done (no round) gives the call's fixed
+  cost, taken off (``Calibration.call_s``). Stream form:
   ``CALIBRATION_ROUNDS`` rounds called one by one from Python with the host
   sync the stream loop makes (its host overhead is part of a round's cost
   there, which favours longer drafts)."""
@@ -85,6 +116,14 @@ def decoder_round_costs(decoder, state, sp, form: str) -> np.ndarray:
       s = decoder.programs.generate(p, dp, s, sp)
       jax.block_until_ready(s.length)
       return time.perf_counter() - t0, int(s.auto.rounds)
+
+    def run_none():
+      s = jax.block_until_ready(fresh(0).replace(done=jnp.ones_like(state.done)))
+      t0 = time.perf_counter()
+      s = decoder.programs.generate(p, dp, s, sp)
+      jax.block_until_ready(s.length)
+      return time.perf_counter() - t0
+    return round_costs(run_rounds, decoder.G, run_none=run_none)
   else:
     def run_rounds(g):
       s = fresh(g)
@@ -148,17 +187,19 @@ def updated_costs(costs, rounds, seconds: float, step: float = 0.5) -> np.ndarra
   return np.maximum.accumulate(np.maximum(new, c / 4))
 
 
-def learn_costs(costs: dict, key, gen) -> None:
+def learn_costs(costs: dict, key, gen, call_s: float = 0.0) -> None:
   """A ``Decoder``'s measured round costs ``costs[key]`` (``key``: batch
   size, cache length, mode, form; None when the costs were given as
   ``auto_costs`` and stay fixed) moved toward the decoding time ``gen`` (a
-  ``Generation`` with "auto") took for the rounds it ran at each g
-  (``updated_costs``), so the next generation's choices follow the rounds
-  actually run, not only the calibration."""
+  ``Generation`` with "auto") took for the rounds it ran at each g, less
+  the call's fixed cost ``call_s`` (``Calibration.call_s``: the costs are
+  per round without it) (``updated_costs``), so the next generation's
+  choices follow the rounds actually run, not only the calibration."""
   if key is None or gen.draft_length_histogram is None:
     return
   rounds = np.asarray(gen.draft_length_histogram).max(axis=0)
-  costs[key] = updated_costs(costs[key], rounds, gen.wall_time_s - gen.prefill_time_s)
+  costs[key] = updated_costs(costs[key], rounds,
+                             gen.wall_time_s - gen.prefill_time_s - max(call_s, 0.0))
 
 
 def stage_prior(workdir: str, max_draft_tokens: int) -> dict | None:
@@ -228,8 +269,8 @@ def with_costs(decoder, state, sp, prompts, max_new_tokens: int, form: str = "wh
     first = key not in decoder._costs
     if first:           # a probe batch of its own: ``state`` is prefilled (and donated) later
       probe, prefill_len = decoder.prepare(prompts, max_new_tokens, 0)
-      decoder._costs[key] = decoder_round_costs(decoder, decoder.prefill(probe, prefill_len),
-                                                sp, form)
+      decoder._costs[key], decoder._call_s[key] = decoder_round_costs(
+          decoder, decoder.prefill(probe, prefill_len), sp, form)
       decoder._prefill_extra[key] = extra_prefill_seconds(decoder, prompts, max_new_tokens)
     decoder._extra_prefill_s = decoder._prefill_extra.get(key, 0.0)
     # the first generation of a key compiles its program inside the timed

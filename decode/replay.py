@@ -388,7 +388,7 @@ def measured_costs(model, tokenizer, prompt, max_draft_tokens: int, max_new: int
   dec = Decoder(model, "mtp", "auto", tokenizer=tokenizer, max_draft_tokens=max_draft_tokens)
   sp = (SamplingParams(0.0) if params is None else params).validate()
   state, prefill_len = dec.prepare([prompt], max_new, 0)
-  return calibrate.decoder_round_costs(dec, dec.prefill(state, prefill_len), sp, "while")
+  return calibrate.decoder_round_costs(dec, dec.prefill(state, prefill_len), sp, "while").costs
 
 
 def parse_variants(text: str, base) -> dict:

@@ -182,6 +182,7 @@ class Decoder:
     self.mesh = mesh
     self._costs: dict = {}
     self._cost_key = None    # the measured costs the last "auto" generation used
+    self._call_s: dict = {}     # "auto": a generate call's fixed seconds (no round), per cost key
     self._prefill_extra: dict = {}   # "auto": seconds the modules add to the prefill, per cost key
     self._extra_prefill_s = 0.0      # ... for the current generation (``calibrate.with_costs``)
     self._ar = None          # "auto"'s plain AR decoder (``_plain_ar``)
@@ -201,14 +202,17 @@ class Decoder:
     """With "auto": {"prior", "greedy_prior" (per draft position), and
     "round_costs_s": {"B=.., S=.., mode, form": [seconds per round at g =
     0..G_max]}} as the decoder holds them now (measured, then moved by
-    every generation; or the fixed ``auto_costs``); None without "auto"."""
+    every generation; or the fixed ``auto_costs``), "call_s": {same keys:
+    a generate call's fixed seconds, ``calibrate.Calibration.call_s``}};
+    None without "auto"."""
     if self.schedule is None:
       return None
     as_list = lambda v: None if v is None else [float(x) for x in np.atleast_1d(v)]
     costs = ({"fixed": as_list(self._fixed_costs)} if self._fixed_costs is not None else
              {", ".join(map(str, k)): as_list(v) for k, v in self._costs.items()})
     return {"prior": as_list(self.schedule.prior),
-            "greedy_prior": as_list(self.schedule.greedy_prior), "round_costs_s": costs}
+            "greedy_prior": as_list(self.schedule.greedy_prior), "round_costs_s": costs,
+            "call_s": {", ".join(map(str, k)): float(v) for k, v in self._call_s.items()}}
 
   @property
   def num_draft_tokens(self) -> int | str:
@@ -309,7 +313,7 @@ class Decoder:
     state = self.programs.generate(self.target_params, self.draft_params, state, sp)
     jax.block_until_ready(state.length)
     gen = self._result(state, None, time.perf_counter() - t0, t1 - t0, stops)
-    calibrate.learn_costs(self._costs, self._cost_key, gen)
+    self._learn_costs(gen)
     return gen
 
   def sample(self, prompt, num_samples: int, max_new_tokens: int,
@@ -382,7 +386,7 @@ class Decoder:
         choose_fn=self.programs.choose if self.schedule is not None else None)
     watch.flush()
     gen = self._result(state, emit_times, time.perf_counter() - t0, prefill, stops)
-    calibrate.learn_costs(self._costs, self._cost_key, gen)
+    self._learn_costs(gen)
     return gen
 
 
@@ -398,13 +402,17 @@ class Decoder:
     return self.schedule.drafting_pays(costs, sp.greedy, max_new_tokens, self._extra_prefill_s,
                                        batch=int(state.tokens.shape[0]))
 
+  def _learn_costs(self, gen: Generation) -> None:
+    """``calibrate.learn_costs`` from ``gen`` for the costs it was decided with."""
+    calibrate.learn_costs(self._costs, self._cost_key, gen, self._call_s.get(self._cost_key, 0.0))
+
   def _fallback(self, gen: Generation) -> Generation:
     """The AR fallback's result in "auto"'s shape (``_as_auto``); its
     decoding time moves the AR step's cost as a drafting generation's moves
     its g's (``calibrate.learn_costs``), so a calibration that put the AR
     step too high or too low is corrected by the generations it decides."""
     gen = self._as_auto(gen)
-    calibrate.learn_costs(self._costs, self._cost_key, gen)
+    self._learn_costs(gen)
     return gen
 
   def _plain_ar(self) -> "Decoder":

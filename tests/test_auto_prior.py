@@ -194,9 +194,33 @@ def test_round_costs_are_per_round_of_what_ran():
       return 100.0, 1                                  # warm-up (compilation): dropped
     rounds = 16 if g == 0 else 9 + calls[g]           # varying round counts
     return 0.001 * (1 + 0.5 * g) * rounds, rounds
-  costs = calibrate.round_costs(run_rounds, 2, repeats=4)
-  np.testing.assert_allclose(costs, [0.001, 0.0015, 0.002])
-  assert calls == {0: 5, 1: 5, 2: 5}
+  cal = calibrate.round_costs(run_rounds, 2, repeats=4)
+  np.testing.assert_allclose(cal.costs, [0.001, 0.0015, 0.002])
+  assert cal.call_s == 0.0 and calls == {0: 5, 1: 5, 2: 5}
+
+
+def test_round_costs_take_off_the_calls_fixed_cost():
+  """A call's fixed cost F (seconds with no round) is the same for every g,
+  but the calibration's budget of 16 (g + 1) tokens runs more rounds at a
+  larger g, so left in, F compresses the ratios (here a G = 2 round at 1.75
+  AR steps instead of 2); ``run_none`` measures F beside the calls and the
+  costs come out exact."""
+  fixed, per_round, rounds = 0.004, [0.001, 0.0015, 0.002], [16, 20, 22]
+  run_rounds = lambda g: (fixed + per_round[g] * rounds[g], rounds[g])
+  biased = calibrate.round_costs(run_rounds, 2, repeats=3).costs
+  assert biased[2] / biased[0] < 1.8
+  cal = calibrate.round_costs(run_rounds, 2, repeats=3, run_none=lambda: fixed)
+  np.testing.assert_allclose(cal.costs, per_round)
+  assert cal.call_s == fixed
+  # what remains after F is kept at half a call at least (a noisy F cannot make a cost <= 0)
+  huge = calibrate.round_costs(run_rounds, 2, repeats=3, run_none=lambda: 1.0)
+  assert (huge.costs > 0).all()
+  # a generation's decoding time is learnt from without F
+  costs = {"k": np.array(per_round)}
+  gen = types.SimpleNamespace(draft_length_histogram=np.array([[0, 40, 0]]),
+                              wall_time_s=0.5 + fixed + 40 * per_round[1], prefill_time_s=0.5)
+  calibrate.learn_costs(costs, "k", gen, call_s=fixed)
+  np.testing.assert_allclose(costs["k"], per_round)
 
 
 def test_calibration_leaves_the_state_and_runs_the_generation_program(trained_markov):
@@ -215,10 +239,10 @@ def test_calibration_leaves_the_state_and_runs_the_generation_program(trained_ma
       lambda x: np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
           x.dtype, jax.dtypes.prng_key) else x), s)
   before = host(state)
-  costs = calibrate.decoder_round_costs(dec, state, sp, "while")
+  costs, call_s = calibrate.decoder_round_costs(dec, state, sp, "while")
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(host(state))):
     np.testing.assert_array_equal(a, b)
-  assert (costs > 0).all() and (np.diff(costs) >= 0).all()
+  assert (costs > 0).all() and (np.diff(costs) >= 0).all() and call_s > 0
   compiled = dec.programs.generate._cache_size()
   dec.generate(prompts, 8, sp, seed=3)
   assert dec.programs.generate._cache_size() == compiled
