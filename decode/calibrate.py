@@ -106,7 +106,11 @@ def decoder_round_costs(decoder, state, sp, form: str) -> Calibration:
     s = jax.tree.map(jnp.copy, state)
     if form == "while":
       s = s.replace(max_new=jnp.minimum(s.max_new, CALIBRATION_ROUNDS * (g + 1)),
-                    auto=s.auto.replace(schedule={**s.auto.schedule, "force": jnp.int32(g)}))
+                    # from the state's own committed scalar: an uncommitted jnp.int32(g)
+                    # gave the calibration a program of its own, and the generation
+                    # compiled again (4 s on the tiny model, inside its decoding time)
+                    auto=s.auto.replace(schedule={**s.auto.schedule, "force": jnp.full_like(
+                        s.auto.schedule["force"], g)}))
     return jax.block_until_ready(s)
 
   if form == "while":

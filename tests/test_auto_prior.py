@@ -244,7 +244,9 @@ def test_calibration_leaves_the_state_and_runs_the_generation_program(trained_ma
     np.testing.assert_array_equal(a, b)
   assert (costs > 0).all() and (np.diff(costs) >= 0).all() and call_s > 0
   compiled = dec.programs.generate._cache_size()
-  dec.generate(prompts, 8, sp, seed=3)
+  dec._drafting_pays = lambda *a, **k: True       # run the drafting program, not the AR fallback
+  gen = dec.generate(prompts, 8, sp, seed=3)
+  assert np.asarray(gen.draft_length_histogram).sum() > 0
   assert dec.programs.generate._cache_size() == compiled
 
 
