@@ -57,7 +57,7 @@ def round_costs(run_rounds: Callable[[int], tuple[float, int]], max_draft_tokens
       until they are done and returns (seconds, rounds run): the seconds of
       the rounds alone (its own setup, e.g. copying a state, left out). The
       first call per g compiles; it is not used.
-    max_draft_tokens: G_max >= 1.
+    max_draft_tokens: G_max >= 0 (0: the AR step alone).
     repeats: interleaved timed calls per g (``mtp.timing.interleaved_times``
       gives the order).
     run_none: optional; ``run_none()`` makes the same call with no round to
@@ -139,6 +139,54 @@ def decoder_round_costs(decoder, state, sp, form: str) -> Calibration:
   return round_costs(run_rounds, decoder.G)
 
 
+def plain_ar_calibration(ar_decoder, state, sp, form: str) -> Calibration:
+  """Seconds per step of the plain AR decoder "auto" falls back to
+  (``Decoder._plain_ar``), measured as ``decoder_round_costs`` measures
+  "auto"'s rounds, after the prefill ``state`` of that decoder (each call on
+  a copy): ``Calibration`` with costs [1] (the AR step) and, in the
+  while_loop form, the call's fixed cost. ``drafting_pays`` compares
+  drafting with this step, not with "auto"'s own AR round (g = 0), which
+  also feeds the MTP modules the new token (their catch-up) and runs inside
+  the segment loop: on the tiny byte model at B = 1, T = 1 "auto"'s AR
+  round cost 0.45 ms against 0.38 ms for the plain AR step, enough to make
+  a G = 2 draft (0.43 ms per token) look cheaper than AR."""
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  p, dp = ar_decoder.target_params, ar_decoder.draft_params
+
+  def fresh(done=False):
+    s = jax.tree.map(jnp.copy, state)
+    s = s.replace(max_new=jnp.minimum(s.max_new, CALIBRATION_ROUNDS))
+    return jax.block_until_ready(s.replace(done=jnp.ones_like(s.done)) if done else s)
+
+  if form == "while":
+    def run_rounds(_):
+      s = fresh()
+      t0 = time.perf_counter()
+      s = ar_decoder.programs.generate(p, dp, s, sp)
+      jax.block_until_ready(s.length)
+      return time.perf_counter() - t0, int(jnp.max(s.target_calls))
+
+    def run_none():
+      s = fresh(done=True)
+      t0 = time.perf_counter()
+      s = ar_decoder.programs.generate(p, dp, s, sp)
+      jax.block_until_ready(s.length)
+      return time.perf_counter() - t0
+    return round_costs(run_rounds, 0, run_none=run_none)
+
+  def run_rounds(_):
+    s = fresh()
+    t0 = time.perf_counter()
+    for _ in range(CALIBRATION_ROUNDS):
+      s = ar_decoder.programs.round(p, dp, s, sp)
+      jax.device_get((s.length, s.done, s.error))
+    return time.perf_counter() - t0, CALIBRATION_ROUNDS
+  return round_costs(run_rounds, 0)
+
+
 def extra_prefill_seconds(decoder, prompts, max_new_tokens: int,
                           repeats: int = PREFILL_REPEATS) -> float:
   """Seconds the "auto" decoder's prefill (target and MTP modules over the
@@ -206,6 +254,21 @@ def learn_costs(costs: dict, key, gen, call_s: float = 0.0) -> None:
                              gen.wall_time_s - gen.prefill_time_s - max(call_s, 0.0))
 
 
+def learn_ar_step(plain: dict, key, gen) -> None:
+  """The plain AR step ``plain[key]`` (a ``Calibration`` from
+  ``plain_ar_calibration``) moved toward the decoding time of ``gen``, a
+  generation of the AR fallback (its rounds: the most target calls of a
+  row), less the call's fixed cost (``updated_costs``). Nothing when
+  ``key`` is None (fixed ``auto_costs``, or a key's first generation, which
+  compiles)."""
+  if key is None or key not in plain:
+    return
+  rounds = np.array([np.asarray(gen.target_calls).max()], np.float64)
+  cal = plain[key]
+  plain[key] = cal._replace(costs=updated_costs(
+      cal.costs, rounds, gen.wall_time_s - gen.prefill_time_s - max(cal.call_s, 0.0)))
+
+
 def stage_prior(workdir: str, max_draft_tokens: int) -> dict | None:
   """The acceptance prior of ``num_draft_tokens="auto"`` from a stage's own
   validation (``metrics.jsonl``, the last evaluation at or before the latest
@@ -256,9 +319,12 @@ def with_costs(decoder, state, sp, prompts, max_new_tokens: int, form: str = "wh
   ``prompts``, kept in ``decoder._costs``, then moved toward each later
   generation's own rounds by ``learn_costs``; not the first one of a key,
   which compiles), and with them what the modules add to the prefill
-  (``extra_prefill_seconds``, into ``decoder._extra_prefill_s`` for
-  ``drafting_pays``); ``auto_costs`` given to the ``Decoder`` replace both
-  (no prefill charge then). The schedule's estimates start at its prior for
+  (``extra_prefill_seconds``, into ``decoder._extra_prefill_s``) and the
+  plain AR fallback's step (``plain_ar_calibration``, kept in
+  ``decoder._plain`` and moved by the fallback's generations,
+  ``learn_ar_step``; into ``decoder._ar_step_s``), both for
+  ``drafting_pays``; ``auto_costs`` given to the ``Decoder`` replace all
+  three (no prefill charge then, and the AR step is ``auto_costs[0]``). The schedule's estimates start at its prior for
   this mode (``AutoSchedule.prior_alpha(sp.greedy)``). Replicated on the
   decoder's mesh.
   Without "auto" ``state`` is returned unchanged."""
@@ -268,6 +334,7 @@ def with_costs(decoder, state, sp, prompts, max_new_tokens: int, form: str = "wh
   import jax.numpy as jnp
   from decode import mesh as decode_mesh
   costs, decoder._cost_key, decoder._extra_prefill_s = decoder._fixed_costs, None, 0.0
+  decoder._ar_step_s = None
   if costs is None:
     key = (len(prompts), state.tokens.shape[1], sp.greedy, sp.filtering, form)
     first = key not in decoder._costs
@@ -275,8 +342,12 @@ def with_costs(decoder, state, sp, prompts, max_new_tokens: int, form: str = "wh
       probe, prefill_len = decoder.prepare(prompts, max_new_tokens, 0)
       decoder._costs[key], decoder._call_s[key] = decoder_round_costs(
           decoder, decoder.prefill(probe, prefill_len), sp, form)
+      ar = decoder._plain_ar()
+      probe, prefill_len = ar.prepare(prompts, max_new_tokens, 0)
+      decoder._plain[key] = plain_ar_calibration(ar, ar.prefill(probe, prefill_len), sp, form)
       decoder._prefill_extra[key] = extra_prefill_seconds(decoder, prompts, max_new_tokens)
     decoder._extra_prefill_s = decoder._prefill_extra.get(key, 0.0)
+    decoder._ar_step_s = float(decoder._plain[key].costs[0])
     # the first generation of a key compiles its program inside the timed
     # decoding phase: learning from it once put seconds of compilation into
     # every round's cost (SmolLM2: 0.96 s per round instead of 0.05)

@@ -168,7 +168,8 @@ class AutoSchedule:
     return jnp.stack(cols, axis=1)
 
   def drafting_pays(self, costs, greedy: bool, budget: int | None = None,
-                    extra_prefill_s: float = 0.0, batch: int = 1) -> bool:
+                    extra_prefill_s: float = 0.0, batch: int = 1,
+                    ar_step_s: float | None = None) -> bool:
     """Host side, before a generation: whether some g >= 1 is expected to
     finish sooner than AR at the prior and the round costs ``costs``
     [G_max+1] seconds (the value ``choose`` maximises, with every row at
@@ -181,16 +182,21 @@ class AutoSchedule:
     would be AR (or the prefill and the batch's slowest row would eat the
     gain), and the decoder runs the whole generation as plain AR instead
     (``Decoder.generate``): no module prefill and no probes, which a
-    generation that is not expected to draft cannot win back."""
+    generation that is not expected to draft cannot win back.
+    ``ar_step_s``: seconds per step of that plain AR decoder
+    (``calibrate.plain_ar_calibration``), the alternative drafting has to
+    beat; default ``costs[0]``, "auto"'s own AR round, which also feeds the
+    modules and can cost more (the tiny byte model: 19 % more at B = 1)."""
     import numpy as np
     alpha = self.prior_alpha(greedy)
     costs = np.asarray(costs, np.float64)
+    ar = costs[0] if ar_step_s is None else float(ar_step_s)
     if budget is None:
       per_token = costs / np.asarray(self.expected_tokens(alpha[None]))[0]
-      return bool(per_token[1:].min() < per_token[0])
+      return bool(per_token[1:].min() < ar)
     rounds = np.array([batch_rounds(np.asarray(alpha)[:g], budget, batch)
                        for g in range(len(costs))])
-    return bool(extra_prefill_s + (rounds[1:] * costs[1:]).min() < budget * costs[0])
+    return bool(extra_prefill_s + (rounds[1:] * costs[1:]).min() < budget * ar)
 
   def choose(self, sched: dict, active) -> tuple[jax.Array, jax.Array, dict]:
     """(g, rounds, updated schedule state) for the next segment, from the

@@ -183,6 +183,8 @@ class Decoder:
     self._costs: dict = {}
     self._cost_key = None    # the measured costs the last "auto" generation used
     self._call_s: dict = {}     # "auto": a generate call's fixed seconds (no round), per cost key
+    self._plain: dict = {}      # "auto": the AR fallback's step (calibrate.Calibration), per cost key
+    self._ar_step_s = None      # ... for the current generation (``calibrate.with_costs``)
     self._prefill_extra: dict = {}   # "auto": seconds the modules add to the prefill, per cost key
     self._extra_prefill_s = 0.0      # ... for the current generation (``calibrate.with_costs``)
     self._ar = None          # "auto"'s plain AR decoder (``_plain_ar``)
@@ -203,8 +205,9 @@ class Decoder:
     "round_costs_s": {"B=.., S=.., mode, form": [seconds per round at g =
     0..G_max]}} as the decoder holds them now (measured, then moved by
     every generation; or the fixed ``auto_costs``), "call_s": {same keys:
-    a generate call's fixed seconds, ``calibrate.Calibration.call_s``}};
-    None without "auto"."""
+    a generate call's fixed seconds, ``calibrate.Calibration.call_s``},
+    "plain_ar_step_s": {same keys: the AR fallback's step, what
+    ``drafting_pays`` compares drafting with}}; None without "auto"."""
     if self.schedule is None:
       return None
     as_list = lambda v: None if v is None else [float(x) for x in np.atleast_1d(v)]
@@ -212,7 +215,9 @@ class Decoder:
              {", ".join(map(str, k)): as_list(v) for k, v in self._costs.items()})
     return {"prior": as_list(self.schedule.prior),
             "greedy_prior": as_list(self.schedule.greedy_prior), "round_costs_s": costs,
-            "call_s": {", ".join(map(str, k)): float(v) for k, v in self._call_s.items()}}
+            "call_s": {", ".join(map(str, k)): float(v) for k, v in self._call_s.items()},
+            "plain_ar_step_s": {", ".join(map(str, k)): float(v.costs[0])
+                                for k, v in self._plain.items()}}
 
   @property
   def num_draft_tokens(self) -> int | str:
@@ -400,7 +405,8 @@ class Decoder:
       return True
     costs = np.asarray(jax.device_get(state.auto.schedule["costs"]), np.float64)
     return self.schedule.drafting_pays(costs, sp.greedy, max_new_tokens, self._extra_prefill_s,
-                                       batch=int(state.tokens.shape[0]))
+                                       batch=int(state.tokens.shape[0]),
+                                       ar_step_s=self._ar_step_s)
 
   def _learn_costs(self, gen: Generation) -> None:
     """``calibrate.learn_costs`` from ``gen`` for the costs it was decided with."""
@@ -408,12 +414,12 @@ class Decoder:
 
   def _fallback(self, gen: Generation) -> Generation:
     """The AR fallback's result in "auto"'s shape (``_as_auto``); its
-    decoding time moves the AR step's cost as a drafting generation's moves
-    its g's (``calibrate.learn_costs``), so a calibration that put the AR
-    step too high or too low is corrected by the generations it decides."""
-    gen = self._as_auto(gen)
-    self._learn_costs(gen)
-    return gen
+    decoding time moves the plain AR step's cost (``calibrate.learn_ar_step``;
+    not "auto"'s own AR round, a different program), as a drafting
+    generation's moves its g's, so a calibration that put the AR step too
+    high or too low is corrected by the generations it decides."""
+    calibrate.learn_ar_step(self._plain, self._cost_key, gen)
+    return self._as_auto(gen)
 
   def _plain_ar(self) -> "Decoder":
     """The AR decoder an "auto" generation falls back to (same target

@@ -250,23 +250,40 @@ def test_calibration_leaves_the_state_and_runs_the_generation_program(trained_ma
   assert dec.programs.generate._cache_size() == compiled
 
 
-def test_the_ar_fallback_learns_the_ar_step_and_charges_the_prefill(trained_markov, monkeypatch):
-  """When auto runs plain AR, the AR fallback's decoding time moves the AR
-  step's cost (from the second generation of a key, as a drafting one's),
-  the drafting costs stay; the modules' prefill difference is measured once
-  per key and handed to ``drafting_pays`` with the budget."""
+def test_the_ar_fallback_learns_the_plain_ar_step_and_charges_the_prefill(trained_markov,
+                                                                         monkeypatch):
+  """When auto runs plain AR, the AR fallback's decoding time moves the
+  plain AR step's cost (from the second generation of a key, as a drafting
+  one's), "auto"'s own round costs stay; the modules' prefill difference
+  and the plain AR step are measured once per key and handed to
+  ``drafting_pays`` with the budget."""
   seen = []
 
-  def never(self, costs, greedy, budget=None, extra_prefill_s=0.0, batch=1):
-    seen.append((budget, extra_prefill_s, batch))
+  def never(self, costs, greedy, budget=None, extra_prefill_s=0.0, batch=1, ar_step_s=None):
+    seen.append((budget, extra_prefill_s, batch, ar_step_s))
     return False
   dec, key, measured, prompts, sp = _first_auto_generation(trained_markov, monkeypatch, never)
+  plain = float(dec._plain[key].costs[0])
+  assert plain > 0 and dec._plain[key].call_s > 0
   gen = dec.generate(prompts, 8, sp, seed=1)
   assert gen.draft_length_histogram[:, 1:].sum() == 0
-  assert dec._costs[key][0] != measured[0]                      # the AR step learned
-  np.testing.assert_array_equal(dec._costs[key][1:], np.maximum(measured[1:], dec._costs[key][0]))
+  np.testing.assert_array_equal(dec._costs[key], measured)      # auto's rounds: not this program
+  assert dec._plain[key].costs[0] != plain                      # the plain AR step learned
   assert key in dec._prefill_extra and dec._prefill_extra[key] >= 0
-  assert seen == [(8, dec._prefill_extra[key], 2)] * 2
+  assert seen == [(8, dec._prefill_extra[key], 2, plain)] * 2    # learnt after the generation
+  assert dec.auto_record()["plain_ar_step_s"] == {", ".join(map(str, key)):
+                                                  float(dec._plain[key].costs[0])}
+
+
+def test_drafting_pays_against_the_plain_ar_step():
+  """The fallback's step, not "auto"'s AR round, is what drafting must beat:
+  a G = 1 round of 1.5 at the prior 0.8 (1.8 tokens) beats an AR round of
+  1.0 but not a plain AR step of 0.8."""
+  sched = AutoSchedule(1, prior=0.8)
+  costs = [1.0, 1.5]
+  assert sched.drafting_pays(costs, False) and sched.drafting_pays(costs, False, budget=64)
+  assert not sched.drafting_pays(costs, False, ar_step_s=0.8)
+  assert not sched.drafting_pays(costs, False, budget=64, ar_step_s=0.8)
 
 
 def test_auto_runs_plain_ar_when_drafting_cannot_pay(trained_markov):
