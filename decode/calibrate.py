@@ -16,12 +16,12 @@ must not invert the order). A busy machine can still skew the costs, which
 only costs speed, never correctness: the schedule's choices depend on the
 past only.
 
-Why the fixed cost matters: a calibration call runs ~16 rounds, a
-generation 40-128. On the tiny byte model a call's fixed cost was ~1.4 ms
-next to a 0.42 ms AR step (B = 1), so it put ~20 % into the AR step's
-calibrated cost and less into a G = 1 round's (fewer, dearer rounds): the
-G = 1 round came out 1.44 AR steps where the rounds of whole generations
-cost 1.56 (docs/results.md 13.14).
+Why the fixed cost matters: a calibration call runs ~16 rounds at g = 0
+and more at larger g (its budget is 16 (g + 1) tokens), a generation
+40-128. On the tiny byte model a call's fixed cost was ~1 ms next to a
+0.3-0.4 ms AR step (B = 1), so it inflated the AR step's calibrated cost
+most and compressed the ratios (a G = 1 round at ~1.44 AR steps where the
+rounds of whole generations cost ~1.56; docs/results.md 13.14).
 """
 
 from __future__ import annotations
