@@ -39,6 +39,11 @@ def git_commit() -> str:
     return "unknown"
 
 
+# The checkout when this process imported the module: a script that runs for
+# minutes reports the code it started with, not a commit made meanwhile.
+COMMIT_AT_START = git_commit()
+
+
 def cpu_model() -> str:
   """The CPU's model name (Linux: /proc/cpuinfo "model name"; else
   platform.processor()), or "unknown"."""
@@ -53,9 +58,15 @@ def cpu_model() -> str:
 
 
 def provenance(**extra) -> dict:
-  """commit, jax_version, device_kind, device_count, cpu_count, cpu_model,
-  platform, date (ISO), peak_rss_mb of this process so far, plus ``extra``."""
-  return {"commit": git_commit(), "jax_version": jax.__version__,
+  """commit (``COMMIT_AT_START``: the checkout when the process started),
+  commit_at_write (only when the checkout changed since: a commit made while
+  the script ran), jax_version, device_kind, device_count, cpu_count,
+  cpu_model, platform, date (ISO), peak_rss_mb of this process so far, plus
+  ``extra``."""
+  now = git_commit()
+  return {"commit": COMMIT_AT_START,
+          **({"commit_at_write": now} if now != COMMIT_AT_START else {}),
+          "jax_version": jax.__version__,
           "device_kind": jax.devices()[0].device_kind, "device_count": jax.device_count(),
           "cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
           "date": datetime.date.today().isoformat(),

@@ -176,9 +176,14 @@ def test_exit_if_interrupted(capsys, tmp_path):
     assert "draft run x" in err and "resume" in err and "step 3 of 10" in err
 
 
-def test_provenance_has_cpu_model():
+def test_provenance_has_cpu_model(monkeypatch):
   meta = report.provenance()
   assert meta["cpu_model"] and meta["platform"] and "CPUs: " in report.machine(meta)
+  assert meta["commit"] == report.COMMIT_AT_START
+  # a commit made while a script ran: the start's commit is reported, the new one beside it
+  monkeypatch.setattr(report, "git_commit", lambda: "abc1234")
+  meta = report.provenance()
+  assert meta["commit"] == report.COMMIT_AT_START and meta["commit_at_write"] == "abc1234"
   assert report.plural(1, "repeat") == "1 repeat" and report.plural(2, "repeat") == "2 repeats"
 
 
