@@ -81,6 +81,18 @@ def round_costs(run_rounds: Callable[[int], tuple[float, int]], max_draft_tokens
   return Calibration(np.maximum.accumulate(costs), call_s)
 
 
+def _timed_generate(decoder, state, sp) -> tuple[float, object]:
+  """(seconds, final state) of ``decoder``'s jitted while_loop program on
+  ``state`` (ready before the clock starts), until its lengths are ready."""
+  import time
+
+  import jax
+  t0 = time.perf_counter()
+  state = decoder.programs.generate(decoder.target_params, decoder.draft_params, state, sp)
+  jax.block_until_ready(state.length)
+  return time.perf_counter() - t0, state
+
+
 def decoder_round_costs(decoder, state, sp, form: str) -> Calibration:
   """``round_costs`` of a ``Decoder`` with "auto", after the prefill
   ``state`` (not donated: every call runs on a copy, made before its clock
@@ -115,18 +127,12 @@ def decoder_round_costs(decoder, state, sp, form: str) -> Calibration:
 
   if form == "while":
     def run_rounds(g):
-      s = fresh(g)
-      t0 = time.perf_counter()
-      s = decoder.programs.generate(p, dp, s, sp)
-      jax.block_until_ready(s.length)
-      return time.perf_counter() - t0, int(s.auto.rounds)
+      seconds, s = _timed_generate(decoder, fresh(g), sp)
+      return seconds, int(s.auto.rounds)
 
     def run_none():
       s = jax.block_until_ready(fresh(0).replace(done=jnp.ones_like(state.done)))
-      t0 = time.perf_counter()
-      s = decoder.programs.generate(p, dp, s, sp)
-      jax.block_until_ready(s.length)
-      return time.perf_counter() - t0
+      return _timed_generate(decoder, s, sp)[0]
     return round_costs(run_rounds, decoder.G, run_none=run_none)
   else:
     def run_rounds(g):
@@ -163,19 +169,10 @@ def plain_ar_calibration(ar_decoder, state, sp, form: str) -> Calibration:
 
   if form == "while":
     def run_rounds(_):
-      s = fresh()
-      t0 = time.perf_counter()
-      s = ar_decoder.programs.generate(p, dp, s, sp)
-      jax.block_until_ready(s.length)
-      return time.perf_counter() - t0, int(jnp.max(s.target_calls))
-
-    def run_none():
-      s = fresh(done=True)
-      t0 = time.perf_counter()
-      s = ar_decoder.programs.generate(p, dp, s, sp)
-      jax.block_until_ready(s.length)
-      return time.perf_counter() - t0
-    return round_costs(run_rounds, 0, run_none=run_none)
+      seconds, s = _timed_generate(ar_decoder, fresh(), sp)
+      return seconds, int(jnp.max(s.target_calls))
+    return round_costs(run_rounds, 0,
+                       run_none=lambda: _timed_generate(ar_decoder, fresh(done=True), sp)[0])
 
   def run_rounds(_):
     s = fresh()
@@ -324,9 +321,10 @@ def with_costs(decoder, state, sp, prompts, max_new_tokens: int, form: str = "wh
   ``decoder._plain`` and moved by the fallback's generations,
   ``learn_ar_step``; into ``decoder._ar_step_s``), both for
   ``drafting_pays``; ``auto_costs`` given to the ``Decoder`` replace all
-  three (no prefill charge then, and the AR step is ``auto_costs[0]``). The schedule's estimates start at its prior for
-  this mode (``AutoSchedule.prior_alpha(sp.greedy)``). Replicated on the
-  decoder's mesh.
+  three (no prefill charge then, and the AR step is ``auto_costs[0]``).
+  The schedule's estimates start at its prior for this mode
+  (``AutoSchedule.prior_alpha(sp.greedy)``). Replicated on the decoder's
+  mesh.
   Without "auto" ``state`` is returned unchanged."""
   if decoder.schedule is None:
     return state
