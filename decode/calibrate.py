@@ -20,8 +20,7 @@ Why the fixed cost matters: a calibration call runs ~16 rounds at g = 0
 and more at larger g (its budget is 16 (g + 1) tokens), a generation
 40-128. On the tiny byte model a call's fixed cost was ~1 ms next to a
 0.3-0.4 ms AR step (B = 1), so it inflated the AR step's calibrated cost
-most and compressed the ratios (a G = 1 round at ~1.44 AR steps where the
-rounds of whole generations cost ~1.56; docs/results.md 13.14).
+most and compressed the ratios (docs/results.md 13.14).
 """
 
 from __future__ import annotations
@@ -120,7 +119,7 @@ def decoder_round_costs(decoder, state, sp, form: str) -> Calibration:
       s = s.replace(max_new=jnp.minimum(s.max_new, CALIBRATION_ROUNDS * (g + 1)),
                     # from the state's own committed scalar: an uncommitted jnp.int32(g)
                     # gave the calibration a program of its own, and the generation
-                    # compiled again (4 s on the tiny model, inside its decoding time)
+                    # compiled again (seconds, inside its timed decoding phase)
                     auto=s.auto.replace(schedule={**s.auto.schedule, "force": jnp.full_like(
                         s.auto.schedule["force"], g)}))
     return jax.block_until_ready(s)
