@@ -183,7 +183,8 @@ def _accepted(acc: np.ndarray, k: int, g: int) -> int:
 
 
 def replay(acc: np.ndarray, costs: Sequence[float], max_new: int, schedule=None,
-           g: int | None = None, greedy: bool = True, extra_prefill_s: float = 0.0) -> Replay:
+           g: int | None = None, greedy: bool = True, extra_prefill_s: float = 0.0,
+           ar_step_s: float | None = None) -> Replay:
   """Decodes one recorded answer with a fixed draft length ``g`` (0 = AR)
   or with ``schedule`` (an ``AutoSchedule``; its G_max must not exceed
   ``acc``'s columns), B = 1, as ``decode.loops`` does (plain AR when the
@@ -191,7 +192,13 @@ def replay(acc: np.ndarray, costs: Sequence[float], max_new: int, schedule=None,
 
   Args:
     acc: bool [L, G] from ``greedy_acceptance`` (L answer tokens).
-    costs: seconds per round for g = 0..G (at least up to the largest g used).
+    costs: seconds per round for g = 0..G (at least up to the largest g used);
+      costs[0] is "auto"'s own AR round inside a drafting generation (it
+      also feeds the modules).
+    ar_step_s: seconds per step of the plain AR decoder
+      (``calibrate.plain_ar_calibration``): what ``g = 0`` costs per round
+      and what a schedule's fallback costs when ``drafting_pays`` says no,
+      and the step ``drafting_pays`` compares with. Default costs[0].
     max_new: the token budget the answer was generated with (>= L).
     greedy: which prior of the schedule to start from (T = 0: True).
     extra_prefill_s: what the modules' prefill adds (seconds), charged in
@@ -213,9 +220,12 @@ def replay(acc: np.ndarray, costs: Sequence[float], max_new: int, schedule=None,
     choose, update = _jitted(schedule)
     active = jnp.asarray([True])
   left, cur = 0, g
+  plain = float(costs[0]) if ar_step_s is None else float(ar_step_s)
   if schedule is not None and not schedule.drafting_pays(costs[:schedule.max_draft_tokens + 1],
-                                                         greedy, max_new, extra_prefill_s, batch=1):
+                                                         greedy, max_new, extra_prefill_s, batch=1,
+                                                         ar_step_s=plain):
     schedule, cur = None, 0              # the decoder runs plain AR (Decoder._plain_ar)
+  step_cost = [plain] + [float(c) for c in costs[1:]] if schedule is None else costs
   while emitted < budget and rounds < max_new:
     if schedule is not None and left == 0:
       gg, n_rounds, sched = choose(sched, active)
@@ -223,7 +233,7 @@ def replay(acc: np.ndarray, costs: Sequence[float], max_new: int, schedule=None,
     a = _accepted(acc, emitted, cur)
     emitted += min(a + 1, budget - emitted)
     rounds += 1
-    time_s += float(costs[cur])
+    time_s += float(step_cost[cur])
     lengths.append(cur)
     if schedule is not None:
       sched = update(sched, cur, jnp.asarray([a], jnp.int32), active)
@@ -297,7 +307,8 @@ def rescore(model, records: list[dict], max_draft_tokens: int, params=None,
 
 
 def compare(records: list[dict], costs: Sequence[float], max_new: int,
-            schedules: dict, draws: int = 1, seed: int = 0) -> list[dict]:
+            schedules: dict, draws: int = 1, seed: int = 0,
+            ar_step_s: float | None = None) -> list[dict]:
   """Every record replayed with fixed G = 0..G_max (``len(costs) - 1``) and
   with each schedule of ``schedules`` ({label: AutoSchedule}).
 
@@ -305,7 +316,9 @@ def compare(records: list[dict], costs: Sequence[float], max_new: int,
   schedules' greedy prior; records with probabilities (T > 0) ``draws``
   times (``draw_acceptance``, one draw shared by every decoder; seeded by
   ``seed`` and the record's position) with the sampling prior, and rounds
-  and times are the means over the draws.
+  and times are the means over the draws. ``ar_step_s``: the plain AR
+  decoder's step (``replay``; default costs[0]), the cost of G0's rounds
+  and of a schedule's fallback.
 
   Returns one row per record: category, index, sample, tokens, alpha_1
   (mean acceptance of draft 1 along the answer) and per decoder label
@@ -333,9 +346,10 @@ def compare(records: list[dict], costs: Sequence[float], max_new: int,
     n_draws = 1 if greedy else draws
     for _ in range(n_draws):
       acc = draw_acceptance(rho, rng)
-      runs = {f"G{g}": replay(acc, costs, max_new, g=g) for g in range(g_max + 1)}
+      runs = {f"G{g}": replay(acc, costs, max_new, g=g, ar_step_s=ar_step_s)
+              for g in range(g_max + 1)}
       for label, s in schedules.items():
-        runs[label] = replay(acc, costs, max_new, schedule=s, greedy=greedy)
+        runs[label] = replay(acc, costs, max_new, schedule=s, greedy=greedy, ar_step_s=ar_step_s)
       for label, r in runs.items():
         time[label] += r.time_s / n_draws
         rounds[label] += r.rounds
@@ -378,17 +392,23 @@ def by_category(rows: list[dict], labels: Sequence[str], schedules: Sequence[str
 
 
 def measured_costs(model, tokenizer, prompt, max_draft_tokens: int, max_new: int,
-                   params=None) -> np.ndarray:
-  """[G_max+1] seconds per round at g = 0..G_max under ``params`` (default
-  T = 0) on this device, as "auto" calibrates them
-  (``decode.calibrate.decoder_round_costs``, while_loop form, B = 1, after
-  the prefill of ``prompt``)."""
+                   params=None) -> tuple[np.ndarray, float]:
+  """(costs [G_max+1] seconds per round of "auto" at g = 0..G_max, the plain
+  AR fallback's seconds per step) under ``params`` (default T = 0) on this
+  device, as "auto" calibrates them (``decode.calibrate.decoder_round_costs``
+  and ``plain_ar_calibration``, while_loop form, B = 1, after the prefill
+  of ``prompt``). ``replay`` charges the second to G0 and to a schedule's
+  fallback: "auto"'s own g = 0 round also feeds the modules."""
   from decode import calibrate
   from decode.speculative import Decoder, SamplingParams
   dec = Decoder(model, "mtp", "auto", tokenizer=tokenizer, max_draft_tokens=max_draft_tokens)
   sp = (SamplingParams(0.0) if params is None else params).validate()
   state, prefill_len = dec.prepare([prompt], max_new, 0)
-  return calibrate.decoder_round_costs(dec, dec.prefill(state, prefill_len), sp, "while").costs
+  costs = calibrate.decoder_round_costs(dec, dec.prefill(state, prefill_len), sp, "while").costs
+  ar = dec._plain_ar()
+  state, prefill_len = ar.prepare([prompt], max_new, 0)
+  plain = calibrate.plain_ar_calibration(ar, ar.prefill(state, prefill_len), sp, "while")
+  return costs, float(plain.costs[0])
 
 
 def parse_variants(text: str, base) -> dict:

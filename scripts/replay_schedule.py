@@ -4,7 +4,7 @@ it would spend target calls and time on held-out chat prompts, in seconds
 instead of a benchmark's minutes.
 
     python scripts/replay_schedule.py --workdir runs/smollm_demo [--per_category 2] \
-        [--max_new_tokens 128] [--costs 1,1.22,1.43,1.63] \
+        [--max_new_tokens 128] [--costs 1,1.22,1.43,1.63 [--ar_step 0.97]] \
         [--temperature 1 --top_p 1 --samples 4 --draws 8] \
         [--variants "slow:ema=0.05;probe:probe_interval=1"] [--answers OTHER_RECORDS.npz] \
         [--out results/replay_schedule]
@@ -19,7 +19,10 @@ exactly in law (``--draws`` draws of the acceptance events per answer,
 shared by every decoder). Every decoder is then replayed round by round with
 the round costs ``--costs`` (seconds or units of an AR step per g =
 0..G_max; default: measured on this device as "auto" calibrates them, at
-the given sampling settings). The schedules run the decoder's own
+the given sampling settings) and the plain AR step ``--ar_step`` (what G0
+and a schedule's plain AR fallback cost per token; "auto"'s own g = 0 round
+also feeds the modules; default: measured beside the costs, or costs[0]
+with ``--costs``). The schedules run the decoder's own
 ``AutoSchedule.choose`` / ``update`` code. What it leaves out: the prefill
 (equal for all) and the decoder's cost learning between generations.
 Writes OUT.json and OUT.md. The replay itself takes seconds; recording or
@@ -56,8 +59,8 @@ def markdown(rows, labels, schedules, meta) -> str:
   cats = rp.by_category(rows, labels, list(schedules))
   lines = [f"Schedules replayed on {'greedy' if greedy else 'sampled'} answers: {meta['model']} on "
            f"{report.machine(meta)}, commit {meta['commit']}, {meta['date']}; B = 1, {setting}, "
-           f"{meta['max_new_tokens']} new tokens, round costs per g (AR step = 1): "
-           f"{', '.join(f'{c:.3f}' for c in meta['relative_costs'])}.", "",
+           f"{meta['max_new_tokens']} new tokens, round costs per g (plain AR step = 1; g = 0 is "
+           f"auto's own AR round): {', '.join(f'{c:.3f}' for c in meta['relative_costs'])}.", "",
            "## Per category", "",
            "Geomean speedup over AR over the category's answers (replayed target calls x round "
            "costs, prefill left out); per schedule: over the best fixed G per answer (geomean, "
@@ -96,6 +99,9 @@ def main(argv=None):
                   help="G_max (default: the offsets the modules were trained for, as auto)")
   ap.add_argument("--costs", default=None,
                   help="round costs for g = 0..G_max, comma list (default: measured here)")
+  ap.add_argument("--ar_step", type=float, default=None,
+                  help="plain AR step in the units of --costs, > 0 (default: measured with the "
+                       "costs; costs[0] with --costs)")
   ap.add_argument("--variants", default="",
                   help="schedule variants of the CLI's auto: \"LABEL:field=value,...;...\"")
   ap.add_argument("--temperature", type=float, default=0.0,
@@ -148,6 +154,10 @@ def main(argv=None):
     if not costs or not all(np.isfinite(c) and c > 0 for c in costs):
       ap.error(f"--costs={args.costs!r}: give positive seconds (or AR-step units) per round for "
                "g = 0..G_max, comma-separated")
+  if args.ar_step is not None and not (np.isfinite(args.ar_step) and args.ar_step > 0):
+    ap.error(f"--ar_step={args.ar_step!r} must be a positive number (seconds or AR-step units)")
+  if args.ar_step is not None and not args.costs:
+    ap.error("--ar_step needs --costs (without them both are measured here)")
   try:
     rp.parse_variants(args.variants, AutoSchedule(1))
   except ValueError as e:
@@ -167,11 +177,14 @@ def main(argv=None):
   if costs is not None:
     if len(costs) != g_max + 1:
       ap.error(f"--costs needs {g_max + 1} positive values (g = 0..{g_max}), got {args.costs!r}")
+    ar_step = costs[0] if args.ar_step is None else float(args.ar_step)
   else:
     first = next(iter(prompts.values()))[0]
-    costs = [float(c) for c in rp.measured_costs(model, tokenizer, first, g_max,
-                                                 args.max_new_tokens, params)]
-    print("measured round costs (s): " + ", ".join(f"{c:.4f}" for c in costs), flush=True)
+    measured, ar_step = rp.measured_costs(model, tokenizer, first, g_max, args.max_new_tokens,
+                                          params)
+    costs = [float(c) for c in measured]
+    print("measured round costs (s): " + ", ".join(f"{c:.4f}" for c in costs)
+          + f"; plain AR step {ar_step:.4f} s", flush=True)
   if args.answers:
     records = rp.rescore(model, rp.load_records(args.answers), g_max, params,
                          log=lambda s: print(s, flush=True))
@@ -185,12 +198,12 @@ def main(argv=None):
     if args.records:
       rp.save_records(args.records, records, sampling)
   rows = rp.compare(records, costs, args.max_new_tokens, schedules, draws=args.draws,
-                    seed=args.seed)
+                    seed=args.seed, ar_step_s=ar_step)
   labels = [f"G{g}" for g in range(g_max + 1)] + list(schedules)
   meta = report.provenance(command=report.command_line(__file__, argv),
                            model=f"{args.workdir} (step {step})", checkpoint_step=step,
-                           max_new_tokens=args.max_new_tokens, costs=costs,
-                           relative_costs=[c / costs[0] for c in costs],
+                           max_new_tokens=args.max_new_tokens, costs=costs, ar_step=ar_step,
+                           relative_costs=[c / ar_step for c in costs],
                            schedules={k: repr(v) for k, v in schedules.items()},
                            chat_prompts=args.chat_prompts, per_category=args.per_category,
                            sampling=list(sampling), samples=args.samples, draws=args.draws,

@@ -168,6 +168,14 @@ def test_script_records_once_and_replays(tmp_path, capsys):
   assert json.load(open(out + ".json"))["results"]["rows"] == rows
   with pytest.raises(SystemExit):
     script.main([*argv[:-2], "--costs", "1,2", "--out", out])   # G_max = 2 needs 3 costs
+  with pytest.raises(SystemExit):
+    script.main([*argv[:-2], "--ar_step", "0", "--out", out])
+  out3 = str(tmp_path / "plain")                     # a plain AR step below auto's g = 0 round
+  assert script.main([*argv[:-2], "--ar_step", "0.5", "--out", out3]) == 0
+  res3 = json.load(open(out3 + ".json"))
+  assert res3["meta"]["relative_costs"] == [2.0, 2.4, 2.8] and res3["meta"]["ar_step"] == 0.5
+  for r in res3["results"]["rows"]:
+    assert r["G0"]["time"] == pytest.approx(0.5 * r["tokens"])
   # --answers: the same answers rescored with the same modules give the same rows
   out2 = str(tmp_path / "rescored")
   i = argv.index("--records")
@@ -229,3 +237,30 @@ def test_replay_decides_with_the_budget_and_prefill_as_the_decoder(recorded):
   assert max(rp.replay(acc, COSTS, MAX_NEW, schedule=sched).draft_lengths) > 0
   r = rp.replay(acc, COSTS, MAX_NEW, schedule=sched, extra_prefill_s=10.0 * MAX_NEW)
   assert set(r.draft_lengths) == {0}
+
+
+def test_plain_ar_step_prices_g0_and_the_fallback(recorded):
+  """``ar_step_s``: G0 and a schedule that falls back to plain AR cost the
+  plain step per round, drafting rounds keep their costs (auto's own g = 0
+  round included), and ``drafting_pays`` compares with the plain step: a
+  cheaper plain AR step turns a schedule that drafts into plain AR."""
+  _, rows = recorded
+  acc, n = rows[0][2], len(rows[0][1])
+  ar = rp.replay(acc, COSTS, MAX_NEW, g=0, ar_step_s=0.8)
+  assert ar.rounds == n and ar.time_s == pytest.approx(0.8 * n)
+  g1 = rp.replay(acc, COSTS, MAX_NEW, g=1, ar_step_s=0.8)
+  assert g1.time_s == pytest.approx(g1.rounds * COSTS[1])
+  sched = AutoSchedule(3, prior=0.7)
+  drafts = rp.replay(acc, COSTS, MAX_NEW, schedule=sched, ar_step_s=1.0)
+  assert max(drafts.draft_lengths) > 0
+  assert drafts.time_s == pytest.approx(sum(COSTS[g] for g in drafts.draft_lengths))
+  assert drafts == rp.replay(acc, COSTS, MAX_NEW, schedule=sched)      # default: costs[0]
+  # at 0.45 per plain step no draft length beats AR per token at prior 0.7
+  # (G = 1: 1.3 / 1.7 = 0.76 per token): the decoder would not draft
+  fallback = rp.replay(acc, COSTS, MAX_NEW, schedule=sched, ar_step_s=0.45)
+  assert set(fallback.draft_lengths) == {0} and fallback.time_s == pytest.approx(0.45 * n)
+  recs = [{"category": "c", "index": 0, "sample": 0, "prompt": rows[0][0], "answer": rows[0][1],
+           "acc": acc}]
+  row = rp.compare(recs, COSTS, MAX_NEW, {"auto": sched}, ar_step_s=0.8)[0]
+  assert row["G0"]["time"] == pytest.approx(0.8 * n)
+  assert row["G1"]["speedup"] == pytest.approx(0.8 * n / g1.time_s)
