@@ -75,6 +75,8 @@ def main(argv):
     if _JSON.value and not os.path.isdir(os.path.dirname(os.path.abspath(_JSON.value))):
       raise DecodeError(f"--json={_JSON.value!r}: directory "
                         f"{os.path.dirname(os.path.abspath(_JSON.value))!r} does not exist")
+    if _JSON.value and os.path.isdir(_JSON.value):
+      raise DecodeError(f"--json={_JSON.value!r} is a directory: give a file path for the report")
     prompts = ([_PROMPT.value] if _PROMPT.value is not None else [_CHAT.value]
                if _CHAT.value is not None else read_prompts(_PROMPT_FILE.value))
     jsonl = bool(prompts) and isinstance(prompts[0], dict)

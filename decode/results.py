@@ -63,13 +63,15 @@ def write_rows(out: TextIO, results: Sequence[dict], chat: bool) -> None:
 
 def config_record(workdir: str, method: str, decoder: Decoder, *, batch_size: int,
                   max_new_tokens: int, sampling: SamplingParams, num_samples: int, seed: int,
-                  chat: bool, stops: StopConditions | None) -> dict:
-  """The report's ``config``: workdir, method, num_draft_tokens
+                  chat: bool, stops: StopConditions | None,
+                  checkpoint_step: int | None = None) -> dict:
+  """The report's ``config``: workdir, checkpoint_step (the step decoded;
+  None for an exported model), method, num_draft_tokens
   (max_draft_tokens with "auto"), tree (branching or None), max_new_tokens,
   temperature, top_k, top_p, num_samples, seed, batch_size, chat, stop,
   stop_token_ids and the device kind; with "auto" also ``auto``: the prior
   and the round costs it used (``Decoder.auto_record``)."""
-  return {"workdir": workdir, "method": method,
+  return {"workdir": workdir, "checkpoint_step": checkpoint_step, "method": method,
           "num_draft_tokens": decoder.num_draft_tokens,
           **({"max_draft_tokens": decoder.G} if decoder.num_draft_tokens == "auto" else {}),
           "tree": None if decoder.tree is None else list(decoder.tree.branching),

@@ -32,6 +32,7 @@ from decode import compare as compare_lib
 from decode import results as results_lib
 from decode import stats as stats_lib
 from decode.schedule import AutoSchedule
+from decode.speculative import MAX_DRAFT_TOKENS
 from decode.speculative import DecodeError, Decoder, SamplingParams
 from decode.stops import StopConditions
 from decode.texts import (  # noqa: F401 (decode.run's API: python -m decode, tests)
@@ -42,7 +43,8 @@ from mtp import tokenizer as tok
 
 
 def parse_num_draft_tokens(text) -> int | str:
-  """``--num_draft_tokens``: an integer >= 1 or "auto". Raises DecodeError."""
+  """``--num_draft_tokens``: an integer in [1, ``MAX_DRAFT_TOKENS``] or
+  "auto". Raises DecodeError."""
   if isinstance(text, int) and not isinstance(text, bool):
     value = text
   elif str(text).strip().lower() == "auto":
@@ -52,8 +54,9 @@ def parse_num_draft_tokens(text) -> int | str:
       value = int(str(text).strip())
     except ValueError:
       value = None
-  if value is None or value < 1:
-    raise DecodeError(f"--num_draft_tokens={text!r} must be an integer >= 1 or 'auto'")
+  if value is None or not 1 <= value <= MAX_DRAFT_TOKENS:
+    raise DecodeError(f"--num_draft_tokens={text!r} must be an integer in [1, {MAX_DRAFT_TOKENS}] "
+                      "or 'auto'")
   return value
 
 
@@ -117,7 +120,7 @@ def check_run_args(*, max_new_tokens, num_samples, seed, repeats, max_draft_toke
   integer("seed", seed, 0, MAX_SEED)
   integer("repeats", repeats, 1, MAX_REPEATS)
   if max_draft_tokens is not None:
-    integer("max_draft_tokens", max_draft_tokens, 1, 16)
+    integer("max_draft_tokens", max_draft_tokens, 1, MAX_DRAFT_TOKENS)
   if sampling is not None:
     sampling.validate()
 
@@ -150,16 +153,17 @@ def auto_kwargs(workdir: str, cfg, target, max_draft_tokens: int | None = None) 
 
 def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
                  draft_workdir: str | None = None, max_draft_tokens: int | None = None,
-                 tree=None) -> tuple[Decoder, int]:
+                 tree=None) -> tuple[Decoder, int, int | None]:
   """(A Decoder for the checkpoint in ``workdir`` (and ``draft_workdir``),
   the number of draft offsets its MTP modules were trained for: D plus
-  ``mtp.recursive_steps``); ``num_draft_tokens`` an integer or "auto" (then
+  ``mtp.recursive_steps``, the checkpoint step loaded (None for an
+  exported model)); ``num_draft_tokens`` an integer or "auto" (then
   ``max_draft_tokens``); ``tree``: a token tree such as "3,2,1" (method
   "mtp"). Raises CheckpointError / DecodeError."""
   if tree is not None and method != "mtp":
     raise DecodeError(f"--tree needs --method=mtp (the MTP modules draft the tree); got "
                       f"--method={method}")
-  cfg, target, _ = loading.load_model(workdir)
+  cfg, target, step = loading.load_model(workdir)
   try:
     tokenizer = tok.load_tokenizer(workdir)
   except tok.TokenizerError as e:
@@ -178,7 +182,7 @@ def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
   if tree is not None:
     kw["tree"] = tree
   return Decoder(target, method, num_draft_tokens if method != "ar" else 1, draft,
-                 tokenizer=tokenizer, **kw), trained
+                 tokenizer=tokenizer, **kw), trained, step
 
 
 
@@ -237,7 +241,7 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   check_run_args(max_new_tokens=max_new_tokens, num_samples=num_samples, seed=seed,
                  repeats=repeats, max_draft_tokens=max_draft_tokens, sampling=sampling)
   check_prompt_text(prompts, "--chat" if chat else "--prompt")
-  decoder, trained = load_decoder(workdir, method, num_draft_tokens, draft_workdir,
+  decoder, trained, step = load_decoder(workdir, method, num_draft_tokens, draft_workdir,
                                   max_draft_tokens, tree)
   note = results_lib.untrained_offsets_note(decoder, method, trained)
   if note:
@@ -256,7 +260,8 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   err.write(stats_lib.format_summary(method, summary) + f"\n  seed {seed}\n")
   config = results_lib.config_record(
       workdir, method, decoder, batch_size=len(gen.tokens), max_new_tokens=max_new_tokens,
-      sampling=sampling, num_samples=num_samples, seed=seed, chat=chat, stops=stops)
+      sampling=sampling, num_samples=num_samples, seed=seed, chat=chat, stops=stops,
+      checkpoint_step=step)
   report = {"config": config, "results": results, "stats": summary}
   compared = compare and method != "ar"
   kw = dict(method=method, repeats=repeats, max_new_tokens=max_new_tokens, sampling=sampling,

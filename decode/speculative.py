@@ -53,7 +53,7 @@ from mtp import tokenizer as tok
 from mtp.model import Transformer
 
 METHODS = ("ar", "mtp", "draft")
-MAX_AUTO_DRAFT_TOKENS = 16
+MAX_DRAFT_TOKENS = 16        # G (fixed) and auto's G_max: a draft longer than this never pays
 
 
 def _mtp_depth_check(target: Transformer, flag: str = "--method=mtp") -> None:
@@ -92,9 +92,9 @@ def resolve_method(target: Transformer, method: str, num_draft_tokens, draft, *,
       raise DecodeError(f"--num_draft_tokens=auto needs --method=mtp (got --method={method})")
     _mtp_depth_check(target)
     g_max = target.mtp_depth if max_draft_tokens is None else max_draft_tokens
-    if not (isinstance(g_max, int) and 1 <= g_max <= MAX_AUTO_DRAFT_TOKENS):
+    if not (isinstance(g_max, int) and 1 <= g_max <= MAX_DRAFT_TOKENS):
       raise DecodeError(f"--max_draft_tokens={g_max!r} must be an integer in "
-                        f"[1, {MAX_AUTO_DRAFT_TOKENS}]")
+                        f"[1, {MAX_DRAFT_TOKENS}]")
     schedule = schedule or AutoSchedule(g_max)
     if schedule.max_draft_tokens != g_max:
       raise DecodeError(f"schedule.max_draft_tokens={schedule.max_draft_tokens} differs "
@@ -107,8 +107,9 @@ def resolve_method(target: Transformer, method: str, num_draft_tokens, draft, *,
                           f"(g = 0..{g_max}), got {auto_costs!r}")
     return g_max, MTPDrafter(target.mtp_depth, g_max, variable=True), schedule, None, costs
   if not (isinstance(num_draft_tokens, int) and not isinstance(num_draft_tokens, bool)
-          and num_draft_tokens >= 1):
-    raise DecodeError(f"--num_draft_tokens={num_draft_tokens!r} must be an integer >= 1 or 'auto'")
+          and 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS):
+    raise DecodeError(f"--num_draft_tokens={num_draft_tokens!r} must be an integer in "
+                      f"[1, {MAX_DRAFT_TOKENS}] or 'auto'")
   if method == "mtp":
     _mtp_depth_check(target)
     return num_draft_tokens, MTPDrafter(target.mtp_depth, num_draft_tokens), None, None, None
@@ -460,8 +461,10 @@ def _check_prompts(prompts, max_new_tokens, max_len: int, mesh, vocab_size: int 
     raise DecodeError(f"--max_new_tokens={max_new_tokens!r} must be an integer >= 1")
   for i, p in enumerate(prompts):
     if len(p) < 2:
-      raise DecodeError(f"prompt {i} is empty or has a single token: give at least 2 tokens "
-                        "(one byte of text after BOS with the byte tokenizer)")
+      raise DecodeError(f"prompt {i} has {len(p)} token(s) as encoded: give at least 2 (the "
+                        "decoder prefills all but the last; the byte tokenizer's BOS counts, so "
+                        "one byte of text is enough there; a BPE tokenizer without BOS needs two "
+                        "tokens of text, or --chat, whose template adds its own)")
     if vocab_size is not None and len(p) and (np.min(p) < 0 or np.max(p) >= vocab_size):
       bad = int(np.asarray(p)[(np.asarray(p) < 0) | (np.asarray(p) >= vocab_size)][0])
       raise DecodeError(f"prompt {i} holds token id {bad}, outside the model's vocabulary "
@@ -469,10 +472,11 @@ def _check_prompts(prompts, max_new_tokens, max_len: int, mesh, vocab_size: int 
     if len(p) + max_new_tokens > max_len:
       room = max_len - len(p)
       raise DecodeError(
-          f"prompt {i} has {len(p)} tokens (with BOS); with --max_new_tokens={max_new_tokens} it "
+          f"prompt {i} has {len(p)} tokens as encoded (BOS included where the tokenizer adds "
+          f"one); with --max_new_tokens={max_new_tokens} it "
           f"exceeds the model's max_seq_len={max_len}"
           + (f" (at most {room} new tokens fit)" if room > 0 else
              f" (no room left to generate: with this --max_new_tokens a prompt may have at most "
-             f"{max_len - max_new_tokens - 1} tokens without BOS)"
+             f"{max_len - max_new_tokens} tokens as encoded)"
              if max_len - max_new_tokens > 1 else
              f" (--max_new_tokens must be at most {max_len - 2} to leave room for a prompt)"))

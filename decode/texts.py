@@ -25,6 +25,9 @@ def read_prompt_file(path: str) -> list[str]:
   prompt), so prompt i is line i+1. Line ends are ``\\n``, ``\\r\\n`` or
   ``\\r``; a final line end is optional.
 
+  A UTF-8 byte-order mark at the start of the file (editors on Windows
+  write one) is not part of the first prompt.
+
   Raises DecodeError for a missing file, an empty line (naming it: an empty
   prompt is an error), non-UTF-8 bytes (naming the line) or an empty file.
   """
@@ -32,6 +35,7 @@ def read_prompt_file(path: str) -> list[str]:
     raw = open(path, "rb").read()
   except OSError as e:
     raise DecodeError(f"--prompt_file={path!r}: {e.strerror}") from e
+  raw = raw.removeprefix(codecs.BOM_UTF8)
   prompts = []
   for i, line in enumerate(raw.splitlines(), 1):
     try:

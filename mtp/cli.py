@@ -126,10 +126,25 @@ def apply_quick(ap: argparse.ArgumentParser, args, **values) -> None:
   """``--quick``: sets each ``args.NAME`` to ``values[NAME]`` only where the
   user left it at the parser's default (compared by value: a flag given
   explicitly with its default value counts as not given). Validate after
-  calling this."""
+  calling this. Also ``quick_out``."""
   for name, v in values.items():
     if getattr(args, name) == ap.get_default(name):
       setattr(args, name, v)
+  quick_out(ap, args)
+
+
+QUICK_OUT_DIR = os.path.join("runs", "quick")
+
+
+def quick_out(ap: argparse.ArgumentParser, args) -> None:
+  """``--quick`` with ``--out`` left at its default ``results/NAME``: writes
+  to ``runs/quick/NAME`` instead, so a smoke run never overwrites the
+  committed full-run report of the same name."""
+  default = ap.get_default("out")
+  if (getattr(args, "quick", False) and isinstance(default, str) and args.out == default
+      and os.path.normpath(default).split(os.sep)[0] == "results"):
+    args.out = os.path.join(QUICK_OUT_DIR, os.path.relpath(default, "results"))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
 
 
 def input_errors() -> tuple:
@@ -199,11 +214,18 @@ BAD_INPUT = 2
 
 def parse_flags_or_exit(argv: list[str]) -> list[str]:
   """absl ``flags.FLAGS(argv)`` for ``app.run(main, flags_parser=...)``: on
-  an unknown or malformed flag prints one line ``error: ...`` (and a hint)
-  to stderr and exits with status 2, the project's bad-input status."""
+  an unknown or malformed flag, or a stray positional argument (these CLIs
+  take flags only: an unquoted ``--prompt def main(`` leaves ``main(``),
+  prints one line ``error: ...`` (and a hint) to stderr and exits with
+  status 2, the project's bad-input status."""
   from absl import flags
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
   except flags.Error as e:
     print(f"error: {e}\nPass --helpfull to see the flags.", file=sys.stderr)
     sys.exit(BAD_INPUT)
+  if len(rest) > 1:
+    print(f"error: unexpected arguments {' '.join(map(repr, rest[1:]))}: these are flags only "
+          "(quote a value that holds spaces, e.g. --prompt='def main(')", file=sys.stderr)
+    sys.exit(BAD_INPUT)
+  return rest

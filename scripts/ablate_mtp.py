@@ -277,6 +277,7 @@ def main(argv=None):
   for k, (full, quick) in DEFAULTS.items():
     if getattr(args, k) is None:
       setattr(args, k, quick if args.quick else full)
+  cli.quick_out(ap, args)
   depths = _parse_list(ap, "depths", args.depths, int, 0, 16)
   lams = _parse_list(ap, "loss_weights", args.loss_weights, float, 0.0)
   if any(lam <= 0 for lam in lams):

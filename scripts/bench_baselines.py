@@ -25,7 +25,7 @@ import argparse
 import os
 
 from decode import bench_baselines, bench_chat
-from decode.speculative import DecodeError
+from decode.speculative import MAX_DRAFT_TOKENS, DecodeError
 from mtp import cli, report
 from mtp.importers import smollm
 
@@ -59,7 +59,8 @@ def main(argv=None):
   source = args.baseline_model or smollm.gguf_path()
   if source is None:
     ap.error(f"no --baseline_model and {smollm.PACKAGE} is not installed (make smollm)")
-  gs = cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1) if args.num_draft_tokens else []
+  gs = (cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1, MAX_DRAFT_TOKENS)
+        if args.num_draft_tokens else [])
   s = bench_chat.ChatBench(
       workdir=args.workdir, prompt_file=args.prompt_file, per_category=args.per_category,
       categories=tuple(cli.list_items(ap, "categories", args.categories)), temperatures=(0.0,),

@@ -22,7 +22,7 @@ import argparse
 import os
 
 from decode import bench_baselines, bench_chat
-from decode.speculative import DecodeError
+from decode.speculative import MAX_DRAFT_TOKENS, DecodeError
 from mtp import cli, report
 from mtp.importers import smollm
 
@@ -74,7 +74,8 @@ def main(argv=None):
       workdir=args.workdir, prompt_file=args.prompt_file, per_category=args.per_category,
       categories=tuple(cli.list_items(ap, "categories", args.categories)) if args.categories else (),
       temperatures=tuple(cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)),
-      num_draft_tokens=tuple(cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1)),
+      num_draft_tokens=tuple(cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1,
+                                            MAX_DRAFT_TOKENS)),
       max_new_tokens=args.max_new_tokens, with_auto=args.auto, repeats=args.repeats,
       trees=tuple(t.replace("-", ",") for t in cli.list_items(ap, "trees", args.trees))
       if args.trees else (),

@@ -43,7 +43,7 @@ import numpy as np
 
 from decode import bench_grid
 from decode import run as run_lib
-from decode.speculative import DecodeError
+from decode.speculative import MAX_DRAFT_TOKENS, DecodeError
 from mtp import loading
 from mtp import cli, report
 from mtp import data as data_lib
@@ -179,7 +179,7 @@ def main(argv=None):
     items = cli.list_items(ap, "num_draft_tokens", args.num_draft_tokens)
     auto_given = "auto" in items
     rest = ",".join(x for x in items if x != "auto")
-    gs_given = (cli.parse_list(ap, "num_draft_tokens", rest, int, 1) if rest else []) + (
+    gs_given = (cli.parse_list(ap, "num_draft_tokens", rest, int, 1, MAX_DRAFT_TOKENS) if rest else []) + (
         ["auto"] if auto_given else [])
     if not gs_given:
       ap.error(f"--num_draft_tokens={args.num_draft_tokens!r}: give G >= 1 values and/or 'auto'")

@@ -29,7 +29,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from decode.bench_grid import ALPHAS, draft_cost_vs_depth  # noqa: E402
-from decode.speculative import DecodeError  # noqa: E402
+from decode.speculative import MAX_DRAFT_TOKENS, DecodeError  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import config as config_lib  # noqa: E402
 
@@ -83,7 +83,7 @@ def main(argv=None):
     cli.apply_quick(ap, args, repeats=1, max_new_tokens=8)
   cli.check_range(ap, args, repeats=1, max_new_tokens=1)
   layers = cli.parse_list(ap, "layers", args.layers, int, 1)
-  gs = cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1)
+  gs = cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1, MAX_DRAFT_TOKENS)
   if not os.path.isfile(args.config):
     ap.error(f"--config={args.config!r}: no such file")
   try:

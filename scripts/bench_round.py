@@ -44,7 +44,7 @@ import tempfile
 
 from decode import bench_chat, bench_profile
 from decode import tree as tree_lib
-from decode.speculative import DecodeError
+from decode.speculative import MAX_DRAFT_TOKENS, DecodeError
 from mtp import loading
 from mtp import cli, report
 from mtp import config as config_lib
@@ -131,7 +131,7 @@ def main(argv=None):
   depth = cfg.mtp.depth
   if depth < 1:
     ap.error(f"the model has MTP depth D = 0: there is no MTP round to break down")
-  gs = (cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1)
+  gs = (cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1, MAX_DRAFT_TOKENS)
         if args.num_draft_tokens is not None else ([1] if args.quick else list(range(1, depth + 1))))
   trees = []
   for text in ([] if args.trees is None else args.trees.split(";")):

@@ -72,7 +72,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from decode.bench_grid import calibrate_cost_arch, drafter_grid  # noqa: E402
-from decode.speculative import DecodeError  # noqa: E402
+from decode.speculative import MAX_DRAFT_TOKENS, DecodeError  # noqa: E402
 from mtp import loading  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
@@ -406,7 +406,7 @@ def check_flags(ap: argparse.ArgumentParser, args) -> tuple[list[int], list[floa
                             "calib_repeats", "probe_steps", "probe_repeats"))
   if args.draft_steps < 0:
     ap.error(f"--draft_steps={args.draft_steps} is out of range: must be >= 1 (0 = the target's)")
-  gs = cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1)
+  gs = cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1, MAX_DRAFT_TOKENS)
   temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
   for flag in ("param_arch", "cost_arch"):
     parse_arch(ap, flag, getattr(args, flag))

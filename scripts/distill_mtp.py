@@ -350,6 +350,7 @@ def main(argv=None):
   for k, (full, quick) in DEFAULTS.items():
     if getattr(args, k) is None:
       setattr(args, k, quick if args.quick else full)
+  cli.quick_out(ap, args)
   variants = cli.parse_list(ap, "variants", args.variants, str, choices=tuple(VARIANTS))
   seeds = cli.parse_list(ap, "seeds", args.seeds, int, 0)
   temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)

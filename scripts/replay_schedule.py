@@ -173,6 +173,9 @@ def main(argv=None):
     schedules = {"auto": base, **rp.parse_variants(args.variants, base)}
   except ValueError as e:
     ap.error(f"--variants: {e}")
+  if tokenizer.chat_template is None:
+    ap.error(f"--workdir={args.workdir!r}: its tokenizer has no chat template; the replay "
+             "answers chat prompts (a chat model's workdir, e.g. runs/smollm_demo)")
   prompts = heldout_prompts(args.chat_prompts, tokenizer, args.per_category)
   if costs is not None:
     if len(costs) != g_max + 1:

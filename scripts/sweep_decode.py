@@ -54,7 +54,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from decode import bench_grid  # noqa: E402
 from decode.bench_grid import DOMAIN_KIND, SweepDecode  # noqa: E402
-from decode.speculative import DecodeError  # noqa: E402
+from decode.speculative import MAX_DRAFT_TOKENS, DecodeError  # noqa: E402
 from mtp import loading  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
@@ -196,7 +196,8 @@ def main(argv=None):
   depth = cfg.mtp.depth
   if depth < 1:
     ap.error(f"--workdir={args.workdir} holds a model with mtp.depth = 0: the sweep needs MTP modules")
-  gs = cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens or str(depth), int, 1)
+  gs = cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens or str(depth), int, 1,
+                      MAX_DRAFT_TOKENS)
   if args.prompt_bytes + args.max_new_tokens + 64 > cfg.model.max_seq_len:
     ap.error(f"--prompt_bytes + --max_new_tokens = {args.prompt_bytes + args.max_new_tokens} leaves "
              f"no room within the model's max_seq_len={cfg.model.max_seq_len} (keep 64 spare)")

@@ -40,6 +40,8 @@ def test_run_report_has_tokens_text_and_stats(workdir, capsys):
   assert sum(s["accepted_length_histogram"]) == s["target_calls"]
   assert len(s["acceptance_rate_per_position"]) == 2
   json.dumps(report)          # serialisable
+  steps = [int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit()]
+  assert report["config"]["checkpoint_step"] == max(steps)      # the step decoded is recorded
   out, err = capsys.readouterr()
   # stdout: the texts only; stderr: statistics and the comparison
   assert out == "".join(f"--- prompt {r['prompt_index']} sample {r['sample']}: {r['prompt']!r}\n"
@@ -66,11 +68,14 @@ def test_auto_draft_length_report(workdir, capsys):
   assert "chosen draft length histogram" in err
   assert "--max_draft_tokens=3 > the checkpoint's MTP depth D=2" in err
   assert parse_num_draft_tokens("auto") == "auto" and parse_num_draft_tokens("3") == 3
-  for bad in ("0", "x", "-2", "1.5"):
-    with pytest.raises(DecodeError, match="num_draft_tokens.*integer >= 1 or 'auto'"):
+  assert parse_num_draft_tokens("16") == 16
+  for bad in ("0", "x", "-2", "1.5", "17", "5000"):     # 1,100 once ran until the OOM killer
+    with pytest.raises(DecodeError, match=r"num_draft_tokens.*integer in \[1, 16\] or 'auto'"):
       parse_num_draft_tokens(bad)
   with pytest.raises(DecodeError, match="auto needs --method=mtp"):
     run(workdir, ["abc"], method="draft", draft_workdir=workdir, num_draft_tokens="auto")
+  with pytest.raises(DecodeError, match=r"num_draft_tokens=17 must be an integer in \[1, 16\]"):
+    run(workdir, ["abc"], method="mtp", num_draft_tokens=17)       # the Decoder checks it too
   assert flag_notices(method="mtp", given={"max_draft_tokens"}, temperature=1.0, compare=False) == [
       "--max_draft_tokens has no effect without --num_draft_tokens=auto"]
 
@@ -196,6 +201,9 @@ def test_inputs_past_their_types_are_one_line_before_loading(tmp_path):
       (["--num_samples", "100000000"], b"--num_samples"),
       (["--stop_token_ids", "x"], b"--stop_token_ids: 'x' is not an integer"),
       (["--no_such_flag", "1"], b"no_such_flag"),
+      (["main("], b"unexpected arguments 'main('"),           # an unquoted prompt's tail
+      (["--num_draft_tokens", "5000"], b"--num_draft_tokens='5000' must be an integer in [1, 16]"),
+      (["--json", str(tmp_path)], b"is a directory"),
   ]
   for extra, want in cases:
     r = _cli_bytes("--workdir", nowhere, "--prompt", "abc", *extra)
@@ -226,3 +234,13 @@ def test_stop_string_through_the_cli(workdir, tmp_path):
     assert res["text"] == text[:text.find(stop)] and res["finish_reason"] == "stop"
     assert r.stdout == "abc" + res["text"] + "\n"
     assert "seed 0" in r.stderr
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path):
+  from mtp.data import chat
+  bom = tmp_path / "bom.txt"
+  bom.write_bytes(b"\xef\xbb\xbfabc\ndef\n")
+  assert read_prompt_file(str(bom)) == ["abc", "def"]
+  jsonl = tmp_path / "bom.jsonl"
+  jsonl.write_bytes(b'\xef\xbb\xbf{"prompt": "hi", "category": "qa"}\n')
+  assert [p["prompt"] for p in chat.read_prompt_jsonl(str(jsonl))] == ["hi"]

@@ -264,3 +264,12 @@ def test_plain_ar_step_prices_g0_and_the_fallback(recorded):
   row = rp.compare(recs, COSTS, MAX_NEW, {"auto": sched}, ar_step_s=0.8)[0]
   assert row["G0"]["time"] == pytest.approx(0.8 * n)
   assert row["G1"]["speedup"] == pytest.approx(0.8 * n / g1.time_s)
+
+
+def test_script_refuses_a_workdir_without_a_chat_template(markov_workdir, capsys):
+  from scripts import replay_schedule as script
+  with pytest.raises(SystemExit) as e:
+    script.main(["--workdir", markov_workdir, "--costs", "1,1.2,1.4", "--max_draft_tokens", "2"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "--workdir=" in err and "has no chat template" in err, err

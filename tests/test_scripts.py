@@ -272,3 +272,24 @@ def test_bench_cells_defaults_and_refusals():
       (0, True, {"gs_given": ["auto"]}, "auto drafts with the MTP modules")]:
     with pytest.raises(ValueError, match=needle):
       bench_cells("w", depth, draft, **{**kw, **extra})
+
+
+def test_quick_runs_never_overwrite_the_committed_reports():
+  """``--quick`` with ``--out`` at its default writes under runs/quick/
+  (a smoke run once rewrote results/simulate_speedup.json); a given
+  ``--out`` is kept, and a full run keeps results/."""
+  import argparse
+  from mtp import cli
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default="results/simulate_speedup")
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--rounds", type=int, default=10)
+  args = ap.parse_args(["--quick"])
+  cli.apply_quick(ap, args, rounds=2)
+  assert args.out == os.path.join("runs", "quick", "simulate_speedup") and args.rounds == 2
+  args = ap.parse_args(["--quick", "--out", "elsewhere/x"])
+  cli.apply_quick(ap, args, rounds=2)
+  assert args.out == "elsewhere/x"
+  args = ap.parse_args([])
+  cli.quick_out(ap, args)
+  assert args.out == "results/simulate_speedup"

@@ -162,6 +162,14 @@ def test_cli_rejects_bad_override_naming_the_field(tmp_path):
                 "--config.train.lr=3"], timeout=120)
   assert r.returncode == 2 and "unknown config key 'train.lr'" in r.stderr, r.stderr[-500:]
   assert not (tmp_path / "w").exists()
+  (tmp_path / "f.txt").write_text("keep me")
+  r = _run_cli(["--config", "configs/tiny.py", "--workdir", str(tmp_path / "f.txt"),
+                "--config.train.num_steps=2", "stray"], timeout=120)
+  assert r.returncode == 2 and "unexpected arguments 'stray'" in r.stderr, r.stderr[-500:]
+  r = _run_cli(["--config", "configs/tiny.py", "--workdir", str(tmp_path / "f.txt"),
+                "--config.train.num_steps=2"], timeout=120)
+  assert r.returncode == 2 and "is not a directory" in r.stderr, r.stderr[-500:]
+  assert "Traceback" not in r.stderr and (tmp_path / "f.txt").read_text() == "keep me"
 
 
 def test_cli_missing_or_unloadable_config_file_is_one_line(tmp_path):

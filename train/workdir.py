@@ -49,7 +49,11 @@ def check_workdir(cfg: Config, workdir: str) -> int | None:
   """Refuses a workdir whose latest checkpoint was made by an incompatible
   config (before anything is written). Returns the step to resume from, or
   None for a fresh run. Raises ConfigError / CheckpointError (also when
-  ``train.init_from`` names the workdir itself: a stage writes elsewhere)."""
+  ``train.init_from`` names the workdir itself: a stage writes elsewhere,
+  or ``workdir`` is a file)."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ConfigError(f"--workdir={workdir!r} exists and is not a directory: give a new or an "
+                      "existing run folder")
   if cfg.train.init_from and os.path.abspath(cfg.train.init_from) == os.path.abspath(workdir):
     raise ConfigError(f"train.init_from={cfg.train.init_from!r} is the run's own --workdir: a "
                       "stage started from a trained workdir writes into a new one")

@@ -398,6 +398,7 @@ def read_prompt_jsonl(path: str, *, what: str = "prompt file") -> list[dict]:
     raw = open(path, "rb").read()
   except OSError as e:
     raise DataError(f"{what} {path!r}: {e.strerror}") from e
+  raw = raw.removeprefix(b"\xef\xbb\xbf")         # a UTF-8 byte-order mark is not a prompt's
   out = []
   for i, line in enumerate(raw.splitlines(), 1):
     where = f"{what} {path!r} line {i}"
