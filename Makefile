@@ -141,9 +141,12 @@ reference: $(STAMP)
 # make test: every test but the long end-to-end ones (marked slow: the
 # experiment scripts' quick runs, the 8-device sharding runs, python -m train
 # in a subprocess on a BPE stage); make test-slow runs those. CI runs both.
-# --max-worker-restart 0: a worker that crashes (once, a segfault inside XLA's
-# CPU compiler) ends the run naming its test; with restarts, --dist loadfile
-# can hang forever after a crash (pytest-xdist issue 784; seen here 2026-12-03).
+# --max-worker-restart 0: a worker that crashes (a segfault inside jaxlib, about
+# one full run in ten, in tests that pass alone) ends the run naming its test;
+# with restarts, --dist loadfile can hang forever after a crash (pytest-xdist
+# issue 784; seen here 2026-12-03). tests/crash_rerun.py then reruns the
+# crashed test (and any the crash left unrun) once in a fresh process when the
+# run has no other failure, and the run's status is that rerun's.
 XDIST := -n 2 --dist loadfile --max-worker-restart 0
 test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) --durations=25 -m "not slow" tests

@@ -12,6 +12,9 @@ from flax import nnx
 
 from mtp import config as config_lib
 from mtp import tokenizer as tok
+# a crashed xdist worker's test gets one rerun in a fresh process (its docstring)
+from tests.crash_rerun import (pytest_configure, pytest_handlecrashitem,  # noqa: F401
+                               pytest_xdist_node_collection_finished)
 
 
 def tiny_config(**sections) -> config_lib.Config:

@@ -1,0 +1,84 @@
+"""tests/crash_rerun.py: a run whose only failures are xdist worker crashes
+reruns the crashed (and never-reported) tests once in a fresh process and
+takes that rerun's status; a test that crashes every time, or a run with an
+ordinary failure, still fails."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.crash_rerun import rerun_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# test_b segfaults the first time (it leaves a marker file), or every time
+BODY = """
+import os, signal, time
+MARK = os.path.join(os.path.dirname(__file__), "crashed_once")
+
+def test_a():
+  time.sleep({sleep})   # lets the other file's worker report first
+
+def test_b():
+  if {always} or not os.path.exists(MARK):
+    open(MARK, "w").close()
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+def test_c():
+  assert {c_passes}
+"""
+
+OTHER = """
+def test_d():
+  assert {d_passes}
+"""
+
+
+def _run(tmp_path, always=False, c_passes=True, d_passes=True):
+  sleep = 0 if d_passes else 3
+  (tmp_path / "test_x.py").write_text(BODY.format(always=always, c_passes=c_passes, sleep=sleep))
+  (tmp_path / "test_y.py").write_text(OTHER.format(d_passes=d_passes))
+  env = {**os.environ, "PYTHONPATH": ROOT, "MTP_NO_CRASH_RERUN": ""}
+  p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.crash_rerun",
+                      "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile",
+                      "--max-worker-restart", "0", "--rootdir", str(tmp_path), str(tmp_path)],
+                     cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  return p.returncode, p.stdout + p.stderr
+
+
+def test_a_crash_once_is_rerun_and_passes(tmp_path):
+  rc, out = _run(tmp_path)
+  assert "worker crash while running test_x.py::test_b" in out, out
+  assert "crash rerun: passed" in out, out
+  assert rc == 0, out
+
+
+def test_a_crash_every_time_fails_the_run(tmp_path):
+  rc, out = _run(tmp_path, always=True)
+  assert "crash rerun: FAILED" in out, out
+  assert rc == 1, out
+
+
+def test_a_test_left_unrun_by_the_crash_is_rerun_and_its_failure_counts(tmp_path):
+  rc, out = _run(tmp_path, c_passes=False)   # test_c never ran in the worker that died
+  assert "rerunning 2 test(s)" in out and "crash rerun: FAILED" in out, out
+  assert rc == 1, out
+
+
+def test_an_ordinary_failure_is_not_rerun(tmp_path):
+  rc, out = _run(tmp_path, d_passes=False)
+  assert "no rerun: 1 test(s) failed without a crash (first: test_y.py::test_d)" in out, out
+  assert rc == 1, out
+
+
+def test_rerun_plan():
+  ids = ["a::1", "a::2", "b::1", "b::2"]
+  # crash in a::2 stopped the run before b: rerun a::2 and b's tests, in order
+  assert rerun_plan(ids, ["a::2"], {"a::2"}, {"a::1", "a::2"}) == (["a::2", "b::1", "b::2"], "")
+  assert rerun_plan(ids, [], set(), set(ids)) == ([], "no worker crashed")
+  assert rerun_plan(ids, ["a::2"], {"a::2", "b::1"}, set(ids))[0] == []
+  todo, why = rerun_plan(ids, ["a::2"], {"a::2"}, {"a::2"}, max_rerun=2)
+  assert todo == [] and "more than 2" in why
+  assert rerun_plan(None, ["a::2"], {"a::2"}, {"a::2"}) == (["a::2"], "")
