@@ -170,6 +170,23 @@ def test_cli_rejects_bad_override_naming_the_field(tmp_path):
                 "--config.train.num_steps=2"], timeout=120)
   assert r.returncode == 2 and "is not a directory" in r.stderr, r.stderr[-500:]
   assert "Traceback" not in r.stderr and (tmp_path / "f.txt").read_text() == "keep me"
+  # a batch whose logits alone exceed the machine: one line naming the field, nothing written
+  r = _run_cli(["--config", "configs/tiny.py", "--workdir", str(tmp_path / "w"),
+                "--config.train.batch_size=100000000"], timeout=120)
+  assert r.returncode == 2 and "train.batch_size=100000000 cannot fit" in r.stderr, r.stderr[-500:]
+  assert "Traceback" not in r.stderr and not (tmp_path / "w").exists()
+
+
+def test_memory_floor_names_the_largest_batch_that_fits():
+  from train import workdir as workdir_lib
+  cfg = tiny_config(train=dict(batch_size=100, seq_len=32))   # V = 264
+  assert workdir_lib.logits_floor_bytes(cfg) == 100 * 32 * 264 * 4
+  workdir_lib.check_memory_floor(cfg, (100 * 32 * 264 * 4, "test"))    # exactly fits
+  with pytest.raises(ConfigError, match=r"train\.batch_size=100 cannot fit.*"
+                     r"allowed: train\.batch_size <= 99 here"):
+    workdir_lib.check_memory_floor(cfg, (99 * 32 * 264 * 4 + 5, "test"))
+  have, where = workdir_lib.device_memory_bytes()
+  assert have > 2 ** 28 and where
 
 
 def test_cli_missing_or_unloadable_config_file_is_one_line(tmp_path):

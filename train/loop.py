@@ -448,7 +448,9 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
   killed) is taken over with a notice.
 
   Raises:
-    ConfigError, DataError, CheckpointError before anything is written;
+    ConfigError, DataError, CheckpointError before anything is written
+      (ConfigError also for a train.batch_size whose logits alone exceed
+      the memory: ``train.workdir.check_memory_floor``);
     WorkdirBusyError when another run holds the workdir (nothing touched);
     DivergedError for a NaN/inf training loss (nothing saved for it).
   """
@@ -699,6 +701,7 @@ def _loop(cfg: Config, workdir: str, trainer: Trainer, state: TrainState, data_i
 def _train(cfg: Config, workdir: str, lock, *, log, stop_after) -> dict[str, Any]:
   """``train``'s body; takes ``lock`` (process 0) before anything is read
   from an existing workdir, or before a new one is created."""
+  workdir_lib.check_memory_floor(cfg)   # before the lock: a refused run touches nothing
   is_main = jax.process_index() == 0
   log = log or (lambda s: tqdm.write(s, file=sys.stderr))
   if not is_main:   # multi-host: one process prints and writes files

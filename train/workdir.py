@@ -45,6 +45,49 @@ METRICS_FILE = "metrics.jsonl"
 FINAL_METRICS_FILE = "final_metrics.json"
 
 
+def logits_floor_bytes(cfg: Config) -> int:
+  """Bytes of one float32 logits tensor [train.batch_size, train.seq_len,
+  model.vocab_size] of the train step: a lower bound on its memory (the
+  main head's logits are always materialised, for its loss or as the
+  modules' distillation teacher; activations, gradients, the other heads'
+  logits and the optimizer come on top)."""
+  t = cfg.train
+  return int(t.batch_size) * int(t.seq_len) * int(cfg.model.vocab_size) * 4
+
+
+def device_memory_bytes() -> tuple[int, str]:
+  """(bytes this process's share of the train step can use at most, where):
+  the sum of its local devices' ``memory_stats()["bytes_limit"]`` where the
+  backend reports one (GPU, TPU), else this host's physical memory (CPU
+  devices share it)."""
+  devs = jax.local_devices()
+  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devs]
+  if all(limits):
+    return int(sum(limits)), f"{len(devs)} {devs[0].platform} device(s)"
+  return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "this host's RAM"
+
+
+def check_memory_floor(cfg: Config, available: tuple[int, str] | None = None) -> None:
+  """Refuses a train step that cannot fit before anything is allocated:
+  raises ConfigError naming ``train.batch_size`` and the largest one whose
+  logits floor (``logits_floor_bytes``) fits ``available`` (default
+  ``device_memory_bytes()``). A batch that passes may still not fit: the
+  floor is one tensor of the step. Multi-host: each process holds
+  1/process_count of the global batch."""
+  need = logits_floor_bytes(cfg) // jax.process_count()   # the batch is split across hosts
+  have, where = available or device_memory_bytes()
+  if need <= have:
+    return
+  t = cfg.train
+  per_seq = max(need // t.batch_size, 1)
+  gib = 2 ** 30
+  raise ConfigError(
+      f"train.batch_size={t.batch_size} cannot fit: one float32 logits tensor of the train "
+      f"step (batch_size x seq_len={t.seq_len} x vocab_size={cfg.model.vocab_size} x 4 bytes) "
+      f"is {need / gib:.1f} GiB, more than {where} ({have / gib:.1f} GiB); allowed: "
+      f"train.batch_size <= {max(have // per_seq, 0)} here, and far less in practice")
+
+
 def check_workdir(cfg: Config, workdir: str) -> int | None:
   """Refuses a workdir whose latest checkpoint was made by an incompatible
   config (before anything is written). Returns the step to resume from, or
