@@ -103,6 +103,13 @@ def _pending_reads_drained():
     setattr(_orbax_asyncio, name, original)
 
 
+def _no_step_metadata_note():
+  """Drops orbax's warning for a missing step-level ``_CHECKPOINT_METADATA``
+  (``quiet.ORBAX_NO_STEP_METADATA``) during a restore (the manager's
+  constructor, which lists the steps, drops it too)."""
+  return quiet.absl_messages_dropped(*quiet.ORBAX_NO_STEP_METADATA)
+
+
 def checkpoint_dir(workdir: str) -> str:
   return os.path.join(os.path.abspath(workdir), "checkpoints")
 
@@ -123,7 +130,8 @@ class Checkpointer:
                             "(train one first: python -m train --config configs/tiny.py --workdir ...; "
                             "or import a pretrained model: python -m mtp.importers --gguf FILE "
                             "--workdir ...)")
-    with quiet.absl_messages_dropped(*quiet.ORBAX_READ_ONLY):   # we asked for read_only
+    # read_only: we asked for it; listing the steps reads each one's metadata
+    with quiet.absl_messages_dropped(*quiet.ORBAX_READ_ONLY, *quiet.ORBAX_NO_STEP_METADATA):
       options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
                                              read_only=read_only, enable_async_checkpointing=False)
       self._manager = ocp.CheckpointManager(self.directory, options=options)
@@ -153,7 +161,7 @@ class Checkpointer:
     step = self.resolve_step(step)
     self._check_files(step, "config")
     try:
-      with _pending_reads_drained():
+      with _pending_reads_drained(), _no_step_metadata_note():
         raw = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises many types for damaged files
       raise CheckpointError(f"cannot read the config of checkpoint {self._path(step)} "
@@ -182,7 +190,7 @@ class Checkpointer:
     self._check_files(step, "state")
     try:
       if abstract_opt_state is None:
-        with _pending_reads_drained():
+        with _pending_reads_drained(), _no_step_metadata_note():
           restored = self._manager.restore(step, args=ocp.args.Composite(
               state=ocp.args.PyTreeRestore(
                   item={"params": abstract_params},
@@ -195,7 +203,7 @@ class Checkpointer:
                                                     "opt_state": abstract_opt_state})}
         if data_iter is not None:
           items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
-        with _pending_reads_drained():
+        with _pending_reads_drained(), _no_step_metadata_note():
           restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:
       raise CheckpointError(f"checkpoint {self._path(step)} is unreadable or does not match the "

@@ -17,6 +17,10 @@ import logging
 # options we never set.
 ORBAX_READ_ONLY = ("Given directory is read only",
                    "CheckpointManagerOptions.read_only=True, setting")
+# orbax restoring a step whose _CHECKPOINT_METADATA (its save timestamps,
+# nothing we read) is gone: the restore works and our array checksums still
+# verify every array, so the warning says nothing a user can act on.
+ORBAX_NO_STEP_METADATA = ("Metadata file does not exist",)
 # TFDS while building a dataset: the version folder it is writing has no
 # dataset_info.json yet.
 TFDS_BUILDING = ("Variant folder %s has no %s",)

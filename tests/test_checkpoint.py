@@ -176,6 +176,13 @@ def test_damaged_checkpoints_through_the_cli(saved, altered, tmp_path):
   broken = _copy(saved[0], tmp_path / "nometa")
   os.remove(os.path.join(_state_dir(broken), "_METADATA"))
   _one_error_line(_decode_cli(broken), "state/_METADATA is missing")
+  # the step's own _CHECKPOINT_METADATA (save timestamps) gone: decodes, and
+  # orbax's "Metadata file does not exist" warning is not shown
+  nostep = _copy(saved[0], tmp_path / "nostepmeta")
+  os.remove(os.path.join(os.path.dirname(_state_dir(nostep)), "_CHECKPOINT_METADATA"))
+  r = _decode_cli(nostep)
+  assert r.returncode == 0 and "Metadata file does not exist" not in r.stderr, r.stderr[-2000:]
+  assert "[mtp] tokens" in r.stderr + r.stdout
 
 
 def test_no_event_loop_tracebacks_after_the_error_is_caught(saved, tmp_path):
