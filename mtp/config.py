@@ -259,11 +259,19 @@ def validate(cfg: Config) -> Config:
   return cfg
 
 
+# model.num_layers: every block is a Python object built one by one (100,000
+# ran for minutes before failing); the deepest published transformers have
+# under 200. Sizes that cannot fit are refused by the train step's memory
+# floor (train.workdir.check_memory_floor), which knows the machine.
+MAX_LAYERS = 1024
+
+
 def _validate_model(m: ModelConfig) -> None:
   """``validate``'s checks of the ``model`` section (raises ConfigError)."""
   for name in ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
                "max_seq_len"):
     _check(getattr(m, name) >= 1, f"model.{name}", ">= 1", getattr(m, name))
+  _check(m.num_layers <= MAX_LAYERS, "model.num_layers", f"in [1, {MAX_LAYERS}]", m.num_layers)
   _check(m.tokenizer in TOKENIZER_KINDS, "model.tokenizer", f"one of {TOKENIZER_KINDS}", m.tokenizer)
   if m.tokenizer == "byte":
     _check(m.vocab_size >= tok.VOCAB_SIZE, "model.vocab_size",
@@ -335,6 +343,11 @@ def _validate_mtp(cfg: Config) -> None:
          t.hidden_cache_dir)
 
 
+# data.num_workers: 1,000,000 forked hundreds of grain workers and exhausted
+# the host's memory before failing; no host this runs on has more cores.
+MAX_DATA_WORKERS = 64
+
+
 def _validate_data(d: DataConfig) -> None:
   """``validate``'s checks of the ``data`` section (raises ConfigError)."""
   _check(bool(d.name), "data.name", "a non-empty dataset name", d.name)
@@ -348,7 +361,9 @@ def _validate_data(d: DataConfig) -> None:
   else:
     _check(not d.files, "data.files", "empty unless data.name='text_files' "
            f"(data.name={d.name!r} does not read files)", d.files)
-  _check(d.num_workers >= 0, "data.num_workers", ">= 0", d.num_workers)
+  _check(0 <= d.num_workers <= MAX_DATA_WORKERS, "data.num_workers",
+         f"in [0, {MAX_DATA_WORKERS}] (grain worker processes; each holds its own copy of the "
+         "pipeline, and more than the CPU cores only adds memory)", d.num_workers)
   _check(d.packing in PACKINGS, "data.packing", f"one of {PACKINGS}", d.packing)
 
 

@@ -16,6 +16,9 @@ from tests.conftest import tiny_config
     (dict(model=dict(bogus=1)), "model.bogus"),
     (dict(model=dict(d_model="big")), "model.d_model"),
     (dict(mesh=dict(data=0)), "mesh.data"),
+    (dict(data=dict(num_workers=65)), "data.num_workers"),
+    (dict(data=dict(num_workers=-1)), "data.num_workers"),
+    (dict(model=dict(num_layers=1025)), "model.num_layers"),
 ])
 def test_bad_values_name_the_field(override, field):
   with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

@@ -175,16 +175,29 @@ def test_cli_rejects_bad_override_naming_the_field(tmp_path):
                 "--config.train.batch_size=100000000"], timeout=120)
   assert r.returncode == 2 and "train.batch_size=100000000 cannot fit" in r.stderr, r.stderr[-500:]
   assert "Traceback" not in r.stderr and not (tmp_path / "w").exists()
+  r = _run_cli(["--config", "configs/tiny.py", "--workdir", str(tmp_path / "w"),
+                "--config.model.mlp_dim=1000000000"], timeout=120)
+  assert r.returncode == 2 and "the model cannot fit" in r.stderr, r.stderr[-500:]
+  assert "Traceback" not in r.stderr and not (tmp_path / "w").exists()
 
 
 def test_memory_floor_names_the_largest_batch_that_fits():
+  from flax import nnx
+  from mtp.model import Transformer, count_params
   from train import workdir as workdir_lib
+  for cfg in (tiny_config(), tiny_config(model=dict(tie_embeddings=False), mtp=dict(depth=3))):
+    model = Transformer(cfg.model, cfg.mtp.depth, rngs=nnx.Rngs(0))   # the formula is exact
+    assert workdir_lib.param_count(cfg) == count_params(model)["total"]
   cfg = tiny_config(train=dict(batch_size=100, seq_len=32))   # V = 264
-  assert workdir_lib.logits_floor_bytes(cfg) == 100 * 32 * 264 * 4
-  workdir_lib.check_memory_floor(cfg, (100 * 32 * 264 * 4, "test"))    # exactly fits
+  floor = workdir_lib.memory_floor_bytes(cfg)
+  assert floor["logits"] == 100 * 32 * 264 * 4 and floor["params"] == 4 * workdir_lib.param_count(cfg)
+  need = floor["params"] + floor["logits"]
+  workdir_lib.check_memory_floor(cfg, (need, "test"))    # exactly fits
   with pytest.raises(ConfigError, match=r"train\.batch_size=100 cannot fit.*"
                      r"allowed: train\.batch_size <= 99 here"):
-    workdir_lib.check_memory_floor(cfg, (99 * 32 * 264 * 4 + 5, "test"))
+    workdir_lib.check_memory_floor(cfg, (need - 32 * 264 * 4 + 5, "test"))
+  with pytest.raises(ConfigError, match=r"the model cannot fit: its .* parameters \(model\.d_model"):
+    workdir_lib.check_memory_floor(cfg, (floor["params"] - 1, "test"))
   have, where = workdir_lib.device_memory_bytes()
   assert have > 2 ** 28 and where
 

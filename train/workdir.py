@@ -45,14 +45,31 @@ METRICS_FILE = "metrics.jsonl"
 FINAL_METRICS_FILE = "final_metrics.json"
 
 
-def logits_floor_bytes(cfg: Config) -> int:
-  """Bytes of one float32 logits tensor [train.batch_size, train.seq_len,
-  model.vocab_size] of the train step: a lower bound on its memory (the
-  main head's logits are always materialised, for its loss or as the
-  modules' distillation teacher; activations, gradients, the other heads'
-  logits and the optimizer come on top)."""
+def param_count(cfg: Config) -> int:
+  """Parameters of ``mtp.model.Transformer(cfg.model, cfg.mtp.depth)``
+  computed from the config alone (no model is built; equals
+  ``mtp.model.count_params(...)["total"]`` without ``mtp.feature_layers``,
+  whose fusion projection it leaves out)."""
+  m = cfg.model
+  d, nh, kh = m.d_model, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+  block = d * nh + 2 * d * kh + nh * d + 3 * d * m.mlp_dim + 2 * d   # attn, SwiGLU, 2 norms
+  backbone = m.vocab_size * d + m.num_layers * block + d + (0 if m.tie_embeddings else d * m.vocab_size)
+  module = 3 * d + 2 * d * d + block                                  # 3 norms, M_k, a block
+  return int(backbone + cfg.mtp.depth * module)
+
+
+def memory_floor_bytes(cfg: Config) -> dict[str, int]:
+  """A lower bound on the train step's memory, by term (bytes): ``params``,
+  the parameters in ``model.param_dtype`` (``param_count``); ``logits``, one
+  float32 logits tensor [train.batch_size, train.seq_len, model.vocab_size]
+  (the main head's logits are always materialised, for its loss or as the
+  modules' distillation teacher). Activations, gradients, the optimizer's
+  state and the other heads' logits come on top: the real step needs
+  several times more."""
   t = cfg.train
-  return int(t.batch_size) * int(t.seq_len) * int(cfg.model.vocab_size) * 4
+  per = 2 if cfg.model.param_dtype in ("bfloat16", "float16") else 4
+  return {"params": param_count(cfg) * per,
+          "logits": int(t.batch_size) * int(t.seq_len) * int(cfg.model.vocab_size) * 4}
 
 
 def device_memory_bytes() -> tuple[int, str]:
@@ -68,24 +85,33 @@ def device_memory_bytes() -> tuple[int, str]:
 
 
 def check_memory_floor(cfg: Config, available: tuple[int, str] | None = None) -> None:
-  """Refuses a train step that cannot fit before anything is allocated:
-  raises ConfigError naming ``train.batch_size`` and the largest one whose
-  logits floor (``logits_floor_bytes``) fits ``available`` (default
-  ``device_memory_bytes()``). A batch that passes may still not fit: the
-  floor is one tensor of the step. Multi-host: each process holds
-  1/process_count of the global batch."""
-  need = logits_floor_bytes(cfg) // jax.process_count()   # the batch is split across hosts
+  """Refuses a train step that cannot fit before anything is allocated or
+  written: raises ConfigError when ``memory_floor_bytes`` (this process's
+  share: the parameters are replicated, the batch is split across
+  processes) exceeds ``available`` (default ``device_memory_bytes()``),
+  naming the model fields when the parameters alone do not fit, else
+  ``train.batch_size`` and the largest batch whose floor fits. Passing is
+  no promise: the floor leaves out activations, gradients and the
+  optimizer state."""
+  floor = memory_floor_bytes(cfg)
+  logits = floor["logits"] // jax.process_count()
   have, where = available or device_memory_bytes()
-  if need <= have:
+  if floor["params"] + logits <= have:
     return
-  t = cfg.train
-  per_seq = max(need // t.batch_size, 1)
-  gib = 2 ** 30
+  gib, t, m = 2 ** 30, cfg.train, cfg.model
+  if floor["params"] > have:
+    raise ConfigError(
+        f"the model cannot fit: its {param_count(cfg):,} parameters (model.d_model={m.d_model}, "
+        f"model.num_layers={m.num_layers}, model.mlp_dim={m.mlp_dim}, model.vocab_size="
+        f"{m.vocab_size}, mtp.depth={cfg.mtp.depth}) take {floor['params'] / gib:.1f} GiB, more "
+        f"than {where} ({have / gib:.1f} GiB), before any activation")
+  per_seq = max(logits // t.batch_size, 1)
   raise ConfigError(
       f"train.batch_size={t.batch_size} cannot fit: one float32 logits tensor of the train "
-      f"step (batch_size x seq_len={t.seq_len} x vocab_size={cfg.model.vocab_size} x 4 bytes) "
-      f"is {need / gib:.1f} GiB, more than {where} ({have / gib:.1f} GiB); allowed: "
-      f"train.batch_size <= {max(have // per_seq, 0)} here, and far less in practice")
+      f"step (batch_size x seq_len={t.seq_len} x vocab_size={m.vocab_size} x 4 bytes) is "
+      f"{logits / gib:.1f} GiB, and with the parameters' {floor['params'] / gib:.1f} GiB more "
+      f"than {where} ({have / gib:.1f} GiB); allowed: train.batch_size <= "
+      f"{max((have - floor['params']) // per_seq, 0)} here, and far less in practice")
 
 
 def check_workdir(cfg: Config, workdir: str) -> int | None:
