@@ -18,8 +18,14 @@ the test never finished. This plugin, on the xdist controller:
 - sets the exit status to that rerun's, and says so in the summary: the
   crashed test, the rerun's command and result.
 
-A test that crashes twice fails the run. The rerun is off with
-``MTP_NO_CRASH_RERUN=1`` and when the crashes exceed ``MAX_RERUN`` tests.
+A test that crashes twice fails the run. Nothing is rerun when the run was
+interrupted or had collection errors, when any test failed without a crash,
+when the crashes left more than ``MAX_RERUN`` tests unfinished, or with
+``MTP_NO_CRASH_RERUN=1``. The rerun gets the run's own options (``-W``,
+``-o``, ``-p``, ...) without the xdist ones. A limit by design: a crash
+that only happens after some other test ran in the same process passes
+when the crashed test reruns alone; the summary names every crash, so a
+crash that recurs run after run at the same test shows there.
 """
 
 from __future__ import annotations
@@ -86,19 +92,58 @@ def rerun_plan(collected: list[str] | None, crashed: list[str], failed: set[str]
   return todo, ""
 
 
+# xdist options (with their values) that the rerun, one process without
+# xdist, must not get, and --rootdir, which it sets itself; every other
+# option of the run is passed on.
+_DROPPED = ("-n", "--numprocesses", "--dist", "--max-worker-restart", "--maxprocesses", "--tx",
+            "--rsyncdir", "--rsyncignore", "-d", "--looponfail", "-f", "--rootdir")
+
+
+def rerun_args(invocation: list[str], takes_value: dict[str, bool]) -> list[str]:
+  """The run's command-line options for the rerun: ``invocation`` without
+  its positional arguments (the run's test paths: the rerun names its
+  tests) and without ``_DROPPED`` (``-n 2``, ``-n2``, ``--dist=loadfile``,
+  ...). ``takes_value``: option string -> whether it consumes the next
+  argument (from pytest's own parser), which tells values from paths."""
+  out, i = [], 0
+  while i < len(invocation):
+    a = invocation[i]
+    i += 1
+    if not a.startswith("-") or a == "-":
+      continue                                   # a test path
+    name, has_eq = a.split("=", 1)[0], "=" in a
+    value = [] if has_eq or not takes_value.get(name, False) else invocation[i:i + 1]
+    i += len(value)
+    if name in _DROPPED or (a.startswith("-n") and a[2:].isdigit()):
+      continue
+    out += [a, *value]
+  return out
+
+
+def _takes_value(config) -> dict[str, bool]:
+  p = config._parser   # pytest's own (private) Parser: an argparse parser inside
+  parser = p.optparser if hasattr(p, "optparser") else p._getparser()   # pytest >= 9 / 8
+  return {opt: action.nargs != 0 for opt, action in parser._option_string_actions.items()}
+
+
 class _Recorder:
   """Controller-side report recorder (a plugin object, so it holds the config:
   on the controller, pytest_runtest_logreport sees the workers' reports and
-  the crash reports)."""
+  the crash reports, pytest_collectreport their collection errors)."""
 
   def __init__(self, config):
     self.config = config
 
   def pytest_runtest_logreport(self, report):
     st = _state(self.config)
-    st["reported"].add(report.nodeid)
+    if report.when in ("teardown", "???"):   # finished (a crash report says "???")
+      st["reported"].add(report.nodeid)
     if report.failed:
       st["failed"].add(report.nodeid)
+
+  def pytest_collectreport(self, report):
+    if report.failed:   # a collection error is a failure of the run, never a crash
+      _state(self.config)["failed"].add(report.nodeid or "<collection>")
 
   @pytest.hookimpl(trylast=True)
   def pytest_sessionfinish(self, session, exitstatus):
@@ -107,16 +152,23 @@ class _Recorder:
       return
     tr = self.config.pluginmanager.get_plugin("terminalreporter")
     say = (lambda s: tr.write_line(s, yellow=True, bold=True)) if tr else print
-    todo, why = rerun_plan(st["collected"], st["crashed"], st["failed"], st["reported"])
     say(f"\nworker crash while running {', '.join(st['crashed'])}")
+    if exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+      say(f"no rerun: the run ended with {pytest.ExitCode(exitstatus).name} (interrupted, "
+          "collection errors or a usage error), not only with failed tests")
+      return
+    todo, why = rerun_plan(st["collected"], st["crashed"], st["failed"], st["reported"])
     if not todo:
       say(f"no rerun: {why}")
       return
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
-           "--rootdir", str(self.config.rootpath), *todo]
-    say(f"rerunning {len(todo)} test(s) once in a fresh process: {' '.join(cmd[1:6])} ...")
+    inv = self.config.invocation_params
+    cmd = [sys.executable, "-m", "pytest", *rerun_args(list(inv.args), _takes_value(self.config)),
+           "-p", "no:xdist", "-p", "no:cacheprovider", "--rootdir", str(self.config.rootpath),
+           *todo]
+    say(f"rerunning {len(todo)} test(s) once in a fresh process: "
+        f"{' '.join(cmd[1:len(cmd) - len(todo)])} ...")
     sys.stdout.flush()
-    rc = subprocess.call(cmd, cwd=str(self.config.rootpath))
+    rc = subprocess.call(cmd, cwd=str(inv.dir))
     self.verdict = (f"crash rerun: {'passed' if rc == 0 else f'FAILED (exit {rc})'}: the "
                     f"worker crash in {', '.join(st['crashed'])} reported above was rerun in a "
                     f"fresh process; the run's exit status is the rerun's ({rc})")

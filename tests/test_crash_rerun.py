@@ -36,14 +36,14 @@ def test_d():
 """
 
 
-def _run(tmp_path, always=False, c_passes=True, d_passes=True):
-  sleep = 0 if d_passes else 3
+def _run(tmp_path, always=False, c_passes=True, d_passes=True, other=None, extra=()):
+  sleep = 0 if d_passes and other is None else 3
   (tmp_path / "test_x.py").write_text(BODY.format(always=always, c_passes=c_passes, sleep=sleep))
-  (tmp_path / "test_y.py").write_text(OTHER.format(d_passes=d_passes))
+  (tmp_path / "test_y.py").write_text(other or OTHER.format(d_passes=d_passes))
   env = {**os.environ, "PYTHONPATH": ROOT, "MTP_NO_CRASH_RERUN": ""}
   p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.crash_rerun",
                       "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile",
-                      "--max-worker-restart", "0", "--rootdir", str(tmp_path), str(tmp_path)],
+                      "--max-worker-restart", "0", *extra, "--rootdir", str(tmp_path), str(tmp_path)],
                      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
   return p.returncode, p.stdout + p.stderr
 
@@ -71,6 +71,39 @@ def test_an_ordinary_failure_is_not_rerun(tmp_path):
   rc, out = _run(tmp_path, d_passes=False)
   assert "no rerun: 1 test(s) failed without a crash (first: test_y.py::test_d)" in out, out
   assert rc == 1, out
+
+
+def test_a_collection_error_beside_a_crash_is_not_rerun(tmp_path):
+  rc, out = _run(tmp_path, other="import no_such_module_xyz\n")
+  assert "no rerun" in out and "crash rerun: passed" not in out, out
+  assert rc != 0, out
+
+
+def test_the_rerun_keeps_the_runs_options(tmp_path):
+  """-W error turns test_c's warning into a failure in the run, so in the
+  rerun too (the crash left test_c unrun)."""
+  body = BODY.replace("assert {c_passes}", "import warnings; warnings.warn('x', UserWarning)")
+  (tmp_path / "test_x.py").write_text(body.format(always=False, c_passes=True, sleep=0))
+  (tmp_path / "test_y.py").write_text(OTHER.format(d_passes=True))
+  env = {**os.environ, "PYTHONPATH": ROOT, "MTP_NO_CRASH_RERUN": ""}
+  p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.crash_rerun", "-W",
+                      "error::UserWarning", "-n2", "--dist=loadfile", "--max-worker-restart", "0",
+                      "--rootdir", str(tmp_path), str(tmp_path)],
+                     cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  out = p.stdout + p.stderr
+  assert "rerunning 2 test(s)" in out and "crash rerun: FAILED" in out, out
+  assert p.returncode == 1, out
+
+
+def test_rerun_args_drop_paths_and_xdist_options():
+  from tests.crash_rerun import rerun_args
+  takes = {"-n": True, "--dist": True, "--rootdir": True, "-W": True, "-m": True, "-q": False,
+           "-p": True, "--max-worker-restart": True, "-x": False}
+  argv = ["-q", "tests", "-n", "2", "--dist", "loadfile", "-m", "not slow", "-W", "error",
+          "--rootdir", "tests", "-n2", "--max-worker-restart=0", "-p", "tests.crash_rerun", "-x",
+          "tests/test_a.py::test_b"]
+  assert rerun_args(argv, takes) == ["-q", "-m", "not slow", "-W", "error", "-p",
+                                     "tests.crash_rerun", "-x"]
 
 
 def test_rerun_plan():
