@@ -23,6 +23,7 @@ decoder and runs the job.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Mapping, Sequence
 from typing import TextIO
@@ -100,6 +101,24 @@ def flag_notices(*, method: str, given: set[str], temperature: float, compare: b
       notes.append(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect at "
                    "--temperature=0 (greedy: every token is the argmax)")
   return notes
+
+
+@contextlib.contextmanager
+def out_of_memory_as_decode_error(num_prompts: int, num_samples: int, max_new_tokens: int):
+  """Turns XLA's RESOURCE_EXHAUSTED (an allocation the device or host
+  cannot make: the batch is prompts x --num_samples rows, each with a KV
+  cache) into a one-line DecodeError naming the flags that size it; any
+  other runtime error passes unchanged."""
+  import jax
+  try:
+    yield
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    raise DecodeError(
+        f"out of memory decoding {num_prompts} prompt(s) x --num_samples={num_samples} rows "
+        f"with --max_new_tokens={max_new_tokens} ({str(e).splitlines()[0][:160]}); lower "
+        "--num_samples, the number of prompts or --max_new_tokens") from None
 
 
 MAX_NEW_TOKENS = 2 ** 31 - 1
@@ -250,9 +269,10 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
     stops.validate(decoder.target_cfg.vocab_size)
   if chat is None:
     chat = bool(decoder.tokenizer.chat_template)
-  gen = decode_texts(decoder, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                     num_samples=num_samples, seed=seed, out=out, stops=stops, chat=chat,
-                     systems=systems)
+  with out_of_memory_as_decode_error(len(prompts), num_samples, max_new_tokens):
+    gen = decode_texts(decoder, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                       num_samples=num_samples, seed=seed, out=out, stops=stops, chat=chat,
+                       systems=systems)
   results = results_lib.result_rows(gen, prompts, categories, num_samples)
   summary = stats_lib.summarize(gen)
   if len(gen.tokens) > 1:

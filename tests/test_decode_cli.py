@@ -244,3 +244,19 @@ def test_a_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path):
   jsonl = tmp_path / "bom.jsonl"
   jsonl.write_bytes(b'\xef\xbb\xbf{"prompt": "hi", "category": "qa"}\n')
   assert [p["prompt"] for p in chat.read_prompt_jsonl(str(jsonl))] == ["hi"]
+
+
+def test_out_of_memory_is_one_decode_error_naming_the_flags():
+  """XLA's RESOURCE_EXHAUSTED while decoding (--num_samples 65536 on a
+  memory-capped host) becomes a DecodeError naming the flags that size the
+  batch; other runtime errors pass unchanged."""
+  import jax
+  from decode.run import out_of_memory_as_decode_error
+  oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 2147483648 bytes.")
+  with pytest.raises(DecodeError, match=r"2 prompt\(s\) x --num_samples=65536 rows.*lower "
+                     r"--num_samples"):
+    with out_of_memory_as_decode_error(2, 65536, 64):
+      raise oom
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+    with out_of_memory_as_decode_error(2, 65536, 64):
+      raise jax.errors.JaxRuntimeError("INTERNAL: something else")
