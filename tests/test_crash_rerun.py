@@ -36,63 +36,42 @@ def test_d():
 """
 
 
-def _run(tmp_path, always=False, c_passes=True, d_passes=True, other=None, extra=()):
+def _run(tmp_path, always=False, c_passes=True, d_passes=True, other=None, extra=(), body=BODY):
   sleep = 0 if d_passes and other is None else 3
-  (tmp_path / "test_x.py").write_text(BODY.format(always=always, c_passes=c_passes, sleep=sleep))
+  (tmp_path / "test_x.py").write_text(body.format(always=always, c_passes=c_passes, sleep=sleep))
   (tmp_path / "test_y.py").write_text(other or OTHER.format(d_passes=d_passes))
   env = {**os.environ, "PYTHONPATH": ROOT, "MTP_NO_CRASH_RERUN": ""}
   p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.crash_rerun",
-                      "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile",
-                      "--max-worker-restart", "0", *extra, "--rootdir", str(tmp_path), str(tmp_path)],
+                      "-p", "no:cacheprovider", *extra, "-n2", "--dist=loadfile",
+                      "--max-worker-restart", "0", "--rootdir", str(tmp_path), str(tmp_path)],
                      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
   return p.returncode, p.stdout + p.stderr
 
 
-def test_a_crash_once_is_rerun_and_passes(tmp_path):
-  rc, out = _run(tmp_path)
-  assert "worker crash while running test_x.py::test_b" in out, out
-  assert "crash rerun: passed" in out, out
-  assert rc == 0, out
+# -W error turns test_c's warning into a failure in the run, so in the rerun too
+WARNS = BODY.replace("assert {c_passes}", "import warnings; warnings.warn('x', UserWarning)")
 
 
-def test_a_crash_every_time_fails_the_run(tmp_path):
-  rc, out = _run(tmp_path, always=True)
-  assert "crash rerun: FAILED" in out, out
-  assert rc == 1, out
-
-
-def test_a_test_left_unrun_by_the_crash_is_rerun_and_its_failure_counts(tmp_path):
-  rc, out = _run(tmp_path, c_passes=False)   # test_c never ran in the worker that died
-  assert "rerunning 2 test(s)" in out and "crash rerun: FAILED" in out, out
-  assert rc == 1, out
-
-
-def test_an_ordinary_failure_is_not_rerun(tmp_path):
-  rc, out = _run(tmp_path, d_passes=False)
-  assert "no rerun: 1 test(s) failed without a crash (first: test_y.py::test_d)" in out, out
-  assert rc == 1, out
-
-
-def test_a_collection_error_beside_a_crash_is_not_rerun(tmp_path):
-  rc, out = _run(tmp_path, other="import no_such_module_xyz\n")
-  assert "no rerun" in out and "crash rerun: passed" not in out, out
-  assert rc != 0, out
-
-
-def test_the_rerun_keeps_the_runs_options(tmp_path):
-  """-W error turns test_c's warning into a failure in the run, so in the
-  rerun too (the crash left test_c unrun)."""
-  body = BODY.replace("assert {c_passes}", "import warnings; warnings.warn('x', UserWarning)")
-  (tmp_path / "test_x.py").write_text(body.format(always=False, c_passes=True, sleep=0))
-  (tmp_path / "test_y.py").write_text(OTHER.format(d_passes=True))
-  env = {**os.environ, "PYTHONPATH": ROOT, "MTP_NO_CRASH_RERUN": ""}
-  p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.crash_rerun", "-W",
-                      "error::UserWarning", "-n2", "--dist=loadfile", "--max-worker-restart", "0",
-                      "--rootdir", str(tmp_path), str(tmp_path)],
-                     cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-  out = p.stdout + p.stderr
-  assert "rerunning 2 test(s)" in out and "crash rerun: FAILED" in out, out
-  assert p.returncode == 1, out
+@pytest.mark.parametrize("case, kwargs, rc_want, needles", [
+    ("a crash once is rerun and passes", {}, 0,
+     ["worker crash while running test_x.py::test_b", "crash rerun: passed"]),
+    ("a crash every time fails the run", dict(always=True), 1, ["crash rerun: FAILED"]),
+    ("a test the crash left unrun is rerun, its failure counts", dict(c_passes=False), 1,
+     ["rerunning 2 test(s)", "crash rerun: FAILED"]),
+    ("an ordinary failure is not rerun", dict(d_passes=False), 1,
+     ["no rerun: 1 test(s) failed without a crash (first: test_y.py::test_d)"]),
+    ("a collection error beside a crash is not rerun",
+     dict(other="import no_such_module_xyz\n"), None, ["no rerun"]),
+    ("the rerun keeps the run's options", dict(body=WARNS, extra=["-W", "error::UserWarning"]), 1,
+     ["rerunning 2 test(s)", "crash rerun: FAILED"]),
+])
+def test_crash_outcomes(tmp_path, case, kwargs, rc_want, needles):
+  rc, out = _run(tmp_path, **kwargs)
+  for n in needles:
+    assert n in out, (case, out)
+  assert (rc != 0 if rc_want is None else rc == rc_want), (case, rc, out)
+  if rc_want != 0:
+    assert "crash rerun: passed" not in out, (case, out)
 
 
 def test_rerun_args_drop_paths_and_xdist_options():
