@@ -200,6 +200,14 @@ def test_memory_floor_names_the_largest_batch_that_fits():
     workdir_lib.check_memory_floor(cfg, (floor["params"] - 1, "test"))
   have, where = workdir_lib.device_memory_bytes()
   assert have > 2 ** 28 and where
+  # across 2 hosts of 4 devices: the batch (and vocabulary) split over all 8
+  # devices, the parameters over mesh.fsdp x mesh.tensor only
+  fsdp = tiny_config(train=dict(batch_size=100, seq_len=32), mesh=dict(data=1, fsdp=8))
+  assert workdir_lib.process_share(cfg, 4, 8) == (1.0, 0.5)
+  assert workdir_lib.process_share(fsdp, 4, 8) == (0.5, 0.5)
+  workdir_lib.check_memory_floor(fsdp, (need // 2 + 8, "test"), devices=(4, 8))
+  with pytest.raises(ConfigError, match="train.batch_size=100 cannot fit"):
+    workdir_lib.check_memory_floor(cfg, (need // 2 + 8, "test"), devices=(4, 8))
 
 
 def test_cli_missing_or_unloadable_config_file_is_one_line(tmp_path):

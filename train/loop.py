@@ -449,8 +449,8 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
 
   Raises:
     ConfigError, DataError, CheckpointError before anything is written
-      (ConfigError also for a train.batch_size whose logits alone exceed
-      the memory: ``train.workdir.check_memory_floor``);
+      (ConfigError also for a model or batch whose parameters and logits
+      alone exceed the memory: ``train.workdir.check_memory_floor``);
     WorkdirBusyError when another run holds the workdir (nothing touched);
     DivergedError for a NaN/inf training loss (nothing saved for it).
   """

@@ -84,34 +84,48 @@ def device_memory_bytes() -> tuple[int, str]:
   return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "this host's RAM"
 
 
-def check_memory_floor(cfg: Config, available: tuple[int, str] | None = None) -> None:
+def process_share(cfg: Config, num_local: int, num_global: int) -> tuple[float, float]:
+  """The smallest fractions (params, logits) of the train step's parameters
+  and logits one process can hold, for ``num_local`` of ``num_global``
+  devices: parameters are split over at most ``mesh.fsdp x mesh.tensor``
+  devices (a process holds at least ``num_local`` of them, or all), the
+  logits over at most every device (batch and vocabulary). Lower bounds:
+  the real layout never holds less."""
+  split = max(1, cfg.mesh.fsdp) * max(1, cfg.mesh.tensor)
+  return min(1.0, num_local / split), num_local / max(num_global, 1)
+
+
+def check_memory_floor(cfg: Config, available: tuple[int, str] | None = None,
+                       devices: tuple[int, int] | None = None) -> None:
   """Refuses a train step that cannot fit before anything is allocated or
-  written: raises ConfigError when ``memory_floor_bytes`` (this process's
-  share: the parameters are replicated, the batch is split across
-  processes) exceeds ``available`` (default ``device_memory_bytes()``),
-  naming the model fields when the parameters alone do not fit, else
-  ``train.batch_size`` and the largest batch whose floor fits. Passing is
-  no promise: the floor leaves out activations, gradients and the
-  optimizer state."""
+  written: raises ConfigError when this process's share
+  (``process_share``; ``devices`` = (local, global) device counts, default
+  JAX's) of ``memory_floor_bytes`` exceeds ``available`` (default
+  ``device_memory_bytes()``), naming the model fields when the parameters
+  alone do not fit, else ``train.batch_size`` and the largest batch whose
+  floor fits. Passing is no promise: the floor leaves out activations,
+  gradients and the optimizer state."""
   floor = memory_floor_bytes(cfg)
-  logits = floor["logits"] // jax.process_count()
+  p_share, l_share = process_share(cfg, *(devices or (jax.local_device_count(), jax.device_count())))
+  params, logits = int(floor["params"] * p_share), int(floor["logits"] * l_share)
   have, where = available or device_memory_bytes()
-  if floor["params"] + logits <= have:
+  if params + logits <= have:
     return
   gib, t, m = 2 ** 30, cfg.train, cfg.model
-  if floor["params"] > have:
+  if params > have:
     raise ConfigError(
         f"the model cannot fit: its {param_count(cfg):,} parameters (model.d_model={m.d_model}, "
         f"model.num_layers={m.num_layers}, model.mlp_dim={m.mlp_dim}, model.vocab_size="
-        f"{m.vocab_size}, mtp.depth={cfg.mtp.depth}) take {floor['params'] / gib:.1f} GiB, more "
+        f"{m.vocab_size}, mtp.depth={cfg.mtp.depth}; this process's share with mesh.fsdp="
+        f"{cfg.mesh.fsdp}, mesh.tensor={cfg.mesh.tensor}) take {params / gib:.1f} GiB, more "
         f"than {where} ({have / gib:.1f} GiB), before any activation")
   per_seq = max(logits // t.batch_size, 1)
   raise ConfigError(
       f"train.batch_size={t.batch_size} cannot fit: one float32 logits tensor of the train "
-      f"step (batch_size x seq_len={t.seq_len} x vocab_size={m.vocab_size} x 4 bytes) is "
-      f"{logits / gib:.1f} GiB, and with the parameters' {floor['params'] / gib:.1f} GiB more "
-      f"than {where} ({have / gib:.1f} GiB); allowed: train.batch_size <= "
-      f"{max((have - floor['params']) // per_seq, 0)} here, and far less in practice")
+      f"step (batch_size x seq_len={t.seq_len} x vocab_size={m.vocab_size} x 4 bytes, this "
+      f"process's share) is {logits / gib:.1f} GiB, and with the parameters' {params / gib:.1f} "
+      f"GiB more than {where} ({have / gib:.1f} GiB); allowed: train.batch_size <= "
+      f"{max((have - params) // per_seq, 0)} here, and far less in practice")
 
 
 def check_workdir(cfg: Config, workdir: str) -> int | None:
