@@ -13,8 +13,7 @@ from flax import nnx
 from mtp import config as config_lib
 from mtp import tokenizer as tok
 # a crashed xdist worker's test gets one rerun in a fresh process (its docstring)
-from tests.crash_rerun import (pytest_configure, pytest_handlecrashitem,  # noqa: F401
-                               pytest_xdist_node_collection_finished)
+from tests.crash_rerun import pytest_configure  # noqa: F401
 
 
 def tiny_config(**sections) -> config_lib.Config:

@@ -1,12 +1,12 @@
 """A crashed pytest-xdist worker gets one rerun, in a fresh process.
 
 ``make test`` runs the files on 2 xdist workers with ``--max-worker-restart
-0`` (a restart can hang ``--dist loadfile``, pytest-xdist issue 784). About
-one full run in ten, a worker died of a segfault inside jaxlib (XLA's CPU
-compiler; seen 2026-12-03 locally and in CI on
-``tests/test_bench_cache_length.py``, which passes alone every time) after
-hundreds of compilations in the same process. A crash is not a test failing:
-the test never finished. This plugin, on the xdist controller:
+0`` (a restart can hang ``--dist loadfile``, pytest-xdist issue 784). In
+three full runs (2026-12-03 and 12-04, locally and in CI) a worker died of a
+segfault inside jaxlib, in XLA's CPU compile of
+``test_bench_cache_length_quick``, a test that passes alone every time (it
+now runs its script in a process of its own). A crash is not a test
+failing: the test never finished. This plugin, on the xdist controller:
 
 - records the test each crashed worker was running
   (``pytest_handlecrashitem``) and every report;
@@ -37,31 +37,12 @@ import sys
 import pytest
 
 MAX_RERUN = 64   # more never-finished tests than this is not one flaky crash
-_STATE_KEY = pytest.StashKey[dict]()
-
-
-def _state(config) -> dict:
-  if _STATE_KEY not in config.stash:
-    config.stash[_STATE_KEY] = dict(collected=None, crashed=[], failed=set(), reported=set())
-  return config.stash[_STATE_KEY]
 
 
 def _is_controller(config) -> bool:
   """Not an xdist worker (the controller, or a run without xdist, where no
   worker can crash and the recorder stays idle)."""
   return not hasattr(config, "workerinput")
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_node_collection_finished(node, ids):
-  st = _state(node.config)
-  if st["collected"] is None:
-    st["collected"] = list(ids)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_handlecrashitem(crashitem, report, sched):
-  _state(report.node.config)["crashed"].append(crashitem)
 
 
 def rerun_plan(collected: list[str] | None, crashed: list[str], failed: set[str],
@@ -127,15 +108,27 @@ def _takes_value(config) -> dict[str, bool]:
 
 
 class _Recorder:
-  """Controller-side report recorder (a plugin object, so it holds the config:
-  on the controller, pytest_runtest_logreport sees the workers' reports and
-  the crash reports, pytest_collectreport their collection errors)."""
+  """Controller-side recorder (a plugin object, so it holds the config): on
+  the controller, xdist reports the workers' collections and crashes, and
+  pytest_runtest_logreport / pytest_collectreport see the workers' reports,
+  the crash reports and the collection errors."""
 
   def __init__(self, config):
     self.config = config
+    self.st = dict(collected=None, crashed=[], failed=set(), reported=set())
+
+  @pytest.hookimpl(optionalhook=True)
+  def pytest_xdist_node_collection_finished(self, node, ids):
+    st = self.st
+    if st["collected"] is None:
+      st["collected"] = list(ids)
+
+  @pytest.hookimpl(optionalhook=True)
+  def pytest_handlecrashitem(self, crashitem, report, sched):
+    self.st["crashed"].append(crashitem)
 
   def pytest_runtest_logreport(self, report):
-    st = _state(self.config)
+    st = self.st
     if report.when in ("teardown", "???"):   # finished (a crash report says "???")
       st["reported"].add(report.nodeid)
     if report.failed:
@@ -143,11 +136,11 @@ class _Recorder:
 
   def pytest_collectreport(self, report):
     if report.failed:   # a collection error is a failure of the run, never a crash
-      _state(self.config)["failed"].add(report.nodeid or "<collection>")
+      self.st["failed"].add(report.nodeid or "<collection>")
 
   @pytest.hookimpl(trylast=True)
   def pytest_sessionfinish(self, session, exitstatus):
-    st = _state(self.config)
+    st = self.st
     if not st["crashed"] or os.environ.get("MTP_NO_CRASH_RERUN") == "1":
       return
     tr = self.config.pluginmanager.get_plugin("terminalreporter")
