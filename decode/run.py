@@ -28,6 +28,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
+import jax
+
 from decode import calibrate
 from decode import compare as compare_lib
 from decode import results as results_lib
@@ -109,7 +111,6 @@ def out_of_memory_as_decode_error(num_prompts: int, num_samples: int, max_new_to
   cannot make: the batch is prompts x --num_samples rows, each with a KV
   cache) into a one-line DecodeError naming the flags that size it; any
   other runtime error passes unchanged."""
-  import jax
   try:
     yield
   except jax.errors.JaxRuntimeError as e:
