@@ -141,8 +141,8 @@ reference: $(STAMP)
 # make test: every test but the long end-to-end ones (marked slow: the
 # experiment scripts' quick runs, the 8-device sharding runs, python -m train
 # in a subprocess on a BPE stage); make test-slow runs those. CI runs both.
-# --max-worker-restart 0: a worker that crashes (a segfault inside jaxlib, about
-# one full run in ten, in tests that pass alone) ends the run naming its test;
+# --max-worker-restart 0: a worker that crashes (a segfault inside jaxlib, seen
+# in three full runs, in a test that passes alone) ends the run naming its test;
 # with restarts, --dist loadfile can hang forever after a crash (pytest-xdist
 # issue 784; seen here 2026-12-03). tests/crash_rerun.py then reruns the
 # crashed test (and any the crash left unrun) once in a fresh process when the
