@@ -4,6 +4,7 @@ transformers parity tests are in tests/test_export_hf.py."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -286,7 +287,7 @@ def test_output_directory_rules(exported, tmp_path, monkeypatch):
   foreign = tmp_path / "mine"
   foreign.mkdir()
   (foreign / "notes.txt").write_text("keep me")
-  with pytest.raises(ex.ExportError, match="not written by mtp.export.*refusing"):
+  with pytest.raises(ex.ExportError, match="not an earlier export .*notes.txt.*refusing"):
     export_run.export(workdir, str(foreign), overwrite=True)
   assert (foreign / "notes.txt").read_text() == "keep me"
   with pytest.raises(ex.ExportError, match="parent directory .* does not exist"):
@@ -306,6 +307,49 @@ def test_output_directory_rules(exported, tmp_path, monkeypatch):
     export_run.export(workdir, str(out), overwrite=True)
   assert {f: open(out / f, "rb").read() for f in os.listdir(out)} == before
   assert not _tmp_leftovers(tmp_path)
+
+
+def _tree(path) -> dict:
+  """Every file under ``path`` (relative name -> bytes)."""
+  out = {}
+  for root, _, files in os.walk(path):
+    for f in files:
+      full = os.path.join(root, f)
+      out[os.path.relpath(full, path)] = open(full, "rb").read()
+  return out
+
+
+def test_overwrite_never_deletes_a_workdir(exported, tmp_path):
+  """--overwrite replaces only an earlier export: never the workdir being
+  exported (or a folder holding it), never another training run, even one
+  whose config.json has an 'mtp' entry (every workdir's has)."""
+  _, _, workdir, _ = exported["plain"]
+  src = tmp_path / "run_a"
+  shutil.copytree(workdir, src)
+  (src / "metrics.jsonl").write_text('{"step": 3, "split": "train"}\n')
+  with open(src / "config.json", "w") as f:          # a training workdir's config.json
+    json.dump({"mtp": {"depth": 0}, "model": {}}, f)
+  before = _tree(src)
+  for out in (src, tmp_path):                          # itself, a folder that holds it
+    with pytest.raises(ex.ExportError, match="contains, the --workdir being exported"):
+      export_run.export(str(src), str(out), overwrite=True)
+  other = tmp_path / "run_b"
+  shutil.copytree(src, other)
+  with pytest.raises(ex.ExportError, match="not an earlier export .*checkpoints.*refusing"):
+    export_run.export(str(src), str(other), overwrite=True)
+  # An export with one extra file in it is not replaced either.
+  out = tmp_path / "hf"
+  export_run.export(str(src), str(out))
+  (out / "README.md").write_text("mine")
+  with pytest.raises(ex.ExportError, match="README.md"):
+    export_run.export(str(src), str(out), overwrite=True)
+  assert _tree(src) == before and _tree(other) == before
+  assert (out / "README.md").read_text() == "mine"
+  r = subprocess.run([sys.executable, "-m", "mtp.export", "--workdir", str(src), "--out", str(src),
+                      "--overwrite"], cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+  assert _tree(src) == before
 
 
 def test_cli(exported, tmp_path):

@@ -370,31 +370,55 @@ def is_exported(path: str) -> bool:
           and os.path.isfile(os.path.join(path, WEIGHTS_FILE)))
 
 
-def _is_replaceable(path: str) -> bool:
-  """An empty folder, or one that ``export`` wrote (config.json with an
-  ``mtp`` entry): --overwrite never deletes anything else."""
-  if not os.listdir(path):
-    return True
+EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, GENERATION_CONFIG_FILE, TOKENIZER_FILE,
+                          TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE})
+
+
+def _replace_refusal(path: str) -> str | None:
+  """Why ``path`` (an existing folder) may not be replaced by an export, or
+  None if it may: it must be empty, or hold only the files ``write_export``
+  writes (``EXPORT_FILES``) with a config.json that has an ``mtp`` entry.
+  A training or import workdir (checkpoints/, metrics.jsonl, ...) never
+  qualifies, so --overwrite cannot delete one."""
+  entries = os.listdir(path)
+  if not entries:
+    return None
+  others = sorted(e for e in entries if e not in EXPORT_FILES
+                  or not os.path.isfile(os.path.join(path, e))
+                  or os.path.islink(os.path.join(path, e)))
+  if others:
+    shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+    return f"it holds {shown}, which mtp.export does not write"
   try:
     with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as f:
-      return "mtp" in json.load(f)
+      if "mtp" in json.load(f):
+        return None
   except (OSError, ValueError):
-    return False
+    pass
+  return f"its {CONFIG_FILE} has no 'mtp' entry"
 
 
-def check_out(out: str, overwrite: bool) -> str:
+def check_out(out: str, overwrite: bool, source: str | None = None) -> str:
   """The absolute output path ``out`` after the checks ``write_export``
-  makes before writing (raises ExportError as it does)."""
+  makes before writing (raises ExportError as it does). ``source``: the
+  workdir or export being exported; ``out`` may be neither it nor a folder
+  that contains it."""
   out = os.path.abspath(os.path.expanduser(out))
+  if source is not None:
+    src = os.path.realpath(os.path.expanduser(source))
+    real = os.path.realpath(out)
+    if src == real or src.startswith(real.rstrip(os.sep) + os.sep):
+      raise ExportError(f"--out={out!r} is, or contains, the --workdir being exported "
+                        f"({src!r}); choose another folder")
   if os.path.lexists(out):
     if not os.path.isdir(out) or os.path.islink(out):
       raise ExportError(f"--out={out!r} exists and is not a directory")
     if not overwrite:
       raise ExportError(f"--out={out!r} already exists; pass --overwrite to replace it")
-    if not _is_replaceable(out):
-      raise ExportError(f"--out={out!r} is not empty and was not written by mtp.export (no "
-                        f"{CONFIG_FILE} with an 'mtp' entry); refusing to replace it even with "
-                        "--overwrite")
+    why = _replace_refusal(out)
+    if why is not None:
+      raise ExportError(f"--out={out!r} is not an earlier export ({why}); refusing to replace "
+                        "it even with --overwrite")
   parent = os.path.dirname(out)
   if not os.path.isdir(parent):
     raise ExportError(f"--out={out!r}: parent directory {parent!r} does not exist")

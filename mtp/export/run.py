@@ -26,7 +26,7 @@ def export(workdir: str, out: str, *, step: int | None = None, overwrite: bool =
     mtp.export.ExportError: as ``mtp.export.write_export``, or an unreadable
       tokenizer (``mtp.tokenizer.TokenizerError``, named with its file).
   """
-  out_abs = export_lib.check_out(out, overwrite)      # fail before the (slow) restore
+  out_abs = export_lib.check_out(out, overwrite, source=workdir)   # fail before the (slow) restore
   try:
     tokenizer = tok.load_tokenizer(workdir)          # the byte tokenizer for byte models
   except tok.TokenizerError as e:
