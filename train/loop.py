@@ -319,13 +319,18 @@ class Trainer:
 class MetricWriter:
   """Appends metrics to WORKDIR/metrics.jsonl and TensorBoard event files
   (process 0 only). A resumed run appends; for a step logged twice (steps
-  after the last checkpoint of a killed run), the later line wins."""
+  after the last checkpoint of a killed run), the later line wins. Each
+  row is appended whole or not at all (``train.workdir.append_line``), and
+  a torn last line left by an earlier run is cut off before the first one
+  (``end_at_row_boundary``), so no row is glued onto a torn one."""
 
   def __init__(self, workdir: str, enabled: bool):
     self.enabled = enabled
     self._tb = None
     if enabled:
-      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+      path = os.path.join(workdir, workdir_lib.METRICS_FILE)
+      workdir_lib.end_at_row_boundary(path)
+      self._jsonl = open(path, "ab", buffering=0)
       try:
         from tensorboardX import SummaryWriter
         self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
@@ -335,8 +340,8 @@ class MetricWriter:
   def write(self, step: int, split: str, metrics: dict[str, float]):
     if not self.enabled:
       return
-    self._jsonl.write(json.dumps({"step": step, "split": split, **metrics}) + "\n")
-    self._jsonl.flush()
+    row = json.dumps({"step": step, "split": split, **metrics})
+    workdir_lib.append_line(self._jsonl, row + "\n")
     if self._tb is not None:
       for k, v in metrics.items():
         self._tb.add_scalar(f"{split}/{k}", v, step)
@@ -708,7 +713,7 @@ def _train(cfg: Config, workdir: str, lock, *, log, stop_after) -> dict[str, Any
     log = lambda s: None
   if is_main and os.path.isdir(workdir):   # one writer: a second run stops here
     lock.acquire(log)
-  resume_step = workdir_lib.check_workdir(cfg, workdir)
+  resume_step, trained = workdir_lib.resume_point(cfg, workdir)
   init_step = workdir_lib.check_init_from(cfg) if resume_step is None else None
   t = cfg.train
   if resume_step is not None and resume_step >= t.num_steps:
@@ -717,6 +722,8 @@ def _train(cfg: Config, workdir: str, lock, *, log, stop_after) -> dict[str, Any
       log(f"{workdir} already finished at step {resume_step} (train.num_steps={t.num_steps}); "
           "nothing to do (raise train.num_steps to continue)")
       return done
+  if resume_step is not None:
+    workdir_lib.read_config_file(workdir)   # a damaged config.json stops here, nothing written
   tokenizer = run_tokenizer(cfg, workdir, resume_step is not None)
   dataset, eval_batches, rows_fn, train_rows = _open_data(cfg, workdir, tokenizer, resume_step)
   trainer = Trainer(cfg)
@@ -751,7 +758,7 @@ def _train(cfg: Config, workdir: str, lock, *, log, stop_after) -> dict[str, Any
     if resume_step is not None:
       rec.last_train, rec.last_eval, rec.eval_step, eval_pending = workdir_lib.resume_metrics(
           workdir, resume_step, lambda step: _eval_due(t, step))
-    resumed += workdir_lib.record_config(workdir, cfg, resume_step)
+    resumed += workdir_lib.record_config(workdir, cfg, resume_step, trained)
   if resume_step is not None:
     log(resumed)
     eval_pending = _from_process_0(eval_pending)

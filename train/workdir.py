@@ -3,10 +3,17 @@ what may be resumed or started from, and the files a resumed run repairs.
 
 Files of ``WORKDIR`` (besides ``checkpoints/``, ``mtp.checkpoint``):
 
-- ``config.json``: the config of the latest run; a resumed run with another
-  config keeps the previous one as ``config.until_step<N>.json``;
-- ``metrics.jsonl``: one row per (step, split); a resumed run first drops
-  the rows after its checkpoint (left by a run killed after it);
+- ``config.json``: the config of the latest run (written atomically); a
+  resumed run with another config than its checkpoint was saved with keeps
+  that one as ``config.until_step<N>.json``. The checkpoint's own config
+  (``mtp.checkpoint``) is the reference, not config.json, which may have
+  been edited by hand: a resumed run says so when the two differ. A
+  config.json that is not valid JSON stops a resumed run before anything
+  is written;
+- ``metrics.jsonl``: one row per (step, split), each appended whole or not
+  at all (``append_line``); a resumed run first drops the rows after its
+  checkpoint (left by a run killed after it) and any line that is no
+  complete row (a write cut short, e.g. by a full disk), with a notice;
 - ``final_metrics.json``: written atomically after the final evaluation;
   a run whose file is complete for its latest step has nothing left to do;
 - ``train.lock``: a workdir has one writer (``WorkdirLock``). ``python -m
@@ -27,6 +34,7 @@ import fcntl
 import json
 import os
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -129,11 +137,17 @@ def check_memory_floor(cfg: Config, available: tuple[int, str] | None = None,
 
 
 def check_workdir(cfg: Config, workdir: str) -> int | None:
+  """The step to resume from (``resume_point``'s), or None for a fresh run."""
+  return resume_point(cfg, workdir)[0]
+
+
+def resume_point(cfg: Config, workdir: str) -> tuple[int | None, Config | None]:
   """Refuses a workdir whose latest checkpoint was made by an incompatible
-  config (before anything is written). Returns the step to resume from, or
-  None for a fresh run. Raises ConfigError / CheckpointError (also when
-  ``train.init_from`` names the workdir itself: a stage writes elsewhere,
-  or ``workdir`` is a file)."""
+  config (before anything is written). Returns (the step to resume from,
+  the config that checkpoint was saved with), or (None, None) for a fresh
+  run. Raises ConfigError / CheckpointError (also when ``train.init_from``
+  names the workdir itself: a stage writes elsewhere, or ``workdir`` is a
+  file)."""
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ConfigError(f"--workdir={workdir!r} exists and is not a directory: give a new or an "
                       "existing run folder")
@@ -141,12 +155,12 @@ def check_workdir(cfg: Config, workdir: str) -> int | None:
     raise ConfigError(f"train.init_from={cfg.train.init_from!r} is the run's own --workdir: a "
                       "stage started from a trained workdir writes into a new one")
   if not os.path.isdir(ckpt_lib.checkpoint_dir(workdir)):
-    return None
+    return None, None
   ckpt = ckpt_lib.Checkpointer(workdir, read_only=True)
   try:
     step = ckpt.latest_step()
     if step is None:
-      return None
+      return None, None
     saved = ckpt.restore_config(step)
   finally:
     ckpt.close()
@@ -160,7 +174,7 @@ def check_workdir(cfg: Config, workdir: str) -> int | None:
     raise ConfigError(f"workdir {workdir!r} holds a checkpoint (step {step}) from an incompatible "
                       f"config (saved != requested): {'; '.join(diffs)}. Use a new --workdir or "
                       "the saved config.")
-  return step
+  return step, saved
 
 
 def check_init_from(cfg: Config) -> int | None:
@@ -247,24 +261,145 @@ def _fresh_fuse(fuse) -> dict:
   return {p: values[p] for p in fuse}
 
 
-def metric_rows(path: str) -> list[dict]:
-  """The rows of a metrics.jsonl file (empty when it does not exist)."""
+def metric_row(line: str) -> dict | None:
+  """The row a line of metrics.jsonl holds (a JSON object with an int
+  ``step`` and a str ``split``), or None when it holds none: a line cut
+  short by a failed write (a full disk, a crash), or garbage."""
+  try:
+    row = json.loads(line)
+  except ValueError:
+    return None
+  if not isinstance(row, dict):
+    return None
+  return row if isinstance(row.get("step"), int) and isinstance(row.get("split"), str) else None
+
+
+def read_metric_lines(path: str) -> tuple[list[tuple[str, dict]], list[int]]:
+  """(the (line, row) pairs of ``path``'s complete rows, in order; the
+  1-based numbers of its lines that hold no row, ``metric_row``). Blank
+  lines are neither; a missing file has none. Bytes that are not UTF-8 (a
+  torn or zero-filled tail) make their line unreadable, not the file."""
   if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    return [], []
+  rows, bad = [], []
+  with open(path, encoding="utf-8", errors="replace") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      row = metric_row(line)
+      if row is None:
+        bad.append(number)
+      else:
+        rows.append((line.rstrip("\n") + "\n", row))
+  return rows, bad
+
+
+def bad_lines_notice(path: str, bad: list[int], action: str) -> str:
+  """The one-line notice for lines of metrics file ``path`` that hold no
+  row (``action``: what is done with them, e.g. "dropped"); the first five
+  line numbers are named, then how many more."""
+  which = f"line {bad[0]}" if len(bad) == 1 else f"lines {', '.join(map(str, bad[:5]))}"
+  if len(bad) > 5:
+    which += f" and {len(bad) - 5} more"
+  what = "not a complete metrics row" if len(bad) == 1 else "not complete metrics rows"
+  return f"note: {path}: {action} {which}, {what} (a write cut short, e.g. by a full disk)"
+
+
+def metric_rows(path: str) -> list[dict]:
+  """The rows of a metrics.jsonl file (empty when it does not exist); lines
+  that hold no row are skipped with a notice on stderr."""
+  rows, bad = read_metric_lines(path)
+  if bad:
+    print(bad_lines_notice(path, bad, "skipped"), file=sys.stderr, flush=True)
+  return [row for _, row in rows]
 
 
 def truncate_metrics(path: str, step: int):
   """Drops metric rows after ``step`` (left by a run killed after its last
-  checkpoint), so a resumed run's rows are not duplicated."""
+  checkpoint), so a resumed run's rows are not duplicated, and lines that
+  hold no row (a torn last line), with a notice on stderr naming them: the
+  resumed run goes on as if they had never been written. The file is
+  rewritten atomically, every line ending in a newline."""
   if not os.path.exists(path):
     return
-  with open(path) as f:
-    rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-  with open(path + ".tmp", "w") as f:
-    f.writelines(rows)
-  os.replace(path + ".tmp", path)
+  rows, bad = read_metric_lines(path)
+  if bad:
+    print(bad_lines_notice(path, bad, "dropped"), file=sys.stderr, flush=True)
+  write_atomic(path, "".join(line for line, row in rows if row["step"] <= step))
+
+
+def write_atomic(path: str, text: str) -> None:
+  """Writes ``text`` to ``path`` through a temporary file and a rename: a
+  failed write (a full disk) leaves the old file whole, and no temporary
+  file behind."""
+  tmp = path + ".tmp"
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def append_line(f, line: str) -> None:
+  """Appends ``line`` (newline included) to ``f``, an unbuffered binary file
+  opened for appending (``open(path, "ab", buffering=0)``), whole or not at
+  all: a write that fails partway (a full disk) is cut back off before the
+  error propagates, so the file still ends at a row boundary and a later
+  append does not glue onto a torn row."""
+  start = os.fstat(f.fileno()).st_size
+  data = memoryview(line.encode("utf-8"))
+  try:
+    while data:
+      data = data[f.write(data):]
+  except BaseException:
+    try:
+      os.ftruncate(f.fileno(), start)
+    except OSError:
+      pass          # the resumed run drops the torn line (truncate_metrics)
+    raise
+
+
+def _last_line_start(f, size: int) -> int:
+  """The offset just past the last newline of the first ``size`` bytes of
+  binary file ``f`` (0 when there is none), read backwards in chunks."""
+  end = size
+  while end > 0:
+    begin = max(0, end - 65536)
+    f.seek(begin)
+    i = f.read(end - begin).rfind(b"\n")
+    if i >= 0:
+      return begin + i + 1
+    end = begin
+  return 0
+
+
+def end_at_row_boundary(path: str) -> None:
+  """Makes metrics file ``path`` end with a newline before rows are
+  appended: a last line without one is completed when it holds a whole row,
+  else cut off (a write cut short) with a notice on stderr naming it."""
+  if not os.path.exists(path):
+    return
+  with open(path, "r+b") as f:
+    size = f.seek(0, os.SEEK_END)
+    if size == 0:
+      return
+    f.seek(size - 1)
+    if f.read(1) == b"\n":
+      return
+    start = _last_line_start(f, size)
+    f.seek(start)
+    tail = f.read(size - start).decode("utf-8", errors="replace")
+    if metric_row(tail) is not None:
+      f.seek(size)
+      f.write(b"\n")
+      return
+    f.seek(0)
+    number = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b"")) + 1
+    f.truncate(start)
+  print(bad_lines_notice(path, [number], "dropped"), file=sys.stderr, flush=True)
 
 
 def resume_metrics(workdir: str, step: int, eval_due: Callable[[int], bool]):
@@ -306,24 +441,83 @@ def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
   return out
 
 
-def record_config(workdir: str, cfg: Config, resume_step: int | None) -> str:
-  """Writes ``cfg`` as ``config.json``. A run resumed at ``resume_step``
-  whose previous config.json differs keeps that one as
-  ``config.until_step<N>.json``; returns the note for the resume line
-  (``"; config changed since the last run (...)..."``), else ""."""
-  config_path = os.path.join(workdir, CONFIG_FILE)
+def read_config_file(workdir: str) -> dict | None:
+  """``workdir``'s config.json as a dict, or None when there is none.
+
+  Raises:
+    ConfigError: it is unreadable, not valid JSON or not a JSON object (one
+      line naming the file: fix or delete it; the checkpoints keep their
+      own config).
+  """
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path, encoding="utf-8") as f:
+      recorded = json.load(f)
+  except (OSError, ValueError) as e:
+    problem = f"is not valid JSON ({e})" if isinstance(e, ValueError) else f"is unreadable ({e})"
+  else:
+    if isinstance(recorded, dict):
+      return recorded
+    problem = f"holds a JSON {type(recorded).__name__}, not an object"
+  raise ConfigError(f"{path} {problem}: fix it, or delete it (each checkpoint keeps the config "
+                    "it was saved with, and the resumed run writes config.json again)")
+
+
+def _plain(values) -> dict:
+  """A config (a Config, or a dict as read from JSON) as the dict its JSON
+  holds, with every field of the current schema where it is valid (a file
+  written before a field existed compares equal), else as it is."""
+  if isinstance(values, Config):
+    return json.loads(values.to_json())
+  try:
+    return json.loads(config_lib.from_dict(values).to_json())
+  except (ConfigError, TypeError, ValueError):
+    return json.loads(json.dumps(values))
+
+
+def previous_config(recorded: dict | None, trained: Config | None,
+                    step: int) -> tuple[dict | None, str]:
+  """The config a run resumed at checkpoint ``step`` continues from, and a
+  note ("" if none) for the resume line.
+
+  ``trained`` (the config the checkpoint was saved with, ``mtp.checkpoint``)
+  is the previous config when known; ``recorded`` (config.json) only
+  stands in for a checkpoint without one. When both are known and differ,
+  config.json was edited after the checkpoint (or written by a run that
+  saved none): the note says so, naming the fields (checkpoint -> file)."""
+  if trained is None:
+    return (None if recorded is None else _plain(recorded)), ""
+  saved = _plain(trained)
+  edits = [] if recorded is None else config_changes(saved, _plain(recorded))
+  if not edits:
+    return saved, ""
+  return saved, (f"; {CONFIG_FILE} differs from the config checkpoint {step} was saved with "
+                 f"(checkpoint -> file: {'; '.join(edits)}): it was edited, or written by a run "
+                 "that saved no checkpoint; the checkpoint's config is taken as the previous one")
+
+
+def record_config(workdir: str, cfg: Config, resume_step: int | None,
+                  trained: Config | None = None) -> str:
+  """Writes ``cfg`` as ``config.json`` (atomically). A run resumed at
+  ``resume_step`` whose previous config (``previous_config``: ``trained``,
+  the config that checkpoint was saved with, else config.json) differs
+  keeps that one as ``config.until_step<N>.json``; returns the notes for
+  the resume line (``"; config changed since the last run (...)..."``,
+  and whether config.json disagreed with the checkpoint), else "".
+
+  Raises ConfigError (``read_config_file``) before writing anything."""
   note = ""
-  if resume_step is not None and os.path.exists(config_path):
-    with open(config_path) as f:
-      previous = f.read()
-    if previous != cfg.to_json():
+  if resume_step is not None:
+    previous, note = previous_config(read_config_file(workdir), trained, resume_step)
+    changes = [] if previous is None else config_changes(previous, _plain(cfg))
+    if changes:
       kept = f"config.until_step{resume_step}.json"
-      changes = config_changes(json.loads(previous), cfg.to_dict())
-      os.replace(config_path, os.path.join(workdir, kept))
-      note = (f"; config changed since the last run ({'; '.join(changes)}); the previous "
-              f"one is kept as {kept}")
-  with open(config_path, "w") as f:
-    f.write(cfg.to_json())
+      write_atomic(os.path.join(workdir, kept), json.dumps(previous, indent=2, sort_keys=True))
+      note += (f"; config changed since the last run ({'; '.join(changes)}); the previous "
+               f"one is kept as {kept}")
+  write_atomic(os.path.join(workdir, CONFIG_FILE), cfg.to_json())
   return note
 
 
