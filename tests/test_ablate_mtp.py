@@ -173,3 +173,14 @@ def test_decode_table_aggregates_seeds(ablate):
   assert r["speedup"]["mean"] == pytest.approx(1.2)
   assert r["acceptance_rate_per_position"] == pytest.approx([0.6, 0.4])   # None: no round reached k
   assert rows[(2, 1)]["acceptance_rate_per_position"] == pytest.approx([0.6])
+
+
+def test_unreadable_cell_config_is_one_line(tmp_path):
+  """A cell workdir whose config.json is not JSON stops the cell with one
+  ConfigError line naming the file, before anything is trained or written."""
+  from mtp.config import ConfigError
+  from tests.conftest import tiny_config
+  (tmp_path / "config.json").write_text('{"model": ')
+  with pytest.raises(ConfigError, match=r"config.json is not valid JSON") as e:
+    ablation.train_cell(tiny_config(), str(tmp_path), log=print)
+  assert "\n" not in str(e.value) and os.listdir(tmp_path) == ["config.json"]

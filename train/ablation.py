@@ -11,7 +11,6 @@ DeepSeek-V3 report, eq. 21-25: L = L_main + lambda / D * sum_k L^k.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import resource
 import time
@@ -21,6 +20,7 @@ import numpy as np
 from mtp import config as config_lib
 from mtp.config import Config, ConfigError
 from mtp.timing import spread
+from train import workdir as workdir_lib
 from train.loop import DivergedError, train
 
 # the spread of a metric over seeds, as the tables report it
@@ -107,10 +107,9 @@ def train_cell(cfg: Config, workdir: str, log) -> dict:
 
   Raises ConfigError when ``workdir`` was trained with another config.
   """
-  path = os.path.join(workdir, "config.json")
-  if os.path.exists(path):
-    with open(path) as f:
-      diffs = config_differences(json.load(f), cfg.to_dict())
+  saved = workdir_lib.read_config_file(workdir)
+  if saved is not None:
+    diffs = config_differences(saved, cfg.to_dict())
     if diffs:
       raise ConfigError(f"cell workdir {workdir!r} was trained with another config (saved != "
                         f"requested): {'; '.join(diffs)}. Use a new --runs_dir or the same flags.")
@@ -237,10 +236,9 @@ class Ablation:
     under ``runs_dir`` already holds a config that differs from the requested one."""
     out = []
     for c in self.cells:
-      path = os.path.join(self.runs_dir, c["name"], "config.json")
-      if os.path.exists(path):
-        with open(path) as f:
-          diffs = config_differences(json.load(f), self.cfgs[c["name"]].to_dict())
+      saved = workdir_lib.read_config_file(os.path.join(self.runs_dir, c["name"]))
+      if saved is not None:
+        diffs = config_differences(saved, self.cfgs[c["name"]].to_dict())
         if diffs:
           out.append((c["name"], diffs))
     return out
