@@ -20,15 +20,34 @@ notice on stderr. Arrays not fully addressable by this process (multi-host
 shards) are neither recorded nor verified. Each checkpoint
 carries its own config, so decoding needs nothing but the workdir, and a
 resumed run is checked against it before anything is written.
+
+A save that fails for an OS reason (a full disk, no permission, a read-only
+file system) raises ``CheckpointWriteError``, one line naming the step, its
+path, the errno and the last complete step, after orbax's write threads
+have ended and its partial ``<step>.orbax-checkpoint-tmp`` folder is
+removed: the resume point stays the last complete step.
+
+Reading a workdir that a training run is writing (its ``train.lock``, see
+``training_run``): the loaders read the newest complete step
+(``Checkpointer.read_step``), passing over steps that rotation is removing
+or that are not whole yet, and a step removed while it is read is replaced
+by the newest complete one. Deleting a step directory is advised only when
+no training run is live.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno as errno_lib
 import json
 import os
+import re
+import shutil
+import socket
 import sys
+import threading
+import time
 import zlib
 
 import grain
@@ -38,6 +57,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from orbax.checkpoint._src import asyncio_utils as _orbax_asyncio
+from orbax.checkpoint._src.futures import future as _orbax_future
 
 from mtp import config as config_lib
 from mtp import quiet
@@ -48,10 +68,29 @@ class CheckpointError(RuntimeError):
   """Missing, corrupt or incompatible checkpoint (the message names the path)."""
 
 
+class CheckpointWriteError(CheckpointError):
+  """A checkpoint save failed for an OS reason (full disk, permissions); the
+  message is one line naming the step, its path, the errno and the last
+  complete step."""
+
+
 # Files without which orbax cannot read an item; a missing one is named
 # before orbax is asked (it would report e.g. a pytree structure error).
 _REQUIRED_FILES = {"state": ("_METADATA", "manifest.ocdbt"), "config": ("metadata",)}
 _DRAIN_TIMEOUT_S = 60.0
+# The lock file of a training run (``train.workdir.WorkdirLock`` writes
+# {"host", "pid", "started"} into it while the run lives); only read here.
+TRAIN_LOCK_FILE = "train.lock"
+# Orbax writes a step into ``<step>`` + this suffix and renames it when whole.
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+# Orbax logs each failed write thread with its traceback; a failed save is
+# reported once, by CheckpointWriteError or the exception itself.
+_ORBAX_THREAD_FAILED = ("[process=%d][thread=%s][operation_id=%s] _SignalingThread.run() raised",)
+# Tensorstore names the errno of a failed file operation in its message.
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)|\[Errno (\d+)\]|OS error (\d+)")
+_SPACE_ERRNOS = frozenset({errno_lib.ENOSPC, errno_lib.EDQUOT})
+_PERMISSION_ERRNOS = frozenset({errno_lib.EACCES, errno_lib.EPERM, errno_lib.EROFS})
+_READ_RETRIES = 3
 
 
 def _run_sync_draining(coro):
@@ -66,7 +105,8 @@ def _run_sync_draining(coro):
   calls ``loop.call_soon_threadsafe`` on the closed loop from a tensorstore
   thread, printing ``RuntimeError: Event loop is closed`` tracebacks, for
   seconds after the error was raised and handled. Waiting for those reads
-  first leaves nothing to call back.
+  first leaves nothing to call back. A save that fails on a full disk does
+  the same with its writes.
   """
   loop = asyncio.new_event_loop()
   try:
@@ -87,10 +127,11 @@ def _run_sync_draining(coro):
 
 
 @contextlib.contextmanager
-def _pending_reads_drained():
-  """Orbax calls in the block wait for their in-flight tensorstore reads
-  before closing their event loop (``_run_sync_draining``). A no-op with an
-  orbax that has no ``_run_sync_via_new_loop``."""
+def _pending_io_drained():
+  """Orbax calls in the block (in any thread) wait for their in-flight
+  tensorstore reads and writes before closing their event loop
+  (``_run_sync_draining``). A no-op with an orbax that has no
+  ``_run_sync_via_new_loop``."""
   name = "_run_sync_via_new_loop"
   original = getattr(_orbax_asyncio, name, None)
   if original is None:
@@ -101,6 +142,103 @@ def _pending_reads_drained():
     yield
   finally:
     setattr(_orbax_asyncio, name, original)
+
+
+def _join_orbax_threads(timeout: float = _DRAIN_TIMEOUT_S) -> None:
+  """Waits (at most ``timeout`` seconds in all) for orbax's background write
+  threads (``_SignalingThread``, one per item of a save). When one item's
+  write fails, orbax raises at once while the other items' threads go on
+  writing; one left running prints tracebacks later, or at interpreter
+  exit. A no-op with an orbax that has no such class."""
+  cls = getattr(_orbax_future, "_SignalingThread", None)
+  if cls is None:
+    return
+  deadline = time.monotonic() + timeout
+  for t in threading.enumerate():
+    if isinstance(t, cls) and t is not threading.current_thread():
+      # threading's join, not orbax's override: that one re-raises the thread's error
+      threading.Thread.join(t, max(0.0, deadline - time.monotonic()))
+
+
+@contextlib.contextmanager
+def _orbax_writes_settled():
+  """For a save: when the block ends (a failed save included), no orbax
+  write is left running (``_join_orbax_threads``, ``_pending_io_drained``)
+  and orbax's logged tracebacks of failed write threads were dropped
+  (``_ORBAX_THREAD_FAILED``): the failure is reported once, by the caller."""
+  with _pending_io_drained(), quiet.absl_messages_dropped(*_ORBAX_THREAD_FAILED):
+    try:
+      yield
+    finally:
+      _join_orbax_threads()
+
+
+def os_errno(e: BaseException) -> int | None:
+  """The errno of the OS failure behind ``e``: the first ``OSError`` with
+  one in its chain (causes, contexts, exception groups), or the code
+  tensorstore writes into its messages (``[os_error_code='28']``); None
+  when there is none."""
+  todo, seen = [e], set()
+  while todo:
+    x = todo.pop(0)
+    if x is None or id(x) in seen:
+      continue
+    seen.add(id(x))
+    if isinstance(x, OSError) and x.errno:
+      return x.errno
+    m = _OS_ERROR_CODE.search(str(x))
+    if m:
+      return int(next(g for g in m.groups() if g))
+    todo += [*getattr(x, "exceptions", ()), x.__cause__, x.__context__]
+  return None
+
+
+def _steps(steps: list[int]) -> str:
+  """``"step 6 is"`` / ``"steps 9, 6 are"``: the subject of a notice."""
+  if len(steps) == 1:
+    return f"step {steps[0]} is"
+  return f"steps {', '.join(map(str, steps))} are"
+
+
+def _resume_advice(code: int, directory: str) -> str:
+  """What to do before resuming after a save failed with errno ``code``."""
+  if code in _SPACE_ERRNOS:
+    return "after freeing space"
+  if code in _PERMISSION_ERRNOS:
+    return f"once {directory} is writable"
+  return "once the cause is fixed"
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:     # exists, owned by someone else
+    return True
+  return True
+
+
+def training_run(workdir: str) -> str | None:
+  """The training run that may be writing ``workdir`` now, as "pid N" (or
+  "pid N on host H"), from ``WORKDIR/train.lock``: a process on this host
+  that is alive, or one on another host (which cannot be checked). None
+  when the file is missing, empty (released) or unreadable, or names this
+  process or a process of this host that is gone (a killed run). The file
+  is only read: a reader never takes the lock."""
+  try:
+    with open(os.path.join(workdir, TRAIN_LOCK_FILE), encoding="utf-8") as f:
+      text = f.read()
+    info = json.loads(text) if text.strip() else {}
+  except (OSError, ValueError):
+    return None
+  pid = info.get("pid") if isinstance(info, dict) else None
+  if not isinstance(pid, int):
+    return None
+  host = info.get("host")
+  if host != socket.gethostname():
+    return f"pid {pid} on host {host}"
+  return f"pid {pid}" if pid != os.getpid() and _alive(pid) else None
 
 
 def _no_step_metadata_note():
@@ -124,6 +262,7 @@ class Checkpointer:
   """
 
   def __init__(self, workdir: str, keep: int = 3, *, read_only: bool = False):
+    self.workdir = os.path.abspath(workdir)
     self.directory = checkpoint_dir(workdir)
     if read_only and not os.path.isdir(self.directory):
       raise CheckpointError(f"no checkpoint in workdir {workdir!r}: {self.directory} does not exist "
@@ -145,7 +284,12 @@ class Checkpointer:
   def save(self, step: int, params, opt_state, data_iter, cfg: Config, *, force: bool = True):
     """Writes checkpoint ``step`` (blocking) with the grain iterator's state
     (one file per JAX process, ``<step>/data/process_{i}-of-{n}.json``;
-    skipped when ``data_iter`` is None, e.g. for synthetic data)."""
+    skipped when ``data_iter`` is None, e.g. for synthetic data).
+
+    Raises CheckpointWriteError when the save fails for an OS reason
+    (``os_errno``: a full disk, no permission), once nothing of it is
+    running and its partial folder is removed (``_discard_partial``); the
+    last complete step stays the latest."""
     state = {"params": params, "opt_state": opt_state}
     items = {"state": ocp.args.StandardSave(state),
              "config": ocp.args.JsonSave(cfg.to_dict()),
@@ -153,20 +297,45 @@ class Checkpointer:
     if data_iter is not None:
       items["data"] = grain.checkpoint.CheckpointSave(data_iter)
     args = ocp.args.Composite(**items)
-    self._manager.save(step, args=args, force=force)
-    self._manager.wait_until_finished()
+    try:
+      with _orbax_writes_settled():
+        self._manager.save(step, args=args, force=force)
+        self._manager.wait_until_finished()
+    except Exception as e:
+      code = os_errno(e)
+      if code is None:
+        raise
+      self._discard_partial(step)
+      raise CheckpointWriteError(self._not_written(step, code)) from e
+
+  def _not_written(self, step: int, code: int) -> str:
+    """The one-line report of a save of ``step`` that failed with errno ``code``."""
+    last, advice = self.latest_step(), _resume_advice(code, self.directory)
+    then = (f"the last complete checkpoint is step {last} (resume from it {advice})"
+            if last is not None else f"no checkpoint was written before it (re-run {advice})")
+    return (f"checkpoint step {step} was not written to {self._path(step)}: [Errno {code}] "
+            f"{os.strerror(code)}; {then}")
+
+  def _discard_partial(self, step: int) -> None:
+    """Removes what a failed save of ``step`` left: orbax's
+    ``<step>.orbax-checkpoint-tmp`` folder (never listed as a step; removed
+    to give its space back). Process 0 only, as orbax writes it."""
+    if jax.process_index() != 0 or not os.path.isdir(self.directory):
+      return
+    for name in os.listdir(self.directory):
+      if name.startswith(f"{step}{_TMP_SUFFIX}"):
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   def restore_config(self, step: int | None = None) -> Config:
     """The config stored with checkpoint ``step`` (default: latest)."""
     step = self.resolve_step(step)
     self._check_files(step, "config")
     try:
-      with _pending_reads_drained(), _no_step_metadata_note():
+      with _pending_io_drained(), _no_step_metadata_note():
         raw = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises many types for damaged files
       raise CheckpointError(f"cannot read the config of checkpoint {self._path(step)} "
-                            f"({_first_line(e)}); delete that step directory to fall back to "
-                            "an earlier one") from e
+                            f"({_first_line(e)}); {self._advice()}") from e
     try:
       return config_lib.from_dict(raw["config"])
     except config_lib.ConfigError as e:
@@ -190,7 +359,7 @@ class Checkpointer:
     self._check_files(step, "state")
     try:
       if abstract_opt_state is None:
-        with _pending_reads_drained(), _no_step_metadata_note():
+        with _pending_io_drained(), _no_step_metadata_note():
           restored = self._manager.restore(step, args=ocp.args.Composite(
               state=ocp.args.PyTreeRestore(
                   item={"params": abstract_params},
@@ -203,12 +372,12 @@ class Checkpointer:
                                                     "opt_state": abstract_opt_state})}
         if data_iter is not None:
           items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
-        with _pending_reads_drained(), _no_step_metadata_note():
+        with _pending_io_drained(), _no_step_metadata_note():
           restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:
       raise CheckpointError(f"checkpoint {self._path(step)} is unreadable or does not match the "
-                            f"model ({type(e).__name__}: {_first_line(e)}); delete that step "
-                            "directory to fall back to an earlier one") from e
+                            f"model ({type(e).__name__}: {_first_line(e)}); "
+                            f"{self._advice()}") from e
     state = restored["state"]
     self._verify(step, state if abstract_opt_state is not None else {"params": state["params"]})
     check_finite(state["params"], self._path(step))
@@ -229,19 +398,105 @@ class Checkpointer:
                             f"available: {self.all_steps()}")
     return step
 
+  def read_step(self, step: int | None, read):
+    """``read(s)`` for checkpoint ``s`` = ``step``; with ``step`` None, for
+    the newest complete step (``newest_complete_step``), and when that step
+    is removed while it is read (a training run's checkpoint rotation), or
+    turns out incomplete while a training run is live, for the newest
+    complete step then, with a one-line notice on stderr (at most
+    ``_READ_RETRIES`` times). Errors of a pinned ``step`` propagate."""
+    if step is not None:
+      return read(self.resolve_step(step))
+    failed = []
+    s = self.newest_complete_step()
+    while True:
+      try:
+        return read(s)
+      except CheckpointError:
+        why = self._in_flux(s)
+        if why is None or len(failed) >= _READ_RETRIES:
+          raise
+        failed.append(s)
+        self._reload()
+        nxt = self.newest_complete_step(skip=failed)
+        print(f"note: checkpoint step {s} {why}; using step {nxt}", file=sys.stderr, flush=True)
+        s = nxt
+
+  def newest_complete_step(self, skip=()) -> int:
+    """The newest listed step not in ``skip``; while a training run may be
+    writing the workdir (``training_run``), the newer steps that are not
+    complete (``is_complete``: removed in part by its rotation, or not
+    whole yet) are passed over with a one-line notice on stderr. With no
+    live run the newest step is returned as it is (reading it names what
+    is missing). Raises CheckpointError when there is none."""
+    steps = [s for s in sorted(self.all_steps(), reverse=True) if s not in skip]
+    if not steps:
+      raise CheckpointError(f"no checkpoint found in {self.directory}")
+    writer = training_run(self.workdir)
+    if writer is None:
+      return steps[0]
+    passed = []
+    for s in steps:
+      if self.is_complete(s):
+        if passed:
+          print(f"note: checkpoint {_steps(passed)} being written or removed by a training "
+                f"run ({writer}); using step {s}", file=sys.stderr, flush=True)
+        return s
+      passed.append(s)
+    raise CheckpointError(f"no complete checkpoint in {self.directory}: {_steps(passed)} being "
+                          f"written or removed by a training run ({writer}); retry once its save "
+                          "has finished")
+
+  def is_complete(self, step: int) -> bool:
+    """Whether the directory of ``step`` exists with every file orbax needs
+    to read its state and config (``_REQUIRED_FILES``)."""
+    return os.path.isdir(self._path(step)) and not any(
+        self._missing(step, item) for item in ("state", "config"))
+
+  def _in_flux(self, step: int) -> str | None:
+    """Why a failed read of ``step`` is worth retrying on another step, or
+    None: its directory is gone (removed while it was read), or it is
+    incomplete while a training run is live."""
+    if not os.path.isdir(self._path(step)):
+      return "was removed while it was read (a training run's checkpoint rotation, or by hand)"
+    writer = training_run(self.workdir)
+    if writer is not None and not self.is_complete(step):
+      return f"is being written or removed by a training run ({writer})"
+    return None
+
+  def _reload(self) -> None:
+    """Lists the steps on disk again (a training run adds and removes them)."""
+    with _no_step_metadata_note():
+      self._manager.reload()
+
+  def _advice(self) -> str:
+    """What to do about a step that cannot be read: delete its directory,
+    unless a training run is live (``training_run``): the step may be one it
+    is writing or rotating away, and deleting it would break that run."""
+    writer = training_run(self.workdir)
+    if writer is None:
+      return "delete that step directory to fall back to an earlier one"
+    return (f"a training run ({writer}) is writing this workdir and may be writing or removing "
+            "this step: do not delete it; retry, or choose an earlier step")
+
   def _path(self, step):
     return os.path.join(self.directory, str(step))
 
+  def _missing(self, step: int, item: str) -> list[str]:
+    """The files of ``item`` that orbax needs (``_REQUIRED_FILES``) and
+    checkpoint ``step`` lacks, as ``item/file``."""
+    folder = os.path.join(self._path(step), item)
+    return [os.path.join(item, f) for f in _REQUIRED_FILES.get(item, ())
+            if not os.path.isfile(os.path.join(folder, f))]
+
   def _check_files(self, step: int, item: str) -> None:
     """Raises CheckpointError naming the files of ``item`` that orbax needs
-    and checkpoint ``step`` lacks (``_REQUIRED_FILES``)."""
-    folder = os.path.join(self._path(step), item)
-    missing = [os.path.join(item, f) for f in _REQUIRED_FILES.get(item, ())
-               if not os.path.isfile(os.path.join(folder, f))]
+    and checkpoint ``step`` lacks (``_missing``)."""
+    missing = self._missing(step, item)
     if missing:
       raise CheckpointError(f"checkpoint {self._path(step)} is incomplete: {', '.join(missing)} "
                             f"{'is' if len(missing) == 1 else 'are'} missing (deleted or never "
-                            "written); delete that step directory to fall back to an earlier one")
+                            f"written); {self._advice()}")
 
   def _verify(self, step: int, restored) -> None:
     """Checks ``restored`` ({"params": ..., ["opt_state": ...]}) against the
@@ -257,8 +512,7 @@ class Checkpointer:
       return
     except (OSError, ValueError) as e:
       raise CheckpointError(f"checkpoint {self._path(step)}: its array checksums {path} are "
-                            f"unreadable ({_first_line(e)}); delete that step directory to fall "
-                            "back to an earlier one") from e
+                            f"unreadable ({_first_line(e)}); {self._advice()}") from e
     verify_checksums(restored, recorded, self._path(step))
 
 

@@ -72,8 +72,7 @@ def load_config(path: str, step: int | None = None) -> tuple[Config, int]:
     return cfg, int((hf.get("mtp") or {}).get("step", 0))
   ckpt = ckpt_lib.Checkpointer(path, read_only=True)
   try:       # closed on errors too: an open manager spews asyncio errors at exit
-    step = ckpt.resolve_step(step)
-    return ckpt.restore_config(step), step
+    return ckpt.read_step(step, lambda s: (ckpt.restore_config(s), s))
   finally:
     ckpt.close()
 
@@ -98,7 +97,7 @@ def load_params(path: str, step: int | None, abstract_params):
       raise CheckpointError(f"the export in {path!r} does not match the model: {e}") from e
   ckpt = ckpt_lib.Checkpointer(path, read_only=True)
   try:
-    params, _ = ckpt.restore(ckpt.resolve_step(step), abstract_params)
+    params, _ = ckpt.read_step(step, lambda s: ckpt.restore(s, abstract_params))
   finally:
     ckpt.close()
   return params
@@ -112,21 +111,30 @@ def load_model(path: str, step: int | None = None):
   Returns (config, model, step): ``model`` a ``mtp.model.Transformer`` with
   its parameters as jax arrays on the first device. Raises CheckpointError when the
   workdir has no readable checkpoint or the export cannot be read.
+
+  A workdir that a training run is writing (its ``train.lock``) loads its
+  newest complete step: see ``mtp.checkpoint.Checkpointer.read_step`` (so do
+  ``load_config`` and ``load_params``).
   """
   if kind(path) == EXPORTED:
     return _exported(path, step)
   ckpt = ckpt_lib.Checkpointer(path, read_only=True)
   try:       # closed on errors too: an open manager spews asyncio errors at exit
-    step = ckpt.resolve_step(step)
-    cfg = ckpt.restore_config(step)
-    model = nnx.eval_shape(lambda: build_model(cfg))
-    graphdef, abstract_params = nnx.split(model, nnx.Param)
-    # with a sharding orbax restores device arrays, without one numpy arrays
-    # (which every jitted call would then copy to the device again)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                            abstract_params)
-    params, _ = ckpt.restore(step, abstract)
+    return ckpt.read_step(step, lambda s: _read_model(ckpt, s))
   finally:
     ckpt.close()
+
+
+def _read_model(ckpt, step: int):
+  """(config, model, step) of checkpoint ``step`` of open Checkpointer ``ckpt``
+  (``load_model``)."""
+  cfg = ckpt.restore_config(step)
+  model = nnx.eval_shape(lambda: build_model(cfg))
+  graphdef, abstract_params = nnx.split(model, nnx.Param)
+  # with a sharding orbax restores device arrays, without one numpy arrays
+  # (which every jitted call would then copy to the device again)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                          abstract_params)
+  params, _ = ckpt.restore(step, abstract)
   return cfg, nnx.merge(graphdef, params), step
