@@ -267,11 +267,6 @@ def _half_written(workdir, step):
   os.remove(os.path.join(workdir, "checkpoints", str(step), "state", "manifest.ocdbt"))
 
 
-def test_the_lock_file_is_the_one_training_writes():
-  from train import workdir as workdir_lib
-  assert ckpt_lib.TRAIN_LOCK_FILE == workdir_lib.LOCK_FILE
-
-
 def test_a_step_a_live_training_run_is_writing_is_passed_over_with_a_notice(
     two_steps, tmp_path, lock_holder, capsys):
   workdir = _copy(two_steps, tmp_path / "busy")

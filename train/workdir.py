@@ -47,7 +47,7 @@ from mtp import config as config_lib
 from mtp import loading
 from mtp.config import Config, ConfigError
 
-LOCK_FILE = "train.lock"
+LOCK_FILE = ckpt_lib.TRAIN_LOCK_FILE      # read by mtp.checkpoint.training_run (decode skips a step being written)
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 FINAL_METRICS_FILE = "final_metrics.json"
