@@ -20,12 +20,19 @@ Datasets (``DataConfig.name``):
   spells the dot). One document per file, the whole file; ``name`` is the
   path relative to the pattern's folder part (the components before the
   first one with ``*``, ``?`` or ``[``), with ``/`` separators. Folders
-  matched by a pattern are ignored; a file matched by two patterns is read
-  once. Files that are not valid UTF-8 (binaries, Latin-1 text) and empty or
-  whitespace-only files are skipped, with their count and the first names
-  in a warning (a broad pattern such as ``src/**/*`` commonly catches
-  images or ``.pyc`` files: stopping at each would force listing
-  extensions); a ``DataError`` names the field and the pattern or file when
+  matched by a pattern are ignored. ``**`` does not enter symlinked folders
+  (as ``find``), so a link back into the tree (``self -> .``, ``up -> ..``)
+  neither repeats files nor loops; a symlinked folder is read where a pattern
+  spells it (``src/**/*.py,src/vendor/**/*.py``) or reaches it with ``*``.
+  Symlinked files are read through. A file reached by several paths
+  (overlapping patterns, symlinks, hard links) is read once, named after a
+  path with no symlink below the pattern's folder when a pattern matches
+  one. Files that are not valid UTF-8 (binaries, Latin-1 text), empty or
+  whitespace-only files, and files whose bytes repeat an earlier usable file
+  (so the same text is never in both splits) are skipped, with their count
+  and the first names in a warning (a broad pattern such as ``src/**/*``
+  commonly catches images or ``.pyc`` files: stopping at each would force
+  listing extensions); a ``DataError`` names the field and the pattern or file when
   a pattern matches no file, a matched file cannot be read, or fewer than 2
   usable documents remain. Built like the embedded corpora (below) into
   ``DATA_DIR/text_files/files-<fingerprint>/1.0.0/``: the fingerprint hashes

@@ -291,8 +291,9 @@ class TextFile:
   """One file matched by ``DataConfig.files``.
 
   name: path relative to its pattern's folder part, ``/`` separators (the
-    document name that decides the split); path: absolute path;
-    size: bytes; mtime_ns: modification time (ns since the epoch).
+    document name that decides the split); path: real absolute path
+    (symlinks resolved); size: bytes; mtime_ns: modification time (ns since
+    the epoch).
   """
   name: str
   path: str
@@ -311,10 +312,63 @@ def _pattern_folder(pattern: str) -> str:
   return folder or "."
 
 
+def _walk_folders(top: str) -> Iterator[str]:
+  """``top`` and every folder below it, as ``glob``'s ``**`` lists them
+  (names starting with ``.`` skipped), except that symlinked folders are not
+  entered (as ``find`` and ``os.walk``): a link back into the tree then can
+  neither repeat its files nor make the walk loop. ``""`` stands for the
+  working directory, and the folders below it stay relative."""
+  stack = [top]
+  while stack:
+    folder = stack.pop()
+    yield folder
+    try:
+      with os.scandir(folder or os.curdir) as entries:
+        subs = [e.name for e in entries
+                if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)]
+    except OSError:
+      continue
+    stack.extend(os.path.join(folder, n) for n in sorted(subs, reverse=True))
+
+
+def _glob(pattern: str) -> set[str]:
+  """``glob.glob(pattern, recursive=True)``, except that ``**`` does not
+  enter symlinked folders (``_walk_folders``). A symlinked folder spelled in
+  the pattern, or matched by a component other than ``**`` (e.g. ``*``), is
+  entered: a pattern without ``**`` reaches a bounded depth, so it cannot
+  loop."""
+  parts = pattern.split(os.sep)
+  if "**" not in parts:
+    return set(glob.glob(pattern))
+  i = parts.index("**")
+  head = os.sep.join(parts[:i]) or (os.sep if i else "")
+  last = i == len(parts) - 1
+  rest = "*" if last else os.sep.join(parts[i + 1:])
+  tops = [t for t in glob.glob(head) if os.path.isdir(t)] if head else [""]
+  out = set()
+  for top in tops:
+    if top and last:
+      out.add(os.path.join(top, ""))      # as glob: "src/**" lists "src/" and all below
+    for folder in _walk_folders(top):
+      out.update(_glob(os.path.join(glob.escape(folder), rest)))
+  return out
+
+
 def match_text_files(files: str) -> list[TextFile]:
   """The files matched by ``files`` (``DataConfig.files``: comma-separated
-  glob patterns, ``**`` recursive, ``~`` expanded), sorted by path, each
-  once; folders are ignored.
+  glob patterns, ``**`` recursive, ``~`` expanded), sorted by path; folders
+  are ignored.
+
+  ``**`` does not enter symlinked folders (``_glob``), so a link back into
+  the tree (``self -> .``, ``up -> ..``) neither repeats files nor loops; a
+  symlinked folder is read only where a pattern spells it (or reaches it with
+  ``*``), e.g. ``src/**/*.py,src/vendor/**/*.py``. Symlinked files are read
+  through. Each file is listed once, by its ``(st_dev, st_ino)``, however many
+  paths (symlinks, hard links, overlapping patterns) reach it, so the same
+  file can never be on both sides of the split. Its name is that of a match
+  with no symlink below the pattern's folder, when there is one (adding a
+  link never renames a document, which would move it between splits), else
+  that of its first match (patterns in order, paths sorted).
 
   Raises:
     DataError: an empty pattern, a pattern that matches no file (the message
@@ -326,12 +380,13 @@ def match_text_files(files: str) -> list[TextFile]:
   if not files.strip() or not all(patterns):
     raise DataError(f"data.files={files!r} must be a comma-separated list of non-empty glob "
                     "patterns, e.g. 'src/**/*.py,docs/*.md'")
-  found: dict[str, TextFile] = {}
+  found: dict[tuple[int, int], tuple[bool, TextFile]] = {}   # (dev, ino): (direct, file)
   for pattern in patterns:
     expanded = os.path.expanduser(pattern)
     folder = os.path.abspath(_pattern_folder(expanded))
+    real_folder = os.path.realpath(folder)
     n_files = n_dirs = 0
-    for match in sorted(glob.glob(expanded, recursive=True)):
+    for match in sorted(_glob(expanded)):
       path = os.path.abspath(match)
       if os.path.isdir(path):
         n_dirs += 1
@@ -344,24 +399,31 @@ def match_text_files(files: str) -> list[TextFile]:
       if not stat.S_ISREG(st.st_mode):
         raise DataError(f"data.files: {match!r} (matched by {pattern!r}) is not a regular file")
       n_files += 1
-      if path not in found:
-        name = os.path.relpath(path, folder).replace(os.sep, "/")
-        found[path] = TextFile(name, path, int(st.st_size), int(st.st_mtime_ns))
+      rel = os.path.relpath(path, folder)
+      real = os.path.realpath(path)
+      direct = real == os.path.join(real_folder, rel)
+      key = (st.st_dev, st.st_ino)
+      if key not in found or (direct and not found[key][0]):
+        found[key] = (direct, TextFile(rel.replace(os.sep, "/"), real, int(st.st_size),
+                                       int(st.st_mtime_ns)))
     if not n_files:
       hint = (f"; it matches {n_dirs} folder(s) only: use '{pattern.rstrip('/')}/**/*' for the "
               "files below" if n_dirs else "")
       raise DataError(f"data.files pattern {pattern!r} matches no file (relative to "
                       f"{os.getcwd()!r}; names starting with '.' need a pattern that spells the "
                       f"dot){hint}")
-  return [found[p] for p in sorted(found)]
+  return sorted((f for _, f in found.values()), key=lambda f: f.path)
 
 
 def text_files_fingerprint(files: list[TextFile]) -> str:
   """16 hex digits of sha256 over every file's (name, path, size, mtime_ns):
   any change to the set of files, a name, a size or a modification time
-  gives a new fingerprint (and so a new build)."""
+  gives a new fingerprint (and so a new build). The salt's version names the
+  rules that pick and deduplicate the files (``v2``: once per file identity
+  and per content, ``match_text_files`` and ``read_text_files``), so a build
+  made under other rules is never reused."""
   blob = json.dumps([[f.name, f.path, f.size, f.mtime_ns] for f in files], ensure_ascii=False)
-  return hashlib.sha256(f"{TEXT_FILES}/v1\n{blob}".encode("utf-8", "surrogatepass")).hexdigest()[:16]
+  return hashlib.sha256(f"{TEXT_FILES}/v2\n{blob}".encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def text_files_splits(names: list[str]) -> dict[str, str]:
@@ -380,18 +442,22 @@ def text_files_splits(names: list[str]) -> dict[str, str]:
 
 
 def read_text_files(files: list[TextFile]) -> tuple[list[tuple[TextFile, str]], dict[str, Any]]:
-  """Reads and decodes ``files``. Files that are not valid UTF-8, and empty or
-  whitespace-only files, are skipped (not an error; see the module docstring).
+  """Reads and decodes ``files``. Files that are not valid UTF-8, empty or
+  whitespace-only files, and files whose bytes repeat an earlier usable file
+  (a copy at another path: kept, it could land in the other split and be
+  both trained on and validated on) are skipped (not an error; see the
+  module docstring).
 
   Returns:
     (documents, skipped): documents is a list of (file, text) for the usable
     files in input order; skipped is ``{"not_utf8": [(name, byte_offset)],
-    "empty": [name]}``.
+    "empty": [name], "duplicate": [(name, name of the earlier file)]}``.
 
   Raises:
     DataError: a file cannot be read (names the file and the OS error).
   """
-  docs, not_utf8, empty = [], [], []
+  docs, not_utf8, empty, duplicate = [], [], [], []
+  first_with: dict[bytes, str] = {}     # sha256 of a usable file's bytes: its name
   for f in files:
     try:
       with open(f.path, "rb") as fh:
@@ -406,8 +472,13 @@ def read_text_files(files: list[TextFile]) -> tuple[list[tuple[TextFile, str]], 
     if not text.strip():
       empty.append(f.name)
       continue
+    digest = hashlib.sha256(raw).digest()
+    if digest in first_with:
+      duplicate.append((f.name, first_with[digest]))
+      continue
+    first_with[digest] = f.name
     docs.append((f, text))
-  return docs, {"not_utf8": not_utf8, "empty": empty}
+  return docs, {"not_utf8": not_utf8, "empty": empty, "duplicate": duplicate}
 
 
 class TextFiles(_SaysWhatItBuilds, tfds.core.GeneratorBasedBuilder, skip_registration=True):
@@ -452,6 +523,12 @@ class TextFiles(_SaysWhatItBuilds, tfds.core.GeneratorBasedBuilder, skip_registr
       logging.warning("text_files: skipped %d empty or whitespace-only files: %s%s",
                       len(skipped["empty"]), ", ".join(map(repr, skipped["empty"][:3])),
                       ", ..." if len(skipped["empty"]) > 3 else "")
+    if skipped["duplicate"]:
+      logging.warning("text_files: skipped %d files identical to an earlier one: %s%s",
+                      len(skipped["duplicate"]),
+                      ", ".join(f"{name!r} (same as {first!r})"
+                                for name, first in skipped["duplicate"][:3]),
+                      ", ..." if len(skipped["duplicate"]) > 3 else "")
     if len(docs) < 2:
       detail = ""
       if skipped["not_utf8"]:
@@ -459,6 +536,8 @@ class TextFiles(_SaysWhatItBuilds, tfds.core.GeneratorBasedBuilder, skip_registr
                    f"{skipped['not_utf8'][0][0]!r} at byte {skipped['not_utf8'][0][1]})")
       if skipped["empty"]:
         detail += f"; {len(skipped['empty'])} empty"
+      if skipped["duplicate"]:
+        detail += f"; {len(skipped['duplicate'])} identical to an earlier file"
       raise DataError(f"data.files: {len(docs)} of the {n} matched files are usable UTF-8 text "
                       f"documents; need at least 2 (one is held out for validation){detail}")
     splits = text_files_splits([f.name for f, _ in docs])
