@@ -17,7 +17,7 @@ SMOLLM_STEPS ?=
 STAMP := $(VENV)/.installed
 HF_STAMP := $(VENV)/.installed-hf
 SMOLLM_STAMP := $(VENV)/.installed-smollm
-.PHONY: demo demo-tiny test test-slow test-hf install install-hf install-llamacpp clean-demo reference smollm smollm-mtp
+.PHONY: demo demo-tiny test test-slow test-gpu test-hf install install-hf install-llamacpp clean-demo reference smollm smollm-mtp
 
 install: $(STAMP)
 $(STAMP): pyproject.toml
@@ -75,6 +75,9 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) --durations=25 -m "not slow" tests
 test-slow: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) --durations=10 -m slow tests
+# make test on CUDA, with PY a Python whose jax has CUDA (cpu_only tests skip; docs/testing.md).
+test-gpu:
+	JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -q $(XDIST) --durations=25 -m "not slow" tests
 
 # MTP_REQUIRE_HF=1: a missing torch/transformers fails instead of skipping.
 test-hf: $(HF_STAMP) $(SMOLLM_STAMP)

@@ -52,6 +52,17 @@ class ModelConfig:
   # cuDNN kernel over every slot (NVIDIA GPU, bfloat16/float16 only).
   attention_impl: str = "blockwise"
   attention_block_size: int = 128  # cache slots per block of "blockwise" (results/bench_cache_length.md)
+  # jax.lax.Precision of every matmul of the model's forward (mtp.model: the
+  # linear layers, the attention's score and value products, the heads).
+  # "highest": float32 operands are multiplied in full float32 on every
+  # backend (by default NVIDIA GPUs use TF32 and TPUs bfloat16 passes, so
+  # greedy float32 output can change with the KV-cache size or the attention
+  # implementation, and greedy MTP stops equalling greedy AR); bfloat16 and
+  # float16 operands are already 16-bit, so for such models it changes
+  # nothing. "high": TF32-like on GPU, 3 bfloat16 passes on TPU. "default":
+  # JAX's choice (the jax_default_matmul_precision flag; unset, the
+  # backend's fastest). XLA's CPU computes float32 matmuls in float32 always.
+  matmul_precision: str = "highest"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,11 +173,11 @@ class Config:
 
 # Fields that describe the model's parameters: a checkpoint can only be
 # restored into a config that agrees on all of these.
-ARCHITECTURE_FIELDS = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
-                            if f.name not in ("dtype", "max_seq_len", "attention_impl",
-                                              "attention_block_size")) + ("mtp.depth",
-                                                                    "mtp.draft_vocab_size",
-                                                                    "mtp.feature_layers")
+ARCHITECTURE_FIELDS = (
+    tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
+          if f.name not in ("dtype", "max_seq_len", "attention_impl", "attention_block_size",
+                            "matmul_precision"))
+    + ("mtp.depth", "mtp.draft_vocab_size", "mtp.feature_layers"))
 
 _DTYPES = ("float32", "bfloat16", "float16")
 TOKENIZER_KINDS = ("byte", "bpe")   # model.tokenizer
@@ -182,6 +193,7 @@ def parse_id_list(text: str, field: str = "ids") -> tuple[int, ...]:
   except ValueError:
     raise ConfigError(f"{field}={text!r} must be comma-separated integer ids") from None
 ATTENTION_IMPLS = ("blockwise", "dense", "cudnn")   # model.attention_impl
+MATMUL_PRECISIONS = ("highest", "high", "default")  # model.matmul_precision
 DIVERGENCES = ("kl", "tv")      # mtp.distill_divergence
 PACKINGS = ("concat", "first_fit")   # data.packing
 
@@ -301,6 +313,9 @@ def _validate_model(m: ModelConfig) -> None:
          "'blockwise' or 'dense' unless model.dtype is bfloat16 or float16 (cuDNN attention has "
          f"no {m.dtype} kernel)", m.attention_impl)
   _check(m.attention_block_size >= 1, "model.attention_block_size", ">= 1", m.attention_block_size)
+  _check(m.matmul_precision in MATMUL_PRECISIONS, "model.matmul_precision",
+         f"one of {MATMUL_PRECISIONS} (highest: float32 matmuls in full float32 on every "
+         "backend; default: JAX's, TF32 on NVIDIA GPUs)", m.matmul_precision)
 
 
 def _validate_mtp(cfg: Config) -> None:

@@ -57,6 +57,19 @@ same through its cuDNN kernel (GPU, 16-bit). All agree to float rounding
 wherever a query sees at least one slot (a query that sees none gets zeros
 from "blockwise", the mean of all values from "dense"). Training (no
 cache) is unaffected by the choice.
+
+Matmul precision (``model.matmul_precision``, ``matmul_precision``): every
+matmul of the forward carries it explicitly where it is built: each
+``nnx.Linear`` (``precision=``), the attention einsums of
+``blockwise_attention`` and ``Attention.attend_chain``, the heads'
+``jnp.dot`` (the tied head multiplies by E^T itself, as ``nnx.Embed.attend``
+would, because ``attend`` takes no precision). ``jax.nn.dot_product_attention``
+(training, "dense") takes no precision argument, so it is traced inside
+``jax.default_matmul_precision`` (``_dense_attention``), which sets the
+precision of its two einsums at trace time. Default "highest": float32
+matmuls run in full float32 on GPU and TPU too (not TF32 or bfloat16
+passes), so greedy float32 output does not depend on the cache size or the
+attention implementation beyond float32 rounding.
 """
 
 from __future__ import annotations
@@ -109,6 +122,26 @@ def _dtype(name: str):
   return jnp.dtype(name)
 
 
+def matmul_precision(cfg: ModelConfig) -> jax.lax.Precision | None:
+  """The ``jax.lax.Precision`` of every matmul of a model of ``cfg``
+  (``model.matmul_precision``): HIGHEST or HIGH, or None for "default"
+  (JAX's ``jax_default_matmul_precision`` decides, as an op given none)."""
+  name = cfg.matmul_precision
+  return None if name == "default" else jax.lax.Precision[name.upper()]
+
+
+def _dense_attention(q, k, v, mask, precision, implementation=None):
+  """``jax.nn.dot_product_attention(q, k, v, mask=mask)`` with its einsums
+  at ``precision``: it has no precision argument, so it is traced inside
+  ``jax.default_matmul_precision`` (read when each einsum is traced; an
+  einsum with an explicit algorithm, as its bfloat16 score product, keeps
+  it). precision None: JAX's default, no context."""
+  if precision is None:
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+  with jax.default_matmul_precision(precision.name.lower()):
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+
+
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
   """Rotary position embedding (Su et al. 2021), rotate-half form.
 
@@ -148,7 +181,8 @@ def _slot_limit(positions, mask, s: int):
   return jnp.max(jnp.where(jnp.any(mask, axis=(0, 1)), slots, 0))
 
 
-def blockwise_attention(q, keys, values, positions, mask=None, *, block_size: int = 128):
+def blockwise_attention(q, keys, values, positions, mask=None, *, block_size: int = 128,
+                        precision=jax.lax.Precision.HIGHEST):
   """Attention of q over a KV cache reading only the blocks that can be
   visible, with an online softmax across blocks (Milakov & Gimelshein 2018,
   "Online normalizer calculation for softmax"; FlashAttention, Dao et al.
@@ -165,7 +199,8 @@ def blockwise_attention(q, keys, values, positions, mask=None, *, block_size: in
   [i*C, i*C + C); the last block of an S that C does not divide is read
   from S - C with its already-counted slots masked. Scores, running max,
   normaliser and accumulator are float32; scaling 1/sqrt(H) as
-  ``jax.nn.dot_product_attention``. A query that sees no slot gets zeros.
+  ``jax.nn.dot_product_attention``; both einsums at ``precision``
+  (``matmul_precision``). A query that sees no slot gets zeros.
   Forward only (a ``while_loop`` with a traced trip count): decoding, not
   training.
   """
@@ -196,14 +231,14 @@ def blockwise_attention(q, keys, values, positions, mask=None, *, block_size: in
       mb = jax.lax.dynamic_slice_in_dim(mask, start, c, axis=2)              # [B,T,C]
       vis = jnp.broadcast_to(mb[:, None], (b, g, t, c)).reshape(b, 1, r, c)
     vis &= slots >= first
-    sc = jnp.einsum("bkrh,bckh->bkrc", qg, kb)
+    sc = jnp.einsum("bkrh,bckh->bkrc", qg, kb, precision=precision)
     sc = jnp.where(vis, sc, -jnp.inf)
     m_new = jnp.maximum(m_run, jnp.max(sc, -1))
     m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)       # no inf - inf while nothing is seen
     p = jnp.exp(sc - m_safe[..., None])
     corr = jnp.exp(m_run - m_safe)
     l_new = l_run * corr + jnp.sum(p, -1)
-    acc = acc * corr[..., None] + jnp.einsum("bkrc,bckh->bkrh", p, vb)
+    acc = acc * corr[..., None] + jnp.einsum("bkrc,bckh->bkrh", p, vb, precision=precision)
     return m_new, l_new, acc
 
   init = (jnp.full((b, kv, r), -jnp.inf, jnp.float32), jnp.zeros((b, kv, r), jnp.float32),
@@ -215,7 +250,7 @@ def blockwise_attention(q, keys, values, positions, mask=None, *, block_size: in
 
 
 def cached_attention(q, keys, values, positions, mask=None, *, impl: str = "blockwise",
-                     block_size: int = 128):
+                     block_size: int = 128, precision=jax.lax.Precision.HIGHEST):
   """Attention of the queries of a cached call over the whole cache.
 
   q: [B, T, N, H]; keys, values: [B, S, K, H] (after this call's write);
@@ -224,10 +259,12 @@ def cached_attention(q, keys, values, positions, mask=None, *, impl: str = "bloc
   "blockwise" (``blockwise_attention``: cost follows the visible length),
   "dense" (every slot, masked: ``jax.nn.dot_product_attention``, XLA) or
   "cudnn" (the same through cuDNN; NVIDIA GPU, bfloat16/float16 only).
+  ``precision``: of every matmul (``matmul_precision``; cuDNN ignores it).
   Returns [B, T, N, H] in q's dtype. Raises ValueError for another impl.
   """
   if impl == "blockwise":
-    return blockwise_attention(q, keys, values, positions, mask, block_size=block_size)
+    return blockwise_attention(q, keys, values, positions, mask, block_size=block_size,
+                               precision=precision)
   if impl not in ("dense", "cudnn"):
     raise ValueError(f"model.attention_impl={impl!r}: must be one of 'blockwise', 'dense', 'cudnn'")
   b, s = keys.shape[0], keys.shape[1]
@@ -235,8 +272,8 @@ def cached_attention(q, keys, values, positions, mask=None, *, impl: str = "bloc
     mask = attention_mask(positions, jnp.broadcast_to(jnp.arange(s), (b, s)))
   else:
     mask = mask[:, None]
-  return jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=mask,
-                                      implementation=None if impl == "dense" else "cudnn")
+  return _dense_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask, precision,
+                          implementation=None if impl == "dense" else "cudnn")
 
 
 class Attention(nnx.Module):
@@ -245,8 +282,9 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, out_scale: float, rngs: nnx.Rngs):
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
+    self.precision = matmul_precision(cfg)
     lin = lambda i, o, scale=1.0: nnx.Linear(
-        i, o, use_bias=False, dtype=dt, param_dtype=pdt, rngs=rngs,
+        i, o, use_bias=False, dtype=dt, param_dtype=pdt, rngs=rngs, precision=self.precision,
         kernel_init=nnx.initializers.variance_scaling(scale, "fan_in", "normal"))
     self.q_proj = lin(d, n * h)
     self.k_proj = lin(d, k * h)
@@ -275,19 +313,21 @@ class Attention(nnx.Module):
     q: [B, T, N, H]; ctx_k, ctx_v: [B, S, K, H]; ctx_mask: [B, 1, T, S] bool;
     chain_k, chain_v: lists of C arrays [B, T, K, H]. Returns [B, T, D]
     (after the output projection). Same scaling (1/sqrt(H)) and softmax as
-    ``jax.nn.dot_product_attention``, computed in float32.
+    ``jax.nn.dot_product_attention``, computed in float32, einsums at the
+    model's ``matmul_precision``.
     """
     b, t, n, h = q.shape
     kv = self.num_kv_heads
     qg = q.reshape(b, t, kv, n // kv, h).astype(jnp.float32) / math.sqrt(h)
     ck, cv = jnp.stack(chain_k, 2), jnp.stack(chain_v, 2)                  # [B, T, C, K, H]
-    s_ctx = jnp.einsum("btkgh,bskh->bkgts", qg, ctx_k.astype(jnp.float32))
+    prec = self.precision
+    s_ctx = jnp.einsum("btkgh,bskh->bkgts", qg, ctx_k.astype(jnp.float32), precision=prec)
     s_ctx = jnp.where(ctx_mask[:, :, None], s_ctx, -jnp.inf)
-    s_chain = jnp.einsum("btkgh,btckh->bkgtc", qg, ck.astype(jnp.float32))
+    s_chain = jnp.einsum("btkgh,btckh->bkgtc", qg, ck.astype(jnp.float32), precision=prec)
     w = jax.nn.softmax(jnp.concatenate([s_ctx, s_chain], -1), axis=-1)
     s = ctx_k.shape[1]
-    y = (jnp.einsum("bkgts,bskh->btkgh", w[..., :s], ctx_v.astype(jnp.float32))
-         + jnp.einsum("bkgtc,btckh->btkgh", w[..., s:], cv.astype(jnp.float32)))
+    y = (jnp.einsum("bkgts,bskh->btkgh", w[..., :s], ctx_v.astype(jnp.float32), precision=prec)
+         + jnp.einsum("bkgtc,btckh->btkgh", w[..., s:], cv.astype(jnp.float32), precision=prec))
     return self.o_proj(y.reshape(b, t, n * h).astype(q.dtype))
 
   def __call__(self, x, positions, segment_ids=None, cache: LayerCache | None = None,
@@ -304,7 +344,7 @@ class Attention(nnx.Module):
       if segment_ids is None:   # positions alone: also require key index <= query index
         idx = jnp.arange(t)
         mask &= (idx[None, :] <= idx[:, None])[None, None]
-      y = jax.nn.dot_product_attention(q, k, v, mask=mask)
+      y = _dense_attention(q, k, v, mask, self.precision)
       new_cache = None
     else:             # write the new entries first, then read the cache (model.attention_impl)
       offsets = positions[:, 0] if write_offsets is None else write_offsets
@@ -312,7 +352,7 @@ class Attention(nnx.Module):
       values = write_cache(cache["v"], v, offsets)
       new_cache = {"k": keys, "v": values}
       y = cached_attention(q, keys, values, positions, mask, impl=self.attention_impl,
-                           block_size=self.attention_block_size)
+                           block_size=self.attention_block_size, precision=self.precision)
     return self.o_proj(y.reshape(b, t, self.num_heads * self.head_dim)), new_cache
 
 
@@ -323,6 +363,7 @@ class MLP(nnx.Module):
     dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
     lin = lambda i, o, scale=1.0: nnx.Linear(
         i, o, use_bias=False, dtype=dt, param_dtype=pdt, rngs=rngs,
+        precision=matmul_precision(cfg),
         kernel_init=nnx.initializers.variance_scaling(scale, "fan_in", "normal"))
     self.gate = lin(cfg.d_model, cfg.mlp_dim)
     self.up = lin(cfg.d_model, cfg.mlp_dim)
@@ -385,7 +426,8 @@ class FeatureFuse(nnx.Module):
                                        rngs=nnx.Rngs(0)) for _ in range(num_lower)])
     kernel = jnp.concatenate([jnp.zeros((num_lower * d, d)), jnp.eye(d)], 0).astype(pdt)
     self.proj = nnx.Linear((num_lower + 1) * d, d, use_bias=False, dtype=dt, param_dtype=pdt,
-                           kernel_init=lambda *_: kernel, rngs=nnx.Rngs(0))
+                           precision=matmul_precision(cfg), kernel_init=lambda *_: kernel,
+                           rngs=nnx.Rngs(0))
 
   def __call__(self, lower, h0):
     """lower: [B, T, m * D] (the m layers' outputs, concatenated in
@@ -409,7 +451,7 @@ class MTPModule(nnx.Module):
     self.hidden_norm = norm()
     self.embed_norm = norm()
     self.proj = nnx.Linear(2 * cfg.d_model, cfg.d_model, use_bias=False, dtype=dt,
-                           param_dtype=pdt, rngs=rngs)
+                           param_dtype=pdt, precision=matmul_precision(cfg), rngs=rngs)
     self.block = Block(cfg, out_scale=out_scale, rngs=rngs)
     self.out_norm = norm()
     if num_lower:
@@ -459,7 +501,7 @@ class Transformer(nnx.Module):
                                   rngs=rngs)
     if not cfg.tie_embeddings:
       self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dt,
-                                param_dtype=pdt, rngs=rngs)
+                                param_dtype=pdt, precision=matmul_precision(cfg), rngs=rngs)
     feature_layers = tuple(int(i) for i in feature_layers)
     if feature_layers and (not mtp_depth or list(feature_layers) != sorted(set(feature_layers))
                            or not all(0 <= i <= cfg.num_layers - 2 for i in feature_layers)):
@@ -544,8 +586,9 @@ class Transformer(nnx.Module):
     tokenizer, PAD, BOS and bytes no UTF-8 text contains) get -inf, so their probability is exactly 0 on every
     path that samples from this head."""
     h = (norm or self.final_norm)(h)
-    if self.cfg.tie_embeddings:
-      logits = self.embed.attend(h)
+    if self.cfg.tie_embeddings:     # nnx.Embed.attend (promote, then h @ E^T) with a precision
+      h, w = self.embed.promote_dtype((h, self.embed.embedding[...]), dtype=self.embed.dtype)
+      logits = jnp.dot(h, w.T, precision=matmul_precision(self.cfg))
     else:
       logits = self.lm_head(h)
     logits = logits.astype(jnp.float32)
@@ -606,12 +649,12 @@ class Transformer(nnx.Module):
       w = jnp.take(self.embed.embedding[...], ids, axis=0, indices_are_sorted=True,
                    unique_indices=True)
       h, w = self.embed.promote_dtype((h, w), dtype=self.embed.dtype)
-      logits = jnp.dot(h, w.T)
+      logits = jnp.dot(h, w.T, precision=matmul_precision(self.cfg))
     else:                           # as nnx.Linear without bias: h @ W[:, ids]
       w = jnp.take(self.lm_head.kernel[...], ids, axis=1, indices_are_sorted=True,
                    unique_indices=True)
       h, w = self.lm_head.promote_dtype((h, w), dtype=self.lm_head.dtype)
-      logits = jnp.dot(h, w)
+      logits = jnp.dot(h, w, precision=matmul_precision(self.cfg))
     logits = logits.astype(jnp.float32)
     allowed = jnp.asarray(tok.head_mask(self.cfg))[ids]
     return jnp.where(allowed, logits, -jnp.inf)

@@ -1,4 +1,8 @@
-"""Shared fixtures: tiny configs that compile fast on 2 CPU cores."""
+"""Shared fixtures: tiny configs that compile fast on 2 CPU cores.
+
+The suite runs on CPU unless JAX_PLATFORMS is set (``make test-gpu`` sets
+cuda); tests marked ``cpu_only`` (pyproject.toml's markers) are skipped on
+any other backend."""
 
 import os
 
@@ -14,6 +18,20 @@ from mtp import config as config_lib
 from mtp import tokenizer as tok
 # a crashed xdist worker's test gets one rerun in a fresh process (its docstring)
 from tests.crash_rerun import pytest_configure  # noqa: F401
+
+
+def pytest_collection_modifyitems(config, items):
+  """Skips ``cpu_only`` tests (8 fake CPU devices, subprocesses pinned to
+  JAX_PLATFORMS=cpu) when JAX's backend is not the CPU: they would test the
+  CPU there, or compare it with the accelerator."""
+  backend = jax.default_backend()
+  if backend == "cpu":
+    return
+  skip = pytest.mark.skip(reason=f"cpu_only: forces the CPU, and the backend is {backend} "
+                                 "(make test runs it)")
+  for item in items:
+    if item.get_closest_marker("cpu_only"):
+      item.add_marker(skip)
 
 
 def tiny_config(**sections) -> config_lib.Config:

@@ -7,11 +7,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import md_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.cpu_only
 def test_bench_cache_length_quick(tmp_path):
   """Runs the script as a user does, in a process of its own: in the
   suite's long-lived xdist worker, compiling its fori_loop of backbone steps

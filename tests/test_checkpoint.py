@@ -167,6 +167,7 @@ def _one_error_line(r, *needles):
     assert n in lines[0], lines[0]
 
 
+@pytest.mark.cpu_only
 def test_damaged_checkpoints_through_the_cli(saved, altered, tmp_path):
   """python -m decode on a truncated, an altered and an incomplete
   checkpoint: exit status 2 and exactly one stderr line each."""
@@ -185,6 +186,7 @@ def test_damaged_checkpoints_through_the_cli(saved, altered, tmp_path):
   assert "[mtp] tokens" in r.stderr + r.stdout
 
 
+@pytest.mark.cpu_only
 def test_no_event_loop_tracebacks_after_the_error_is_caught(saved, tmp_path):
   """Through the library: nothing is printed after CheckpointError was
   caught, also seconds later (the reads still in flight finished first)."""

@@ -520,6 +520,7 @@ def test_text_files_errors_name_the_field_and_file(tmp_path, no_network):
   assert not [d for d in _builds(ddir) if "incomplete" in d]   # nothing half-built kept
 
 
+@pytest.mark.cpu_only
 def test_text_files_config_and_cli(tmp_path):
   from mtp.config import ConfigError
   from tests.conftest import tiny_config

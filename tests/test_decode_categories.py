@@ -100,6 +100,7 @@ def test_run_reports_per_category(bpe_workdir):
   json.dumps(report)
 
 
+@pytest.mark.cpu_only
 def test_cli_prompt_file_jsonl(bpe_workdir, tmp_path):
   path = tmp_path / "h.jsonl"
   path.write_text('{"category": "qa", "prompt": "hi"}\n{"category": "qa", "prompt": "yo"}\n')

@@ -141,6 +141,7 @@ def _cli(*args):
                         capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.cpu_only
 def test_cli_end_to_end_and_errors(workdir, tmp_path):
   out = tmp_path / "r.json"
   r = _cli("--workdir", workdir, "--prompt", "abc", "--max_new_tokens", "6", "--method", "mtp",
@@ -188,6 +189,7 @@ def _cli_bytes(*args, env_extra=None):
                         capture_output=True, timeout=300)
 
 
+@pytest.mark.cpu_only
 def test_inputs_past_their_types_are_one_line_before_loading(tmp_path):
   """Issue 23.4: out-of-range numbers, non-UTF-8 prompt bytes and unknown
   flags exit 2 with one error line and no traceback, before any checkpoint
@@ -217,6 +219,7 @@ def test_inputs_past_their_types_are_one_line_before_loading(tmp_path):
   assert b"is not valid UTF-8: byte 0xFF at character 4" in r.stderr
 
 
+@pytest.mark.cpu_only
 def test_stop_string_through_the_cli(workdir, tmp_path):
   """--stop cuts the printed text before the stop string and the report
   records finish_reason "stop" (AR and MTP alike at T = 0)."""

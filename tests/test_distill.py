@@ -253,6 +253,7 @@ def test_ar_output_is_unchanged_and_distilled_decoding_is_lossless(distilled, tr
   assert pvalue > ALPHA, f"distilled MTP G=3: chi-square p={pvalue:.2e}"
 
 
+@pytest.mark.cpu_only
 def test_frozen_distillation_stage_on_a_2x2x2_mesh(tmp_path):
   """The sharded jit (data, FSDP and tensor axes on 8 fake devices) trains a
   frozen-backbone distillation stage with a recursive step like one device;

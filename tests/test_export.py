@@ -319,6 +319,7 @@ def _tree(path) -> dict:
   return out
 
 
+@pytest.mark.cpu_only
 def test_overwrite_never_deletes_a_workdir(exported, tmp_path):
   """--overwrite replaces only an earlier export: never the workdir being
   exported (or a folder holding it), never another training run, even one
@@ -352,6 +353,7 @@ def test_overwrite_never_deletes_a_workdir(exported, tmp_path):
   assert _tree(src) == before
 
 
+@pytest.mark.cpu_only
 def test_cli(exported, tmp_path):
   _, _, workdir, _ = exported["tied"]
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}

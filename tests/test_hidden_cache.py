@@ -372,6 +372,7 @@ def _stage_config_file(tmp_path, target):
   return str(path)
 
 
+@pytest.mark.cpu_only
 @pytest.mark.slow
 def test_bpe_stage_through_python_m_train(bpe_target, tmp_path):
   """``python -m train`` with train.init_from the imported BPE target and

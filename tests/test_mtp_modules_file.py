@@ -346,6 +346,7 @@ def test_fingerprint_sees_one_backbone_value_not_the_param_dtype(world):
   assert modules.backbone_fingerprint(with_modules) == fp    # modules are not the target
 
 
+@pytest.mark.cpu_only
 def test_export_cli(world, tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   run = lambda *a: subprocess.run([sys.executable, "-m", "mtp.export", *a], cwd=REPO, env=env,

@@ -94,6 +94,7 @@ def _get(runs, name) -> dict:
   return r
 
 
+@pytest.mark.cpu_only
 @pytest.mark.slow
 @pytest.mark.parametrize("depth", [0, 2])
 def test_losses_agree_across_meshes(runs, depth):
@@ -105,6 +106,7 @@ def test_losses_agree_across_meshes(runs, depth):
   assert max(r["final_params_max_diff"].values()) < 1e-4
 
 
+@pytest.mark.cpu_only
 @pytest.mark.slow
 @pytest.mark.parametrize("depth", [0, 2])
 def test_parameters_and_optimizer_state_are_sharded(runs, depth):
@@ -129,6 +131,7 @@ def test_parameters_and_optimizer_state_are_sharded(runs, depth):
     assert mixed["mtp_mlp_up"] == mixed["mlp_gate"]
 
 
+@pytest.mark.cpu_only
 @pytest.mark.slow
 @pytest.mark.parametrize("depth", [0, 2])
 def test_fsdp_divides_parameter_memory(runs, depth):
@@ -139,6 +142,7 @@ def test_fsdp_divides_parameter_memory(runs, depth):
   assert b["2x2x2"] < full / 3
 
 
+@pytest.mark.cpu_only
 @pytest.mark.slow
 def test_two_processes_train_like_one(runs):
   ref = _get(runs, "d2")["losses"]["1x1x1"]
@@ -156,6 +160,7 @@ def test_two_processes_train_like_one(runs):
   assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(os.listdir(data))
 
 
+@pytest.mark.cpu_only
 @pytest.mark.slow
 def test_checkpoint_saved_on_8x1x1_restores_on_other_meshes(runs):
   r = _get(runs, "d2")
@@ -167,6 +172,7 @@ def test_checkpoint_saved_on_8x1x1_restores_on_other_meshes(runs):
     np.testing.assert_allclose(r["next_loss"][name], r["next_loss"]["8x1x1"], rtol=RTOL)
 
 
+@pytest.mark.cpu_only
 @pytest.mark.slow
 def test_sharded_decoding_equals_one_device(runs):
   dec = _get(runs, "d2")["decode"]
@@ -182,6 +188,7 @@ def test_sharded_decoding_equals_one_device(runs):
   assert "3 prompts" in dec["bad_batch"] and "data axis of size 4" in dec["bad_batch"]
 
 
+@pytest.mark.cpu_only
 @pytest.mark.slow
 def test_bad_meshes_raise_config_errors_naming_the_numbers(runs):
   e = _get(runs, "d2")["errors"]

@@ -154,6 +154,7 @@ def _run_cli(args, **kw):
                         capture_output=True, text=True, **kw)
 
 
+@pytest.mark.cpu_only
 def test_cli_rejects_bad_override_naming_the_field(tmp_path):
   r = _run_cli(["--config", "configs/tiny.py", "--workdir", str(tmp_path / "w"),
                 "--config.mtp.depth=-1"], timeout=120)
@@ -210,6 +211,7 @@ def test_memory_floor_names_the_largest_batch_that_fits():
     workdir_lib.check_memory_floor(cfg, (need // 2 + 8, "test"), devices=(4, 8))
 
 
+@pytest.mark.cpu_only
 def test_cli_missing_or_unloadable_config_file_is_one_line(tmp_path):
   (tmp_path / "syntax.py").write_text("def get_config(:\n")
   (tmp_path / "noget.py").write_text("x = 1\n")
@@ -224,6 +226,7 @@ def test_cli_missing_or_unloadable_config_file_is_one_line(tmp_path):
   assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.cpu_only
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_then_resume_finishes(tmp_path, data_dir):
   workdir = tmp_path / "sig"
@@ -414,6 +417,7 @@ def lock_holder():
     p.wait()
 
 
+@pytest.mark.cpu_only
 def test_second_run_on_a_workdir_stops_at_once_naming_the_holder(uninterrupted, tmp_path,
                                                                   data_dir, lock_holder):
   from train.workdir import WorkdirBusyError

@@ -237,6 +237,7 @@ def test_bad_tree_input(target):
     Decoder(d0, "mtp", tree=(2,))
 
 
+@pytest.mark.cpu_only
 def test_run_and_cli_with_a_tree(markov_workdir, capsys):
   from decode.run import run
   report = run(markov_workdir, ["abca"], method="mtp", tree="2,2", max_new_tokens=8,

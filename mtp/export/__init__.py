@@ -71,12 +71,14 @@ SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 
 # ModelConfig fields that config.json expresses (see _hf_config). A new field
 # is refused by check_exportable until the exporter learns to write it.
-# attention_impl / attention_block_size choose how a KV cache is read, not
-# what the model computes (LlamaForCausalLM has no equivalent to write).
+# attention_impl / attention_block_size choose how a KV cache is read and
+# matmul_precision how exactly matmuls run, not what the model computes
+# (LlamaForCausalLM has no equivalent to write; the "mtp" entry keeps them).
 _EXPORTABLE_MODEL_FIELDS = frozenset({
     "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
     "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings", "dtype", "param_dtype",
-    "tokenizer", "num_tokens", "never_emitted", "attention_impl", "attention_block_size"})
+    "tokenizer", "num_tokens", "never_emitted", "attention_impl", "attention_block_size",
+    "matmul_precision"})
 
 # How a tensor is stored, from our parameter to the HF tensor:
 #   "copy":      same array ([V, D] embeddings, [D] RMSNorm scales)
