@@ -128,6 +128,7 @@ def test_os_errno_finds_the_errno_behind_orbax_and_tensorstore_errors():
   assert ckpt_lib.os_errno(ValueError("shape mismatch")) is None
 
 
+@pytest.mark.cpu_only
 @pytest.mark.skipif(not hasattr(resource, "RLIMIT_FSIZE"), reason="needs RLIMIT_FSIZE")
 def test_a_failed_tensorstore_write_is_one_line_too(tmp_path):
   """A real write failure in tensorstore's own threads: a file size limit
@@ -202,6 +203,7 @@ def cli_full_disk(tmp_path_factory, data_dir):
   return workdir, r
 
 
+@pytest.mark.cpu_only
 def test_train_cli_full_disk_ends_with_one_line_and_resumes_from_the_previous_step(cli_full_disk):
   workdir, r = cli_full_disk
   lines = r.stderr.strip().splitlines()
@@ -221,6 +223,7 @@ def test_train_cli_full_disk_ends_with_one_line_and_resumes_from_the_previous_st
     reader.close()
 
 
+@pytest.mark.cpu_only
 @pytest.mark.slow
 def test_train_cli_rerun_after_a_full_disk_resumes_and_finishes(cli_full_disk, data_dir):
   workdir, _ = cli_full_disk
@@ -267,6 +270,7 @@ def _half_written(workdir, step):
   os.remove(os.path.join(workdir, "checkpoints", str(step), "state", "manifest.ocdbt"))
 
 
+@pytest.mark.cpu_only
 def test_a_step_a_live_training_run_is_writing_is_passed_over_with_a_notice(
     two_steps, tmp_path, lock_holder, capsys):
   workdir = _copy(two_steps, tmp_path / "busy")
