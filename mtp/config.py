@@ -47,11 +47,20 @@ class ModelConfig:
   never_emitted: str = ""         # comma-separated ids < num_tokens never emitted (tokenizer="bpe")
   # Attention over a KV cache (decoding; training never uses a cache), see
   # mtp.model.cached_attention: "blockwise" reads only the cache blocks that
-  # can be visible (online softmax, cost follows the filled length), "dense"
-  # masks every slot (the original path), "cudnn" is jax.nn.dot_product_attention's
-  # cuDNN kernel over every slot (NVIDIA GPU, bfloat16/float16 only).
-  attention_impl: str = "blockwise"
-  attention_block_size: int = 128  # cache slots per block of "blockwise" (results/bench_cache_length.md)
+  # can be visible (online softmax, cost follows the filled length; a loop
+  # whose trip count is traced, so on an accelerator each block of each
+  # layer waits on the host), "dense" masks every slot (no loop, static
+  # work), "cudnn" is jax.nn.dot_product_attention's cuDNN kernel over every
+  # slot (NVIDIA GPU, bfloat16/float16 only). "auto" picks per backend and
+  # dtype when traced (mtp.model.resolve_attention_impl): "blockwise" on the
+  # CPU, where it measured fastest; "cudnn" on an NVIDIA GPU (compute
+  # capability >= 8.0) for a bfloat16/float16 model; "dense" elsewhere. A
+  # config without the field (from_dict: a Hugging Face config.json, a new
+  # import) gets "auto"; one that names a value keeps it (checkpoints saved
+  # before "auto" existed store "blockwise").
+  attention_impl: str = "auto"
+  # cache slots per block of "blockwise" (and of "auto" on the CPU; results/bench_cache_length.md)
+  attention_block_size: int = 128
   # jax.lax.Precision of every matmul of the model's forward (mtp.model: the
   # linear layers, the attention's score and value products, the heads).
   # "highest": float32 operands are multiplied in full float32 on every
@@ -192,7 +201,7 @@ def parse_id_list(text: str, field: str = "ids") -> tuple[int, ...]:
     return tuple(sorted({int(x) for x in text.split(",")}))
   except ValueError:
     raise ConfigError(f"{field}={text!r} must be comma-separated integer ids") from None
-ATTENTION_IMPLS = ("blockwise", "dense", "cudnn")   # model.attention_impl
+ATTENTION_IMPLS = ("auto", "blockwise", "dense", "cudnn")   # model.attention_impl
 MATMUL_PRECISIONS = ("highest", "high", "default")  # model.matmul_precision
 DIVERGENCES = ("kl", "tv")      # mtp.distill_divergence
 PACKINGS = ("concat", "first_fit")   # data.packing
@@ -306,12 +315,12 @@ def _validate_model(m: ModelConfig) -> None:
   _check(m.dtype in _DTYPES, "model.dtype", f"one of {_DTYPES}", m.dtype)
   _check(m.param_dtype in _DTYPES, "model.param_dtype", f"one of {_DTYPES}", m.param_dtype)
   _check(m.attention_impl in ATTENTION_IMPLS, "model.attention_impl",
-         f"one of {ATTENTION_IMPLS} (blockwise: only the cache blocks that can be visible; dense: "
-         "every cache slot, masked; cudnn: jax.nn.dot_product_attention's cuDNN kernel, GPU only)",
-         m.attention_impl)
+         f"one of {ATTENTION_IMPLS} (auto: chosen per backend and dtype; blockwise: only the "
+         "cache blocks that can be visible; dense: every cache slot, masked; cudnn: "
+         "jax.nn.dot_product_attention's cuDNN kernel, GPU only)", m.attention_impl)
   _check(m.attention_impl != "cudnn" or m.dtype in ("bfloat16", "float16"), "model.attention_impl",
-         "'blockwise' or 'dense' unless model.dtype is bfloat16 or float16 (cuDNN attention has "
-         f"no {m.dtype} kernel)", m.attention_impl)
+         "'auto', 'blockwise' or 'dense' unless model.dtype is bfloat16 or float16 (cuDNN "
+         f"attention has no {m.dtype} kernel)", m.attention_impl)
   _check(m.attention_block_size >= 1, "model.attention_block_size", ">= 1", m.attention_block_size)
   _check(m.matmul_precision in MATMUL_PRECISIONS, "model.matmul_precision",
          f"one of {MATMUL_PRECISIONS} (highest: float32 matmuls in full float32 on every "

@@ -46,30 +46,40 @@ positional mask (query t sees slot s iff ``mask[b, t, s]``; every query must
 see at least one slot). The cache layout is unchanged.
 
 Reading the cache (``cached_attention``, chosen by ``model.attention_impl``):
-"blockwise" (default) walks the cache in blocks of
-``model.attention_block_size`` slots up to the furthest slot any query of
-the call can see (``max(positions)``, or the last slot any ``mask`` row
-allows), with an online softmax across blocks (Milakov & Gimelshein 2018;
-FlashAttention, Dao et al. 2022; FlashDecoding's split over the keys), so
-a step's cost follows the filled length, not S. "dense" attends over all S
-slots with the mask (``jax.nn.dot_product_attention``, XLA), "cudnn" the
-same through its cuDNN kernel (GPU, 16-bit). All agree to float rounding
+"blockwise" walks the cache in blocks of ``model.attention_block_size``
+slots up to the furthest slot any query of the call can see
+(``max(positions)``, or the last slot any ``mask`` row allows), with an
+online softmax across blocks (Milakov & Gimelshein 2018; FlashAttention, Dao
+et al. 2022; FlashDecoding's split over the keys), so a step's cost follows
+the filled length, not S. Its loop has a traced trip count: on an
+accelerator every iteration's predicate goes through the host, in every
+layer of every step. "dense" (``dense_attention``) attends over all S slots
+with the mask: no loop, static work (S is the static cache size decode
+allocates), bfloat16/float16 caches read as they are, scores and sums in
+float32. "cudnn" is the masked attention of ``jax.nn.dot_product_attention``
+through its cuDNN kernel (NVIDIA GPU, 16-bit). "auto" (default) picks when
+traced (``resolve_attention_impl`` for ``attention_backend()``):
+"blockwise" on the CPU (host and device are one there, and reading only the
+filled blocks measured fastest: docs/results/attention.md); "cudnn" on an
+NVIDIA GPU of compute capability >= 8.0 for a bfloat16/float16 model whose
+head dim cuDNN takes; "dense" everywhere else. All agree to float rounding
 wherever a query sees at least one slot (a query that sees none gets zeros
-from "blockwise", the mean of all values from "dense"). Training (no
-cache) is unaffected by the choice.
+from "blockwise" and "dense", the mean of all values from "cudnn").
+Training (no cache) is unaffected by the choice.
 
 Matmul precision (``model.matmul_precision``, ``matmul_precision``): every
 matmul of the forward carries it explicitly where it is built: each
 ``nnx.Linear`` (``precision=``), the attention einsums of
-``blockwise_attention`` and ``Attention.attend_chain``, the heads'
-``jnp.dot`` (the tied head multiplies by E^T itself, as ``nnx.Embed.attend``
-would, because ``attend`` takes no precision). ``jax.nn.dot_product_attention``
-(training, "dense") takes no precision argument, so it is traced inside
-``jax.default_matmul_precision`` (``_dense_attention``), which sets the
-precision of its two einsums at trace time. Default "highest": float32
-matmuls run in full float32 on GPU and TPU too (not TF32 or bfloat16
-passes), so greedy float32 output does not depend on the cache size or the
-attention implementation beyond float32 rounding.
+``blockwise_attention``, ``dense_attention`` and ``Attention.attend_chain``,
+the heads' ``jnp.dot`` (the tied head multiplies by E^T itself, as
+``nnx.Embed.attend`` would, because ``attend`` takes no precision).
+``jax.nn.dot_product_attention`` (training, "cudnn") takes no precision
+argument, so it is traced inside ``jax.default_matmul_precision``
+(``_dense_attention``), which sets the precision of its two einsums at
+trace time (cuDNN ignores it). Default "highest": float32 matmuls run in
+full float32 on GPU and TPU too (not TF32 or bfloat16 passes), so greedy
+float32 output does not depend on the cache size or the attention
+implementation beyond float32 rounding.
 """
 
 from __future__ import annotations
@@ -82,7 +92,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp import tokenizer as tok
-from mtp.config import Config, ModelConfig
+from mtp.config import ATTENTION_IMPLS, Config, ModelConfig
 
 LayerCache = dict[str, jax.Array]          # {"k": [B,S,K,H], "v": [B,S,K,H]}
 
@@ -181,6 +191,96 @@ def _slot_limit(positions, mask, s: int):
   return jnp.max(jnp.where(jnp.any(mask, axis=(0, 1)), slots, 0))
 
 
+CUDNN_DTYPES = ("bfloat16", "float16")              # cuDNN fused attention's operand dtypes
+CUDNN_MAX_HEAD_DIM = 128    # cuDNN flash attention: H <= 128 and H % 8 == 0 (256 from Hopper on)
+
+
+def attention_backend() -> str:
+  """The platform ``resolve_attention_impl`` chooses for, read at trace
+  time: ``jax.default_backend()`` ("cpu", "tpu", ...), except that a GPU is
+  "cuda" when it is an NVIDIA GPU on which cuDNN's fused attention runs
+  (CUDA, compute capability >= 8.0: Ampere or later) and "gpu" otherwise
+  (ROCm, older NVIDIA GPUs)."""
+  backend = jax.default_backend()
+  if backend != "gpu":
+    return backend
+  device = jax.devices()[0]
+  if "cuda" not in str(getattr(device.client, "platform_version", "")).lower():
+    return "gpu"
+  major = str(getattr(device, "compute_capability", "0")).split(".")[0]
+  return "cuda" if major.isdigit() and int(major) >= 8 else "gpu"
+
+
+def resolve_attention_impl(impl: str, backend: str, dtype, head_dim: int | None = None) -> str:
+  """The implementation ``cached_attention`` runs for ``model.attention_impl``
+  = ``impl`` on ``backend`` (``attention_backend()``'s names) with
+  activations of ``dtype`` (name or dtype) and head dim ``head_dim`` (None:
+  not checked). Pure, so the choice is testable without the hardware.
+
+  "blockwise", "dense" and "cudnn" are returned as they are. "auto":
+  "blockwise" on "cpu" (host and device are one, so its loop's traced trip
+  count moves nothing between them, and reading only the filled blocks
+  measured fastest);
+  otherwise no loop with a traced trip count: "cudnn" on "cuda" for a
+  bfloat16/float16 ``dtype`` with ``head_dim`` a multiple of 8 and at most
+  128 (where cuDNN has a kernel), "dense" everywhere else (TPU, other GPUs,
+  float32). Raises ValueError for another ``impl``.
+  """
+  if impl not in ATTENTION_IMPLS:
+    raise ValueError(f"model.attention_impl={impl!r}: must be one of "
+                     + ", ".join(repr(i) for i in ATTENTION_IMPLS))
+  if impl != "auto":
+    return impl
+  if backend == "cpu":
+    return "blockwise"
+  head_ok = head_dim is None or (head_dim % 8 == 0 and head_dim <= CUDNN_MAX_HEAD_DIM)
+  if backend == "cuda" and jnp.dtype(dtype).name in CUDNN_DTYPES and head_ok:
+    return "cudnn"
+  return "dense"
+
+
+def dense_attention(q, keys, values, positions, mask=None, *, precision=jax.lax.Precision.HIGHEST):
+  """Attention of q over every slot of a KV cache, masked: no loop, the
+  same work for every filled length.
+
+  q: [B, T, N, H]; keys, values: [B, S, K, H] (the cache after this call's
+  write; N % K == 0, grouped-query attention: query head j reads KV head
+  j // (N / K), as ``jax.nn.dot_product_attention``); positions: [B, T]
+  int32; mask: [B, T, S] bool or None (default: query t sees slot s iff
+  s <= positions[b, t]). Returns [B, T, N, H] in q's dtype.
+
+      s_ts = (q_t . k_s) / sqrt(H)           (float32; -inf where not visible)
+      y_t  = sum_s exp(s_ts - m_t) v_s / sum_s exp(s_ts - m_t),  m_t = max_s s_ts
+
+  Both einsums take the operands in their own dtype (the cache is cast to
+  q's dtype, the activation dtype it already holds) and accumulate in
+  float32 (``preferred_element_type``), so a bfloat16 cache is never copied
+  to float32; the probabilities enter the value product in the values'
+  dtype, the normaliser is applied after it in float32. Both at
+  ``precision`` (``matmul_precision``). A query that sees no slot gets
+  zeros (as ``blockwise_attention``).
+  """
+  b, t, n, h = q.shape
+  s, kv = keys.shape[1], keys.shape[2]
+  qg = q.reshape(b, t, kv, n // kv, h)
+  keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+  sc = jnp.einsum("btkgh,bskh->bkgts", qg, keys, precision=precision,
+                  preferred_element_type=jnp.float32) * jnp.float32(1.0 / math.sqrt(h))
+  if mask is None:
+    slots = jnp.arange(s, dtype=jnp.int32)
+    vis = slots[None, None, None, None, :] <= positions[:, None, None, :, None]   # [B, 1, 1, T, S]
+  else:
+    vis = mask[:, None, None]                                      # [B, 1, 1, T, S]
+  sc = jnp.where(vis, sc, -jnp.inf)                                # [B, K, G, T, S]
+  m = jnp.max(sc, -1, keepdims=True)
+  p = jnp.exp(sc - jnp.where(jnp.isneginf(m), 0.0, m))           # no inf - inf when nothing is seen
+  l = jnp.sum(p, -1)                                               # [B, K, G, T]
+  y = jnp.einsum("bkgts,bskh->btkgh", p.astype(values.dtype), values, precision=precision,
+                 preferred_element_type=jnp.float32)
+  y = y / jnp.where(l > 0, l, 1.0).transpose(0, 3, 1, 2)[..., None]
+  return y.reshape(b, t, n, h).astype(q.dtype)
+
+
 def blockwise_attention(q, keys, values, positions, mask=None, *, block_size: int = 128,
                         precision=jax.lax.Precision.HIGHEST):
   """Attention of q over a KV cache reading only the blocks that can be
@@ -249,31 +349,36 @@ def blockwise_attention(q, keys, values, positions, mask=None, *, block_size: in
   return out.reshape(b, t, n, h).astype(q.dtype)
 
 
-def cached_attention(q, keys, values, positions, mask=None, *, impl: str = "blockwise",
+def cached_attention(q, keys, values, positions, mask=None, *, impl: str = "auto",
                      block_size: int = 128, precision=jax.lax.Precision.HIGHEST):
   """Attention of the queries of a cached call over the whole cache.
 
   q: [B, T, N, H]; keys, values: [B, S, K, H] (after this call's write);
   positions: [B, T] int32; mask: [B, T, S] bool or None (default: slot s
   visible to query t iff s <= positions[b, t]). impl (``model.attention_impl``):
-  "blockwise" (``blockwise_attention``: cost follows the visible length),
-  "dense" (every slot, masked: ``jax.nn.dot_product_attention``, XLA) or
-  "cudnn" (the same through cuDNN; NVIDIA GPU, bfloat16/float16 only).
-  ``precision``: of every matmul (``matmul_precision``; cuDNN ignores it).
-  Returns [B, T, N, H] in q's dtype. Raises ValueError for another impl.
+  "blockwise" (``blockwise_attention``: cost follows the visible length, a
+  loop with a traced trip count), "dense" (``dense_attention``: every slot,
+  masked, no loop), "cudnn" (``jax.nn.dot_product_attention``'s cuDNN
+  kernel, every slot; NVIDIA GPU, bfloat16/float16 only) or "auto"
+  (``resolve_attention_impl`` for ``attention_backend()``, q's dtype and
+  head dim, when traced). ``precision``: of every matmul
+  (``matmul_precision``; cuDNN ignores it). Returns [B, T, N, H] in q's
+  dtype. Raises ValueError for another impl.
   """
+  backend = attention_backend() if impl == "auto" else None
+  impl = resolve_attention_impl(impl, backend, q.dtype, q.shape[-1])
   if impl == "blockwise":
     return blockwise_attention(q, keys, values, positions, mask, block_size=block_size,
                                precision=precision)
-  if impl not in ("dense", "cudnn"):
-    raise ValueError(f"model.attention_impl={impl!r}: must be one of 'blockwise', 'dense', 'cudnn'")
+  if impl == "dense":
+    return dense_attention(q, keys, values, positions, mask, precision=precision)
   b, s = keys.shape[0], keys.shape[1]
   if mask is None:
     mask = attention_mask(positions, jnp.broadcast_to(jnp.arange(s), (b, s)))
   else:
     mask = mask[:, None]
   return _dense_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask, precision,
-                          implementation=None if impl == "dense" else "cudnn")
+                          implementation="cudnn")
 
 
 class Attention(nnx.Module):

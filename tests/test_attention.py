@@ -1,9 +1,11 @@
-"""Attention over the KV cache (issue 24): the blockwise path
+"""Attention over the KV cache: the blockwise path
 (``mtp.model.blockwise_attention``, reading only the blocks that can be
-visible) equals the dense masked path within float tolerance, for random
-lengths, ragged batches, tree masks, block edges and the last slot; the
-model's cached pieces agree under both ``model.attention_impl`` values;
-the config field is validated."""
+visible) and "auto" (``cached_attention``'s choice for this backend) equal
+the dense masked path (``mtp.model.dense_attention``) within float
+tolerance, for random lengths, ragged batches, tree masks, block edges and
+the last slot; the model's cached pieces agree under "dense", "blockwise"
+and "auto"; the config field is validated. ("cudnn" needs an NVIDIA GPU:
+only its config rule is tested here.)"""
 
 import dataclasses
 
@@ -32,14 +34,27 @@ def _dense(q, keys, values, positions, mask=None):
 
 
 _blockwise = jax.jit(model_lib.blockwise_attention, static_argnames="block_size")
+_cached = jax.jit(model_lib.cached_attention, static_argnames=("impl", "block_size"))
+
+
+def _impl(impl):
+  """The attention under test: ``blockwise_attention`` itself, or
+  ``cached_attention`` with ``impl`` ("auto": this backend's choice)."""
+  if impl == "blockwise":
+    return _blockwise
+  return lambda *a, block_size: _cached(*a, impl=impl, block_size=block_size)
+
+
+IMPLS = ["blockwise", "auto"]
 
 
 def _contiguous(starts, t):
   return jnp.asarray(np.asarray(starts)[:, None] + np.arange(t)[None, :], jnp.int32)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("block", [1, 7, 16, 64, 1000])
-def test_blockwise_equals_dense_random_ragged_lengths(block):
+def test_blockwise_equals_dense_random_ragged_lengths(block, impl):
   """Rows at different positions (a ragged batch), random query lengths,
   an S the block size does not divide, and S > the block size or not."""
   rng = np.random.default_rng(block)
@@ -48,12 +63,13 @@ def test_blockwise_equals_dense_random_ragged_lengths(block):
     q, keys, values = _qkv(rng, b, t, 4, 2, 8, s)
     starts = rng.integers(0, s - t + 1, b)
     pos = _contiguous(starts, t)
-    np.testing.assert_allclose(_blockwise(q, keys, values, pos, block_size=block),
+    np.testing.assert_allclose(_impl(impl)(q, keys, values, pos, block_size=block),
                                _dense(q, keys, values, pos), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("block", [16, 32])
-def test_blockwise_equals_dense_at_block_edges_and_last_slot(block):
+def test_blockwise_equals_dense_at_block_edges_and_last_slot(block, impl):
   """Queries at the last slot of a block, the first slot of the next, a
   verify block that straddles an edge, position 0 and S - 1."""
   rng = np.random.default_rng(0)
@@ -61,21 +77,22 @@ def test_blockwise_equals_dense_at_block_edges_and_last_slot(block):
   q, keys, values = _qkv(rng, 6, t, 4, 2, 8, s)
   starts = [block - 1, block, block - 2, 0, s - t, 2 * block - 1]
   pos = _contiguous(starts, t)
-  np.testing.assert_allclose(_blockwise(q, keys, values, pos, block_size=block),
+  np.testing.assert_allclose(_impl(impl)(q, keys, values, pos, block_size=block),
                              _dense(q, keys, values, pos), atol=ATOL, rtol=0)
   q1, k1, v1 = _qkv(rng, 4, 1, 4, 2, 8, s)
   pos1 = jnp.asarray([[block - 1], [block], [s - 1], [0]], jnp.int32)
-  np.testing.assert_allclose(_blockwise(q1, k1, v1, pos1, block_size=block),
+  np.testing.assert_allclose(_impl(impl)(q1, k1, v1, pos1, block_size=block),
                              _dense(q1, k1, v1, pos1), atol=ATOL, rtol=0)
 
 
-def test_blockwise_mha_and_mqa():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_blockwise_mha_and_mqa(impl):
   """GQA grouping at K = N (multi-head) and K = 1 (multi-query)."""
   rng = np.random.default_rng(1)
   for n, k in ((4, 4), (6, 1)):
     q, keys, values = _qkv(rng, 2, 3, n, k, 8, 50)
     pos = _contiguous([5, 40], 3)
-    np.testing.assert_allclose(_blockwise(q, keys, values, pos, block_size=16),
+    np.testing.assert_allclose(_impl(impl)(q, keys, values, pos, block_size=16),
                                _dense(q, keys, values, pos), atol=ATOL, rtol=0)
 
 
@@ -98,7 +115,8 @@ def test_blockwise_never_reads_blocks_past_the_furthest_position():
   np.testing.assert_allclose(out, ref, atol=ATOL, rtol=0)
 
 
-def test_blockwise_equals_dense_random_masks():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_blockwise_equals_dense_random_masks(impl):
   """Explicit masks [B, T, S] with scattered visible slots (every query sees
   one at least), including one that sees only slot S - 1."""
   rng = np.random.default_rng(3)
@@ -111,12 +129,13 @@ def test_blockwise_equals_dense_random_masks():
   mask = jnp.asarray(mask)
   pos = jnp.zeros((3, 5), jnp.int32)                      # ignored when a mask is given
   for block in (8, 32, 77, 128):
-    np.testing.assert_allclose(_blockwise(q, keys, values, pos, mask, block_size=block),
+    np.testing.assert_allclose(_impl(impl)(q, keys, values, pos, mask, block_size=block),
                                _dense(q, keys, values, pos, mask), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("branching", [(3, 2), (2, 2, 2)])
-def test_blockwise_equals_dense_tree_masks(branching):
+def test_blockwise_equals_dense_tree_masks(branching, impl):
   """The token-tree masks of decode/tree.py: the verify block's
   (``verify_mask``) and module k's (``module_mask``), ragged rows."""
   spec = TreeSpec(branching)
@@ -128,7 +147,7 @@ def test_blockwise_equals_dense_tree_masks(branching):
   q, keys, values = _qkv(rng, 4, t, 4, 2, 8, s)
   pos = jnp.asarray(np.asarray(n)[:, None] - 1 + np.concatenate([[0], spec.depths])[None, :],
                     jnp.int32)
-  np.testing.assert_allclose(_blockwise(q, keys, values, pos, vm, block_size=block),
+  np.testing.assert_allclose(_impl(impl)(q, keys, values, pos, vm, block_size=block),
                              _dense(q, keys, values, pos, vm), atol=ATOL, rtol=0)
   window = len(branching) + 1
   for k in range(2, len(branching) + 1):
@@ -136,14 +155,15 @@ def test_blockwise_equals_dense_tree_masks(branching):
     mm = tree_lib.module_mask(spec, k, window, c, n, s)
     qk, kk, vk = _qkv(rng, 4, mm.shape[1], 4, 2, 8, s)
     pk = jnp.zeros(mm.shape[:2], jnp.int32)
-    np.testing.assert_allclose(_blockwise(qk, kk, vk, pk, mm, block_size=block),
+    np.testing.assert_allclose(_impl(impl)(qk, kk, vk, pk, mm, block_size=block),
                                _dense(qk, kk, vk, pk, mm), atol=ATOL, rtol=0)
 
 
 def _models(block=16, **model):
-  """The tiny test model built twice from one seed: dense and blockwise."""
+  """The tiny test model built from one seed under each implementation that
+  runs here: dense, blockwise and auto."""
   out = {}
-  for impl in ("dense", "blockwise"):
+  for impl in ("dense", "blockwise", "auto"):
     cfg = tiny_config(model=dict(attention_impl=impl, attention_block_size=block, **model))
     out[impl] = model_lib.build_model(cfg, seed=4)
   return out
@@ -151,9 +171,9 @@ def _models(block=16, **model):
 
 def test_model_cached_pieces_agree_across_impls():
   """Prefill then AR steps and a verify block, ragged rows, through
-  ``backbone`` and ``mtp_forward`` with caches: dense and blockwise give the
-  same hidden states and caches; the cache-free forward (training) is
-  identical."""
+  ``backbone`` and ``mtp_forward`` with caches: dense, blockwise and auto
+  give the same hidden states and caches; the cache-free forward
+  (training) is identical."""
   models = _models(block=16)
   cfg = models["dense"].cfg
   rng = np.random.default_rng(5)
@@ -177,19 +197,37 @@ def test_model_cached_pieces_agree_across_impls():
       hs += [h, hk]
       starts = starts + t
     outs[impl] = (hs, caches, mcache, m(toks[:, :40]).logits)
-  (hd, cd, md, ld), (hb, cb, mb, lb) = outs["dense"], outs["blockwise"]
-  for x, y in zip(hd, hb):
-    np.testing.assert_allclose(x, y, atol=1e-4, rtol=0)
-  for x, y in zip(jax.tree.leaves((cd, md)), jax.tree.leaves((cb, mb))):
-    np.testing.assert_allclose(x, y, atol=1e-4, rtol=0)
-  np.testing.assert_array_equal(ld, lb)
+  hd, cd, md, ld = outs["dense"]
+  for impl in ("blockwise", "auto"):
+    hb, cb, mb, lb = outs[impl]
+    for x, y in zip(hd, hb):
+      np.testing.assert_allclose(x, y, atol=1e-4, rtol=0, err_msg=impl)
+    for x, y in zip(jax.tree.leaves((cd, md)), jax.tree.leaves((cb, mb))):
+      np.testing.assert_allclose(x, y, atol=1e-4, rtol=0, err_msg=impl)
+    np.testing.assert_array_equal(ld, lb)
 
 
 def test_attention_impl_config_validation():
-  assert config_lib.ModelConfig().attention_impl == "blockwise"
-  for impl in config_lib.ATTENTION_IMPLS[:2]:
-    assert tiny_config(model=dict(attention_impl=impl)).model.attention_impl == impl
-  with pytest.raises(config_lib.ConfigError, match=r"model\.attention_impl='flash'.*blockwise.*dense.*cudnn"):
+  """Default "auto" (also for a config.json written before the field had
+  it: a missing field gets the default, a named one keeps its value);
+  "cudnn" only for 16-bit models ("auto" for any dtype); one error line
+  naming the field and the allowed values."""
+  assert config_lib.ModelConfig().attention_impl == "auto"
+  assert config_lib.ATTENTION_IMPLS == ("auto", "blockwise", "dense", "cudnn")
+  for impl in ("auto", "blockwise", "dense"):
+    for dtype in ("float32", "bfloat16"):
+      cfg = tiny_config(model=dict(attention_impl=impl, dtype=dtype))
+      assert cfg.model.attention_impl == impl
+  old = tiny_config().to_dict()
+  del old["model"]["attention_impl"]
+  assert config_lib.from_dict(old).model.attention_impl == "auto"
+  old["model"]["attention_impl"] = "blockwise"
+  assert config_lib.from_dict(old).model.attention_impl == "blockwise"
+  with pytest.raises(config_lib.ConfigError) as e:
+    tiny_config(model=dict(attention_impl="flash"))
+  assert "\n" not in str(e.value)
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"model\.attention_impl='flash'.*auto.*blockwise.*dense.*cudnn"):
     tiny_config(model=dict(attention_impl="flash"))
   with pytest.raises(config_lib.ConfigError, match=r"model\.attention_impl='cudnn'.*bfloat16"):
     tiny_config(model=dict(attention_impl="cudnn"))
