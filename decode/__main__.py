@@ -5,7 +5,11 @@ Generated text goes to stdout; statistics, the --compare result and notices
 (one line per flag that has no effect in the chosen mode) to stderr;
 ``--json PATH`` writes the machine-readable report. Exit status: 0, 2 for
 bad input (unknown or malformed flags included) or checkpoints, 3 when the
-model produced NaN/inf logits.
+model produced NaN/inf logits, 130 after Ctrl-C: during the decoding the
+text so far, its statistics and the report (``"interrupted": true``) are
+still written; before it (loading, compilation, calibration), or at a
+second Ctrl-C, one line says so and the report is ``{"interrupted": true,
+"results": []}``. No traceback either way.
 """
 
 import json
@@ -57,9 +61,33 @@ _COMPARE = flags.DEFINE_bool("compare", False, "Also run AR on the same prompts;
 _REPEATS = flags.DEFINE_integer("repeats", 3, "--compare: interleaved AR / method runs (>= 1).")
 _JSON = flags.DEFINE_string("json", None, "Write the report (tokens, text, stats) to this path.")
 flags.mark_flag_as_required("workdir")
+EXIT_INTERRUPTED = 130     # 128 + SIGINT, as a shell reports a process Ctrl-C ended
 
 
 def main(argv):
+  try:
+    return _main(argv)
+  except KeyboardInterrupt:       # before the decoding, or a second Ctrl-C during it
+    print("interrupted: no result to report", file=sys.stderr)
+    try:
+      _write_json({"interrupted": True, "results": []})
+    except OSError as e:          # a --json path not yet checked
+      print(f"error: --json={_JSON.value!r}: {e.strerror}", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def _write_json(report: dict) -> None:
+  """``--json``: ``report`` with its provenance (``"meta"``), if the flag is set."""
+  if not _JSON.value:
+    return
+  from mtp import report as report_lib
+  report["meta"] = report_lib.provenance(
+      command="python -m decode " + shlex.join(sys.argv[1:]))   # shell-quoted, retypable
+  with open(_JSON.value, "w") as f:
+    json.dump(report, f, indent=2)
+
+
+def _main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)   # orbax logs every restore at INFO
@@ -100,13 +128,8 @@ def main(argv):
   except NonFiniteLogitsError as e:
     print(f"error: {e}", file=sys.stderr)
     return 3
-  if _JSON.value:
-    from mtp import report as report_lib
-    report["meta"] = report_lib.provenance(
-        command="python -m decode " + shlex.join(sys.argv[1:]))   # shell-quoted, retypable
-    with open(_JSON.value, "w") as f:
-      json.dump(report, f, indent=2)
-  return 0
+  _write_json(report)
+  return EXIT_INTERRUPTED if report.get("interrupted") else 0
 
 
 if __name__ == "__main__":

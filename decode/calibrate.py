@@ -16,6 +16,13 @@ must not invert the order). A busy machine can still skew the costs, which
 only costs speed, never correctness: the schedule's choices depend on the
 past only.
 
+How much is timed: ``calibration_plan`` (16 rounds per call, 7 calls per
+g up to 16 rows; at more rows the same rows x rounds, down to 3 calls of
+one round), and ``prefill_repeats`` for the prefills; before any of it
+``AutoSchedule.drafting_can_pay`` may find that nothing needs measuring
+(``Decoder._drafting_can_pay``): at a large batch with a short budget the
+costs could not make drafting pay.
+
 Why the fixed cost matters: a calibration call runs ~16 rounds at g = 0
 and more at larger g (its budget is 16 (g + 1) tokens), a generation
 40-128. On the tiny byte model a call's fixed cost was ~1 ms next to a
@@ -32,10 +39,45 @@ import numpy as np
 
 from mtp.timing import interleaved_times
 
-CALIBRATION_ROUNDS = 16    # rounds per timed call
-CALIBRATION_REPEATS = 7    # interleaved timed calls per draft length
-PREFILL_REPEATS = 5       # interleaved timed prefills of "auto" and of its AR fallback
+CALIBRATION_ROUNDS = 16    # rounds per timed call (at most)
+CALIBRATION_REPEATS = 7    # interleaved timed calls per draft length (at most)
+MIN_CALIBRATION_REPEATS = 3   # ... at least (a median of three)
+CALIBRATION_ROWS = 16      # rows up to which every call runs the full plan (calibration_plan)
+PREFILL_REPEATS = 5       # interleaved timed prefills of "auto" and of its AR fallback (at most)
 OUTLIER = 10.0             # a generation slower than this x the predicted time teaches nothing
+
+
+def calibration_plan(batch: int) -> tuple[int, int]:
+  """(rounds per timed call, timed calls per draft length) at ``batch``
+  rows. Up to ``CALIBRATION_ROWS`` rows (every batch size benchmarked in
+  docs/results): ``CALIBRATION_ROUNDS`` x ``CALIBRATION_REPEATS``. Above,
+  the rows x rounds timed per draft length stay those of
+  ``CALIBRATION_ROWS`` rows: first fewer calls, down to
+  ``MIN_CALIBRATION_REPEATS``, then fewer rounds per call, down to one (a
+  call of more rows lasts longer, so the fixed noise of a call weighs less
+  in it). Past ``CALIBRATION_ROWS x CALIBRATION_ROUNDS x CALIBRATION_REPEATS
+  / MIN_CALIBRATION_REPEATS`` rows each program runs one untimed call
+  (its compilation) and ``MIN_CALIBRATION_REPEATS`` timed ones of one
+  round (a budget of g + 1 tokens in the while_loop form) at the batch: a
+  fixed number of the rounds the generation runs anyway, however large
+  the batch. The costs are still those of the batch itself: a
+  smaller timing batch would misplace them where a round's time stops
+  growing in proportion to its rows (a GPU below its compute bound), and
+  the ratios between draft lengths decide."""
+  work = CALIBRATION_ROWS * CALIBRATION_ROUNDS * CALIBRATION_REPEATS
+  batch = max(int(batch), 1)
+  repeats = min(CALIBRATION_REPEATS,
+                max(MIN_CALIBRATION_REPEATS, work // (batch * CALIBRATION_ROUNDS)))
+  rounds = min(CALIBRATION_ROUNDS, max(1, work // (batch * repeats)))
+  return rounds, repeats
+
+
+def prefill_repeats(batch: int) -> int:
+  """Timed prefills of each decoder in ``extra_prefill_seconds`` at
+  ``batch`` rows: ``PREFILL_REPEATS`` up to ``CALIBRATION_ROWS`` rows, then
+  as many as keep the rows prefilled those of ``CALIBRATION_ROWS`` rows, at
+  least one (a prefill of many rows is long: its noise is small)."""
+  return min(PREFILL_REPEATS, max(1, PREFILL_REPEATS * CALIBRATION_ROWS // max(int(batch), 1)))
 
 
 class Calibration(NamedTuple):
@@ -97,26 +139,27 @@ def decoder_round_costs(decoder, state, sp, form: str) -> Calibration:
   ``state`` (not donated: every call runs on a copy, made before its clock
   starts). While_loop form: the generation's own jitted program
   (``programs.generate``, its segments, ``choose`` and rounds) with the
-  schedule forced to g (``force``) and the budget cut to
-  ``CALIBRATION_ROUNDS`` x (g + 1) tokens, per round of what it ran: a
-  separate fori_loop of bare rounds once measured a cheaper round than the
-  generation's (the tiny byte model: an AR step 1.5x too dear next to a
-  G = 2 round), and every decision rests on these ratios; the same program
+  schedule forced to g (``force``) and the budget cut to n x (g + 1)
+  tokens, per round of what it ran: a separate fori_loop of bare rounds
+  once measured a cheaper round than the generation's (the tiny byte
+  model: an AR step 1.5x too dear next to a G = 2 round), and every
+  decision rests on these ratios; the same program
   on a state whose rows are all done (no round) gives the call's fixed
-  cost, taken off (``Calibration.call_s``). Stream form:
-  ``CALIBRATION_ROUNDS`` rounds called one by one from Python with the host
-  sync the stream loop makes (its host overhead is part of a round's cost
-  there, which favours longer drafts)."""
+  cost, taken off (``Calibration.call_s``). Stream form: n rounds called
+  one by one from Python with the host sync the stream loop makes (its
+  host overhead is part of a round's cost there, which favours longer
+  drafts). n and the timed calls per g: ``calibration_plan`` of the batch."""
   import time
 
   import jax
   import jax.numpy as jnp
   p, dp = decoder.target_params, decoder.draft_params
+  n, repeats = calibration_plan(state.tokens.shape[0])
 
   def fresh(g):
     s = jax.tree.map(jnp.copy, state)
     if form == "while":
-      s = s.replace(max_new=jnp.minimum(s.max_new, CALIBRATION_ROUNDS * (g + 1)),
+      s = s.replace(max_new=jnp.minimum(s.max_new, n * (g + 1)),
                     # from the state's own committed scalar: an uncommitted jnp.int32(g)
                     # gave the calibration a program of its own, and the generation
                     # compiled again (seconds, inside its timed decoding phase)
@@ -132,16 +175,16 @@ def decoder_round_costs(decoder, state, sp, form: str) -> Calibration:
     def run_none():
       s = jax.block_until_ready(fresh(0).replace(done=jnp.ones_like(state.done)))
       return _timed_generate(decoder, s, sp)[0]
-    return round_costs(run_rounds, decoder.G, run_none=run_none)
+    return round_costs(run_rounds, decoder.G, repeats=repeats, run_none=run_none)
   else:
     def run_rounds(g):
       s = fresh(g)
       t0 = time.perf_counter()
-      for _ in range(CALIBRATION_ROUNDS):
+      for _ in range(n):
         s = decoder.programs.round(p, dp, s, sp, g)
         jax.device_get((s.length, s.done, s.error))
-      return time.perf_counter() - t0, CALIBRATION_ROUNDS
-  return round_costs(run_rounds, decoder.G)
+      return time.perf_counter() - t0, n
+  return round_costs(run_rounds, decoder.G, repeats=repeats)
 
 
 def plain_ar_calibration(ar_decoder, state, sp, form: str) -> Calibration:
@@ -154,42 +197,48 @@ def plain_ar_calibration(ar_decoder, state, sp, form: str) -> Calibration:
   also feeds the MTP modules the new token (their catch-up) and runs inside
   the segment loop: on the tiny byte model at B = 1, T = 1 "auto"'s AR
   round cost 0.45 ms against 0.38 ms for the plain AR step, enough to make
-  a G = 2 draft (0.43 ms per token) look cheaper than AR."""
+  a G = 2 draft (0.43 ms per token) look cheaper than AR. The stream
+  form calls the round as ``Decoder.stream`` does (g None), so the
+  program timed is the one the fallback runs, compiled here once."""
   import time
 
   import jax
   import jax.numpy as jnp
   p, dp = ar_decoder.target_params, ar_decoder.draft_params
+  n, repeats = calibration_plan(state.tokens.shape[0])
 
   def fresh(done=False):
     s = jax.tree.map(jnp.copy, state)
-    s = s.replace(max_new=jnp.minimum(s.max_new, CALIBRATION_ROUNDS))
+    s = s.replace(max_new=jnp.minimum(s.max_new, n))
     return jax.block_until_ready(s.replace(done=jnp.ones_like(s.done)) if done else s)
 
   if form == "while":
     def run_rounds(_):
       seconds, s = _timed_generate(ar_decoder, fresh(), sp)
       return seconds, int(jnp.max(s.target_calls))
-    return round_costs(run_rounds, 0,
+    return round_costs(run_rounds, 0, repeats=repeats,
                        run_none=lambda: _timed_generate(ar_decoder, fresh(done=True), sp)[0])
 
   def run_rounds(_):
     s = fresh()
     t0 = time.perf_counter()
-    for _ in range(CALIBRATION_ROUNDS):
-      s = ar_decoder.programs.round(p, dp, s, sp)
+    for _ in range(n):
+      s = ar_decoder.programs.round(p, dp, s, sp, None)
       jax.device_get((s.length, s.done, s.error))
-    return time.perf_counter() - t0, CALIBRATION_ROUNDS
-  return round_costs(run_rounds, 0)
+    return time.perf_counter() - t0, n
+  return round_costs(run_rounds, 0, repeats=repeats)
 
 
-def extra_prefill_seconds(decoder, prompts, max_new_tokens: int,
-                          repeats: int = PREFILL_REPEATS) -> float:
+def extra_prefill_seconds(decoder, prompts, max_new_tokens: int, repeats: int | None = None,
+                          stops=None, warmup: int = 1) -> float:
   """Seconds the "auto" decoder's prefill (target and MTP modules over the
   prompt bucket) takes beyond its plain AR fallback's (target only), on
-  ``prompts``: the median of ``repeats`` interleaved timings of each
-  (states prepared before the clock starts; the first call of each, which
-  may compile, untimed), floored at 0. ``AutoSchedule.drafting_pays``
+  ``prompts`` (and ``stops``, whose ids are part of the state): the median
+  of ``repeats`` (default ``prefill_repeats`` of the batch) interleaved
+  timings of each (states prepared before the clock starts; the first
+  ``warmup`` calls of each, which may compile, untimed: 0 when both
+  prefills already ran at these shapes), floored at 0.
+  ``AutoSchedule.drafting_pays
   charges it to drafting: on a shallow target at B = 1 it can exceed what
   a short generation's drafts save (the tiny byte model: ~5 ms next to a
   23 ms decoding phase)."""
@@ -197,17 +246,18 @@ def extra_prefill_seconds(decoder, prompts, max_new_tokens: int,
 
   import jax
   ar = decoder._plain_ar()
+  repeats = prefill_repeats(len(prompts)) if repeats is None else repeats
   got = {"auto": [], "ar": []}
 
   def call(name):
     dec = decoder if name == "auto" else ar
-    state, p_len = dec.prepare(prompts, max_new_tokens, 0)
+    state, p_len = dec.prepare(prompts, max_new_tokens, 0, stops)
     jax.block_until_ready(state)
     t0 = time.perf_counter()
     jax.block_until_ready(dec.prefill(state, p_len))
     got[name].append(time.perf_counter() - t0)
-  interleaved_times({n: (lambda n=n: call(n)) for n in got}, repeats, warmup=1)
-  return max(0.0, float(np.median(got["auto"][1:]) - np.median(got["ar"][1:])))
+  interleaved_times({n: (lambda n=n: call(n)) for n in got}, repeats, warmup=warmup)
+  return max(0.0, float(np.median(got["auto"][warmup:]) - np.median(got["ar"][warmup:])))
 
 
 def updated_costs(costs, rounds, seconds: float, step: float = 0.5) -> np.ndarray:
@@ -307,12 +357,15 @@ def stage_prior(workdir: str, max_draft_tokens: int) -> dict | None:
     greedy.append(clip(g))
     sampling.append(clip(row.get(f"mtp_{k}/teacher_overlap", g)))
   return {"greedy": tuple(greedy), "sampling": tuple(sampling), "step": row.get("step")}
-def with_costs(decoder, state, sp, prompts, max_new_tokens: int, form: str = "while"):
+def with_costs(decoder, state, sp, prompts, max_new_tokens: int, form: str = "while",
+               stops=None):
   """"auto": ``state`` (a ``DecodeState`` from ``decoder.prepare``) with the
   schedule's round costs [G_max+1] float32 seconds for this batch size,
   cache length, sampling mode and form (``"while"`` or ``"stream"``),
   measured once each (``decoder_round_costs`` on a probe batch of
-  ``prompts``, kept in ``decoder._costs``, then moved toward each later
+  ``prompts`` and ``stops``, the generation's own shapes, so the rounds
+  it compiles are the generation's; kept in ``decoder._costs``, then moved
+  toward each later
   generation's own rounds by ``learn_costs``; not the first one of a key,
   which compiles), and with them what the modules add to the prefill
   (``extra_prefill_seconds``, into ``decoder._extra_prefill_s``) and the
@@ -336,13 +389,15 @@ def with_costs(decoder, state, sp, prompts, max_new_tokens: int, form: str = "wh
     key = (len(prompts), state.tokens.shape[1], sp.greedy, sp.filtering, form)
     first = key not in decoder._costs
     if first:           # a probe batch of its own: ``state`` is prefilled (and donated) later
-      probe, prefill_len = decoder.prepare(prompts, max_new_tokens, 0)
+      probe, prefill_len = decoder.prepare(prompts, max_new_tokens, 0, stops)
       decoder._costs[key], decoder._call_s[key] = decoder_round_costs(
           decoder, decoder.prefill(probe, prefill_len), sp, form)
       ar = decoder._plain_ar()
-      probe, prefill_len = ar.prepare(prompts, max_new_tokens, 0)
+      probe, prefill_len = ar.prepare(prompts, max_new_tokens, 0, stops)
       decoder._plain[key] = plain_ar_calibration(ar, ar.prefill(probe, prefill_len), sp, form)
-      decoder._prefill_extra[key] = extra_prefill_seconds(decoder, prompts, max_new_tokens)
+      # both prefills ran at these shapes above: nothing left to compile there
+      decoder._prefill_extra[key] = extra_prefill_seconds(decoder, prompts, max_new_tokens,
+                                                          stops=stops, warmup=0)
     decoder._extra_prefill_s = decoder._prefill_extra.get(key, 0.0)
     decoder._ar_step_s = float(decoder._plain[key].costs[0])
     # the first generation of a key compiles its program inside the timed

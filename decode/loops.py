@@ -1,6 +1,7 @@
 """The loops that run decoding rounds: the prefill before them, every round
 inside one ``lax.while_loop`` (throughput form), "auto" segments, and the
-host-driven stream form.
+host-driven stream form (which Ctrl-C can end at a round boundary,
+``InterruptFlag``).
 
 A round is a traced ``round_g(state, g) -> state`` (``decode.round.chain_round``
 or ``decode.tree.tree_round`` with the parameters bound; g static) and these
@@ -20,6 +21,8 @@ rounds take fractions of a millisecond).
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -108,11 +111,39 @@ def generate_loop(round_g: RoundG, state: DecodeState, g: int, schedule=None) ->
   return state
 
 
+class InterruptFlag:
+  """Ctrl-C as a flag while a stream runs: inside the block the first SIGINT
+  sets ``requested`` and puts the previous handler back, so the loop stops at
+  its next round boundary (the round in flight finishes, its tokens are
+  kept) and a second Ctrl-C raises KeyboardInterrupt at once. Installed only
+  in the main thread and only over Python's default handler (a caller with
+  its own SIGINT handler keeps it); elsewhere ``requested`` stays False and
+  a KeyboardInterrupt is all there is."""
+
+  def __init__(self):
+    self.requested = False
+    self._old = None
+
+  def __enter__(self):
+    if (threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+      self._old = signal.signal(signal.SIGINT, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    self.requested = True
+    signal.signal(signal.SIGINT, self._old)
+
+  def __exit__(self, *exc):
+    if self._old is not None and signal.getsignal(signal.SIGINT) == self._handle:
+      signal.signal(signal.SIGINT, self._old)
+
+
 def stream_rounds(step: Callable[[DecodeState, int], DecodeState], state: DecodeState,
                   max_new_tokens: int, *, t0: float, choose_fn=None,
                   on_new: Callable[[int, np.ndarray], tuple[int, bool]] | None = None,
                   stop_rows: Callable[[DecodeState, np.ndarray, np.ndarray], DecodeState]
-                  | None = None):
+                  | None = None, interrupt: InterruptFlag | None = None):
   """Host-driven rounds: ``step(state, g)`` (a jitted round) one call per
   Python step, after the prefill, until every row is done, a row failed, or
   max_new_tokens rounds ran. With "auto" ``choose_fn(state) -> state`` (a
@@ -125,37 +156,52 @@ def stream_rounds(step: Callable[[DecodeState, int], DecodeState], state: Decode
   stopped on the device with ``stop_rows(state, lengths [B], mask [B])``
   before the next round, so nothing past a stop is ever handed on.
 
-  Returns (state, emit_times: per row, seconds from ``t0`` (perf_counter)
-  to each kept token; tokens of one round share a time).
+  ``interrupt``: an active ``InterruptFlag``; the loop then ends early
+  when it is set (checked at every round boundary) or when a
+  KeyboardInterrupt is raised inside a round (by ``step``, ``choose_fn`` or
+  ``on_new``), and every row keeps the tokens of the rounds completed and
+  handed on before it. Without it a KeyboardInterrupt propagates.
+
+  Returns (state, emit_times, kept): emit_times per row, seconds from
+  ``t0`` (perf_counter) to each kept token (tokens of one round share a
+  time); kept None, or after an interrupt [B] int32, each row's length at
+  the last round boundary (what was handed on).
   """
   emit_times: list[list[float]] = [[] for _ in range(state.length.shape[0])]
   prev = np.asarray(state.length)
   g, left = None, 0
   for _ in range(max_new_tokens):
-    if choose_fn is not None and left == 0:
-      state = choose_fn(state)
-      g, left = (int(x) for x in jax.device_get((state.auto.g, state.auto.left)))
-    state = step(state, g)
-    left -= 1
-    length, done, error = (np.array(x) for x in
-                           jax.device_get((state.length, state.done, state.error)))
-    if error.any():
-      break
-    now = time.perf_counter() - t0
-    grew = np.nonzero(length > prev)[0]
-    if on_new is not None and len(grew):
-      toks = np.asarray(state.tokens)
-      cut = np.zeros(len(length), bool)
-      for i in grew:
-        keep, stopped = on_new(int(i), toks[i, prev[i]:length[i]])
-        if stopped:
-          cut[i], length[i] = True, prev[i] + keep
-      if cut.any():
-        state = stop_rows(state, length, cut)
-        done = done | cut
+    if interrupt is not None and interrupt.requested:
+      return state, emit_times, prev
+    try:            # ``state`` is rebound after every jitted call: what ran is never lost
+      if choose_fn is not None and left == 0:
+        state = choose_fn(state)
+        g, left = (int(x) for x in jax.device_get((state.auto.g, state.auto.left)))
+      state = step(state, g)
+      left -= 1
+      length, done, error = (np.array(x) for x in
+                             jax.device_get((state.length, state.done, state.error)))
+      if error.any():
+        break
+      now = time.perf_counter() - t0
+      grew = np.nonzero(length > prev)[0]
+      if on_new is not None and len(grew):
+        toks = np.asarray(state.tokens)
+        cut = np.zeros(len(length), bool)
+        for i in grew:
+          keep, stopped = on_new(int(i), toks[i, prev[i]:length[i]])
+          if stopped:
+            cut[i], length[i] = True, prev[i] + keep
+        if cut.any():
+          state = stop_rows(state, length, cut)
+          done = done | cut
+    except KeyboardInterrupt:
+      if interrupt is None:
+        raise
+      return state, emit_times, prev
     for i in grew:
       emit_times[i].extend([now] * int(length[i] - prev[i]))
     prev = length
     if done.all():
       break
-  return state, emit_times
+  return state, emit_times, None

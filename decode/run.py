@@ -9,7 +9,8 @@ comparisons and notices to ``err`` (stderr), and returns the report dict that
 "stats": {...},
 "ar_stats": {...}, "speedup": float (tokens/s ratio), "speedup_per_repeat": [...],
 "wall_times_s": {"ar": [...], METHOD: [...]}, "new_tokens": {...},
-"tokens_per_s": {...}}`` (the last six with ``compare``). With prompts that carry a ``category`` (a JSONL
+"tokens_per_s": {...}}`` (the last six with ``compare``), and ``"interrupted": true`` when
+Ctrl-C ended the decoding (or the comparison) early. With prompts that carry a ``category`` (a JSONL
 ``--prompt_file``) every result records its ``"category"`` and the report
 has ``"per_category": {CATEGORY: {"rows", "num_tokens", "target_calls",
 "mean_accepted_length", "acceptance_rate_per_position",
@@ -246,6 +247,14 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   interleaved AR / method runs of that category's prompts as one batch),
   also printed as a table (``decode.stats.format_by_category``).
 
+  Ctrl-C while decoding ends the generation at a round boundary: the text
+  so far is written, the statistics (marked interrupted) are those of the
+  rows as far as they got, unfinished rows have the finish reason
+  "interrupted", the comparison is skipped, and the report has
+  ``"interrupted": True``; Ctrl-C during ``compare`` keeps the results and
+  marks the report the same way. Before the decoding (loading,
+  compilation, "auto"'s calibration) KeyboardInterrupt propagates.
+
   Raises DecodeError / CheckpointError for bad arguments or checkpoints
   (every numeric setting and the prompt text are checked before anything
   is loaded).
@@ -273,7 +282,7 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   with out_of_memory_as_decode_error(len(prompts), num_samples, max_new_tokens):
     gen = decode_texts(decoder, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                        num_samples=num_samples, seed=seed, out=out, stops=stops, chat=chat,
-                       systems=systems)
+                       systems=systems, interruptible=True)
   results = results_lib.result_rows(gen, prompts, categories, num_samples)
   summary = stats_lib.summarize(gen)
   if len(gen.tokens) > 1:
@@ -284,16 +293,26 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
       sampling=sampling, num_samples=num_samples, seed=seed, chat=chat, stops=stops,
       checkpoint_step=step)
   report = {"config": config, "results": results, "stats": summary}
-  compared = compare and method != "ar"
+  if gen.interrupted:
+    report["interrupted"] = True
+    err.write(f"interrupted: {summary['num_tokens']} tokens generated"
+              + ("; --compare skipped" if compare and method != "ar" else "") + "\n")
+  compared = compare and method != "ar" and not gen.interrupted
   kw = dict(method=method, repeats=repeats, max_new_tokens=max_new_tokens, sampling=sampling,
             num_samples=num_samples, seed=seed, stops=stops, chat=chat)
-  if compared:
-    report.update(compare_lib.compare_with_ar(decoder, gen, prompts, err=err, systems=systems,
-                                              **kw))
+  speedups = None
+  try:
+    if compared:
+      report.update(compare_lib.compare_with_ar(decoder, gen, prompts, err=err, systems=systems,
+                                                **kw))
+    if compared and categories:
+      speedups = compare_lib.category_speedups(decoder, gen, prompts, categories,
+                                               systems=systems, **kw)
+  except KeyboardInterrupt:
+    report["interrupted"] = True
+    err.write("interrupted: --compare stopped; the results above are complete\n")
   if categories:
     row_cats = [categories[r // num_samples] for r in range(len(gen.tokens))]
-    speedups = (compare_lib.category_speedups(decoder, gen, prompts, categories, systems=systems,
-                                              **kw) if compared else None)
     report["per_category"] = stats_lib.summarize_by_category(gen, row_cats, speedups)
     err.write(stats_lib.format_by_category(report["per_category"]) + "\n")
   return report

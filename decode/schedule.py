@@ -198,6 +198,25 @@ class AutoSchedule:
                        for g in range(len(costs))])
     return bool(extra_prefill_s + (rounds[1:] * costs[1:]).min() < budget * ar)
 
+  def drafting_can_pay(self, greedy: bool, budget: int, batch: int = 1) -> bool:
+    """Host side, before anything is measured: whether ``drafting_pays``
+    could be True for a generation of ``budget`` new tokens per row and
+    ``batch`` rows at any round costs in which a drafting round (g >= 1)
+    costs at least the plain AR step. It is True only if some g needs fewer
+    rounds than AR, rounds(g) < budget (``batch_rounds`` at the prior, the
+    batch's slowest row): else rounds(g) x cost(g) >= budget x AR step for
+    every g, and ``drafting_pays`` is False whatever the calibration
+    measures (the modules' prefill only adds to drafting's side). The
+    premise is the device's, not a measurement's: a drafting round runs
+    the AR step's target call over more positions and the modules besides
+    (a measured cost below the AR step is noise, and a decision it would
+    have made is dropped). A short budget at a large batch is the case:
+    some row of the batch rejects its first draft."""
+    import numpy as np
+    alpha = np.asarray(self.prior_alpha(greedy))
+    return any(batch_rounds(alpha[:g], budget, batch) < budget
+               for g in range(1, self.max_draft_tokens + 1))
+
   def choose(self, sched: dict, active) -> tuple[jax.Array, jax.Array, dict]:
     """(g, rounds, updated schedule state) for the next segment, from the
     past only: draft length g and number of rounds (int32 scalars).

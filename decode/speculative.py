@@ -29,6 +29,7 @@ then raises ``NonFiniteLogitsError`` naming the row and the position.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -54,6 +55,7 @@ from mtp.model import Transformer
 
 METHODS = ("ar", "mtp", "draft")
 MAX_DRAFT_TOKENS = 16        # G (fixed) and auto's G_max: a draft longer than this never pays
+WARMUP_TOKENS = 1            # tokens per row of ``Decoder.warm_up``
 
 
 def _mtp_depth_check(target: Transformer, flag: str = "--method=mtp") -> None:
@@ -254,9 +256,12 @@ class Decoder:
     return self.programs.prefill(self.target_params, self.draft_params, state, prefill_len)
 
   def prepare(self, prompts: Sequence[np.ndarray], max_new_tokens: int, seed: int,
-              stops: StopConditions | None = None):
+              stops: StopConditions | None = None, budget: int | None = None):
     """Builds the initial state for a batch of token prompts (BOS included);
     returns (state, prefill_len). ``stops``: stop token ids beside EOS.
+    ``budget``: new tokens per row, when fewer than ``max_new_tokens``, which
+    still sizes the state (``warm_up``: the same shapes, so the same
+    programs, as a generation of ``max_new_tokens``).
 
     Raises DecodeError for an empty batch, a prompt without any token after
     BOS, a token id outside [0, vocab_size), prompt + max_new_tokens beyond
@@ -276,7 +281,8 @@ class Decoder:
     dstate = (None if self.drafter is None else
               self.drafter.init_state(draft if draft is not None else target, b, cache_len))
     stop_ids = stops_lib.stop_id_array(self.eos_ids + tuple(stops.token_ids), b)
-    state = state_lib.init_state(self.target_cfg, prompts, max_new_tokens, seed, cache_len,
+    budget = max_new_tokens if budget is None else min(budget, max_new_tokens)
+    state = state_lib.init_state(self.target_cfg, prompts, budget, seed, cache_len,
                                  self.G, dstate,
                                  state_lib.init_auto(self.schedule, b) if self.schedule else None,
                                  stop_ids=stop_ids, pad_id=self.pad_id)
@@ -288,12 +294,17 @@ class Decoder:
     """The bytes one id stands for in the output (b"" for specials)."""
     return self.tokenizer.decode_bytes([token_id])
 
-  def _result(self, state, emit_times, wall, prefill, stops: StopConditions | None) -> Generation:
-    """The ``Generation``: rows cut at stop strings, finish reasons, texts."""
+  def _result(self, state, emit_times, wall, prefill, stops: StopConditions | None,
+              kept=None, max_new_tokens: int = 0) -> Generation:
+    """The ``Generation``: rows cut at stop strings, finish reasons, texts;
+    ``kept``: the lengths an interrupted stream handed on (rows cut there,
+    unfinished rows "interrupted" against ``max_new_tokens``)."""
     gen = state_lib.to_generation(state, emit_times=emit_times, wall=wall, prefill=prefill,
                                   num_draft_tokens=self.G,
-                                  tree=None if self.tree is None else self.tree.branching)
-    return stops_lib.finish_rows(gen, stops, self.token_bytes, self.eos_ids)
+                                  tree=None if self.tree is None else self.tree.branching,
+                                  kept=kept)
+    gen = stops_lib.finish_rows(gen, stops, self.token_bytes, self.eos_ids)
+    return stops_lib.mark_interrupted(gen, max_new_tokens)
 
   def generate(self, prompts, max_new_tokens: int, sampling_params: SamplingParams,
                seed: int = 0, stops: StopConditions | None = None) -> Generation:
@@ -306,8 +317,11 @@ class Decoder:
     and NonFiniteLogitsError when the target or drafter produced NaN/inf logits.
     """
     sp = sampling_params.validate()
+    if not self._drafting_can_pay(sp, max_new_tokens, len(prompts)):
+      return self._fallback(self._plain_ar().generate(prompts, max_new_tokens, sampling_params,
+                                                      seed, stops))
     state, prefill_len = self.prepare(prompts, max_new_tokens, seed, stops)
-    state = calibrate.with_costs(self, state, sp, prompts, max_new_tokens)
+    state = calibrate.with_costs(self, state, sp, prompts, max_new_tokens, stops=stops)
     if not self._drafting_pays(state, sp, max_new_tokens):
       del state
       return self._fallback(self._plain_ar().generate(prompts, max_new_tokens, sampling_params,
@@ -360,7 +374,8 @@ class Decoder:
   def stream(self, prompts, max_new_tokens: int, sampling_params: SamplingParams, seed: int = 0,
              on_tokens: Callable[[int, np.ndarray], None] | None = None,
              stops: StopConditions | None = None,
-             on_text: Callable[[int, bytes], None] | None = None) -> Generation:
+             on_text: Callable[[int, bytes], None] | None = None, *,
+             interruptible: bool = False) -> Generation:
     """Jitted prefill + one jitted round per Python step (streaming form).
 
     ``on_tokens(row, new_ids)`` is called after each round with each row's
@@ -371,30 +386,92 @@ class Decoder:
     next round: nothing past a stop is handed on. Emits exactly what
     ``generate`` emits for the same seed (with "auto": given the same
     ``auto_costs``; see the module docstring).
+
+    ``interruptible``: Ctrl-C (and a KeyboardInterrupt raised by a callback)
+    during the prefill and rounds ends the generation at a round boundary
+    instead of raising (``decode.loops.InterruptFlag``): the result holds
+    what was handed on, is marked ``interrupted``, and its unfinished rows'
+    finish reason is "interrupted". Compilation and "auto"'s calibration
+    come before and stay interruptible the usual way (KeyboardInterrupt).
     """
+    return self._stream(prompts, max_new_tokens, sampling_params, seed, on_tokens, stops,
+                        on_text, interruptible=interruptible)
+
+  def warm_up(self, prompts, max_new_tokens: int, sampling_params: SamplingParams,
+              seed: int = 0, stops: StopConditions | None = None) -> Generation:
+    """Compiles what ``stream`` of these prompts, budget, sampling mode and
+    stops runs, so that its timings exclude compilation, at the cost of
+    ``WARMUP_TOKENS`` tokens per row: ``stream`` itself on a state sized for
+    ``max_new_tokens`` (the same cache length, hence the same programs: the
+    prompt bucket and cache are rounded up to ``state.PROMPT_BUCKET``) whose
+    rows stop after ``WARMUP_TOKENS``. That runs the prefill and a round
+    (with "auto": the first segment's choice, and the calibration, which
+    compiles every draft length's round, if this batch shape has no costs
+    yet; or the plain AR fallback's prefill and round where drafting would
+    not pay, decided for ``max_new_tokens``), then the program that cuts
+    rows at a stop string when ``stops`` has strings. Nothing is learnt from
+    it (round costs, the AR step). Returns its ``Generation``."""
+    return self._stream(prompts, max_new_tokens, sampling_params, seed, None, stops, None,
+                        budget=WARMUP_TOKENS)
+
+  def _stream(self, prompts, max_new_tokens, sampling_params, seed, on_tokens, stops, on_text, *,
+              budget: int | None = None, interruptible: bool = False) -> Generation:
+    """``stream``; with ``budget`` its warm-up (``warm_up``)."""
     sp = sampling_params.validate()
-    state, prefill_len = self.prepare(prompts, max_new_tokens, seed, stops)
+    warm = budget is not None
+    if not self._drafting_can_pay(sp, max_new_tokens, len(prompts)):
+      return self._fallback(self._plain_ar()._stream(
+          prompts, max_new_tokens, sampling_params, seed, on_tokens, stops, on_text,
+          budget=budget, interruptible=interruptible), learn=not warm)
+    state, prefill_len = self.prepare(prompts, max_new_tokens, seed, stops, budget)
     strings = () if stops is None else tuple(stops.strings)
-    state = calibrate.with_costs(self, state, sp, prompts, max_new_tokens, form="stream")
+    state = calibrate.with_costs(self, state, sp, prompts, max_new_tokens, form="stream",
+                                 stops=stops)
     if not self._drafting_pays(state, sp, max_new_tokens):
       del state
-      return self._fallback(self._plain_ar().stream(prompts, max_new_tokens, sampling_params, seed,
-                                                    on_tokens, stops, on_text))
+      return self._fallback(self._plain_ar()._stream(
+          prompts, max_new_tokens, sampling_params, seed, on_tokens, stops, on_text,
+          budget=budget, interruptible=interruptible), learn=not warm)
     jax.block_until_ready(state)
-    t0 = time.perf_counter()
-    state = jax.block_until_ready(self.prefill(state, prefill_len))   # else: dispatch time only
-    prefill = time.perf_counter() - t0
     step = lambda s, g: self.programs.round(self.target_params, self.draft_params, s, sp, g)
     watch = stops_lib.StreamStops(strings, self.token_bytes, len(prompts), on_tokens, on_text)
-    state, emit_times = loops.stream_rounds(
-        step, state, max_new_tokens, t0=t0, on_new=watch.on_new if watch.needed else None,
-        stop_rows=lambda s, n, m: self.programs.stop_rows(s, jnp.asarray(n), jnp.asarray(m)),
-        choose_fn=self.programs.choose if self.schedule is not None else None)
-    watch.flush()
-    gen = self._result(state, emit_times, time.perf_counter() - t0, prefill, stops)
-    self._learn_costs(gen)
+    with (loops.InterruptFlag() if interruptible else contextlib.nullcontext()) as interrupt:
+      t0 = time.perf_counter()
+      state = jax.block_until_ready(self.prefill(state, prefill_len))   # else: dispatch time only
+      prefill = time.perf_counter() - t0
+      state, emit_times, kept = loops.stream_rounds(
+          step, state, max_new_tokens if budget is None else min(budget, max_new_tokens), t0=t0,
+          on_new=watch.on_new if watch.needed else None, stop_rows=self._stop_rows,
+          choose_fn=self.programs.choose if self.schedule is not None else None,
+          interrupt=interrupt)
+    try:
+      watch.flush()
+    except KeyboardInterrupt:     # the callback that ended the loop, raising again
+      if kept is None:
+        raise
+    wall = time.perf_counter() - t0
+    if warm:
+      state = self._warm_extras(state, step, strings)
+    gen = self._result(state, emit_times, wall, prefill, stops, kept, max_new_tokens)
+    if not (warm or gen.interrupted):
+      self._learn_costs(gen)
     return gen
 
+  def _stop_rows(self, state, lengths: np.ndarray, mask: np.ndarray):
+    """The jitted ``stop_rows`` as the stream calls it (host arrays in)."""
+    return self.programs.stop_rows(state, jnp.asarray(lengths), jnp.asarray(mask))
+
+  def _warm_extras(self, state, step, strings):
+    """After a warm-up's round: the stop-string cut (a no-op mask) when
+    there are stop strings, and with fixed ``auto_costs`` (no calibration
+    ran to compile them) every draft length's round. Returns the state."""
+    if strings:
+      b = state.length.shape[0]
+      state = self._stop_rows(state, np.asarray(jax.device_get(state.length)), np.zeros(b, bool))
+    if self.schedule is not None and self._fixed_costs is not None:
+      for g in range(self.G + 1):
+        state = step(state, g)
+    return jax.block_until_ready(state)
 
   # -- "auto" when drafting is not expected to pay -------------------------------------
 
@@ -413,14 +490,31 @@ class Decoder:
     """``calibrate.learn_costs`` from ``gen`` for the costs it was decided with."""
     calibrate.learn_costs(self._costs, self._cost_key, gen, self._call_s.get(self._cost_key, 0.0))
 
-  def _fallback(self, gen: Generation) -> Generation:
+  def _fallback(self, gen: Generation, learn: bool = True) -> Generation:
     """The AR fallback's result in "auto"'s shape (``_as_auto``); its
     decoding time moves the plain AR step's cost (``calibrate.learn_ar_step``;
     not "auto"'s own AR round, a different program), as a drafting
     generation's moves its g's, so a calibration that put the AR step too
-    high or too low is corrected by the generations it decides."""
-    calibrate.learn_ar_step(self._plain, self._cost_key, gen)
+    high or too low is corrected by the generations it decides (not a
+    warm-up's, ``learn`` False, nor an interrupted one's)."""
+    if learn and not gen.interrupted:
+      calibrate.learn_ar_step(self._plain, self._cost_key, gen)
     return self._as_auto(gen)
+
+  def _drafting_can_pay(self, sp: SamplingParams, max_new_tokens: int, batch: int) -> bool:
+    """False when "auto" (its costs to be measured) cannot draft profitably
+    whatever the round costs turn out to be (``AutoSchedule.drafting_can_pay``:
+    at the prior, the batch's slowest row needs as many rounds as AR): then
+    nothing is calibrated or compiled for drafting and the generation is the
+    plain AR decoder's, the decision the measured costs would have led to.
+    True otherwise (and without "auto", or with fixed ``auto_costs``,
+    whose own ``drafting_pays`` decides)."""
+    if self.schedule is None or self._fixed_costs is not None:
+      return True
+    if self.schedule.drafting_can_pay(sp.greedy, max_new_tokens, batch):
+      return True
+    self._cost_key, self._ar_step_s, self._extra_prefill_s = None, None, 0.0
+    return False
 
   def _plain_ar(self) -> "Decoder":
     """The AR decoder an "auto" generation falls back to (same target

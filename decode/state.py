@@ -119,6 +119,9 @@ class Generation:
     "eos", "stop", "length"); None only for hand-built results.
   texts: per row, the output text as UTF-8 bytes (cut before a stop
     string), or None.
+  interrupted: an interrupt (Ctrl-C) ended the generation before every row
+    finished (``Decoder.stream(..., interruptible=True)``); each row holds
+    what was handed on until then.
   """
   tokens: list[np.ndarray]
   prompt_lengths: np.ndarray
@@ -134,6 +137,7 @@ class Generation:
   tree: tuple[int, ...] | None = None
   finish_reasons: list[str] | None = None
   texts: list[bytes] | None = None
+  interrupted: bool = False
 
 
 def cache_length(prompt_len: int, max_new_tokens: int, headroom: int) -> tuple[int, int]:
@@ -207,14 +211,19 @@ def init_auto(schedule, batch: int) -> AutoState:
 
 
 def to_generation(state: DecodeState, *, emit_times, wall: float, prefill: float,
-                  num_draft_tokens: int, tree) -> Generation:
-  """Host copy of a finished state as a ``Generation``.
+                  num_draft_tokens: int, tree, kept=None) -> Generation:
+  """Host copy of a finished state as a ``Generation``. ``kept``: None, or
+  [B] lengths past which nothing was handed on (an interrupted stream,
+  ``decode.loops.stream_rounds``): rows are cut there and the generation
+  is marked ``interrupted``.
 
   Raises NonFiniteLogitsError when a row stopped on NaN/inf logits."""
   host = jax.device_get(dict(tokens=state.tokens, length=state.length,
                              prompt_len=state.prompt_len, target_calls=state.target_calls,
                              accepted_histogram=state.accepted_histogram, error=state.error,
                              error_pos=state.error_pos))
+  if kept is not None:
+    host["length"] = np.minimum(host["length"], np.asarray(kept, host["length"].dtype))
   raise_on_error(host["tokens"], host["prompt_len"], host["length"], host["error"],
                  host["error_pos"])
   extra = {}
@@ -226,4 +235,4 @@ def to_generation(state: DecodeState, *, emit_times, wall: float, prefill: float
   return Generation(emitted_rows(host["tokens"], host["prompt_len"], host["length"]),
                     host["prompt_len"], host["accepted_histogram"].astype(np.int64),
                     host["target_calls"].astype(np.int64), emit_times, wall, num_draft_tokens,
-                    prefill, tree=tree, **extra)
+                    prefill, tree=tree, interrupted=kept is not None, **extra)

@@ -54,8 +54,10 @@ def summarize(gen, rows: Sequence[int] | None = None) -> dict:
   accepted_length_histogram, target_calls, num_tokens, ttft_s, itl_p50_s,
   itl_p90_s, tokens_per_s, wall_time_s, prefill_s, decode_tokens_per_s,
   tree (branching list or None) and nodes_per_round (N for a tree, G for
-  a chain, 0 for AR, None with "auto"). Times are in seconds; timing keys are None for the
-  while_loop form, which has no per-token times."""
+  a chain, 0 for AR, None with "auto"), and ``interrupted`` (True) only
+  when an interrupt ended the generation early. Times are in seconds;
+  timing keys are None for the while_loop form, which has no per-token
+  times."""
   rows = list(range(len(gen.tokens))) if rows is None else list(rows)
   hist = gen.accepted_histogram[rows].sum(0)
   if gen.position_tested is not None:            # "auto": rounds had different G
@@ -85,6 +87,8 @@ def summarize(gen, rows: Sequence[int] | None = None) -> dict:
                           else None if gen.draft_length_histogram is not None
                           else gen.num_draft_tokens),
   }
+  if getattr(gen, "interrupted", False):
+    out["interrupted"] = True
   if gen.emit_times is not None:
     firsts = [gen.emit_times[i][0] for i in rows if gen.emit_times[i]]
     gaps = np.concatenate([np.diff(gen.emit_times[i]) for i in rows if len(gen.emit_times[i]) > 1]
@@ -107,6 +111,8 @@ def format_summary(name: str, s: dict) -> str:
          f"tau {num(s['mean_accepted_length'], '.3f')}"
   if tree:
     head += f"  tree {','.join(map(str, tree))}: {s['nodes_per_round']} nodes per round"
+  if s.get("interrupted"):
+    head += "  (interrupted: the rows as far as they got)"
   return "\n".join([
       head,
       f"  acceptance per {'depth' if tree else 'position'}: {alphas}",

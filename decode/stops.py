@@ -22,7 +22,8 @@ exact however a stop falls relative to a speculative round.
 
 A row's finish reason is one of ``FINISH_REASONS``: "eos" (the tokenizer's
 end-of-sequence id), "stop" (a stop id or stop string), "length" (the
-budget), "error" (non-finite logits).
+budget), "error" (non-finite logits), "interrupted" (an interrupted stream
+ended before the row did: ``mark_interrupted``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import numpy as np
 
 from decode.errors import DecodeError
 
-FINISH_REASONS = ("eos", "stop", "length", "error")
+FINISH_REASONS = ("eos", "stop", "length", "error", "interrupted")
 MAX_STOP_IDS = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_BYTES = 256
@@ -199,4 +200,15 @@ def finish_rows(gen, stops: StopConditions | None, token_bytes, eos_ids):
     gen.texts.append(m.feed(ids)[1] + m.flush())
     gen.finish_reasons.append(finish_reason(ids, eos_ids=eos_ids, stop_ids=stops.token_ids,
                                             stopped_by_string=by_string, error=False))
+  return gen
+
+
+def mark_interrupted(gen, max_new_tokens: int):
+  """An interrupted ``Generation``'s rows that ended neither at a stop nor at
+  their budget of ``max_new_tokens`` get the finish reason "interrupted"
+  (``finish_rows`` reads only the tokens, and would say "length"). Returns
+  ``gen``; unchanged when it was not interrupted."""
+  if gen.interrupted:
+    gen.finish_reasons = ["interrupted" if r == "length" and len(ids) < max_new_tokens else r
+                          for r, ids in zip(gen.finish_reasons, gen.tokens)]
   return gen

@@ -141,21 +141,26 @@ def decode_texts(decoder: Decoder, prompts: Sequence[str], *, max_new_tokens: in
                  sampling: SamplingParams, num_samples: int = 1, seed: int = 0,
                  warmup: bool = True, out: TextIO | None = None,
                  stops: StopConditions | None = None, chat: bool = False,
-                 systems: Sequence[str | None] | None = None):
+                 systems: Sequence[str | None] | None = None, interruptible: bool = False):
   """Decodes every prompt ``num_samples`` times in one batch (stream form).
 
   With one prompt and one sample, text is streamed to ``out`` as it is
   emitted (never past a stop string), after the prompt (raw prompts) or
-  alone (``chat``: the reply to one user message). ``warmup`` first runs
-  the same shapes once so timings exclude compilation. Returns the
-  ``Generation``.
+  alone (``chat``: the reply to one user message). ``warmup`` first
+  compiles what the stream runs (``Decoder.warm_up``: the same shapes and
+  programs, one token per row; "auto" calibrates there), so timings
+  exclude compilation and the answer is generated once. ``interruptible``:
+  Ctrl-C during the decoding ends it at a round boundary, the text so far
+  kept (and finished on ``out``) and the ``Generation`` marked
+  ``interrupted`` (``Decoder.stream``); else it raises KeyboardInterrupt.
+  Returns the ``Generation``.
   """
   if not (isinstance(num_samples, int) and num_samples >= 1):
     raise DecodeError(f"--num_samples={num_samples!r} must be an integer >= 1")
   encoded = [p for p in encode_prompts(prompts, decoder.tokenizer, chat, systems)
              for _ in range(num_samples)]
   if warmup:
-    decoder.stream(encoded, max_new_tokens, sampling, seed, stops=stops)
+    decoder.warm_up(encoded, max_new_tokens, sampling, seed, stops=stops)
   on_text = None
   if out is not None and len(encoded) == 1:
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -164,7 +169,8 @@ def decode_texts(decoder: Decoder, prompts: Sequence[str], *, max_new_tokens: in
     def on_text(row, data):
       out.write(utf8.decode(data))
       out.flush()
-  gen = decoder.stream(encoded, max_new_tokens, sampling, seed, stops=stops, on_text=on_text)
+  gen = decoder.stream(encoded, max_new_tokens, sampling, seed, stops=stops, on_text=on_text,
+                       interruptible=interruptible)
   if on_text is not None:
     out.write(utf8.decode(b"", final=True) + "\n")
   return gen
