@@ -63,7 +63,6 @@ import time
 import jax
 import numpy as np
 
-from decode.bench import ar_vs_mtp
 from decode.speculative import DecodeError
 from mtp import loading
 from mtp import cli, report
@@ -71,6 +70,7 @@ from mtp import config as config_lib
 from mtp import data as data_lib
 from mtp.config import ConfigError
 from mtp.timing import format_spread
+from scripts.bench_lib import ar_vs_mtp
 from train.ablation import Ablation, decode_table, decoded_cells, quick_config, train_grid, train_table
 
 FULL_COMMAND = ("python scripts/ablate_mtp.py --config configs/tiny.py --depths 0,1,2,3,4 "

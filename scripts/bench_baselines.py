@@ -24,10 +24,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from decode import bench_baselines, bench_chat
 from decode.speculative import MAX_DRAFT_TOKENS, DecodeError
 from mtp import cli, report
 from mtp.importers import smollm
+from scripts import baseline_decoders
+from scripts import bench_chat_lib as bench_chat
 
 
 def main(argv=None):
@@ -53,7 +54,7 @@ def main(argv=None):
     cli.apply_quick(ap, args, categories="code", repeats=1, max_new_tokens=8)
   cli.check_range(ap, args, per_category=1, repeats=1, max_new_tokens=1, llamacpp_threads=1)
   try:
-    specs = bench_baselines.parse_specs(args.baselines)
+    specs = baseline_decoders.parse_specs(args.baselines)
   except ValueError as e:
     ap.error(str(e))
   source = args.baseline_model or smollm.gguf_path()

@@ -37,10 +37,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from decode import bench_cache as bc  # noqa: E402
-from decode.bench_cache import variant_name  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import config as config_lib  # noqa: E402
+from scripts import bench_cache as bc  # noqa: E402
+from scripts.bench_cache import variant_name  # noqa: E402
 
 
 _RANDOM_NOTE = "randomly initialised (EOS row zeroed so decoding runs to the budget)"

@@ -21,10 +21,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from decode import bench_baselines, bench_chat
 from decode.speculative import MAX_DRAFT_TOKENS, DecodeError
 from mtp import cli, report
 from mtp.importers import smollm
+from scripts import baseline_decoders
+from scripts import bench_chat_lib as bench_chat
 
 
 def main(argv=None):
@@ -63,7 +64,7 @@ def main(argv=None):
   if args.repeats is not None:
     cli.check_range(ap, args, repeats=1)
   try:
-    specs = bench_baselines.parse_specs(args.baselines)
+    specs = baseline_decoders.parse_specs(args.baselines)
   except ValueError as e:
     ap.error(str(e))
   if specs and args.baseline_model is None:

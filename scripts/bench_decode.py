@@ -41,12 +41,12 @@ import argparse
 
 import numpy as np
 
-from decode import bench_grid
 from decode import run as run_lib
 from decode.speculative import MAX_DRAFT_TOKENS, DecodeError
 from mtp import loading
 from mtp import cli, report
 from mtp import data as data_lib
+from scripts import bench_grid
 
 
 def auto_costs_note(row: dict, results: list[dict]) -> str:

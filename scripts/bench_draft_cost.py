@@ -28,10 +28,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from decode.bench_grid import ALPHAS, draft_cost_vs_depth  # noqa: E402
 from decode.speculative import MAX_DRAFT_TOKENS, DecodeError  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import config as config_lib  # noqa: E402
+from scripts.bench_grid import ALPHAS, draft_cost_vs_depth  # noqa: E402
 
 
 def markdown(rows: list[dict], meta: dict) -> str:

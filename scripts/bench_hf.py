@@ -23,10 +23,10 @@ import argparse
 import os
 import sys
 
-from decode import bench_hf
 from decode.speculative import DecodeError
 from mtp import cli, report
 from mtp.importers import ModelImportError
+from scripts import bench_hf_lib as bench_hf
 
 
 def main(argv=None):

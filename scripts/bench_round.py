@@ -42,7 +42,6 @@ import itertools
 import os
 import tempfile
 
-from decode import bench_chat, bench_profile
 from decode import tree as tree_lib
 from decode.speculative import MAX_DRAFT_TOKENS, DecodeError
 from mtp import loading
@@ -51,6 +50,8 @@ from mtp import config as config_lib
 from mtp import data as data_lib
 from mtp import tokenizer as tok
 from mtp.model import build_model
+from scripts import bench_chat_lib as bench_chat
+from scripts import bench_profile
 
 
 PIECE_ORDER = ["draft/module1", "draft/module2", "draft/module3", "draft/module4", "draft/head",

@@ -17,10 +17,11 @@ import argparse
 import math
 import os
 
-from decode import bench_chat, bench_top_p
 from decode.speculative import DecodeError
 from mtp import cli, loading, report
 from mtp import tokenizer as tok_lib
+from scripts import bench_chat_lib as bench_chat
+from scripts import bench_top_p_lib as bench_top_p
 
 
 def main(argv=None):

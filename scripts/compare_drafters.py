@@ -71,13 +71,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from decode.bench_grid import calibrate_cost_arch, drafter_grid  # noqa: E402
 from decode.speculative import MAX_DRAFT_TOKENS, DecodeError  # noqa: E402
 from mtp import loading  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
-from mtp.drafts import arch_name, cost_candidates, draft_config, param_count, param_matched_arch  # noqa: E402
 from mtp.model import count_params  # noqa: E402
+from scripts.bench_grid import calibrate_cost_arch, drafter_grid  # noqa: E402
+from scripts.draft_models import arch_name, cost_candidates, draft_config, param_count, param_matched_arch  # noqa: E402
 from train.bench import train_step_costs  # noqa: E402
 from train.loop import train  # noqa: E402
 

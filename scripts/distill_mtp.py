@@ -66,7 +66,6 @@ import time
 import jax
 from flax import nnx
 
-from decode.bench_grid import ParamSwapBench
 from decode.speculative import DecodeError
 from mtp import loading
 from mtp import cli, report
@@ -74,6 +73,7 @@ from mtp import config as config_lib
 from mtp import data as data_lib
 from mtp.config import Config, ConfigError
 from mtp.timing import format_spread, spread
+from scripts.bench_grid import ParamSwapBench
 
 VARIANTS = {            # name: (distill weight: None = --distill_weight, data, recursive steps on)
     "data": (0.0, "corpus", False),
@@ -136,7 +136,7 @@ def self_distilled_data(base_workdir: str, name: str, data_dir: str, out_dir: st
   from the base's corpus in ``data_dir``; returns its metadata
   (``decode.self_distill.make_dataset``). A dataset already there made with
   another recipe or base is an error (ConfigError)."""
-  from decode import self_distill
+  from scripts import self_distill
   meta_path = os.path.join(out_dir, name, data_lib.SELF_DISTILLED_VERSION, "metadata.json")
   if os.path.exists(meta_path):
     with open(meta_path) as f:
@@ -445,7 +445,7 @@ def _run(args, argv, plan: Plan):
       plan.base_cfg, plan.depth, plan.variants, plan.seeds, plan.temperatures, plan.cfgs,
       plan.budget, plan.prompts)
   sd_name, sd_data_dir, data_dir = plan.sd_name, plan.sd_data_dir, plan.data_dir
-  from decode import self_distill
+  from scripts import self_distill
   log = lambda s: print(s, flush=True)
   t_start = time.perf_counter()
   sd_meta = None

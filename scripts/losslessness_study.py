@@ -84,13 +84,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from scipy import stats as sps  # noqa: E402
 
-from decode.bench import ArgmaxAcceptDecoder  # noqa: E402
 from decode.speculative import DecodeError, Decoder, SamplingParams  # noqa: E402
 from mtp import checkpoint as ckpt_lib  # noqa: E402
 from mtp import loading  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import tokenizer as tok  # noqa: E402
+from scripts.bench_lib import ArgmaxAcceptDecoder  # noqa: E402
 
 QUICK_PROMPTS = ("ace", "ef ")    # over the alphabet "abcdef " of tests/conftest.py's Markov source
 MIN_EXPECTED = 5.0

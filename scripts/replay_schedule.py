@@ -39,14 +39,14 @@ import os
 
 import numpy as np
 
-from decode import replay as rp
 from decode import run as run_lib
-from decode.bench_chat import heldout_prompts
 from decode.schedule import AutoSchedule
 from decode.speculative import DecodeError, SamplingParams
 from mtp import cli, loading, report
 from mtp import data as data_lib
 from mtp import tokenizer as tok
+from scripts import replay as rp
+from scripts.bench_chat_lib import heldout_prompts
 
 
 def markdown(rows, labels, schedules, meta) -> str:

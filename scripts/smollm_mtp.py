@@ -80,7 +80,7 @@ def plan(args) -> list[tuple[str | None, list]]:
   modules = args.modules_out or f"assets/smollm2_mtp{depth}{fl}{data_x}{steps_x}.safetensors"
   bench = args.bench_out or f"results/bench_chat_smollm{suffix}"
   data_name = "+".join(["smollm_chat"] + [f"smollm_chat_s{s}" for s in extra])
-  distill = [py, "-m", "decode.self_distill", "--workdir", args.base_workdir]
+  distill = [py, "-m", "scripts.self_distill", "--workdir", args.base_workdir]
   answer = ["--temperatures", "0,1", "--method", "ar", "--batch_size", "32", "--max_new_tokens", "160"]
   steps = [
       (args.base_workdir, [py, "-m", "mtp.importers", "--gguf", GGUF, "--workdir", args.base_workdir]),

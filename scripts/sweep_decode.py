@@ -52,12 +52,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from decode import bench_grid  # noqa: E402
-from decode.bench_grid import DOMAIN_KIND, SweepDecode  # noqa: E402
 from decode.speculative import MAX_DRAFT_TOKENS, DecodeError  # noqa: E402
 from mtp import loading  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
+from scripts import bench_grid  # noqa: E402
+from scripts.bench_grid import DOMAIN_KIND, SweepDecode  # noqa: E402
 
 # -- report ----------------------------------------------------------------------------
 

@@ -18,11 +18,11 @@ import argparse
 import os
 import time
 
-from decode import bench_vocab
 from decode.speculative import DecodeError
 from mtp import cli, report
 from mtp import draft_vocab as draft_vocab_lib
 from mtp.timing import format_spread
+from scripts import bench_vocab
 from train import vocab_sweep
 
 

@@ -22,7 +22,10 @@ if os.environ.get("MTP_REQUIRE_HF") != "1":
 import torch  # noqa: E402,F401
 import transformers  # noqa: E402,F401
 
-from decode import bench, bench_baselines, bench_chat, bench_hf  # noqa: E402
+from scripts import baseline_decoders as bench_baselines  # noqa: E402
+from scripts import bench_chat_lib as bench_chat  # noqa: E402
+from scripts import bench_hf_lib as bench_hf  # noqa: E402
+from scripts import bench_lib as bench  # noqa: E402
 from decode.speculative import Decoder, SamplingParams  # noqa: E402
 from tests import tiny_bpe  # noqa: E402
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from decode import bench_chat
+from scripts import bench_chat_lib as bench_chat
 from mtp import tokenizer as tok
 from scripts import bench_chat as script
 from tests import tiny_bpe

@@ -21,7 +21,7 @@ else:
   pytest.importorskip("transformers")
   pytest.importorskip("tokenizers")
 
-from decode import bench_hf
+from scripts import bench_hf_lib as bench_hf
 from tests import tiny_bpe
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from decode import bench_top_p, sampling
+from decode import sampling
+from scripts import bench_top_p_lib as bench_top_p
 
 
 def test_nucleus_sizes_hand_example():

@@ -51,7 +51,7 @@ def test_heldout_prompts_render_with_the_chat_template(smol_tok):
 
 @pytest.mark.slow
 def test_self_distill_chat_on_smollm(workdir, tmp_path, data_dir):
-  from decode import self_distill as sd
+  from scripts import self_distill as sd
   from mtp import data
   from mtp.config import DataConfig
   recipe = sd.ChatRecipe(chat_prompts=2, val_prompts=0, temperatures=(0.0,), max_new_tokens=8,

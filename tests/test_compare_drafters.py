@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from mtp import drafts
+from scripts import draft_models as drafts
 from mtp.model import count_params
 from tests.conftest import md_command, tiny_config
 from tests.test_scripts import REPO, _script

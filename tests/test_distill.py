@@ -372,7 +372,7 @@ def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
   text), a data-only and a distilled stage with a recursive step, acceptance
   before and after, the report files; the dataset is reused for the same
   recipe only."""
-  from decode import self_distill
+  from scripts import self_distill
   from mtp import data as data_lib
   from mtp.config import DataConfig
   from tests.test_scripts import _script
@@ -450,7 +450,7 @@ def test_distill_script_tables():
 
 
 def test_self_distill_cli_rejects_bad_flags(markov_workdir, tmp_path, capsys, monkeypatch):
-  from decode import self_distill
+  from scripts import self_distill
   base = ["--workdir", markov_workdir, "--out_name", "sd_cli", "--out_dir", str(tmp_path)]
   for flag, value, match in (("--num_docs", "0", "--num_docs=0 must be an integer >= 1"),
                              ("--top_p", "1.5", "--top_p=1.5 must be in (0, 1]")):

@@ -1,9 +1,12 @@
 """The import graph of mtp/, train/, decode/ and scripts/ has no cycle, with
 imports inside functions counted too (issue 20), and the rooms' arrows point
 one way (docs/design.md section 2): mtp imports neither train nor decode;
-train and decode do not import each other."""
+train and decode do not import each other; nothing outside scripts/ imports
+scripts/ (the decoder never depends on the benchmarks). decode/ holds the
+decoder only: no benchmark, replay or self-distillation module."""
 
 import ast
+import fnmatch
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -106,3 +109,13 @@ def test_rooms_import_one_way():
   # the loader sits above the two formats it tells apart
   assert "mtp.loading" not in graph["mtp.checkpoint"] | graph["mtp.export"]
   assert "mtp.export" not in graph["mtp.checkpoint"]
+
+
+def test_decode_holds_the_decoder_only():
+  """The benchmarks (bench*), the schedule replay (replay*) and
+  self-distillation (self_distill*) live in scripts/; decode/ has none of
+  them."""
+  names = [m for m in _modules() if m.startswith("decode.")]
+  bad = sorted(m for m in names for pat in ("bench*", "replay*", "self_distill*", "llamacpp*")
+               if fnmatch.fnmatch(m.split(".")[-1], pat))
+  assert not bad, bad

@@ -13,7 +13,8 @@ import os
 import numpy as np
 import pytest
 
-from decode import bench_baselines, llamacpp_worker
+from scripts import baseline_decoders as bench_baselines
+from scripts import llamacpp_worker
 
 FAKE = '''
 __version__ = "0.0-fake"

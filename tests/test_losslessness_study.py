@@ -12,7 +12,7 @@ import pytest
 from scipy import stats
 
 from tests.conftest import md_command
-from decode import bench as decode_bench
+from scripts import bench_lib as decode_bench
 from tests.test_scripts import _script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

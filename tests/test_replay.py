@@ -7,7 +7,7 @@ target calls, and a replay with the wrong acceptance probabilities fails it)."""
 import numpy as np
 import pytest
 
-from decode import replay as rp
+from scripts import replay as rp
 from decode.schedule import AutoSchedule
 from decode.speculative import Decoder, SamplingParams
 from tests.conftest import random_prompts, with_noisy_mtp

@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from decode import self_distill as sd
+from scripts import self_distill as sd
 from decode.speculative import DecodeError, Decoder, SamplingParams
 from mtp import data, loading
 from mtp import tokenizer as tok

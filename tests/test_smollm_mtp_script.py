@@ -24,7 +24,7 @@ def dry_run(*flags):
 
 def expected(depth=1, suffix="", modules="assets/smollm2_mtp1.safetensors", seeds=(), train_extra=""):
   """The old Makefile recipe's commands (make -n smollm-mtp, for loop unrolled)."""
-  distill = f"{PY} -m decode.self_distill --workdir runs/smollm"
+  distill = f"{PY} -m scripts.self_distill --workdir runs/smollm"
   answer = "--temperatures 0,1 --method ar --batch_size 32 --max_new_tokens 160"
   name = "+".join(["smollm_chat"] + [f"smollm_chat_s{s}" for s in seeds])
   stage = f"runs/smollm_mtp{suffix}"
@@ -85,5 +85,5 @@ def test_imports_skip_when_done_and_a_failing_step_ends_the_run(tmp_path, monkey
   monkeypatch.setattr(script, "gguf_path", lambda: pytest.fail("no import should run"))
   rc = script.main(["--base_workdir", str(base), "--init_workdir", str(init), "--data_seeds", "0,1"])
   assert rc == 3
-  assert [a[2] for a in ran] == ["decode.self_distill", "decode.self_distill", "train", "mtp.export"]
+  assert [a[2] for a in ran] == ["scripts.self_distill", "scripts.self_distill", "train", "mtp.export"]
   assert all(a[0] == sys.executable for a in ran)

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from tests.conftest import md_command
-from decode import bench_grid
+from scripts import bench_grid
 from tests.test_scripts import _script
 
 

@@ -17,12 +17,12 @@ from flax import nnx
 from decode import stats as stats_lib
 from decode import theory
 from decode.tree_spec import TreeSpec
-from decode.bench import bare_forward_s, draft_flop_share, draft_time_s, measure_point
 from decode.speculative import Decoder, SamplingParams
 from mtp import config as config_lib
 from mtp import tokenizer as tok
-from mtp.drafts import draft_config, param_count
 from mtp.model import build_model
+from scripts.bench_lib import bare_forward_s, draft_flop_share, draft_time_s, measure_point
+from scripts.draft_models import draft_config, param_count
 
 
 @dataclasses.dataclass

@@ -32,7 +32,7 @@ from decode import stats as stats_lib
 from decode.speculative import Decoder, SamplingParams
 from decode.tree_spec import TreeSpec
 from mtp.timing import interleaved_times, spread
-from decode.bench_pieces import (  # noqa: F401 (decode.bench's API: the scripts use these names)
+from scripts.bench_pieces import (  # noqa: F401 (decode.bench's API: the scripts use these names)
     bare_forward_loop, bare_forward_s, draft_flop_share, draft_loop, draft_time_s, encode_prompts,
     prefilled)
 

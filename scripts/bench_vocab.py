@@ -18,9 +18,9 @@ from __future__ import annotations
 import jax
 
 from decode import theory
-from decode.bench import bare_forward_loop, draft_loop, prefilled
 from decode.speculative import Decoder, SamplingParams
 from mtp.timing import interleaved_times, spread
+from scripts.bench_lib import bare_forward_loop, draft_loop, prefilled
 
 SPREAD = ("n", "median", "min", "max")
 

@@ -50,8 +50,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from decode import bench_hf
 from mtp.cli import split_items
+from scripts import bench_hf_lib as bench_hf
 
 NAMES = ("transformers", "prompt_lookup", "llamacpp")
 DEFAULT_LOOKUP = 10
@@ -156,7 +156,7 @@ class LlamaCppGenerate:
     import sys
     self.stop_ids = [int(i) for i in stop_ids]
     self.proc = subprocess.Popen(
-        [sys.executable, "-m", "decode.llamacpp_worker", "--model", path,
+        [sys.executable, "-m", "scripts.llamacpp_worker", "--model", path,
          "--threads", str(n_threads), "--n_ctx", str(n_ctx)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         bufsize=1, env=None if env is None else dict(env))
@@ -239,7 +239,7 @@ def build(specs: Sequence[Spec], source: str, model_cfg, tokenizer, n_threads: i
       for s in llama_specs:
         fns[s.label] = LlamaCppGenerate(source, tokenizer.stop_ids, s.threads or n_threads)
       info.update(llama_cpp_version=fns[llama_specs[0].label].version,
-                  llamacpp_process="worker (python -m decode.llamacpp_worker)",
+                  llamacpp_process="worker (python -m scripts.llamacpp_worker)",
                   llamacpp_threads={s.label: s.threads or n_threads for s in llama_specs})
     else:
       for s in llama_specs:

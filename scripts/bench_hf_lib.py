@@ -36,10 +36,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from decode.bench import first_divergence
 from decode.speculative import Decoder, SamplingParams
 from mtp import tokenizer as tok
 from mtp.timing import format_spread, interleaved_times, spread
+from scripts.bench_lib import first_divergence
 
 PROMPTS = (
     "What is the capital of France?",

@@ -30,12 +30,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from decode import bench, bench_baselines
 from decode.sampling import SamplingParams
 from decode.speculative import Decoder
 from mtp import loading
 from mtp import tokenizer as tok_lib
 from mtp.data import chat as chat_lib
+from scripts import baseline_decoders
+from scripts import bench_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,7 @@ class ChatBench:
   with_auto: bool = False
   trees: tuple[str, ...] = ()      # token trees, e.g. ("3", "2,2")
   batch_sizes: tuple[int, ...] = (1,)   # baselines run at B = 1 only
-  baselines: tuple[bench_baselines.Spec, ...] = ()   # bench_baselines.parse_specs
+  baselines: tuple[baseline_decoders.Spec, ...] = ()   # baseline_decoders.parse_specs
   baseline_model: str | None = None   # GGUF file or HF directory of the target's weights
   llamacpp_threads: int = 2
   repeats: int | None = None       # timed repeats per category (None: one per prompt)
@@ -112,7 +113,7 @@ def run_chat_bench(s: ChatBench, log: Callable[[str], None] = print) -> dict:
 
   Returns {"rows": [...] ("auto" rows carry the decoder's ``auto_record``
   after the cell: its prior and round costs), "overall": ``overall(rows)``, "baselines": None
-  or ``bench_baselines.build``'s info plus "prompt_ids" (``check_prompt_ids``
+  or ``baseline_decoders.build``'s info plus "prompt_ids" (``check_prompt_ids``
   when a transformers baseline runs)}. Raises ValueError for baselines
   without ``baseline_model``."""
   cfg, model, step = loading.load_model(s.workdir)
@@ -124,10 +125,10 @@ def run_chat_bench(s: ChatBench, log: Callable[[str], None] = print) -> dict:
   if s.baselines:
     if not s.baseline_model:
       raise ValueError("baselines need baseline_model (the GGUF file or HF directory)")
-    base_fns, info = bench_baselines.build(s.baselines, s.baseline_model, cfg.model, tokenizer,
+    base_fns, info = baseline_decoders.build(s.baselines, s.baseline_model, cfg.model, tokenizer,
                                            s.llamacpp_threads, log)
     if any(spec.kind != "llamacpp" for spec in s.baselines):
-      info["prompt_ids"] = bench_baselines.check_prompt_ids(s.baseline_model, messages, prompts)
+      info["prompt_ids"] = baseline_decoders.check_prompt_ids(s.baseline_model, messages, prompts)
       log(f"transformers' chat template: {info['prompt_ids']['identical']} of "
           f"{info['prompt_ids']['prompts']} prompts give our ids")
   draft_cache, rows = {}, []
@@ -141,7 +142,7 @@ def run_chat_bench(s: ChatBench, log: Callable[[str], None] = print) -> dict:
       extra = base_fns if t == 0 and b == 1 else {}   # the baselines: greedy, B = 1
       for cat, ps in prompts.items():
         log(f"B={b} T={t:g} {cat}: {len(ps)} prompt(s) x {len(decs) + len(extra)} decoders")
-        for row in bench.measure_point(decs, ps, b, s.max_new_tokens, sp, s.repeats or len(ps),
+        for row in bench_lib.measure_point(decs, ps, b, s.max_new_tokens, sp, s.repeats or len(ps),
                                        draft_cache=draft_cache, flops_cache=flops_cache,
                                        baselines=extra):
           row["category"] = cat

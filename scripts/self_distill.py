@@ -83,7 +83,7 @@ import time
 
 import numpy as np
 
-from decode.self_distill_chat import (  # noqa: F401 (chat mode; decode.self_distill's API)
+from scripts.self_distill_chat import (  # noqa: F401 (chat mode; decode.self_distill's API)
     ChatRecipe, answer_examples, make_chat_dataset, parse_temperatures)
 from decode.speculative import METHODS, DecodeError, Decoder, SamplingParams
 from mtp import checkpoint as ckpt_lib

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from decode.bench_generation import (  # noqa: F401 (part (b); names the script and tests use)
+from scripts.bench_generation import (  # noqa: F401 (part (b); names the script and tests use)
     demo_models, generation_speed, generation_speedups, impl_variants, random_prompt, stats,
     text_prompt, variant_name, with_impl, workdir_models)
 from mtp import config as config_lib
