@@ -1,16 +1,25 @@
 """``python -m decode --compare``: the same prompts, seed and budget decoded
 by AR and by the chosen method in interleaved repeats (``mtp.timing.
-interleaved_times``, the order alternating, all after compilation), the
-speedup as the method's tokens/s over AR's (new tokens per call over the
-median wall time of each: at T > 0 the two emit different samples, which end
-at EOS at other lengths, so walls alone are not comparable; at T = 0 the
-outputs are the same and the ratio is that of the walls), and per prompt
-category its own speedup (JSONL prompt files).
+interleaved_times``, the order alternating, all after compilation), each
+method's timed repeats summarized as medians with their spread (min-max)
+for tokens/s, TTFT and ITL, and the speedup as the ratio of the two blocks'
+median tokens/s (new tokens per call over the median wall time: at T > 0
+the two emit different samples, which end at EOS at other lengths, so
+walls alone are not comparable; at T = 0 the outputs are the same and the
+ratio is that of the walls). The blocks and the speedup line come from the
+same numbers, so they cannot disagree.
+
+Beside the measurement, what Theorem 3.8 (``decode.theory``) predicts from
+the measured acceptance (tau) and the measured cost of a round relative to
+an AR step (both from the timed repeats' decoding phase), and one line
+naming the term that decides the result on this machine (``verdict_line``).
+Per prompt category its own speedup (JSONL prompt files).
 """
 
 from __future__ import annotations
 
 import io
+import math
 import types
 from collections.abc import Sequence
 from typing import TextIO
@@ -18,50 +27,298 @@ from typing import TextIO
 import numpy as np
 
 from decode import stats as stats_lib
+from decode import theory
 from decode.sampling import SamplingParams
 from decode.speculative import Decoder
 from decode.stops import StopConditions
-from decode.texts import decode_texts
+from decode.texts import decode_texts, encode_prompts
 from mtp.timing import interleaved_times
+
+# a prediction this far outside the per-repeat range (printed with two
+# decimals) counts as disagreeing with the measurement
+AGREEMENT_SLACK = 0.01
+
+
+def _span(values) -> dict:
+  """{"median", "min", "max"} of a list of numbers (None values left out;
+  all None when nothing is left)."""
+  v = [float(x) for x in values if x is not None]
+  if not v:
+    return {"median": None, "min": None, "max": None}
+  return {"median": float(np.median(v)), "min": min(v), "max": max(v)}
+
+
+def _rounds(gen) -> int:
+  """Batched rounds of a generation's decoding phase: the most target
+  calls of any row (a round advances every active row at once)."""
+  return int(np.max(gen.target_calls)) if len(gen.target_calls) else 0
+
+
+def pooled_acceptance(gens: Sequence) -> dict:
+  """tau, alpha_k and the mean drafted length G over all rounds of
+  ``gens`` (the timed repeats of one method; ``decode.stats``'s
+  definitions): {"mean_accepted_length", "acceptance_rate_per_position",
+  "mean_draft_tokens" (G for a chain, the nodes per round for a tree, the
+  mean chosen G with "auto", 0 for AR), "emitted_per_round" (emitted
+  tokens per row-round: below tau where the budget or EOS cut rounds)}."""
+  hist = sum(np.asarray(g.accepted_histogram, np.int64).sum(0) for g in gens)
+  calls = int(sum(int(np.sum(g.target_calls)) for g in gens))
+  tokens = int(sum(len(t) for g in gens for t in g.tokens))
+  verified = float((hist * (np.arange(len(hist)) + 1)).sum())
+  first = gens[0]
+  if first.position_tested is not None:          # "auto": rounds had different G
+    tested = sum(np.asarray(g.position_tested).sum(0) for g in gens)
+    passed = sum(np.asarray(g.position_accepted).sum(0) for g in gens)
+    alphas = [float(p / t) if t else None for p, t in zip(passed, tested)]
+  else:
+    alphas = stats_lib.acceptance_rates(hist)
+  if first.draft_length_histogram is not None:
+    lengths = sum(np.asarray(g.draft_length_histogram, np.int64).sum(0) for g in gens)
+    mean_g = float((lengths * np.arange(len(lengths))).sum() / max(lengths.sum(), 1))
+  elif first.tree is not None:
+    from decode.tree_spec import TreeSpec
+    mean_g = float(TreeSpec(first.tree).num_nodes)
+  else:
+    mean_g = float(first.num_draft_tokens)
+  return {"mean_accepted_length": verified / calls if calls else None,
+          "acceptance_rate_per_position": alphas, "mean_draft_tokens": mean_g,
+          "emitted_per_round": tokens / calls if calls else None}
+
+
+def timed_summary(gens: Sequence) -> dict:
+  """One method's timed repeats (``Generation`` per repeat, in order) as
+  the ``--compare`` block and the report's ``timed`` entry: repeats,
+  new_tokens (per call, mean), tokens_per_s / ttft_s / itl_p50_s /
+  itl_p90_s / wall_time_s / round_s / decode_tokens_per_s / prefill_share
+  as {"median", "min", "max"} over the repeats, rounds (median batched
+  rounds of the decoding phase), and ``pooled_acceptance``'s keys.
+
+  tokens_per_s's median is the new tokens per call over the median wall
+  time (the speedup's definition; the median of the repeats' rates when
+  every repeat emits the same number of tokens, as at T = 0), its min and
+  max those of the repeats' rates. round_s: the decoding phase (wall time
+  minus prefill) over the batched rounds, seconds per round (for AR one
+  step)."""
+  walls = [float(g.wall_time_s) for g in gens]
+  news = [int(sum(len(t) for t in g.tokens)) for g in gens]
+  rates = [n / w for n, w in zip(news, walls) if w > 0]
+  s = [stats_lib.summarize(g) for g in gens]
+  tps = _span(rates)
+  if tps["median"] is not None:
+    tps["median"] = float(np.mean(news) / np.median(walls))
+  decode_s = [g.wall_time_s - g.prefill_time_s for g in gens]
+  return {"repeats": len(gens), "new_tokens": float(np.mean(news)), "tokens_per_s": tps,
+          "ttft_s": _span(x["ttft_s"] for x in s), "itl_p50_s": _span(x["itl_p50_s"] for x in s),
+          "itl_p90_s": _span(x["itl_p90_s"] for x in s), "wall_time_s": _span(walls),
+          "round_s": _span(d / _rounds(g) if _rounds(g) and d > 0 else None
+                           for d, g in zip(decode_s, gens)),
+          "decode_tokens_per_s": _span(x["decode_tokens_per_s"] for x in s),
+          "prefill_share": _span(g.prefill_time_s / g.wall_time_s if g.wall_time_s > 0 else None
+                                 for g in gens),
+          "rounds": float(np.median([_rounds(g) for g in gens])), **pooled_acceptance(gens)}
+
+
+def predict_speedup(*, tau: float, alphas: Sequence[float | None] | None,
+                    mean_draft_tokens: float, round_s: float, ar_step_s: float,
+                    form: str = "chain") -> dict:
+  """Theorem 3.8's speedup from measured numbers: tau (tokens per target
+  call), the per-position acceptance ``alphas`` (a chain of fixed G), the
+  drafted tokens per round G (``mean_draft_tokens``: the mean with "auto",
+  the nodes with a tree), and c = (round_s / ar_step_s - 1) / G
+  (``theory.cost_ratio_from_round``). ``form``: "chain" (a fixed G:
+  ``theory.chain_speedup`` with the alphas), "auto" or "tree"
+  (``theory.speedup_from_tau``). Returns {"form", "tau", "draft_tokens",
+  "round_ar_steps", "cost_ratio" (None when nothing was drafted),
+  "predicted_speedup"}; with G = 0 (auto ran AR) the theorem's G = 0 case,
+  1."""
+  r = float(round_s) / float(ar_step_s)
+  if mean_draft_tokens <= 0:
+    return {"form": form, "tau": float(tau), "draft_tokens": 0.0, "round_ar_steps": r,
+            "cost_ratio": None, "predicted_speedup": 1.0}
+  c = theory.cost_ratio_from_round(r, mean_draft_tokens)
+  if form == "chain" and alphas:
+    predicted = theory.chain_speedup([0.0 if a is None else a for a in alphas], c)
+  else:
+    predicted = theory.speedup_from_tau(tau, mean_draft_tokens, c)
+  return {"form": form, "tau": float(tau), "draft_tokens": float(mean_draft_tokens),
+          "round_ar_steps": r, "cost_ratio": c, "predicted_speedup": float(predicted)}
+
+
+def prediction_line(p: dict) -> str:
+  """The printed prediction: Theorem 3.8's formula with the measured
+  numbers in it."""
+  if p["cost_ratio"] is None:
+    return ("predicted by Theorem 3.8: 1.00x (no round drafted: every round a plain AR "
+            "step, G = 0)")
+  g = p["draft_tokens"]
+  what = {"chain": "G", "auto": "mean G drafted", "tree": "N nodes"}.get(p["form"], "G")
+  g_text = f"{g:.0f}" if float(g).is_integer() else f"{g:.2f}"
+  fn = "chain_speedup" if p["form"] == "chain" else "speedup_from_tau"
+  return (f"predicted by Theorem 3.8 (decode.theory.{fn}): {p['predicted_speedup']:.2f}x = "
+          f"tau {p['tau']:.3f} / ({what} {g_text} x c {p['cost_ratio']:.3f} + 1), c from a round "
+          f"of {p['round_ar_steps']:.2f} AR steps (decoding phase; the median of the "
+          "timed repeats' predictions)")
+
+
+def verdict_line(p: dict, measured: float, lo: float, hi: float, *,
+                 decode_speedup: float | None = None,
+                 prefill_share: tuple[float, float] | None = None,
+                 emitted_per_round: float | None = None, method: str = "mtp") -> str:
+  """One line naming the term that decides the result on this machine:
+  whether tau exceeds the cost of a round in AR steps (drafting pays iff
+  tau > G c + 1), the prediction beside the measured speedup and its
+  per-repeat range [lo, hi], and where the prediction falls outside that
+  range, the term it leaves out that accounts for more of the gap: rounds
+  emitting fewer tokens than tau (``decode_speedup``, the measured
+  decoding-phase speedup, against the prediction; ``emitted_per_round``:
+  tokens per row-round) or the prefill and per-call work (the whole call
+  against the decoding phase; ``prefill_share``: (method, AR) prefill over
+  wall). ``p``: ``predict_speedup``'s dict. Pure (tests inject numbers)."""
+  pred = p["predicted_speedup"]
+  measured_text = f"measured {measured:.2f}x ({lo:.2f}-{hi:.2f}x)"
+  if p["cost_ratio"] is None:
+    head = (f"{method} drafted in no round (every round a plain AR step: drafting cannot pay "
+            "at these costs, this batch and budget)")
+  else:
+    tau, r, c = p["tau"], p["round_ar_steps"], p["cost_ratio"]
+    per = f"(c = {c:.2f} per {'drafted node' if p['form'] == 'tree' else 'draft token'})"
+    head = (f"tau {tau:.2f} over a round of {r:.2f} AR steps {per}: drafting pays here"
+            if tau > r else
+            f"tau {tau:.2f} but a round costs {r:.2f} AR steps {per}: drafting does not pay here")
+  line = f"{head}; predicted {pred:.2f}x, {measured_text}"
+  if lo - AGREEMENT_SLACK <= pred <= hi + AGREEMENT_SLACK:
+    return line
+  line += "; outside the measured range:"
+  gap_rounds = (abs(math.log(pred / decode_speedup))
+                if decode_speedup and decode_speedup > 0 and pred > 0 else None)
+  gap_prefill = (abs(math.log(decode_speedup / measured))
+                 if decode_speedup and decode_speedup > 0 and measured > 0 else None)
+  if gap_rounds is None:
+    return line + " the prediction counts the decoding phase only"
+  alone = f"decoding phase alone {decode_speedup:.2f}x"
+  if gap_prefill is not None and gap_prefill > gap_rounds:
+    share = (f"{method} {prefill_share[0]:.0%} of its wall, AR {prefill_share[1]:.0%}; "
+             if prefill_share else "")
+    return (line + " the prefill and per-call work decide it, which the prediction leaves out "
+            f"({share}{alone})")
+  if pred > decode_speedup:
+    emitted = (f"{emitted_per_round:.2f} per row-round vs tau {p['tau']:.2f}: "
+               if emitted_per_round is not None else "")
+    return (line + f" rounds emit fewer tokens than tau ({emitted}the budget or EOS cuts the "
+            f"last rounds, a batch waits for its slowest row; {alone})")
+  return (line + f" the decoding phase ran faster than its rounds predict ({alone}: the "
+          "repeats differ, a busy machine, or auto drafting in some repeats and not in others)")
+
+
+def format_timed(name: str, t: dict) -> str:
+  """The ``--compare`` block of one method's timed repeats (``timed_summary``):
+  median (min-max) of tokens/s, wall, TTFT, ITL p50/p90, and the decoding
+  phase's seconds per round (with tau and the drafted length for a method
+  that drafts)."""
+  def span(s, scale=1.0, fmt=".1f", unit=""):
+    if s["median"] is None:
+      return "n/a"
+    f = lambda x: format(x * scale, fmt)
+    if t["repeats"] == 1:                      # one value: no spread to show
+      return f"{f(s['median'])}{unit}"
+    return f"{f(s['median'])}{unit} ({f(s['min'])}-{f(s['max'])})"
+  ms = lambda s: span(s, 1e3, ".2f", " ms")
+  n = t["repeats"]
+  lines = [f"[{name}] timed: median (min-max) over {n} interleaved repeats" if n != 1 else
+           f"[{name}] timed: one repeat (no spread; --repeats 3 or more gives medians)",
+           f"  throughput {span(t['tokens_per_s'], unit=' tok/s')}  wall {ms(t['wall_time_s'])}  "
+           f"new tokens {t['new_tokens']:.0f} per call",
+           f"  TTFT {ms(t['ttft_s'])}  ITL p50 {ms(t['itl_p50_s'])}  p90 {ms(t['itl_p90_s'])}"]
+  decoding = f"  decoding phase: {ms(t['round_s'])} per round, {t['rounds']:.0f} rounds"
+  if t["mean_draft_tokens"]:
+    alphas = ", ".join("n/a" if a is None else f"{a:.3f}"
+                       for a in t["acceptance_rate_per_position"])
+    tau = t["mean_accepted_length"]
+    decoding += (f", tau {'n/a' if tau is None else format(tau, '.3f')} (alpha {alphas}), "
+                 f"{t['mean_draft_tokens']:.2f} drafted per round")
+  lines.append(decoding)
+  return "\n".join(lines)
+
+
+def _round_s(gen) -> float | None:
+  """Seconds per batched round of a generation's decoding phase."""
+  d, r = gen.wall_time_s - gen.prefill_time_s, _rounds(gen)
+  return d / r if r and d > 0 else None
+
+
+def prediction_of(method_gens: Sequence, ar_gens: Sequence, form: str) -> dict | None:
+  """``predict_speedup`` per timed repeat, from that repeat's own tau,
+  drafted length and round cost over the AR step timed beside it (with
+  "auto" one repeat may draft and the next run AR; a burst of load hits
+  one repeat), and the median of them (the lower middle one for an even
+  count) with "predicted_per_repeat" added. None when no repeat has
+  decoding-phase times."""
+  preds = []
+  for gm, ga in zip(method_gens, ar_gens):
+    acc, rm, ra = pooled_acceptance([gm]), _round_s(gm), _round_s(ga)
+    if rm and ra and acc["mean_accepted_length"] is not None:
+      preds.append(predict_speedup(
+          tau=acc["mean_accepted_length"], alphas=acc["acceptance_rate_per_position"],
+          mean_draft_tokens=acc["mean_draft_tokens"], round_s=rm, ar_step_s=ra, form=form))
+  if not preds:
+    return None
+  mid = sorted(preds, key=lambda p: p["predicted_speedup"])[(len(preds) - 1) // 2]
+  return {**mid, "predicted_per_repeat": [p["predicted_speedup"] for p in preds]}
 
 
 def compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: str, repeats: int,
                     max_new_tokens: int, sampling: SamplingParams, num_samples: int, seed: int,
                     err: TextIO, stops: StopConditions | None = None, chat: bool = False,
                     systems: Sequence[str | None] | None = None,
-                    ar: Decoder | None = None) -> dict:
+                    ar: Decoder | None = None, warm: bool = False) -> dict:
   """``repeats`` interleaved AR / ``decoder`` runs of ``prompts`` (see
   ``decode.run.run``; ``gen``: the reported generation, whose tokens greedy
-  AR must reproduce); writes both summaries and the speedup line to ``err``
-  and returns the report keys ar_stats, speedup (tokens/s ratio),
-  speedup_per_repeat, repeats, wall_times_s (seconds per call), new_tokens
-  (per call, all rows) and tokens_per_s (per decoder). ``ar``: the AR decoder to time
-  (default a new one; passing one reuses its compilations)."""
+  AR must reproduce); writes the two timed blocks, the speedup line (the
+  ratio of the blocks' median tokens/s), the Theorem 3.8 prediction and
+  the verdict line to ``err``.
+
+  Returns the report keys ar_stats (AR's untimed generation, the one that
+  follows its compilation), speedup (tokens/s ratio), speedup_per_repeat,
+  repeats, wall_times_s (seconds per call), new_tokens (per call, all rows),
+  tokens_per_s (per decoder: the blocks' medians), timed ({"ar": ...,
+  METHOD: ...}: ``timed_summary`` of each) and prediction
+  (``predict_speedup``'s dict with "measured_speedup", "measured_min",
+  "measured_max" and "line", the verdict; None without timings). ``ar``:
+  the AR decoder to time (default a new one; passing one reuses its
+  compilations). ``warm``: first compile ``decoder`` for this batch
+  (``Decoder.warm_up``), when it has not decoded this batch shape yet."""
   ar = ar or Decoder(decoder.models()[0], "ar", tokenizer=decoder.tokenizer)
   kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples, seed=seed,
             stops=stops, chat=chat, systems=systems)
+  if warm:                  # compilation (and "auto"'s calibration) must not land in a timed call
+    encoded = [p for p in encode_prompts(prompts, decoder.tokenizer, chat, systems)
+               for _ in range(num_samples)]
+    decoder.warm_up(encoded, max_new_tokens, sampling, seed, stops=stops)
   ar_gen = decode_texts(ar, prompts, warmup=True, **kw)       # compiles AR; not timed below
-  times = {"ar": [], method: []}
-  new_tokens = {"ar": [], method: []}
+  gens = {"ar": [], method: []}
 
-  def timed(name, dec):       # records the decoder's own wall time and new tokens of each call
+  def timed(name, dec):       # keeps each call's Generation (its own wall time, tokens, stats)
     def call():
-      g = decode_texts(dec, prompts, warmup=False, **kw)
-      times[name].append(g.wall_time_s)
-      new_tokens[name].append(int(sum(len(t) for t in g.tokens)))
+      gens[name].append(decode_texts(dec, prompts, warmup=False, **kw))
     return call
   # interleaved, the order alternating (ar, method / method, ar) so that drift hits both alike
   interleaved_times({"ar": timed("ar", ar), method: timed(method, decoder)}, repeats, warmup=0)
-  rate = {k: float(np.mean(new_tokens[k]) / np.median(times[k])) for k in times}
+  times = {k: [float(g.wall_time_s) for g in v] for k, v in gens.items()}
+  new_tokens = {k: [int(sum(len(t) for t in g.tokens)) for g in v] for k, v in gens.items()}
+  blocks = {k: timed_summary(v) for k, v in gens.items()}
+  rate = {k: blocks[k]["tokens_per_s"]["median"] for k in blocks}
   ratios = [(nm / wm) / (na / wa) for na, wa, nm, wm in
             zip(new_tokens["ar"], times["ar"], new_tokens[method], times[method])]
   speedup = rate[method] / rate["ar"]
   ar_summary = stats_lib.summarize(ar_gen)
   same = all(np.array_equal(a, b) for a, b in zip(ar_gen.tokens, gen.tokens))
-  err.write(stats_lib.format_summary("ar", ar_summary) + f"\n  seed {seed}\n")
-  err.write(f"speedup over AR: {speedup:.2f}x (tokens/s, {rate[method]:.1f} vs {rate['ar']:.1f}: "
-            f"new tokens over the median wall time of "
-            f"{repeats} interleaved repeat{'s' if repeats != 1 else ''}, per repeat "
+  err.write(f"--compare: AR and {method} timed in {repeats} interleaved "
+            f"repeat{'s' if repeats != 1 else ''} each, after compilation and one untimed run; "
+            "the blocks and the speedup below are those repeats\n")
+  err.write(format_timed("ar", blocks["ar"]) + "\n" + format_timed(method, blocks[method]) + "\n")
+  err.write(f"speedup over AR: {speedup:.2f}x = {rate[method]:.1f} / {rate['ar']:.1f} tok/s, "
+            f"the median throughputs above ({repeats} interleaved "
+            f"repeat{'s' if repeats != 1 else ''}, per repeat "
             f"{min(ratios):.2f}x-{max(ratios):.2f}x; same prompts and budget, after compilation"
             + ("; one repeat is noisy, see scripts/bench_decode.py" if repeats == 1 else "") + ")"
             + (f" (T > 0: {method} and AR sample different texts, {method} "
@@ -70,9 +327,31 @@ def compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: st
                if sampling.temperature else
                " (greedy outputs identical)" if same else
                " (WARNING: greedy outputs differ; a float near-tie or a bug)") + "\n")
+  form = ("tree" if decoder.tree is not None else
+          "auto" if decoder.schedule is not None else "chain")
+  pred = prediction_of(gens[method], gens["ar"], form)
+  if pred is not None:
+    m, a = blocks[method], blocks["ar"]
+    decode_ratios = [stats_lib.summarize(gm)["decode_tokens_per_s"] /
+                     stats_lib.summarize(ga)["decode_tokens_per_s"]
+                     for gm, ga in zip(gens[method], gens["ar"])
+                     if stats_lib.summarize(gm)["decode_tokens_per_s"]
+                     and stats_lib.summarize(ga)["decode_tokens_per_s"]]
+    share = ((m["prefill_share"]["median"], a["prefill_share"]["median"])
+             if m["prefill_share"]["median"] is not None
+             and a["prefill_share"]["median"] is not None else None)
+    line = verdict_line(pred, speedup, min(ratios), max(ratios),
+                        decode_speedup=float(np.median(decode_ratios)) if decode_ratios else None,
+                        prefill_share=share, emitted_per_round=m["emitted_per_round"],
+                        method=method)
+    err.write(prediction_line(pred) + "\n" + line + "\n")
+    pred = {**pred, "measured_speedup": speedup, "measured_min": min(ratios),
+            "measured_max": max(ratios), "line": line}
+  else:
+    err.write("predicted by Theorem 3.8: n/a (no decoding-phase time to take costs from)\n")
   return {"ar_stats": ar_summary, "speedup": speedup, "speedup_per_repeat": ratios,
           "repeats": repeats, "wall_times_s": times, "new_tokens": new_tokens,
-          "tokens_per_s": rate}
+          "tokens_per_s": rate, "timed": blocks, "prediction": pred}
 
 
 def category_speedups(decoder: Decoder, gen, prompts: Sequence[str],
@@ -83,8 +362,10 @@ def category_speedups(decoder: Decoder, gen, prompts: Sequence[str],
   """Per category (``categories[i]`` of prompt i) the speedup of
   ``compare_with_ar`` over that category's prompts as one batch (its rows of
   ``gen``, ``num_samples`` per prompt, are the reference tokens), with one
-  AR decoder shared by all categories; its printed lines are dropped.
-  Returns {category: speedup}."""
+  AR decoder shared by all categories and the method's decoder warmed up
+  for each category's batch first (a smaller batch is another shape to
+  compile, which must not land in the first timed repeat); its printed
+  lines are dropped. Returns {category: speedup}."""
   speedups = {}
   ar = Decoder(decoder.models()[0], "ar", tokenizer=decoder.tokenizer)
   for cat, idx in stats_lib.group_rows(categories).items():
@@ -94,6 +375,6 @@ def category_speedups(decoder: Decoder, gen, prompts: Sequence[str],
                           repeats=repeats, max_new_tokens=max_new_tokens, sampling=sampling,
                           num_samples=num_samples, seed=seed, err=io.StringIO(), stops=stops,
                           chat=chat, systems=None if systems is None else
-                          [systems[i] for i in idx], ar=ar)
+                          [systems[i] for i in idx], ar=ar, warm=True)
     speedups[cat] = res["speedup"]
   return speedups

@@ -36,6 +36,25 @@ def untrained_offsets_note(decoder: Decoder, method: str, trained: int) -> str |
           "decays there)\n")
 
 
+def length_notice(finish_reasons: Sequence[str] | None, max_new_tokens: int) -> str | None:
+  """The notice line (ending in a newline) when rows ended at their token
+  budget (finish reason "length") rather than at EOS or a stop: an answer
+  cut mid-sentence otherwise looks like the model's own ending. One line
+  per run: for one row "the answer stopped at ...", for a batch how many
+  rows did. None when no row did. Not a "note:" line: those are notices
+  about the settings (a flag without effect, an untrained offset), and
+  tests and scripts count them."""
+  reasons = list(finish_reasons or [])
+  cut = sum(r == "length" for r in reasons)
+  if not cut:
+    return None
+  if len(reasons) == 1:
+    return (f"the answer stopped at --max_new_tokens={max_new_tokens} (finish reason "
+            "\"length\"): raise it for a longer answer\n")
+  return (f"{cut} of {len(reasons)} rows stopped at --max_new_tokens={max_new_tokens} (finish "
+          "reason \"length\"): raise it for longer answers\n")
+
+
 def result_rows(gen, prompts: Sequence[str], categories: Sequence[str | None] | None,
                 num_samples: int) -> list[dict]:
   """One report row per generated row r (prompt r // num_samples, sample

@@ -9,7 +9,11 @@ comparisons and notices to ``err`` (stderr), and returns the report dict that
 "stats": {...},
 "ar_stats": {...}, "speedup": float (tokens/s ratio), "speedup_per_repeat": [...],
 "wall_times_s": {"ar": [...], METHOD: [...]}, "new_tokens": {...},
-"tokens_per_s": {...}}`` (the last six with ``compare``), and ``"interrupted": true`` when
+"tokens_per_s": {...}, "timed": {"ar": {...}, METHOD: {...}}, "prediction": {...}}``
+(the last eight with ``compare``: ``decode.compare.compare_with_ar``; ``timed``
+holds each method's timed repeats as medians with min and max, the numbers
+the printed blocks and the speedup come from; ``ar_stats`` is AR's untimed
+run, not printed), and ``"interrupted": true`` when
 Ctrl-C ended the decoding (or the comparison) early. With prompts that carry a ``category`` (a JSONL
 ``--prompt_file``) every result records its ``"category"`` and the report
 has ``"per_category": {CATEGORY: {"rows", "num_tokens", "target_calls",
@@ -224,9 +228,14 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
 
   ``compare``: after the reported (streamed) generation, ``repeats``
   interleaved pairs of AR and ``method`` runs of the same prompts, seed and
-  budget (order alternating, all after compilation, not streamed); the
-  speedup is median AR wall time / median ``method`` wall time, with the
-  per-repeat ratios as the spread.
+  budget (order alternating, all after compilation, not streamed); a block
+  per method gives the timed repeats' median (min-max) tokens/s, wall,
+  TTFT and ITL, the speedup is the ratio of the two median tokens/s (at
+  T = 0 median AR wall time / median ``method`` wall time), with the
+  per-repeat ratios as the spread, followed by Theorem 3.8's prediction
+  from the measured tau and round cost and a line naming the term that
+  decides (``decode.compare``). The reported generation's own block then
+  leaves out its timing, which is not one of those repeats.
 
   ``tree`` ("3,2,1" or a tuple; method "mtp"): draft a token tree instead
   of a chain (``Decoder(tree=...)``); the statistics then give acceptance
@@ -234,7 +243,9 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   round, and ``config`` records the tree.
 
   ``stops``: stop token ids and stop strings (``decode.stops``); each
-  result records its ``finish_reason`` ("eos", "stop" or "length").
+  result records its ``finish_reason`` ("eos", "stop" or "length"); rows
+  that stopped at ``max_new_tokens`` get one line on ``err`` per run
+  (``decode.results.length_notice``).
   ``chat``: every prompt is one user message rendered with the model's chat
   template (its end-of-turn token ends the reply); else raw text; None:
   chat iff the model's tokenizer has a chat template (JSONL prompt files).
@@ -287,7 +298,12 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   summary = stats_lib.summarize(gen)
   if len(gen.tokens) > 1:
     results_lib.write_rows(out, results, chat)
-  err.write(stats_lib.format_summary(method, summary) + f"\n  seed {seed}\n")
+  compared = compare and method != "ar" and not gen.interrupted
+  err.write(stats_lib.format_summary(f"{method}, the answer above" if compared else method,
+                                     summary, timing=not compared) + f"\n  seed {seed}\n")
+  notice = results_lib.length_notice(gen.finish_reasons, max_new_tokens)
+  if notice:
+    err.write(notice)
   config = results_lib.config_record(
       workdir, method, decoder, batch_size=len(gen.tokens), max_new_tokens=max_new_tokens,
       sampling=sampling, num_samples=num_samples, seed=seed, chat=chat, stops=stops,
@@ -297,7 +313,6 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
     report["interrupted"] = True
     err.write(f"interrupted: {summary['num_tokens']} tokens generated"
               + ("; --compare skipped" if compare and method != "ar" else "") + "\n")
-  compared = compare and method != "ar" and not gen.interrupted
   kw = dict(method=method, repeats=repeats, max_new_tokens=max_new_tokens, sampling=sampling,
             num_samples=num_samples, seed=seed, stops=stops, chat=chat)
   speedups = None

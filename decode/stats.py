@@ -100,8 +100,12 @@ def summarize(gen, rows: Sequence[int] | None = None) -> dict:
   return out
 
 
-def format_summary(name: str, s: dict) -> str:
-  """Human-readable block for the CLI."""
+def format_summary(name: str, s: dict, timing: bool = True) -> str:
+  """Human-readable block for the CLI. ``timing`` False leaves out the
+  timing line (TTFT, ITL, throughput, wall) in favour of a line saying that
+  this run is not among ``--compare``'s timed repeats, whose blocks follow:
+  two throughputs of one method in one output would read as one
+  measurement."""
   num = lambda x, spec: "n/a" if x is None else format(x, spec)
   ms = lambda x: "n/a" if x is None else f"{x * 1e3:.2f} ms"
   alphas = ", ".join(f"alpha_{k}={num(a, '.3f')}" for k, a in
@@ -120,9 +124,11 @@ def format_summary(name: str, s: dict) -> str:
        f"  accepted-length histogram (a = 0..G): {s['accepted_length_histogram']}"),
       *([f"  chosen draft length histogram (G = 0..G_max, 0 = AR step): "
          f"{s['draft_length_histogram']}"] if s.get("draft_length_histogram") else []),
-      f"  TTFT {ms(s['ttft_s'])}  ITL p50 {ms(s['itl_p50_s'])}  p90 {ms(s['itl_p90_s'])}  "
-      f"throughput {num(s['tokens_per_s'], '.1f')} tok/s  wall {s['wall_time_s']:.3f} s "
-      f"(prefill {ms(s.get('prefill_s'))}, decoding {num(s.get('decode_tokens_per_s'), '.1f')} tok/s)",
+      (f"  TTFT {ms(s['ttft_s'])}  ITL p50 {ms(s['itl_p50_s'])}  p90 {ms(s['itl_p90_s'])}  "
+       f"throughput {num(s['tokens_per_s'], '.1f')} tok/s  wall {s['wall_time_s']:.3f} s "
+       f"(prefill {ms(s.get('prefill_s'))}, decoding {num(s.get('decode_tokens_per_s'), '.1f')} "
+       "tok/s)" if timing else
+       "  timing: this answer's run is not one of --compare's timed repeats; see their blocks"),
   ])
 
 

@@ -78,3 +78,24 @@ def accepted_length_law(alpha: float, g: int) -> np.ndarray:
   law = alpha ** k * (1 - alpha)
   law[g] = alpha ** g
   return law
+
+
+def cost_ratio_from_round(round_cost_ar_steps: float, num_draft_tokens: float) -> float:
+  """Theorem 3.8's c from a measured round: a round that drafts G tokens
+  and verifies them costs G c + 1 target steps, so c = (round / AR step - 1)
+  / G. ``round_cost_ar_steps``: one round's seconds over one AR step's (both
+  measured); ``num_draft_tokens``: G, or the mean G of rounds that drafted
+  different lengths ("auto"), > 0. Negative when a round measured cheaper
+  than an AR step (noise: the theorem assumes c >= 0)."""
+  if not num_draft_tokens > 0:
+    raise ValueError(f"num_draft_tokens={num_draft_tokens!r} must be > 0 (no round drafted: "
+                     "c is undefined)")
+  return (float(round_cost_ar_steps) - 1.0) / float(num_draft_tokens)
+
+
+def speedup_from_tau(tau: float, num_draft_tokens: float, cost_ratio: float) -> float:
+  """Theorem 3.8's walltime improvement tau / (G c + 1) with a measured tau
+  (tokens per target call) in place of tau(alpha, G): the form for rounds
+  whose draft length varies ("auto": G the mean drafted length) or for a
+  token tree (G the nodes per round), where no single alpha fits."""
+  return float(tau) / (float(num_draft_tokens) * float(cost_ratio) + 1.0)

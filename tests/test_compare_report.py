@@ -1,0 +1,189 @@
+"""python -m decode --compare read in one pass: per method a block of its
+timed repeats (medians with min-max), a speedup line that is the ratio of
+the blocks' median tokens/s, Theorem 3.8's prediction from the measured tau
+and round cost, and one line naming the term that decides; the per-category
+comparison compiles nothing inside its timed repeats. No timed assertions:
+the numbers are checked against each other, never against a speed."""
+
+import io
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from decode import compare as compare_lib
+from decode import theory
+from decode.run import run
+from decode.speculative import SamplingParams
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+SPAN = r"([\d.]+) ms \(([\d.]+)-([\d.]+)\)"
+
+
+@pytest.fixture(scope="module")
+def workdir(markov_workdir):
+  return markov_workdir
+
+
+# -- the prediction and the verdict, from injected numbers ----------------------
+
+
+def _pred(tau, r, g=1, form="chain", alphas=None):
+  return compare_lib.predict_speedup(tau=tau, alphas=alphas, mean_draft_tokens=g,
+                                     round_s=r * 1e-3, ar_step_s=1e-3, form=form)
+
+
+def test_prediction_is_theorem_3_8_with_the_measured_cost():
+  """c = (round / AR step - 1) / G, and the prediction tau / (G c + 1): for a
+  chain through chain_speedup with the alphas (whose chain_tau is tau)."""
+  alphas = [0.8, 0.5]
+  tau = theory.chain_tau(alphas)                        # 1 + 0.8 + 0.4
+  p = _pred(tau, 1.6, g=2, alphas=alphas)
+  assert p["cost_ratio"] == pytest.approx(0.3) and p["round_ar_steps"] == pytest.approx(1.6)
+  assert p["predicted_speedup"] == pytest.approx(tau / 1.6)
+  assert p["predicted_speedup"] == pytest.approx(theory.chain_speedup(alphas, 0.3))
+  q = _pred(1.7, 1.5, g=0.8, form="auto")               # auto: a mean G, tau measured
+  assert q["cost_ratio"] == pytest.approx(0.5 / 0.8)
+  assert q["predicted_speedup"] == pytest.approx(theory.speedup_from_tau(1.7, 0.8, 0.625))
+  assert q["predicted_speedup"] == pytest.approx(1.7 / 1.5)
+  none = _pred(1.0, 1.02, g=0, form="auto")             # auto ran AR: G = 0
+  assert none["cost_ratio"] is None and none["predicted_speedup"] == 1.0
+  assert theory.cost_ratio_from_round(1.48, 1) == pytest.approx(0.48)
+  with pytest.raises(ValueError, match="num_draft_tokens"):
+    theory.cost_ratio_from_round(1.2, 0)
+
+
+def test_verdict_when_drafting_does_not_pay():
+  p = _pred(1.455, 1.48)
+  line = compare_lib.verdict_line(p, 0.96, 0.93, 1.01, decode_speedup=0.98)
+  assert line == ("tau 1.46 but a round costs 1.48 AR steps (c = 0.48 per draft token): "
+                  "drafting does not pay here; predicted 0.98x, measured 0.96x (0.93-1.01x)")
+
+
+def test_verdict_when_drafting_pays():
+  p = _pred(2.4, 1.6, g=2, form="auto")
+  line = compare_lib.verdict_line(p, 1.48, 1.40, 1.55, decode_speedup=1.5)
+  assert line.startswith("tau 2.40 over a round of 1.60 AR steps (c = 0.30 per draft token): "
+                         "drafting pays here; predicted 1.50x, measured 1.48x (1.40-1.55x)")
+  assert "outside" not in line
+  tree = compare_lib.verdict_line(_pred(2.4, 1.6, g=4, form="tree"), 1.5, 1.4, 1.6)
+  assert "(c = 0.15 per drafted node)" in tree
+
+
+def test_verdict_names_the_term_when_measured_and_predicted_disagree():
+  """Outside the per-repeat range the line says which left-out term accounts
+  for more of the gap: the prefill (the whole call against the decoding
+  phase) or rounds emitting fewer tokens than tau (the decoding phase
+  against the prediction)."""
+  p = _pred(2.0, 1.4)                                   # predicts 1.43x
+  prefill = compare_lib.verdict_line(p, 1.05, 1.00, 1.10, decode_speedup=1.40,
+                                     prefill_share=(0.35, 0.20))
+  assert "predicted 1.43x, measured 1.05x (1.00-1.10x); outside the measured range" in prefill
+  assert "the prefill and per-call work decide it" in prefill
+  assert "mtp 35% of its wall, AR 20%; decoding phase alone 1.40x" in prefill
+  cut = compare_lib.verdict_line(p, 1.05, 1.00, 1.10, decode_speedup=1.08,
+                                 emitted_per_round=1.55)
+  assert "rounds emit fewer tokens than tau (1.55 per row-round vs tau 2.00" in cut
+  assert "prefill" not in cut
+  faster = compare_lib.verdict_line(_pred(1.2, 1.3), 1.30, 1.25, 1.35, decode_speedup=1.32)
+  assert "drafting does not pay here" in faster and "ran faster than its rounds predict" in faster
+  ar_only = compare_lib.verdict_line(_pred(1.0, 1.0, g=0, form="auto"), 0.99, 0.97, 1.01)
+  assert ar_only.startswith("mtp drafted in no round") and "outside" not in ar_only
+  assert ar_only.endswith("predicted 1.00x, measured 0.99x (0.97-1.01x)")
+  # within the printed rounding of the range is agreement
+  assert "outside" not in compare_lib.verdict_line(p, 1.40, 1.38, 1.42, decode_speedup=1.4)
+
+
+# -- the printed report of a real --compare ---------------------------------------
+
+
+def _blocks(err: str) -> dict:
+  """{name: {"tok/s": (median, min, max), ...}} of the printed timed blocks."""
+  out = {}
+  for m in re.finditer(r"^\[(\w+)\] timed: median \(min-max\) over (\d+) interleaved repeats\n"
+                       r"  throughput ([\d.]+) tok/s \(([\d.]+)-([\d.]+)\)  wall " + SPAN +
+                       r".*\n  TTFT " + SPAN + "  ITL p50 " + SPAN + "  p90 " + SPAN, err, re.M):
+    v = [float(x) for x in m.groups()[2:]]
+    out[m.group(1)] = {"repeats": int(m.group(2)), "tok/s": v[0:3], "wall": v[3:6],
+                       "ttft": v[6:9], "itl_p50": v[9:12], "itl_p90": v[12:15]}
+  return out
+
+
+def test_compare_prints_timed_blocks_whose_medians_make_the_speedup(workdir):
+  err = io.StringIO()
+  report = run(workdir, ["abca"], method="mtp", num_draft_tokens=2, max_new_tokens=24,
+               sampling=SamplingParams(temperature=0.0), compare=True, repeats=3,
+               out=io.StringIO(), err=err)
+  text = err.getvalue()
+  blocks = _blocks(text)
+  assert set(blocks) == {"ar", "mtp"} and all(b["repeats"] == 3 for b in blocks.values())
+  for b in blocks.values():                            # medians inside their spreads
+    for key in ("tok/s", "wall", "ttft", "itl_p50", "itl_p90"):
+      med, lo, hi = b[key]
+      assert lo <= med <= hi, (key, b[key])
+  # the answer's own block shows no timing: it is not one of the repeats
+  answer = text[text.index("[mtp, the answer above]"):text.index("--compare:")]
+  assert "throughput" not in answer and "not one of --compare's timed repeats" in answer
+  (line,) = [l for l in text.splitlines() if l.startswith("speedup over AR:")]
+  m = re.match(r"speedup over AR: ([\d.]+)x = ([\d.]+) / ([\d.]+) tok/s, the median throughputs "
+               r"above \(3 interleaved repeats, per repeat ([\d.]+)x-([\d.]+)x", line)
+  assert m, line
+  speedup, num, den, lo, hi = map(float, m.groups())
+  assert (num, den) == (blocks["mtp"]["tok/s"][0], blocks["ar"]["tok/s"][0])
+  assert speedup == pytest.approx(num / den, abs=0.005 + num / den * (0.05 / num + 0.05 / den))
+  assert "(greedy outputs identical)" in line
+  # the report carries the same numbers
+  timed = report["timed"]
+  for k in ("ar", "mtp"):
+    assert report["tokens_per_s"][k] == timed[k]["tokens_per_s"]["median"]
+    assert f"{timed[k]['tokens_per_s']['median']:.1f}" == f"{blocks[k]['tok/s'][0]:.1f}"
+    assert set(timed[k]["ttft_s"]) == {"median", "min", "max"} and timed[k]["repeats"] == 3
+  assert report["speedup"] == pytest.approx(timed["mtp"]["tokens_per_s"]["median"]
+                                            / timed["ar"]["tokens_per_s"]["median"])
+  assert f"{report['speedup']:.2f}" == f"{speedup:.2f}"
+  assert min(report["speedup_per_repeat"]) == pytest.approx(lo, abs=0.006)
+  assert max(report["speedup_per_repeat"]) == pytest.approx(hi, abs=0.006)
+  # the prediction and the verdict follow the speedup line
+  lines = text.splitlines()
+  i = lines.index(line)
+  assert lines[i + 1].startswith("predicted by Theorem 3.8 (decode.theory.chain_speedup): ")
+  pred = report["prediction"]
+  assert lines[i + 2] == pred["line"] and "drafting" in pred["line"]
+  assert f"predicted {pred['predicted_speedup']:.2f}x, measured {speedup:.2f}x" in pred["line"]
+  assert pred["tau"] == pytest.approx(timed["mtp"]["mean_accepted_length"])   # T = 0: same runs
+  assert len(pred["predicted_per_repeat"]) == 3 and pred["draft_tokens"] == 2
+  assert "ar_stats" in report and "[ar] tokens" not in text      # AR's untimed run: JSON only
+  json.dumps(report)
+
+
+def test_category_compare_compiles_nothing_while_timing(workdir, monkeypatch):
+  """Each category's smaller batch is a new shape: the method's decoder is
+  warmed up for it before its timed repeats, so no compilation lands in
+  them (for AR as well)."""
+  compiles, timing = [], [False]
+
+  def on_compile(event, duration, **_):
+    if event == COMPILE_EVENT and timing[0]:
+      compiles.append(duration)
+  real = compare_lib.interleaved_times
+
+  def timed(*a, **k):
+    timing[0] = True
+    try:
+      return real(*a, **k)
+    finally:
+      timing[0] = False
+  monkeypatch.setattr(compare_lib, "interleaved_times", timed)
+  jax.monitoring.register_event_duration_secs_listener(on_compile)
+  try:
+    prompts = [{"prompt": "abca", "category": "x"}, {"prompt": "fed", "category": "y"}]
+    report = run(workdir, prompts, method="mtp", num_draft_tokens=1, max_new_tokens=8,
+                 sampling=SamplingParams(temperature=0.0), compare=True, repeats=1,
+                 out=io.StringIO(), err=io.StringIO())
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on_compile)
+  assert set(report["per_category"]) == {"x", "y"}
+  assert all(np.isfinite(v["speedup"]) for v in report["per_category"].values())
+  assert compiles == []
