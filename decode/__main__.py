@@ -3,9 +3,10 @@
 Parses flags and calls ``decode.run.run``. Flags are listed by --help.
 Generated text goes to stdout; statistics, the --compare result and notices
 (one line per flag that has no effect in the chosen mode) to stderr;
-``--json PATH`` writes the machine-readable report. Exit status: 0, 2 for
-bad input (unknown or malformed flags included) or checkpoints, 3 when the
-model produced NaN/inf logits, 130 after Ctrl-C: during the decoding the
+``--json PATH`` writes the machine-readable report. Exit status: 0 (also
+after --help, which absl alone ends with 1), 2 for bad input (unknown or
+malformed flags included) or checkpoints, 3 when the model produced
+NaN/inf logits, 130 after Ctrl-C: during the decoding the
 text so far, its statistics and the report (``"interrupted": true``) are
 still written; before it (loading, compilation, calibration), or at a
 second Ctrl-C, one line says so and the report is ``{"interrupted": true,
@@ -36,9 +37,11 @@ _METHOD = flags.DEFINE_enum("method", "mtp", ["ar", "mtp", "draft"],
                             "ar: autoregressive; mtp: drafts from the MTP modules; draft: "
                             "drafts from --draft_workdir.")
 _DRAFT_WORKDIR = flags.DEFINE_string("draft_workdir", None, "Draft model run directory (--method draft).")
-_G = flags.DEFINE_string("num_draft_tokens", "2", "Draft length G per round (an integer >= 1), "
-                         "or 'auto': G in 0..--max_draft_tokens chosen every round from measured "
-                         "acceptance and round costs (--method mtp; 0 = a plain AR step).")
+_G = flags.DEFINE_string("num_draft_tokens", None, "Draft length G per round (an integer in "
+                         "[1, 16]), or 'auto': G in 0..--max_draft_tokens chosen every round from "
+                         "measured acceptance and round costs (--method mtp; 0 = a plain AR step, "
+                         "so it falls back to AR where drafting does not pay). Default: auto with "
+                         "--method mtp, 2 with --method draft.")
 _G_MAX = flags.DEFINE_integer("max_draft_tokens", None, "Longest draft 'auto' considers "
                               "(default: the offsets the checkpoint's MTP modules were trained for, D "
                               "plus mtp.recursive_steps).")
@@ -56,12 +59,47 @@ _STOP = flags.DEFINE_multi_string("stop", [], "Stop string (repeatable): a row e
                                   "text contains one; the text is cut before it.")
 _STOP_IDS = flags.DEFINE_list("stop_token_ids", [], "Comma-separated token ids that end a row "
                               "when emitted (kept, like EOS).")
-_COMPARE = flags.DEFINE_bool("compare", False, "Also run AR on the same prompts; report the "
-                             "median speedup over --repeats interleaved runs.")
+_COMPARE = flags.DEFINE_bool("compare", False, "Also time AR and the method on the same "
+                             "prompts in --repeats interleaved runs: per method the median "
+                             "(min-max) tokens/s, TTFT and ITL, the speedup as the ratio of the "
+                             "medians, and what Theorem 3.8 predicts from the measured tau and "
+                             "round cost.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "--compare: interleaved AR / method runs (>= 1).")
 _JSON = flags.DEFINE_string("json", None, "Write the report (tokens, text, stats) to this path.")
 flags.mark_flag_as_required("workdir")
 EXIT_INTERRUPTED = 130     # 128 + SIGINT, as a shell reports a process Ctrl-C ended
+DRAFT_MODEL_DEFAULT_G = 2  # --num_draft_tokens of --method draft when not given
+HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")
+
+
+def default_num_draft_tokens(method: str, tree: str | None) -> int | str:
+  """--num_draft_tokens when the flag is not given: "auto" for --method mtp
+  (never slower than AR by design: it drafts only where the measured costs
+  and acceptance say it pays), ``DRAFT_MODEL_DEFAULT_G`` for --method draft
+  (auto needs the MTP modules) and with --tree (a tree fixes its own depth;
+  the value is unused, as with --method ar)."""
+  return "auto" if method == "mtp" and tree is None else DRAFT_MODEL_DEFAULT_G
+
+
+def asks_for_help(argv) -> bool:
+  """Whether the command line has one of absl's help flags (--help, -?,
+  --helpshort, --helpfull, --helpxml)."""
+  return any(a.lstrip("-").split("=", 1)[0] in HELP_FLAGS for a in argv[1:]
+             if a.startswith("-"))
+
+
+def help_exits_zero(parse):
+  """``parse`` (an absl ``flags_parser``), except that a help flag exits
+  with status 0: absl prints the help and exits 1, which a shell, make or a
+  CI step reads as a failure of a request that succeeded."""
+  def parse_flags(argv):
+    try:
+      return parse(argv)
+    except SystemExit as e:
+      if e.code == 1 and asks_for_help(argv):
+        sys.exit(0)
+      raise
+  return parse_flags
 
 
 def main(argv):
@@ -95,7 +133,8 @@ def _main(argv):
   from decode.speculative import DecodeError, NonFiniteLogitsError, SamplingParams
   from mtp.checkpoint import CheckpointError
   try:
-    num_draft_tokens = parse_num_draft_tokens(_G.value)
+    num_draft_tokens = parse_num_draft_tokens(
+        _G.value if _G.value is not None else default_num_draft_tokens(_METHOD.value, _TREE.value))
     stops = parse_stops(_STOP.value, _STOP_IDS.value)
     given_prompts = [f for f in (_PROMPT, _PROMPT_FILE, _CHAT) if f.value is not None]
     if len(given_prompts) != 1:
@@ -134,4 +173,4 @@ def _main(argv):
 
 if __name__ == "__main__":
   from mtp.cli import parse_flags_or_exit
-  app.run(main, flags_parser=parse_flags_or_exit)
+  app.run(main, flags_parser=help_exits_zero(parse_flags_or_exit))

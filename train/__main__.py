@@ -27,6 +27,23 @@ _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Call jax.distributed.initialize() even without the flags above "
     "(JAX auto-detects Cloud TPU, Slurm, Open MPI and Kubernetes jobs).")
 flags.mark_flags_as_required(["config", "workdir"])
+HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")
+
+
+def help_exits_zero(parse):
+  """``parse`` (an absl ``flags_parser``), except that a help flag (--help,
+  -?, --helpshort, --helpfull, --helpxml) exits with status 0: absl prints
+  the help and exits 1, which a shell, make or a CI step reads as a failure
+  of a request that succeeded."""
+  def parse_flags(argv):
+    try:
+      return parse(argv)
+    except SystemExit as e:
+      if e.code == 1 and any(a.lstrip("-").split("=", 1)[0] in HELP_FLAGS for a in argv[1:]
+                             if a.startswith("-")):
+        sys.exit(0)
+      raise
+  return parse_flags
 
 
 def main(argv):
@@ -72,4 +89,4 @@ if __name__ == "__main__":
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   from mtp.cli import parse_flags_or_exit
-  app.run(main, flags_parser=parse_flags_or_exit)
+  app.run(main, flags_parser=help_exits_zero(parse_flags_or_exit))
