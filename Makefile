@@ -57,7 +57,7 @@ smollm-mtp: smollm
 demo: $(SMOLLM_STAMP)
 	test -d $(SMOLLM_DEMO)/checkpoints || $(PY) -m mtp.importers --gguf "$$($(PY) -m mtp.importers.smollm)" \
 	  --workdir $(SMOLLM_DEMO) --mtp_modules $(SMOLLM_DEMO_MODULES)
-	$(PY) -m decode --workdir $(SMOLLM_DEMO) --method mtp --num_draft_tokens 1 --compare \
+	$(PY) -m decode --workdir $(SMOLLM_DEMO) --method mtp --num_draft_tokens auto --compare \
 	  --chat "Write a Python class Stack with push, pop, peek and is_empty methods." \
 	  --max_new_tokens 128 --temperature 0
 demo-tiny: $(STAMP)

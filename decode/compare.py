@@ -148,8 +148,8 @@ def prediction_line(p: dict) -> str:
   """The printed prediction: Theorem 3.8's formula with the measured
   numbers in it."""
   if p["cost_ratio"] is None:
-    return ("predicted by Theorem 3.8: 1.00x (no round drafted: every round a plain AR "
-            "step, G = 0)")
+    return ("predicted by Theorem 3.8: 1.00x (G = 0: the median repeat's rounds were plain AR "
+            "steps)")
   g = p["draft_tokens"]
   what = {"chain": "G", "auto": "mean G drafted", "tree": "N nodes"}.get(p["form"], "G")
   g_text = f"{g:.0f}" if float(g).is_integer() else f"{g:.2f}"
@@ -177,8 +177,8 @@ def verdict_line(p: dict, measured: float, lo: float, hi: float, *,
   pred = p["predicted_speedup"]
   measured_text = f"measured {measured:.2f}x ({lo:.2f}-{hi:.2f}x)"
   if p["cost_ratio"] is None:
-    head = (f"{method} drafted in no round (every round a plain AR step: drafting cannot pay "
-            "at these costs, this batch and budget)")
+    head = (f"{method} ran plain AR steps (auto: drafting does not pay at the measured costs, "
+            "this batch and budget)")
   else:
     tau, r, c = p["tau"], p["round_ar_steps"], p["cost_ratio"]
     per = f"(c = {c:.2f} per {'drafted node' if p['form'] == 'tree' else 'draft token'})"
