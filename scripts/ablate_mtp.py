@@ -34,7 +34,7 @@ Two results, kept apart (docs/design.md section 7):
     batch 1, on held-out prompts of the config's dataset (validation split),
     at temperatures 0 and 1: mean accepted length tau, acceptance rate alpha_k
     per position, speedup over AR (while_loop form), the measured drafting
-    cost ratio c; timed with decode/bench.py (``ar_vs_mtp``: run_cells /
+    cost ratio c; timed with scripts/bench_lib.py (``ar_vs_mtp``: run_cells /
     summarize_cell), aggregated over seeds.
 
 Writes OUT.json (meta: provenance, grid, budget, backbone and cell configs;

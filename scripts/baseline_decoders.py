@@ -5,17 +5,17 @@ extra). The library behind ``scripts/bench_baselines.py`` and
 ``scripts/bench_chat.py --baselines``.
 
 Every baseline is a ``fn(prompt ids [P], max_new) -> new ids [n]`` for
-``decode.bench.measure_point(..., baselines=)``, which times it in the same
+``scripts.bench_lib.measure_point(..., baselines=)``, which times it in the same
 interleaved rounds as the project's decoders (B = 1, the same pre-encoded
 chat prompt in every cell, one untimed warm-up call first) and compares its
-tokens with the AR decoder's (``decode.bench.summarize_baseline``). All
+tokens with the AR decoder's (``scripts.bench_lib.summarize_baseline``). All
 decode greedily, stop at the tokenizer's stop ids (the chat template's
 end-of-turn token) or at ``max_new`` tokens, as our Decoder does.
 
 - ``transformers``: ``generate(do_sample=False)`` on the same weights
-  (``decode.bench_hf.load_hf_model``: transformers' own GGUF loader,
+  (``scripts.bench_hf.load_hf_model``: transformers' own GGUF loader,
   dequantised to float32, or a Hugging Face directory); the ids our head
-  never emits suppressed (``decode.bench_hf.generation_config``). Its tokens
+  never emits suppressed (``scripts.bench_hf.generation_config``). Its tokens
   should equal ours exactly.
 - ``prompt_lookup[:K]``: the same with ``prompt_lookup_num_tokens=K``
   (default 10, the number the method's author and transformers' docs
@@ -26,7 +26,7 @@ end-of-turn token) or at ``max_new`` tokens, as our Decoder does.
   plain greedy ``generate``'s up to floating-point ties between a block
   forward and a one-token forward.
 - ``llamacpp[:THREADS]``: ``llama_cpp.Llama.generate`` in a worker process
-  (``decode.llamacpp_worker``: a crash there is an error, not the end of the
+  (``scripts.llamacpp_worker``: a crash there is an error, not the end of the
   benchmark) on the GGUF file itself (its
   own quantised kernels: Q4_1 / Q8_0 dot products, not our dequantised
   float32), greedy (``temp=0``, ``top_k=1``, no repeat penalty),
@@ -51,7 +51,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from mtp.cli import split_items
-from scripts import bench_hf_lib as bench_hf
+from scripts import bench_hf
 
 NAMES = ("transformers", "prompt_lookup", "llamacpp")
 DEFAULT_LOOKUP = 10
@@ -132,7 +132,7 @@ class HFGenerate:
 
 class LlamaCppGenerate:
   """llama.cpp's greedy decoding of one prompt, run in a worker process of
-  its own (``python -m decode.llamacpp_worker``: ``llama_cpp.Llama.generate``,
+  its own (``python -m scripts.llamacpp_worker``: ``llama_cpp.Llama.generate``,
   ``temp=0``, ``top_k=1``, the KV cache reset before every call), stopping at
   ``stop_ids`` or the budget. A crash inside llama.cpp (a natively built
   ggml on a VM without AMX tile state dies on its first AMX instruction)

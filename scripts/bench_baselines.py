@@ -16,7 +16,7 @@ skipped with one line when not installed). All in the same
 interleaved rounds as our decoders, on the same prompt ids; tokens/s,
 speedup over our AR and the agreement of their tokens with our AR output.
 ``scripts/bench_chat.py --baselines`` does the same inside its grid.
-Library: ``decode/bench_baselines.py`` (through ``decode/bench_chat.py``).
+Libraries: ``scripts/baseline_decoders.py`` (through ``scripts/bench_chat.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from decode.speculative import MAX_DRAFT_TOKENS, DecodeError
 from mtp import cli, report
 from mtp.importers import smollm
 from scripts import baseline_decoders
-from scripts import bench_chat_lib as bench_chat
+from scripts import bench_chat
 
 
 def main(argv=None):

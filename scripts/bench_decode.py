@@ -46,7 +46,7 @@ from decode.speculative import MAX_DRAFT_TOKENS, DecodeError
 from mtp import loading
 from mtp import cli, report
 from mtp import data as data_lib
-from scripts import bench_grid
+from scripts import bench_lib
 
 
 def auto_costs_note(row: dict, results: list[dict]) -> str:
@@ -117,7 +117,7 @@ def markdown(results, meta) -> str:
               "repeats and rows):", ""]
     lines += [f"- T = {r['temperature']}, B = {r['batch_size']}, {r['form']}: "
               f"{r['draft_length_histogram']}{auto_costs_note(r, results)}" for r in auto]
-  comp = bench_grid.tree_comparison(results, meta["bare_forward_in_loop_s_by_batch"])
+  comp = bench_lib.tree_comparison(results, meta["bare_forward_in_loop_s_by_batch"])
   if comp:
     lines += ["", "Trees beside the chain of their depth (G = m), same temperature, batch and form: "
               "tau ratio; ms per round; extra ms per extra node = (round_tree - round_chain) / "
@@ -186,20 +186,20 @@ def main(argv=None):
   cfg, target, step = loading.load_model(args.workdir)
   draft = loading.load_model(args.draft_workdir)[1] if args.draft_workdir else None
   try:
-    gs, trees = bench_grid.bench_cells(args.workdir, cfg.mtp.depth, draft is not None,
+    gs, trees = bench_lib.bench_cells(args.workdir, cfg.mtp.depth, draft is not None,
                                        gs_given=gs_given, trees_text=args.trees,
                                        ar_only=args.ar_only, quick=args.quick)
   except ValueError as e:
     ap.error(str(e))
   prompts_all = data_lib.held_out_prompts(args.dataset, args.num_prompts or max(batch_sizes) * args.repeats,
                                  args.prompt_bytes, data_dir=args.data_dir)
-  settings = bench_grid.DecodeBench(
+  settings = bench_lib.DecodeBench(
       target=target, draft=draft, gs=gs, trees=trees, prompts=prompts_all, batch_sizes=batch_sizes,
       temperatures=temps, forms=forms, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
       cache_len=64 * int(np.ceil((args.prompt_bytes + args.max_new_tokens + 64) / 64)),
       auto_kwargs=(run_lib.auto_kwargs(args.workdir, cfg, target)
                    if "auto" in gs and cfg.mtp.depth else {}))
-  results, bare, bare_loop = bench_grid.run_decode_bench(settings, log=lambda s: print(s, flush=True))
+  results, bare, bare_loop = bench_lib.run_decode_bench(settings, log=lambda s: print(s, flush=True))
   meta = report.provenance(
       command=report.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),

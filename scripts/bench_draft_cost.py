@@ -31,7 +31,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from decode.speculative import MAX_DRAFT_TOKENS, DecodeError  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import config as config_lib  # noqa: E402
-from scripts.bench_grid import ALPHAS, draft_cost_vs_depth  # noqa: E402
+from scripts.bench_lib import ALPHAS, draft_cost_vs_depth  # noqa: E402
 
 
 def markdown(rows: list[dict], meta: dict) -> str:

@@ -20,7 +20,7 @@ reused untouched, an interrupted one resumes):
   at d_model 128, 427,648 parameters vs 460,032 in the two MTP modules.
 - cost-matched: among one-layer drafts at widths d_model/4, /2, /1
   (``--cost_candidates 1x64,2x128,...`` searches others), the one whose
-  measured drafting step (``decode.bench.draft_time_s`` with random weights,
+  measured drafting step (``scripts.bench_lib.draft_time_s`` with random weights,
   G = D, T = 0, batch 1) is closest in time to the MTP drafter's, i.e. the
   draft whose cost ratio c is closest to the MTP drafter's
   (``calibrate_cost_arch``). A note says when none comes within 1.5x: on 2
@@ -45,7 +45,7 @@ runs, validation bits per byte (from each run's final_metrics.json), and
 for every G and temperature at batch 1 on held-out prompts: tau, alpha per
 position, the measured draft cost ratio c and its FLOP share, speedup over AR, the ideal
 speedup of Leviathan et al. (Theorem 3.8) and efficiency (cells decoded
-side by side with interleaved repeats: ``decode.bench.measure_point`` over
+side by side with interleaved repeats: ``scripts.bench_lib.measure_point`` over
 ``run_cells`` / ``summarize_cell``).
 
 Writes OUT.json, OUT.md (tables + command) and OUT.png (tau and speedup vs G
@@ -76,7 +76,7 @@ from mtp import loading  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
 from mtp.model import count_params  # noqa: E402
-from scripts.bench_grid import calibrate_cost_arch, drafter_grid  # noqa: E402
+from scripts.bench_lib import calibrate_cost_arch, drafter_grid  # noqa: E402
 from scripts.draft_models import arch_name, cost_candidates, draft_config, param_count, param_matched_arch  # noqa: E402
 from train.bench import train_step_costs  # noqa: E402
 from train.loop import train  # noqa: E402

@@ -10,7 +10,7 @@ stage of the same budget.
 From the trained base workdir (never written to) the script
 
 1. (variants with self-distilled data) samples ``--sd_docs`` documents from
-   the base model with ``decode.self_distill`` (MTP speculative sampling at
+   the base model with ``scripts.self_distill`` (MTP speculative sampling at
    ``--sd_temperature``, prompts cut from training documents) into a TFDS
    dataset under ``RUNS_DIR/tfds`` (reused when present with the same recipe);
 2. trains one stage per (variant, seed) in ``RUNS_DIR/<variant>_s<seed>``:
@@ -40,7 +40,7 @@ From the trained base workdir (never written to) the script
    speculative decoding with G = D and G = D + R, for the base and every
    stage (all prompts decoded as one batch; acceptance does not depend on
    the batch). Speedup over AR of the same model (batch 1, while_loop form,
-   ``decode.bench.measure_point``) on the first ``--speed_prompts`` prompts.
+   ``scripts.bench_lib.measure_point``) on the first ``--speed_prompts`` prompts.
 4. reports per variant the mean over seeds [min, max] of alpha_k, tau and
    speedup, the ratio of tau to the base and to the ``data`` control, the
    validation KL to the main head and argmax agreement per depth, the cost
@@ -73,7 +73,7 @@ from mtp import config as config_lib
 from mtp import data as data_lib
 from mtp.config import Config, ConfigError
 from mtp.timing import format_spread, spread
-from scripts.bench_grid import ParamSwapBench
+from scripts.bench_lib import ParamSwapBench
 
 VARIANTS = {            # name: (distill weight: None = --distill_weight, data, recursive steps on)
     "data": (0.0, "corpus", False),
@@ -134,7 +134,7 @@ def self_distilled_data(base_workdir: str, name: str, data_dir: str, out_dir: st
                         log) -> dict:
   """Makes (or reuses) the self-distilled dataset ``name`` in ``out_dir``
   from the base's corpus in ``data_dir``; returns its metadata
-  (``decode.self_distill.make_dataset``). A dataset already there made with
+  (``scripts.self_distill.make_dataset``). A dataset already there made with
   another recipe or base is an error (ConfigError)."""
   from scripts import self_distill
   meta_path = os.path.join(out_dir, name, data_lib.SELF_DISTILLED_VERSION, "metadata.json")

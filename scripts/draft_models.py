@@ -3,7 +3,7 @@ speculative decoding, Leviathan et al. 2023; scripts/compare_drafters.py):
 the target's config turned into a plain LM of given depth and width, its
 parameter count without allocating it, the param-matched architecture
 search and the candidates of the cost-matched one (whose drafting times
-``decode.bench_grid.calibrate_cost_arch`` measures).
+``scripts.bench_lib.calibrate_cost_arch`` measures).
 """
 
 from __future__ import annotations

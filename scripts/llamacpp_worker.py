@@ -1,7 +1,7 @@
 r"""llama.cpp in a process of its own: the worker behind the ``llamacpp``
-baseline of ``decode.bench_baselines`` (``LlamaCppGenerate``).
+baseline of ``scripts.baseline_decoders`` (``LlamaCppGenerate``).
 
-    python -m decode.llamacpp_worker --model SmolLM2.gguf [--threads 2] [--n_ctx 2048]
+    python -m scripts.llamacpp_worker --model SmolLM2.gguf [--threads 2] [--n_ctx 2048]
 
 Why a separate process: a crash inside the library takes only the worker
 down, and the benchmark reports it (``LlamaCppGenerate`` raises an error

@@ -11,7 +11,7 @@ repository root (paths below are relative to it):
 2. import it again with ``--depth`` new MTP modules (``--mtp_init random
    --seed 0``) into ``--init_workdir`` (runs/smollm_d<depth>; skipped when it
    has ``checkpoints/``);
-3. ``decode.self_distill``: answer 1,100 training chat prompts (44 more for
+3. ``scripts.self_distill``: answer 1,100 training chat prompts (44 more for
    validation) at T = 0 and 1 into ``--data_dir`` as dataset ``smollm_chat``
    (resumes an interrupted run, leaves a finished one alone);
 4. the same for every seed of ``--data_seeds`` other than 0: 1,100 more

@@ -24,12 +24,12 @@ Identical settings shared by two sweeps are measured once. Every point
 decodes the same held-out prompts (``mtp.data.held_out_prompts``; a
 different prompt per repeat and row) with AR and with MTP in the same
 process and the same sampling settings, repeats interleaved
-(``decode.bench.run_cells``, while_loop form by default), and
+(``scripts.bench_lib.run_cells``, while_loop form by default), and
 reports tau, alpha per position, the measured draft cost ratio c (and the
 FLOP share c that drafting would have if time followed FLOPs), speedup
 over AR at the same batch and sampling (median wall time), and the ideal
 speedup of Leviathan et al. 2023 (Theorem 3.8) with the measured alpha and c
-(``decode.bench.summarize_cell``). The drafting time behind c is
+(``scripts.bench_lib.summarize_cell``). The drafting time behind c is
 probed at every point (``--draft_cost_probe point``, one compile each) or once
 per batch size (``batch``, what ``--quick`` uses).
 
@@ -56,8 +56,8 @@ from decode.speculative import MAX_DRAFT_TOKENS, DecodeError  # noqa: E402
 from mtp import loading  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
-from scripts import bench_grid  # noqa: E402
-from scripts.bench_grid import DOMAIN_KIND, SweepDecode  # noqa: E402
+from scripts import bench_lib  # noqa: E402
+from scripts.bench_lib import DOMAIN_KIND, SweepDecode  # noqa: E402
 
 # -- report ----------------------------------------------------------------------------
 
@@ -204,15 +204,15 @@ def main(argv=None):
 
   base = {"domain": domains[0], "temperature": args.base_temperature, "top_p": 1.0,
           "batch_size": 1}
-  plan = bench_grid.sweep_points(base, temps, top_ps, batches, batch_temps, domains)
-  unique = {bench_grid.point_key(p): p for pts in plan.values() for p in pts}
+  plan = bench_lib.sweep_points(base, temps, top_ps, batches, batch_temps, domains)
+  unique = {bench_lib.point_key(p): p for pts in plan.values() for p in pts}
   num_prompts = max(p["batch_size"] for p in unique.values()) * args.repeats
   prompts = {d: data_lib.held_out_prompts(d, num_prompts, args.prompt_bytes, seed=args.seed,
                                           data_dir=args.data_dir) for d in domains}
   settings = SweepDecode(target=target, gs=gs, plan=plan, prompts=prompts, forms=forms,
                          max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                          draft_cost_probe=args.draft_cost_probe)
-  sweeps = bench_grid.run_sweep(settings, log=lambda s: print(s, flush=True))
+  sweeps = bench_lib.run_sweep(settings, log=lambda s: print(s, flush=True))
   meta = report.provenance(
       command=report.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(), depth=depth,

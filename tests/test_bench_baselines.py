@@ -1,4 +1,4 @@
-"""``decode.bench_baselines`` (transformers' greedy ``generate``, prompt
+"""``scripts.baseline_decoders`` (transformers' greedy ``generate``, prompt
 lookup decoding, llama.cpp) beside our AR decoder in one interleaved
 ``measure_point``, and ``scripts/bench_baselines.py`` /
 ``scripts/bench_chat.py --baselines``, on a tiny random Llama written by
@@ -22,11 +22,8 @@ if os.environ.get("MTP_REQUIRE_HF") != "1":
 import torch  # noqa: E402,F401
 import transformers  # noqa: E402,F401
 
-from scripts import baseline_decoders as bench_baselines  # noqa: E402
-from scripts import bench_chat_lib as bench_chat  # noqa: E402
-from scripts import bench_hf_lib as bench_hf  # noqa: E402
-from scripts import bench_lib as bench  # noqa: E402
 from decode.speculative import Decoder, SamplingParams  # noqa: E402
+from scripts import baseline_decoders, bench_chat, bench_hf, bench_lib  # noqa: E402
 from tests import tiny_bpe  # noqa: E402
 
 
@@ -41,24 +38,24 @@ def tiny(tmp_path_factory):
 
 
 def test_parse_specs():
-  specs = bench_baselines.parse_specs(
+  specs = baseline_decoders.parse_specs(
       "transformers, prompt_lookup:3,prompt_lookup,llamacpp,transformers,llamacpp:1")
   assert [s.label for s in specs] == ["hf_greedy", "hf_lookup3", "hf_lookup10", "llamacpp",
                                       "llamacpp_t1"]
   assert specs[4].threads == 1 and specs[3].threads is None
-  assert bench_baselines.parse_specs("") == ()
+  assert baseline_decoders.parse_specs("") == ()
   for bad in ("vllm", "prompt_lookup:0", "prompt_lookup:x", "transformers:3", "llamacpp:0",
               "prompt_lookup,,llamacpp", "transformers,"):
     with pytest.raises(ValueError, match="baseline"):
-      bench_baselines.parse_specs(bad)
+      baseline_decoders.parse_specs(bad)
 
 
 def test_hf_baselines_beside_ar_in_one_point(tiny):
   path, _ = tiny
   pair = bench_hf.load_hf_dir_pair(path)
-  specs = bench_baselines.parse_specs("transformers,prompt_lookup:3,llamacpp")
+  specs = baseline_decoders.parse_specs("transformers,prompt_lookup:3,llamacpp")
   lines = []
-  fns, info = bench_baselines.build(specs, path, pair.cfg.model, pair.tokenizer, log=lines.append)
+  fns, info = baseline_decoders.build(specs, path, pair.cfg.model, pair.tokenizer, log=lines.append)
   # a directory is no GGUF file: llama.cpp is skipped with one line, whatever is installed
   assert list(fns) == ["hf_greedy", "hf_lookup3"] and info["labels"] == list(fns)
   assert list(info["skipped"]) == ["llamacpp"] and len(lines) == 1 and "skipped" in lines[0]
@@ -67,7 +64,7 @@ def test_hf_baselines_beside_ar_in_one_point(tiny):
              for t in ("hello world", "def main(argv):")]
   wrong = lambda ids, n: (fns["hf_greedy"](ids, n) + 1) % pair.tokenizer.vocab_size
   decs = {"ar": Decoder(pair.model, "ar", tokenizer=pair.tokenizer)}
-  rows = bench.measure_point(decs, prompts, 1, 12, SamplingParams(0.0), 2,
+  rows = bench_lib.measure_point(decs, prompts, 1, 12, SamplingParams(0.0), 2,
                              baselines={**fns, "wrong": wrong})
   by = {r["label"]: r for r in rows}
   assert set(by) == {"ar", "hf_greedy", "hf_lookup3", "wrong"}
@@ -81,14 +78,14 @@ def test_hf_baselines_beside_ar_in_one_point(tiny):
     assert r["tau"] is None and r["speedup_decode"] is None
   assert not by["wrong"]["identical_to_ar"] and by["wrong"]["agreement_tokens"] == 0
   with pytest.raises(ValueError, match="B = 1"):
-    bench.measure_point(decs, prompts, 2, 4, SamplingParams(0.0), 1, baselines=fns)
+    bench_lib.measure_point(decs, prompts, 2, 4, SamplingParams(0.0), 1, baselines=fns)
 
 
 def test_llamacpp_missing_is_one_line(tiny, monkeypatch):
   path, _ = tiny
-  monkeypatch.setattr(bench_baselines, "llamacpp_available", lambda: False)
+  monkeypatch.setattr(baseline_decoders, "llamacpp_available", lambda: False)
   lines = []
-  fns, info = bench_baselines.build(bench_baselines.parse_specs("llamacpp"), path, None, None,
+  fns, info = baseline_decoders.build(baseline_decoders.parse_specs("llamacpp"), path, None, None,
                                     log=lines.append)
   assert fns == {} and lines == [f"llama.cpp baseline skipped: {info['skipped']['llamacpp']}"]
   assert "not installed" in lines[0]
@@ -100,7 +97,7 @@ def test_chat_template_ids_match(tiny):
   tk = tok_lib.load_tokenizer(wd)
   msgs = bench_chat.heldout_messages(bench_chat.chat_lib.HELDOUT_CHAT_PATH, 2, ("code", "writing"))
   ids = {c: [tk.apply_chat_template(m) for m in ms] for c, ms in msgs.items()}
-  got = bench_baselines.check_prompt_ids(path, msgs, ids)
+  got = baseline_decoders.check_prompt_ids(path, msgs, ids)
   assert got == {"prompts": 4, "identical": 4, "differ": []}
 
 

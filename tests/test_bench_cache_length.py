@@ -62,7 +62,7 @@ def test_generation_on_a_bpe_workdir_runs_to_the_budget_with_the_same_tokens(tmp
   length, and dense and blockwise emit the same tokens."""
   import numpy as np
   import pytest
-  from scripts import bench_cache as bc
+  from scripts import bench_cache_length as bc
   from tests import tiny_bpe
   wd = tiny_bpe.import_tiny_workdir(str(tmp_path), mtp_depth=1)
   models, tk = bc.workdir_models(wd, bc.impl_variants(["dense", "blockwise"], [16]), 128)

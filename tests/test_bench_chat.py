@@ -1,4 +1,4 @@
-"""scripts/bench_chat.py (decode/bench_chat.py) on a tiny random BPE target
+"""scripts/bench_chat.py (library and CLI) on a tiny random BPE target
 with one MTP module: rows per category with speedups, tau and alpha_k, and
 clear errors for a bad category."""
 
@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-from scripts import bench_chat_lib as bench_chat
 from mtp import tokenizer as tok
-from scripts import bench_chat as script
+from scripts import bench_chat
 from tests import tiny_bpe
 
 
@@ -30,7 +29,7 @@ def test_heldout_prompts_by_category(target):
 
 def test_script_quick_writes_rows_per_category(target, tmp_path):
   out = str(tmp_path / "bench")
-  assert script.main(["--workdir", target, "--quick", "--categories", "code,math",
+  assert bench_chat.main(["--workdir", target, "--quick", "--categories", "code,math",
                       "--out", out]) == 0
   res = json.load(open(out + ".json"))
   rows = res["results"]["rows"] if "results" in res else res["rows"]
@@ -43,7 +42,7 @@ def test_script_quick_writes_rows_per_category(target, tmp_path):
 
 def test_script_trees_and_batch_sizes(target, tmp_path):
   out = str(tmp_path / "bench")
-  assert script.main(["--workdir", target, "--quick", "--categories", "code", "--trees", "2",
+  assert bench_chat.main(["--workdir", target, "--quick", "--categories", "code", "--trees", "2",
                       "--batch_sizes", "1,2", "--out", out]) == 0
   res = json.load(open(out + ".json"))
   rows = res["results"]["rows"] if "results" in res else res["rows"]

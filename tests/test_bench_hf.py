@@ -1,4 +1,4 @@
-"""``decode.bench_hf`` and ``scripts/bench_hf.py`` on a tiny random Llama
+"""scripts/bench_hf.py (library and CLI) on a tiny random Llama
 written by transformers (``tests.tiny_bpe.write_tiny_hf_llama``): our AR
 ``Decoder`` and transformers' ``generate`` give identical tokens at B = 1
 and 4 for exactly the token budget, timed side by side.
@@ -21,7 +21,7 @@ else:
   pytest.importorskip("transformers")
   pytest.importorskip("tokenizers")
 
-from scripts import bench_hf_lib as bench_hf
+from scripts import bench_hf
 from tests import tiny_bpe
 
 

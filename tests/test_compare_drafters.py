@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from scripts import draft_models as drafts
 from mtp.model import count_params
+from scripts import draft_models
 from tests.conftest import md_command, tiny_config
 from tests.test_scripts import REPO, _script
 
@@ -22,19 +22,19 @@ def cd():
 def test_tiny_config_param_matched_draft(cd):
   from mtp import config as config_lib
   cfg = config_lib.load_config_file(os.path.join(REPO, "configs/tiny.py"))
-  target = drafts.param_count(cfg)
+  target = draft_models.param_count(cfg)
   assert (target["backbone"], target["mtp"]) == (821_376, 460_032)
-  (layers, width), cands = drafts.param_matched_arch(cfg, target["mtp"])
+  (layers, width), cands = draft_models.param_matched_arch(cfg, target["mtp"])
   # 4 x 96 (456,288) is closer but as deep as the target; 2 x 128 is within 10 %
   assert (layers, width) == (2, 128)
   assert {(c["num_layers"], c["d_model"]): c["params"] for c in cands}[2, 128] == 427_648
   assert cands[0]["params"] == 456_288 and (cands[0]["num_layers"], cands[0]["d_model"]) == (4, 96)
-  assert drafts.param_matched_arch(cfg, 460_032, tolerance=0.0)[0] == (4, 96)
-  small = drafts.draft_config(cfg, 1, 32)
+  assert draft_models.param_matched_arch(cfg, 460_032, tolerance=0.0)[0] == (4, 96)
+  small = draft_models.draft_config(cfg, 1, 32)
   assert (small.mtp.depth, small.model.num_heads, small.model.num_kv_heads, small.model.head_dim,
           small.model.mlp_dim) == (0, 1, 1, 32, 96)
   assert small.train == cfg.train and small.data == cfg.data
-  assert drafts.cost_candidates(cfg) == [(1, 32), (1, 64), (1, 128)]
+  assert draft_models.cost_candidates(cfg) == [(1, 32), (1, 64), (1, 128)]
 
 
 @pytest.mark.slow
@@ -130,7 +130,7 @@ def test_select_archs_calibrates_once_then_reuses(cd, trained_markov, monkeypatc
     assert c["draft_s"] > 0 and c["time_ratio_to_mtp"] == pytest.approx(c["draft_s"] / c["mtp_draft_s"])
   best = min(cal, key=lambda c: abs(math.log(c["time_ratio_to_mtp"])))
   assert archs["cost"] == (best["num_layers"], best["d_model"])
-  assert archs["param"] == drafts.param_matched_arch(cfg, counts["mtp"])[0]
+  assert archs["param"] == draft_models.param_matched_arch(cfg, counts["mtp"])[0]
   saved = json.load(open(tmp_path / cd.SELECTION_FILE))
   assert saved["cost_arch"] == list(archs["cost"]) and saved["param_arch"] == list(archs["param"])
 

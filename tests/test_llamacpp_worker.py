@@ -1,5 +1,5 @@
-"""The llama.cpp baseline's worker process (``decode.llamacpp_worker``) and
-its client (``decode.bench_baselines.LlamaCppGenerate``), driven through a
+"""The llama.cpp baseline's worker process (``scripts.llamacpp_worker``) and
+its client (``scripts.baseline_decoders.LlamaCppGenerate``), driven through a
 fake ``llama_cpp`` package put first on the worker's PYTHONPATH: the real
 subprocess, pipe protocol, stop ids, budget, bad requests, a model that
 fails to load and a worker that dies mid-call. (The real llama.cpp is the
@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from scripts import baseline_decoders as bench_baselines
+from scripts import baseline_decoders
 from scripts import llamacpp_worker
 
 FAKE = '''
@@ -86,7 +86,7 @@ def test_llama_generate_stops_at_stop_id_and_budget():
 
 
 def test_worker_process_round_trip(fake_env):
-  fn = bench_baselines.LlamaCppGenerate("model.gguf", stop_ids=[9], n_threads=1, env=fake_env)
+  fn = baseline_decoders.LlamaCppGenerate("model.gguf", stop_ids=[9], n_threads=1, env=fake_env)
   try:
     assert fn.version == "0.0-fake"
     out = fn(np.array([3, 4], np.int32), 10)
@@ -99,11 +99,11 @@ def test_worker_process_round_trip(fake_env):
 
 def test_worker_that_cannot_load_names_the_file(fake_env):
   with pytest.raises(RuntimeError, match="cannot load 'missing.gguf'"):
-    bench_baselines.LlamaCppGenerate("missing.gguf", stop_ids=[9], env=fake_env)
+    baseline_decoders.LlamaCppGenerate("missing.gguf", stop_ids=[9], env=fake_env)
 
 
 def test_worker_crash_is_an_error_not_a_dead_benchmark(fake_env):
-  fn = bench_baselines.LlamaCppGenerate("model.gguf", stop_ids=[99], env=fake_env)
+  fn = baseline_decoders.LlamaCppGenerate("model.gguf", stop_ids=[99], env=fake_env)
   with pytest.raises(RuntimeError, match=r"worker died while generating \(exit status 11"):
     fn([10], 8)                     # the fake library exits at token 13
   assert fn.proc.poll() == 11
@@ -113,12 +113,12 @@ def test_worker_crash_is_an_error_not_a_dead_benchmark(fake_env):
 def test_build_runs_llamacpp_in_a_worker(fake_env, tmp_path, monkeypatch):
   gguf = tmp_path / "m.gguf"
   gguf.write_bytes(b"GGUF")
-  monkeypatch.setattr(bench_baselines, "llamacpp_available", lambda: True)
+  monkeypatch.setattr(baseline_decoders, "llamacpp_available", lambda: True)
   monkeypatch.setenv("PYTHONPATH", fake_env["PYTHONPATH"])    # the worker inherits it
 
   class Tok:
     stop_ids = (2,)
-  fns, info = bench_baselines.build(bench_baselines.parse_specs("llamacpp:1"), str(gguf), None,
+  fns, info = baseline_decoders.build(baseline_decoders.parse_specs("llamacpp:1"), str(gguf), None,
                                     Tok(), log=None)
   try:
     assert list(fns) == ["llamacpp_t1"] and info["llama_cpp_version"] == "0.0-fake"

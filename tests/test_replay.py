@@ -1,15 +1,16 @@
-"""decode.replay: schedules replayed on recorded greedy answers give exactly
-the target calls and draft lengths of real decoding (the tiny Markov model,
-D = 2, drafts past D from module 2 reused); at T > 0 the replay on AR-sampled
-answers has the law of real speculative decoding (a two-sample test of mean
-target calls, and a replay with the wrong acceptance probabilities fails it)."""
+"""scripts/replay_schedule.py's replay: schedules replayed on recorded
+greedy answers give exactly the target calls and draft lengths of real
+decoding (the tiny Markov model, D = 2, drafts past D from module 2
+reused); at T > 0 the replay on AR-sampled answers has the law of real
+speculative decoding (a two-sample test of mean target calls, and a replay
+with the wrong acceptance probabilities fails it)."""
 
 import numpy as np
 import pytest
 
-from scripts import replay as rp
 from decode.schedule import AutoSchedule
 from decode.speculative import Decoder, SamplingParams
+from scripts import replay_schedule as rp
 from tests.conftest import random_prompts, with_noisy_mtp
 
 MAX_NEW = 40

@@ -266,7 +266,7 @@ def test_scripts_import_scripts_by_absolute_name_and_leave_sys_path_alone():
 
 
 def test_bench_cells_defaults_and_refusals():
-  from scripts.bench_grid import bench_cells
+  from scripts.bench_lib import bench_cells
   kw = dict(gs_given=None, trees_text=None, ar_only=False, quick=False)
   assert bench_cells("w", 2, False, **kw) == ([1, 2, 3, 4, "auto"], [])
   assert bench_cells("w", 0, True, **kw) == ([1, 2], [])

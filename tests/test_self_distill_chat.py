@@ -1,4 +1,4 @@
-"""decode.self_distill chat mode (issue 22) on a tiny random BPE model
+"""scripts.self_distill chat mode (issue 22) on a tiny random BPE model
 imported from a GGUF file: the dataset holds token ids whose prompt part is
 the chat template's rendering of each training prompt and whose loss_mask
 is 0 there and 1 on the answer; the answers are the decoder's own greedy
@@ -11,11 +11,11 @@ import os
 import numpy as np
 import pytest
 
-from scripts import self_distill as sd
 from decode.speculative import DecodeError, Decoder, SamplingParams
 from mtp import data, loading
 from mtp import tokenizer as tok
 from mtp.config import DataConfig
+from scripts import self_distill as sd
 from tests import tiny_bpe
 
 @pytest.fixture(scope="module")

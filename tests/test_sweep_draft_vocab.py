@@ -1,4 +1,4 @@
-"""scripts/sweep_draft_vocab.py (train/vocab_sweep.py, decode/bench_vocab.py)
+"""scripts/sweep_draft_vocab.py (with train/vocab_sweep.py)
 on a tiny random BPE target with one MTP module and a token dataset with a
 loss_mask: the report's structure, nested V' sets, the mass outside V'
 never smaller for a smaller V', and tau from the per-step rates."""
