@@ -16,7 +16,7 @@ Recipe (FastMTP-style): one module (D = 1) applied recursively for two more
 steps (``mtp.recursive_steps``: drafts of G = 3 from one module, trained on
 its own outputs), pure distillation from the main head (forward KL,
 ``mtp.distill_weight = 1``) on the target's own ChatML answers
-(``decode.self_distill --chat_prompts``, loss only on answer tokens), the
+(``scripts.self_distill --chat_prompts``, loss only on answer tokens), the
 module heads over the 4,096 most frequent answer ids (``mtp.draft_vocab_size``,
 exact verification is unchanged), and the frozen backbone's hidden states
 computed once (``train.hidden_cache``), so a step costs the module and two

@@ -246,7 +246,7 @@ class Decoder:
 
   def lowered(self, state: DecodeState, prefill_len: int, sp: SamplingParams):
     """(prefill, generate) as ``jax.stages.Lowered`` for these shapes (read
-    their HLO, e.g. to map ops to named scopes: decode/bench_profile.py)."""
+    their HLO, e.g. to map ops to named scopes: scripts/bench_round.py)."""
     p, dp = self.target_params, self.draft_params
     return (self.programs.prefill.lower(p, dp, state, prefill_len),
             self.programs.generate.lower(p, dp, state, sp))

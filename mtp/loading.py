@@ -11,7 +11,7 @@ Two kinds of model directories exist (``kind``):
   weights, so no step can be chosen.
 
 Every reader (``python -m decode``, ``train.init_from``, ``python -m
-mtp.export``, ``decode.self_distill``, the scripts) goes through here, so a
+mtp.export``, the scripts, ``scripts.self_distill`` among them) goes through here, so a
 new kind of directory is taught once. Imports ``mtp.checkpoint`` and
 ``mtp.export``; neither imports this module (no import circle).
 """

@@ -21,9 +21,8 @@ before it, not its own drafts). The backbone runs once per batch; each V'
 reruns only the heads and the modules on its output (``forward_from_hidden``).
 
 Lives in ``train`` because it is the stage's evaluation (its loss sums, its
-data pipeline, its selection rule); the draft cost against V' is decoding's
-(``decode/bench_vocab.py``) and scripts/sweep_draft_vocab.py puts the two
-together.
+data pipeline, its selection rule); the draft cost against V' is decoding's,
+measured by scripts/sweep_draft_vocab.py, which puts the two together.
 """
 
 from __future__ import annotations

@@ -590,7 +590,7 @@ def prepare_text_files(files: str, data_dir: str) -> tfds.core.DatasetBuilder:
 
 
 # ----------------------------------------------------------------------------
-# Self-distilled datasets (written by decode.self_distill)
+# Self-distilled datasets (written by scripts.self_distill)
 # ----------------------------------------------------------------------------
 
 SELF_DISTILLED_VERSION = "1.0.0"
@@ -630,7 +630,7 @@ def _self_distilled_builder(name: str):
 
   class SelfDistilled(_GivenSplitsBuilder, skip_registration=True):
     VERSION = tfds.core.Version(SELF_DISTILLED_VERSION)
-    RELEASE_NOTES = {SELF_DISTILLED_VERSION: "Text sampled from a trained model (decode.self_distill)."}
+    RELEASE_NOTES = {SELF_DISTILLED_VERSION: "Text sampled from a trained model (scripts.self_distill)."}
 
     def _info(self):
       return tfds.core.DatasetInfo(
@@ -650,7 +650,7 @@ def _self_distilled_builder(name: str):
 TOKEN_FEATURES = ("tokens", "loss_mask", "category", "name")
 # The description stored in a token dataset's dataset_info.json.
 _TOKEN_DATASET_DESCRIPTION = (
-    "Token dataset (decode.self_distill --chat_prompts): per example the token ids a model\n"
+    "Token dataset (scripts.self_distill --chat_prompts): per example the token ids a model\n"
     "saw and emitted (tokens int32 [n]: chat prompt + answer), loss_mask int32 [n] (1 on\n"
     "answer tokens, 0 on prompt/template tokens), the prompt's category and a key (name).")
 
@@ -660,7 +660,7 @@ def _token_dataset_builder(name: str):
 
   class TokenDataset(_SaysWhatItBuilds, _GivenSplitsBuilder, skip_registration=True):
     VERSION = tfds.core.Version(SELF_DISTILLED_VERSION)
-    RELEASE_NOTES = {SELF_DISTILLED_VERSION: "Token ids sampled from a model (decode.self_distill)."}
+    RELEASE_NOTES = {SELF_DISTILLED_VERSION: "Token ids sampled from a model (scripts.self_distill)."}
 
     def _source(self):
       return f"{sum(len(r) for r in self._splits.values())} token examples"

@@ -2,7 +2,7 @@
 (``write_dataset`` / ``write_token_dataset`` in ``corpora.py``): the
 metadata of one that exists, the partial folder of an unfinished chat run
 (its recipe stamp and the answers of finished batches), and the token
-examples (chat prompt + answer, ``loss_mask``) that ``decode.self_distill``
+examples (chat prompt + answer, ``loss_mask``) that ``scripts.self_distill``
 writes.
 """
 
@@ -29,7 +29,7 @@ def distilled_metadata(folder: str) -> dict | None:
 
 def partial_run_dir(out_dir: str, out_name: str, workdir: str, recipe_json: dict, log) -> str:
   """``OUT_DIR/.OUT_NAME.partial``: the answers of finished batches of an
-  unfinished run (``decode.self_distill.answer_examples(cache_dir=...)``),
+  unfinished run (``scripts.self_distill.answer_examples(cache_dir=...)``),
   with the recipe that made them (``recipe.json``: the absolute ``workdir``
   and ``recipe_json``); created when missing. ``log``: line printer or None
   (says how many batches a resumed run finds).

@@ -27,7 +27,7 @@ than a row keeps its last ``seq_len`` tokens. With concat-then-split, 36 % of
 the answer tokens of SmolLM2's self-distilled chat data (rows of 512) sat in
 a piece cut off from its prompt (docs/results.md 13.6).
 
-Token datasets (a ``tokens`` feature, e.g. ``decode.self_distill
+Token datasets (a ``tokens`` feature, e.g. ``scripts.self_distill
 --chat_prompts``; ``mtp.data.write_token_dataset``): each example's ``tokens``
 (int32 [n]) are used as is (no tokenizer, no BOS/EOS added; every id must be
 below the tokenizer's vocab_size) and its ``loss_mask`` (int32 [n], all ones

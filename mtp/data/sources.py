@@ -5,7 +5,7 @@ TFDS dataset must be prepared already) and its documents as text.
 
 A mixture ``data.name="a+b+c"`` reads the datasets of one data dir one
 after another as one source (``ConcatSource``): e.g. self-distilled chat
-sets generated with different seeds (``decode.self_distill --seed``), so more
+sets generated with different seeds (``scripts.self_distill --seed``), so more
 data is added without regenerating what exists.
 """
 
