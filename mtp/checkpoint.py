@@ -209,7 +209,8 @@ def _resume_advice(code: int, directory: str) -> str:
   return "once the cause is fixed"
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+  """Whether process ``pid`` exists on this host (signal 0)."""
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
@@ -238,7 +239,7 @@ def training_run(workdir: str) -> str | None:
   host = info.get("host")
   if host != socket.gethostname():
     return f"pid {pid} on host {host}"
-  return f"pid {pid}" if pid != os.getpid() and _alive(pid) else None
+  return f"pid {pid}" if pid != os.getpid() and pid_alive(pid) else None
 
 
 def _no_step_metadata_note():

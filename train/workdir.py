@@ -547,16 +547,6 @@ class WorkdirBusyError(RuntimeError):
   """Another training run holds the workdir's lock (the message names it)."""
 
 
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:     # exists, owned by someone else
-    return True
-  return True
-
-
 class WorkdirLock:
   """The one-writer lock of a training workdir: ``WORKDIR/train.lock``.
 
@@ -603,7 +593,7 @@ class WorkdirLock:
       if previous:
         pid = previous.get("pid")
         if (previous.get("host") == host and isinstance(pid, int) and pid != os.getpid()
-            and _alive(pid)):
+            and ckpt_lib.pid_alive(pid)):
           raise WorkdirBusyError(
               f"workdir {self.workdir!r}: {self.path} names a live process "
               f"({self._holder(previous)}) although its lock is free (a file system without "
