@@ -25,7 +25,11 @@ round uses (``decode.round``): ``init_state(model, batch, cache_len)``,
 ``draft(model, state, tokens, n, key, params, g)`` (the draft length g is
 passed on every call: the ``Decoder`` owns it) and
 ``after_verify(state, h0_block, n)``; ``model`` is the target for the MTP
-drafter and the draft model for ``DraftModelDrafter``. Both keep their
+drafter and the draft model for ``DraftModelDrafter``. ``min_length``: the
+shortest committed length n a drafter drafts from; in a round where a row
+is shorter (a one-token prompt's first round, for the MTP modules) the row
+gets no draft and the round is an AR step for it (``decode.round``), so
+prompts of one token decode with every drafter. Both keep their
 KV caches consistent with what the model saw in training: a draft's
 distribution equals that of a cache-free forward over the committed tokens
 followed by the earlier drafts (tests/test_decode.py checks this).
@@ -100,6 +104,12 @@ class MTPDrafter:
 
   All drafts of the round starting at n come from position n-2: module 1
   reads h^0_{n-2} and x_{n-1}; module k reads h^{k-1}_{n-2} and d_{k-1}.
+  At n = 1 (a one-token prompt's first round) there is no position n-2: the
+  module k combining h^{k-1}_i with x_{i+k} has nothing to predict x_1 from
+  (only the target's head at position 0 does), so ``min_length`` is 2 and
+  that round is an AR step for the row; what ``draft`` computes for it
+  (gathers clipped to position 0) is never accepted, and its cache entries
+  are scratch that the next round's window recomputes (c_k = 0).
   Module k keeps its own KV cache with committed length c_k (entries j < c_k
   have inputs (h^{k-1}_j, x_{j+k}) with x_{j+k} committed). Each round it runs
   a window of G+k positions from c_k (the first n-1-c_k of them, a+k after a
@@ -142,6 +152,8 @@ class MTPDrafter:
   Raises:
     ValueError: D < 1 or G_max < 1.
   """
+
+  min_length = 2        # drafts read h^0_{n-2}: a row needs 2 committed tokens
 
   def __init__(self, depth: int, max_draft_tokens: int, variable: bool = False):
     if depth < 1:
@@ -195,8 +207,11 @@ class MTPDrafter:
 
   def _catch_up(self, target: Transformer, k: int, caches, hidden, tokens, c, n):
     """Module k over committed positions only, in chunks of its window,
-    until every row's gap n-1-c_k fits the window (variable G). Returns
-    (caches, hidden, c)."""
+    until every row's gap n-1-c_k fits the window (variable G). Only rows
+    still behind advance c_k: a row whose gap already fits keeps its c_k
+    (the call rewrites its window, which the drafting window then rewrites
+    again), so its window still holds position n-2, which module 1 drafts
+    from (c_1 = n-1 would leave it out). Returns (caches, hidden, c)."""
     w = self.max_draft_tokens + k
 
     def cond(carry):
@@ -209,7 +224,8 @@ class MTPDrafter:
                                       pos, cache=cache_k)
       if hid is not None:
         hid = write_cache(hid, h, c)
-      return cache_k, hid, jnp.minimum(c + w, n - k)      # entries < n-k have true inputs
+      behind = n - 1 - c > w
+      return cache_k, hid, jnp.where(behind, jnp.minimum(c + w, n - k), c)   # < n-k: true inputs
 
     hid = hidden[k] if k < self.used else None
     cache_k, hid, c = jax.lax.while_loop(cond, body, (caches[k - 1], hid, c))
@@ -287,9 +303,14 @@ class DraftModelDrafter:
   target. Each round feeds [x_{n-2}, x_{n-1}] (re-feeding n-2 makes the cache
   complete after a round that accepted all g drafts, when d_g was never fed)
   to get q_1, then feeds each draft to get the next q: g calls per round.
+  At n = 1 (a one-token prompt) it feeds [x_0, x_1] at positions 0, 1 and
+  takes q_1 at position 0 (x_1 is scratch, which the next feed overwrites),
+  so it drafts from the first round on (``min_length`` 1).
   Stateless apart from its ``DraftModelState``; the draft length is the
   ``g`` of each ``draft`` call.
   """
+
+  min_length = 1        # a language model of its own: drafts x_1 from x_0
 
   def settings(self):
     """As ``MTPDrafter.settings``: none (every instance drafts alike)."""
@@ -319,12 +340,15 @@ class DraftModelDrafter:
     """As ``MTPDrafter.draft``, with the draft model's own cache."""
     u = draft_uniforms(key, tokens.shape[0], g, draft.cfg.vocab_size, params)
     cache = state.cache
-    pos = (n - 2)[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
+    start = jnp.maximum(n - 2, 0)                        # 0 at n = 1: [x_0, scratch]
+    pos = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
     inp = gather_rows(tokens, pos)
+    last = (n - 1 - start)[:, None]                      # x_{n-1}'s index in the feed
     drafts, qs = [], []
     for j in range(1, g + 1):
       h, cache = draft.backbone(inp, pos, cache=cache)
-      d, q = pick(draft.head(h[:, -1:])[:, 0], None if u is None else u[:, j - 1], params)
+      h_last = gather_rows(h, last) if j == 1 else h
+      d, q = pick(draft.head(h_last)[:, 0], None if u is None else u[:, j - 1], params)
       tokens = write_cache(tokens, d[:, None], n - 1 + j)
       drafts.append(d)
       qs.append(q)

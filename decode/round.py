@@ -7,7 +7,13 @@ positions 0..n-2):
 1. ``propose``: the drafter drafts d_1..d_g with distributions q_1..q_g
    (``decode.drafters``); one target forward verifies the block
    [x_{n-1}, d_1..d_g] at positions n-1..n+g-1, p_j = warp(l_j);
-   ``flag_non_finite`` stops rows whose logits are NaN/inf;
+   ``flag_non_finite`` stops rows whose logits are NaN/inf. A row too short
+   for the drafter (n < ``drafter.min_length``: a one-token prompt's first
+   round for the MTP modules, which draft from position n-2) gets no draft:
+   its drafts are marked absent (``NO_DRAFT``) with q = 0, which every
+   acceptance rule rejects, so the round is an exact AR step for that row
+   (counted as a round with a = 0 in ``accepted_histogram``, as "auto"
+   counts its AR rounds);
 2. accept (``decode.verify.accept``, Leviathan et al. 2023, Algorithm 1):
    a accepted drafts plus one residual/bonus token;
 3. ``commit``: n' = n + e where e <= a+1 is cut at the first stop id (EOS
@@ -39,12 +45,34 @@ from mtp import tokenizer as tok
 from mtp.model import Transformer, write_cache
 
 
+NO_DRAFT = -1     # a draft id marking "no draft" (outside the vocabulary: always rejected)
+
+
+def drafted_rows(drafter, n):
+  """[B] bool: rows whose committed length n [B] int32 lets ``drafter`` draft
+  (n >= ``drafter.min_length``; 2 for a drafter that does not say: drafting
+  from x_{n-2} is the convention of ``decode.drafters``)."""
+  return n >= getattr(drafter, "min_length", 2)
+
+
+def undrafted_as_absent(drafted, draft_tokens, draft_q):
+  """(draft_tokens [B, w] int32, draft_q [B, r, V]) with rows where
+  ``drafted`` [B] bool is False marked as having no draft: ids ``NO_DRAFT``,
+  q = 0. Every acceptance rule rejects an id outside the vocabulary
+  (``verify.rejection_sample``, ``greedy_verify``, the tree rules), and with
+  q = 0 the chain's residual max(0, p_0 - q_1) is p_0 itself, so such a row
+  emits exactly an AR step's token (the argmax, or a sample of p_0)."""
+  return (jnp.where(drafted[:, None], draft_tokens, NO_DRAFT),
+          jnp.where(drafted[:, None, None], draft_q, 0.0).astype(draft_q.dtype))
+
+
 class Proposal(NamedTuple):
   """What ``propose`` hands to the acceptance rule and ``commit``.
 
-  draft_tokens: [B, g] int32 (None for an AR step).
+  draft_tokens: [B, g] int32 (None for an AR step); ``NO_DRAFT`` in rows
+    the drafter could not draft for (``drafted_rows``).
   draft_q: [B, g, V] float32, the warped draft distributions, or the draft
-    logits when greedy (None for an AR step).
+    logits when greedy (None for an AR step); 0 in rows without a draft.
   p: [B, g+1, V] float32, the warped target distributions, or the target
     logits when greedy.
   h0: [B, g+1, D], the target's last hidden states over the verify block
@@ -130,7 +158,10 @@ def propose(drafter, target: Transformer, draft: Transformer | None, state: Deco
     g: the round's draft length.
   Returns:
     (state with the drafts written, the target cache extended, the key
-    advanced and non-finite rows flagged, the ``Proposal``).
+    advanced and non-finite rows flagged, the ``Proposal``). Rows shorter
+    than the drafter's ``min_length`` get no draft (``undrafted_as_absent``):
+    the target still verifies the drafter's tokens written in the buffer
+    (valid ids, whatever they are), but none of them can be accepted.
   """
   state, k_draft, k_accept = split_keys(state, params)
   tokens, n = state.tokens, state.length
@@ -139,6 +170,7 @@ def propose(drafter, target: Transformer, draft: Transformer | None, state: Deco
     with jax.named_scope("draft"):
       dstate, tokens, d_tok, d_q = drafter.draft(draft if draft is not None else target,
                                                  state.drafter, tokens, n, k_draft, params, g)
+      d_tok, d_q = undrafted_as_absent(drafted_rows(drafter, n), d_tok, d_q)
     state = state.replace(drafter=dstate)
   block_pos = (n - 1)[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]
   h0, logits, p, cache = verify_block(target, state, gather_rows(tokens, block_pos), block_pos,
@@ -159,7 +191,10 @@ def commit(drafter, state: DecodeState, draft_tokens, a, nxt, h0) -> DecodeState
     drafter: the round's drafter (None for AR); its ``after_verify`` stores
       what it keeps of the verify block.
     draft_tokens: [B, w] int32, the emitted block's drafts (a chain's d_1..d_g,
-      a tree's accepted path), or None for an AR step (w = 0).
+      a tree's accepted path), or None for an AR step (w = 0); ``NO_DRAFT``
+      entries (never accepted, so never emitted) are written to the buffer
+      past the new length as id 0, so that no drafter reads an id outside
+      the vocabulary there.
     a: [B] int32 accepted drafts; nxt: [B] int32 the residual/bonus token.
     h0: [B, w+1, D] target hidden states of [x_{n-1}, emitted drafts].
   Rows that are done or failed emit nothing.
@@ -167,7 +202,7 @@ def commit(drafter, state: DecodeState, draft_tokens, a, nxt, h0) -> DecodeState
   w = 0 if draft_tokens is None else draft_tokens.shape[1]
   n, done = state.length, state.done
   b = n.shape[0]
-  cand = (jnp.concatenate([draft_tokens, jnp.zeros((b, 1), jnp.int32)], 1) if w
+  cand = (jnp.concatenate([jnp.maximum(draft_tokens, 0), jnp.zeros((b, 1), jnp.int32)], 1) if w
           else jnp.zeros((b, 1), jnp.int32))
   idx = jnp.arange(w + 1)[None, :]
   cand = jnp.where(idx == a[:, None], nxt[:, None], cand)         # d_1..d_a, next
@@ -190,15 +225,23 @@ def commit(drafter, state: DecodeState, draft_tokens, a, nxt, h0) -> DecodeState
   return state
 
 
-def record_auto(schedule, state: DecodeState, g: int, a, active) -> DecodeState:
+def record_auto(schedule, state: DecodeState, g: int, a, active, drafted=None) -> DecodeState:
   """"auto": folds a round of static draft length g with accepted counts a
   [B] into the schedule's estimates (an AR round relaxes them toward the
   prior, ``AutoSchedule.update``) and the per-position statistics (rows
-  active before the round and not failed in it)."""
+  active before the round and not failed in it). ``drafted`` [B] bool
+  (default all): rows that had a draft (``drafted_rows``); a row without
+  one ran an AR step, counted at draft length 0 and left out of the
+  estimates and the per-position statistics."""
   auto = state.auto
   ok = active & (state.error == ERROR_NONE)
-  auto = auto.replace(draft_length_histogram=auto.draft_length_histogram.at[:, g].add(
-      active.astype(jnp.int32)))
+  if g and drafted is not None:
+    ok = ok & drafted
+    dlh = (auto.draft_length_histogram.at[:, g].add((active & drafted).astype(jnp.int32))
+           .at[:, 0].add((active & ~drafted).astype(jnp.int32)))
+  else:
+    dlh = auto.draft_length_histogram.at[:, g].add(active.astype(jnp.int32))
+  auto = auto.replace(draft_length_histogram=dlh)
   auto = auto.replace(schedule=schedule.update(auto.schedule, g, a, ok))
   if g:
     j = jnp.arange(1, auto.position_tested.shape[1] + 1)[None, :]
@@ -218,6 +261,7 @@ def chain_round(drafter, target: Transformer, draft: Transformer | None, state: 
   acceptance rule (``verify.accept``; tests swap in wrong rules to check
   that the statistical tests catch them)."""
   active = ~state.done
+  drafted = drafted_rows(drafter, state.length) if g else None
   state, prop = propose(drafter, target, draft, state, params, g)
   with jax.named_scope("accept"):
     a, nxt = accept_rule(prop.key, prop.p, prop.draft_q, prop.draft_tokens, params)
@@ -225,5 +269,5 @@ def chain_round(drafter, target: Transformer, draft: Transformer | None, state: 
     state = commit(drafter, state, prop.draft_tokens, a, nxt, prop.h0)
   if schedule is not None:
     with jax.named_scope("schedule"):
-      state = record_auto(schedule, state, g, a, active)
+      state = record_auto(schedule, state, g, a, active, drafted)
   return state

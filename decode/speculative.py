@@ -263,10 +263,10 @@ class Decoder:
     still sizes the state (``warm_up``: the same shapes, so the same
     programs, as a generation of ``max_new_tokens``).
 
-    Raises DecodeError for an empty batch, a prompt without any token after
-    BOS, a token id outside [0, vocab_size), prompt + max_new_tokens beyond
-    the model's max_seq_len, bad stop conditions, or (with a mesh) a batch
-    that the ``data`` axis does not divide.
+    Raises DecodeError for an empty batch, a prompt of no token (one token,
+    BOS or not, is enough), a token id outside [0, vocab_size), prompt +
+    max_new_tokens beyond the model's max_seq_len, bad stop conditions, or
+    (with a mesh) a batch that the ``data`` axis does not divide.
     """
     stops = (stops or StopConditions()).validate(self.target_cfg.vocab_size)
     _check_prompts(prompts, max_new_tokens, self.target_cfg.max_seq_len, self.mesh,
@@ -554,11 +554,8 @@ def _check_prompts(prompts, max_new_tokens, max_len: int, mesh, vocab_size: int 
   if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
     raise DecodeError(f"--max_new_tokens={max_new_tokens!r} must be an integer >= 1")
   for i, p in enumerate(prompts):
-    if len(p) < 2:
-      raise DecodeError(f"prompt {i} has {len(p)} token(s) as encoded: give at least 2 (the "
-                        "decoder prefills all but the last; the byte tokenizer's BOS counts, so "
-                        "one byte of text is enough there; a BPE tokenizer without BOS needs two "
-                        "tokens of text, or --chat, whose template adds its own)")
+    if len(p) < 1:
+      raise DecodeError(f"prompt {i} has no token as encoded: give at least 1")
     if vocab_size is not None and len(p) and (np.min(p) < 0 or np.max(p) >= vocab_size):
       bad = int(np.asarray(p)[(np.asarray(p) < 0) | (np.asarray(p) >= vocab_size)][0])
       raise DecodeError(f"prompt {i} holds token id {bad}, outside the model's vocabulary "
@@ -572,5 +569,5 @@ def _check_prompts(prompts, max_new_tokens, max_len: int, mesh, vocab_size: int 
           + (f" (at most {room} new tokens fit)" if room > 0 else
              f" (no room left to generate: with this --max_new_tokens a prompt may have at most "
              f"{max_len - max_new_tokens} tokens as encoded)"
-             if max_len - max_new_tokens > 1 else
-             f" (--max_new_tokens must be at most {max_len - 2} to leave room for a prompt)"))
+             if max_len - max_new_tokens >= 1 else
+             f" (--max_new_tokens must be at most {max_len - 1} to leave room for a prompt)"))

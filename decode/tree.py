@@ -281,13 +281,18 @@ def tree_propose(drafter: TreeMTPDrafter, target: Transformer, state: DecodeStat
   advanced and non-finite rows flagged, a ``round.Proposal`` whose
   draft_tokens are node_tokens [B, N] int32, draft_q the drafter's q
   [B, N_internal, V] (``TreeMTPDrafter.draft``), p [B, N+1, V] (warped
-  target probabilities; the logits when greedy), h0 [B, N+1, D]).
+  target probabilities; the logits when greedy), h0 [B, N+1, D]). A row
+  with one committed token (no position n-2 for module 1) gets no tree:
+  node ids ``round.NO_DRAFT`` and q = 0 (``round.undrafted_as_absent``),
+  which the tree rules reject (an invalid child is skipped), so the row
+  emits exactly an AR step's token from the root.
   """
   spec = drafter.spec
   state, k_draft, k_accept = round_lib.split_keys(state, params)
   tokens, n = state.tokens, state.length
   with jax.named_scope("draft"):
     dstate, tokens, node_tok, q = drafter.draft(target, state.drafter, tokens, n, k_draft, params)
+    node_tok, q = round_lib.undrafted_as_absent(round_lib.drafted_rows(drafter, n), node_tok, q)
   block = jnp.concatenate([gather_rows(tokens, (n - 1)[:, None]), node_tok], 1)
   depth = jnp.asarray(np.concatenate([[0], spec.depths]), jnp.int32)
   pos = (n - 1)[:, None] + depth[None, :]

@@ -286,12 +286,12 @@ def test_host_weights_are_moved_to_the_device_once(target):
 def test_bad_input_errors(target):
   dec = Decoder(target, "mtp", 2)
   max_len = target.cfg.max_seq_len
-  with pytest.raises(DecodeError, match=r"prompt 0 has 1 token\(s\) as encoded: give at least 2"):
-    dec.prepare([np.asarray([tok.BOS_ID], np.int32)], 4, 0)
+  with pytest.raises(DecodeError, match=r"prompt 0 has no token as encoded: give at least 1"):
+    dec.prepare([np.zeros(0, np.int32)], 4, 0)
   with pytest.raises(DecodeError, match=f"no room left.*at most {max_len - 4} tokens as encoded"):
     dec.prepare(_prompts([max_len - 1]), 4, 0)
-  with pytest.raises(DecodeError, match=f"max_new_tokens must be at most {max_len - 2}"):
-    dec.prepare(_prompts([max_len - 1]), max_len - 1, 0)
+  with pytest.raises(DecodeError, match=f"max_new_tokens must be at most {max_len - 1}"):
+    dec.prepare(_prompts([max_len - 1]), max_len, 0)
   with pytest.raises(DecodeError, match="at most 3 new tokens"):
     dec.prepare(_prompts([max_len - 4]), 4, 0)
   with pytest.raises(DecodeError, match="max_new_tokens"):
