@@ -158,8 +158,12 @@ def test_without_interruptible_a_keyboard_interrupt_propagates(trained_markov):
 # python -m decode with a patch applied first: ``SIGINT_AT_ROUND`` sends the
 # process a real SIGINT (Ctrl-C) from inside the 3rd round of a stream; the
 # warm-up runs one round, so it lands in the answer's stream
+# A terminal's Ctrl-C: the child starts with Python's own SIGINT handler even
+# when the test runs in an xdist worker, whose children inherit SIGINT ignored
+# (then Python installs no handler and a SIGINT does nothing, as under nohup).
 RUNNER = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from decode import loops
 import decode.run
 real = loops.stream_rounds
