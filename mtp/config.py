@@ -82,7 +82,10 @@ class MTPConfig:
   # (1 - w) * CE(t_{i+k+1}) + w * tau^2 * KL(p_main(.|x_<=i+k) || q_k(.|i)) at temperature tau.
   distill_weight: float = 0.0     # w in [0, 1]: 0 = data only (default), 1 = teacher only
   distill_temperature: float = 1.0  # tau > 0, applied to teacher and module logits (Hinton et al.)
-  distill_divergence: str = "kl"  # "kl": forward KL(p_main || q_k); "tv": total variation = 1 - acceptance
+  # "kl": forward KL(p_main || q_k); "tv": total variation TV = 1 - acceptance (Leviathan et al.),
+  # exact over the full vocabulary also with draft_vocab_size; "mix": (1 - tv_weight) KL + tv_weight TV.
+  distill_divergence: str = "kl"
+  tv_weight: float = 0.5          # a in [0, 1], the TV share of distill_divergence="mix" (else unused)
   recursive_steps: int = 0        # R: also train module D on its own outputs for steps D+1..D+R
   # Reduced draft vocabulary V' (FastMTP's compressed draft vocabulary; mtp/draft_vocab.py):
   # the MTP heads score only these many ids (the model's ``draft_vocab``, saved with the
@@ -203,7 +206,7 @@ def parse_id_list(text: str, field: str = "ids") -> tuple[int, ...]:
     raise ConfigError(f"{field}={text!r} must be comma-separated integer ids") from None
 ATTENTION_IMPLS = ("auto", "blockwise", "dense", "cudnn")   # model.attention_impl
 MATMUL_PRECISIONS = ("highest", "high", "default")  # model.matmul_precision
-DIVERGENCES = ("kl", "tv")      # mtp.distill_divergence
+DIVERGENCES = ("kl", "tv", "mix")   # mtp.distill_divergence
 PACKINGS = ("concat", "first_fit")   # data.packing
 
 
@@ -340,8 +343,11 @@ def _validate_mtp(cfg: Config) -> None:
          "0 when mtp.depth = 0 (there are no MTP modules to distill)", cfg.mtp.distill_weight)
   _check(0 < cfg.mtp.distill_temperature <= 100, "mtp.distill_temperature", "in (0, 100]",
          cfg.mtp.distill_temperature)
-  _check(cfg.mtp.distill_divergence in DIVERGENCES, "mtp.distill_divergence", f"one of {DIVERGENCES}",
-         cfg.mtp.distill_divergence)
+  _check(cfg.mtp.distill_divergence in DIVERGENCES, "mtp.distill_divergence",
+         "one of ('kl', 'tv') or 'mix' (kl: forward KL; tv: total variation = 1 - "
+         "acceptance; mix: (1 - mtp.tv_weight) KL + mtp.tv_weight TV)", cfg.mtp.distill_divergence)
+  _check(0 <= cfg.mtp.tv_weight <= 1, "mtp.tv_weight",
+         "in [0, 1] (the TV share of mtp.distill_divergence='mix')", cfg.mtp.tv_weight)
   _check(0 <= cfg.mtp.recursive_steps <= 16, "mtp.recursive_steps", "an int in [0, 16]",
          cfg.mtp.recursive_steps)
   _check(cfg.mtp.recursive_steps == 0 or cfg.mtp.depth >= 1, "mtp.recursive_steps",

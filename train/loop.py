@@ -113,10 +113,16 @@ def make_loss_fn(graphdef, loss_weight: float, mtp_cfg: MTPConfig | None = None,
                                       compact=bool(model.draft_vocab_size), lower=lower)
     else:
       out = model(batch["tokens"], batch["positions"], batch["segment_ids"], recursive_steps=steps)
+    lse = None
+    if out.compact_ids is not None and m.distill_weight and m.distill_divergence != "kl":
+      # the exact TV over the full vocabulary needs the frozen teacher's full
+      # normaliser (losses.teacher_tv): one full-vocabulary head pass, no gradient
+      lse = losses.full_logsumexp(model.head(out.hidden[0]), m.distill_temperature)
     return losses.mtp_loss(out, batch["tokens"], batch["segment_ids"], loss_weight,
                            depth=model.mtp_depth, distill_weight=m.distill_weight,
                            distill_temperature=m.distill_temperature,
-                           distill_divergence=m.distill_divergence,
+                           distill_divergence=m.distill_divergence, tv_weight=m.tv_weight,
+                           teacher_logsumexp=lse,
                            loss_mask=batch.get("loss_mask"), byte_level=byte_level)
   return loss_fn
 

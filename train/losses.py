@@ -26,12 +26,26 @@ Whatever w is, every depth also reports (sums) its KL to the teacher at
 tau = 1 (``kl``, nats) and its argmax agreement with the teacher
 (``agree``): the quantities that decide acceptance at T = 1 and T = 0.
 
+The acceptance objective (``mtp.distill_divergence``): for one draft
+position the probability that x ~ q is accepted against p is
+alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q) (Leviathan et al. 2023), so
+"tv" puts TV(p, q) = 0.5 * sum_x |p(x) - q(x)| in place of the KL above,
+and "mix" uses (1 - a) * KL + a * TV (a = ``mtp.tv_weight``): the KL's
+gradient grows where q misses p's mass (a strong signal far from the
+optimum), the TV's weighs each id by sign(q - p) only (bounded, and
+exactly what decoding measures). tau^2 and the averaging are as for the KL.
+
 A reduced draft vocabulary V' (``mtp.draft_vocab_size``, FastMTP's
 compressed draft vocabulary; the module logits are -inf outside V'): data
 targets outside V' leave the CE, and the teacher is the main head restricted
 to V' and renormalised (``restrict_teacher``), the exact minimiser of the
 forward KL over drafts supported on V'; the mass the full teacher puts
-outside V' is reported per depth (it bounds acceptance).
+outside V' is reported per depth (it bounds acceptance). The TV term is
+never restricted: with q = 0 outside V',
+TV(p, q) = 0.5 * (sum_{v in V'} |p(v) - q(v)| + p(outside V')), the exact
+full-vocabulary value, so 1 - TV stays the acceptance probability
+(``teacher_tv``; the compact form gets p(outside V') from the full
+teacher's normaliser, ``full_logsumexp``).
 """
 
 from __future__ import annotations
@@ -119,15 +133,50 @@ def teacher_kl(teacher_logits: jax.Array, student_logits: jax.Array,
 
 
 def teacher_tv(teacher_logits: jax.Array, student_logits: jax.Array,
-               temperature: float = 1.0) -> jax.Array:
-  """Per-position total variation 0.5 * sum_v |p(v) - q(v)| [B, T] float32
-  of p = softmax(teacher / tau) (stop-gradient) and q = softmax(student /
-  tau), logits [B, T, V]. At tau = 1 and the sampling temperature it is
-  1 - alpha, the draft's rejection probability (Leviathan et al. 2023,
-  Theorem 3.5)."""
-  p = jax.nn.softmax(jax.lax.stop_gradient(teacher_logits.astype(jnp.float32)) / temperature, -1)
+               temperature: float = 1.0, teacher_logsumexp: jax.Array | None = None) -> jax.Array:
+  """Per-position total variation TV(p, q) = 0.5 * sum_v |p(v) - q(v)| [B, T]
+  float32 of the teacher p = softmax(teacher / tau) (stop-gradient) and the
+  draft q = softmax(student / tau), logits [B, T, V] (-inf where a
+  distribution is 0). At tau = 1 and the sampling temperature,
+
+      1 - TV(p, q) = sum_v min(p(v), q(v)) = alpha,
+
+  the probability that one draft x ~ q is accepted against p (Leviathan et
+  al. 2023, section 3.3 and Theorem 3.5), so minimising TV maximises the
+  acceptance of that draft position directly.
+
+  Reduced draft vocabulary V' (the draft q is 0 outside V'): with full
+  logits the module's -inf outside V' already makes this the exact
+  full-vocabulary TV. In the compact form (both logits [B, T, V'] over V'
+  only) pass ``teacher_logsumexp`` [B, T] float32 = logsumexp over the
+  *full* vocabulary of teacher / tau: then p(v) = exp(t_v / tau - lse) is
+  the full teacher's probability of each kept id, p(outside) = 1 - sum_{V'}
+  p(v), and since q(v) = 0 for v outside V',
+
+      TV(p, q) = 0.5 * (sum_{v in V'} |p(v) - q(v)| + sum_{v not in V'} p(v))
+               = 0.5 * (sum_{v in V'} |p(v) - q(v)| + p(outside)),
+
+  the same number the full form gives (not the TV against the teacher
+  restricted to V' and renormalised, which would overstate the acceptance
+  by ignoring the mass no draft on V' can match: alpha <= p(V')). The
+  outside term is constant in q: it changes the value, not the gradient.
+  Gradients are finite everywhere, including p == q (d|x|/dx = 0 at 0)."""
+  t = jax.lax.stop_gradient(teacher_logits.astype(jnp.float32)) / temperature
+  if teacher_logsumexp is None:
+    p = jax.nn.softmax(t, -1)
+    outside = 0.0
+  else:
+    p = jnp.exp(t - jax.lax.stop_gradient(teacher_logsumexp.astype(jnp.float32))[..., None])
+    outside = jnp.clip(1.0 - jnp.sum(p, -1), 0.0, 1.0)
   q = jax.nn.softmax(student_logits.astype(jnp.float32) / temperature, -1)
-  return 0.5 * jnp.sum(jnp.abs(p - q), -1)
+  return 0.5 * (jnp.sum(jnp.abs(p - q), -1) + outside)
+
+
+def full_logsumexp(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
+  """logsumexp(logits / tau) [B, T] float32 over the last axis of full-vocabulary
+  logits [B, T, V] (stop-gradient): the normaliser ``teacher_tv`` needs in the
+  compact reduced-vocabulary form."""
+  return jax.nn.logsumexp(jax.lax.stop_gradient(logits.astype(jnp.float32)) / temperature, -1)
 
 
 def restrict_teacher(teacher_logits: jax.Array, draft_mask: jax.Array) -> jax.Array:
@@ -194,6 +243,7 @@ def compact_targets(targets, mask, ids):
 def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | None,
              loss_weight: float, *, depth: int | None = None, distill_weight: float = 0.0,
              distill_temperature: float = 1.0, distill_divergence: str = "kl",
+             tv_weight: float = 0.5, teacher_logsumexp: jax.Array | None = None,
              loss_mask: jax.Array | None = None, byte_level: bool = True):
   """Training objective and per-head sums (module docstring: eq. 24-25 plus
   distillation from the main head).
@@ -205,8 +255,15 @@ def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | No
     loss_weight: lambda >= 0.
     depth: D, the lambda / D normaliser (default len(output.mtp_logits)).
     distill_weight: w in [0, 1]; distill_temperature: tau > 0.
-    distill_divergence: "kl" (the module docstring's forward KL) or "tv"
-      (``teacher_tv`` in place of the KL, times tau^2 likewise).
+    distill_divergence: "kl" (the module docstring's forward KL), "tv"
+      (``teacher_tv``, the total variation 1 - alpha, in place of the KL,
+      times tau^2 likewise) or "mix": (1 - a) * KL + a * TV with a =
+      ``tv_weight`` in [0, 1] (ignored otherwise).
+    teacher_logsumexp: [B, T] float32, ``full_logsumexp(main logits, tau)``
+      over the full vocabulary; needed exactly when the output is in the
+      compact form (``output.compact_ids``) and the divergence has a TV
+      part, so that the TV counts the teacher's mass outside V' (exact
+      full-vocabulary TV, ``teacher_tv``). Ignored otherwise.
     loss_mask: [B, T] int or None: token j may be a target iff
       loss_mask[b, j] == 1 (``shifted_targets``); None = every token.
     byte_level: the byte tokenizer (PAD never a target, bits-per-byte sums);
@@ -223,8 +280,18 @@ def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | No
   (``restrict_teacher``: the minimiser of KL(p || q) over q on V'), ``kl``
   and ``agree`` are against that restricted teacher, and the mtp sums also
   hold ``positions``, ``outside`` and ``agree_full``
-  (``draft_vocab_sums``). Without V' nothing changes (bit for bit).
+  (``draft_vocab_sums``). Without V' nothing changes (bit for bit). The TV
+  term, unlike the KL, is always against the full teacher (the mass outside
+  V' counts as mass the draft cannot match), in all three forms.
+  Raises ValueError for an unknown divergence, or a compact output with a TV
+  part and no ``teacher_logsumexp``.
   """
+  if distill_divergence not in ("kl", "tv", "mix"):
+    raise ValueError(f"distill_divergence must be 'kl', 'tv' or 'mix', got {distill_divergence!r}")
+  uses_tv = bool(distill_weight) and distill_divergence != "kl"
+  if uses_tv and output.compact_ids is not None and teacher_logsumexp is None:
+    raise ValueError("mtp_loss: a compact output with a TV term needs teacher_logsumexp "
+                     "(the full teacher's normaliser, full_logsumexp)")
   n_heads = len(output.mtp_logits)
   depth = n_heads if depth is None else depth
   pad_id = tok.PAD_ID if byte_level else None
@@ -239,6 +306,7 @@ def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | No
     for k, logits in enumerate(output.mtp_logits, start=1):
       targets, mask = shifted_targets(tokens, segment_ids, k + 1, loss_mask, pad_id)
       teacher = shift_left(output.logits, k)         # the main head at i+k predicts t_{i+k+1} too
+      full_teacher = teacher                         # TV: never restricted to V'
       if output.compact_ids is not None:             # every head over V' (the teacher restricted)
         valid = mask
         targets, mask = compact_targets(targets, mask, output.compact_ids)
@@ -261,13 +329,16 @@ def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | No
       kl_count = jnp.maximum(s["positions"], 1.0) if "positions" in s else count
       term = s["nll"] / count
       if distill_weight:
-        if distill_divergence == "tv":
-          kl_t = teacher_tv(teacher, logits, distill_temperature)
-        elif distill_divergence == "kl":
+        a = {"kl": 0.0, "tv": 1.0, "mix": tv_weight}[distill_divergence]
+        div = 0.0
+        if a < 1.0:
           kl_t = kl if distill_temperature == 1.0 else teacher_kl(teacher, logits, distill_temperature)
-        else:
-          raise ValueError(f"distill_divergence must be 'kl' or 'tv', got {distill_divergence!r}")
-        distill = distill_temperature ** 2 * jnp.sum(jnp.where(mask, kl_t, 0.0)) / kl_count
+          div = div + (1.0 - a) * jnp.sum(jnp.where(mask, kl_t, 0.0))
+        if a > 0.0:
+          lse = None if output.compact_ids is None else shift_left(teacher_logsumexp, k)
+          tv_t = teacher_tv(full_teacher, logits, distill_temperature, lse)
+          div = div + a * jnp.sum(jnp.where(mask, tv_t, 0.0))
+        distill = distill_temperature ** 2 * div / kl_count
         term = (1.0 - distill_weight) * term + distill_weight * distill
       mtp_total = mtp_total + term
     loss = loss + (loss_weight / max(depth, 1)) * mtp_total
