@@ -65,6 +65,14 @@ _COMPARE = flags.DEFINE_bool("compare", False, "Also time AR and the method on t
                              "medians, and what Theorem 3.8 predicts from the measured tau and "
                              "round cost.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "--compare: interleaved AR / method runs (>= 1).")
+_DTYPE = flags.DEFINE_string("dtype", None, "float32 or bfloat16: the dtype the target, its MTP "
+                             "modules and the draft model decode in, their weights cast once at "
+                             "load (default: the checkpoint's model.dtype). The output law is "
+                             "the target's in that dtype.")
+_ATTENTION = flags.DEFINE_string("attention_impl", None, "Attention over the KV cache: auto, "
+                                 "blockwise, dense or cudnn (mtp.config's model.attention_impl; "
+                                 "default: the checkpoint's value, 'blockwise' in checkpoints "
+                                 "saved before 'auto' existed).")
 _JSON = flags.DEFINE_string("json", None, "Write the report (tokens, text, stats) to this path.")
 flags.mark_flag_as_required("workdir")
 EXIT_INTERRUPTED = 130     # 128 + SIGINT, as a shell reports a process Ctrl-C ended
@@ -160,7 +168,8 @@ def _main(argv):
                  sampling=SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value),
                  num_samples=_NUM_SAMPLES.value, seed=_SEED.value, compare=_COMPARE.value,
                  repeats=_REPEATS.value, tree=_TREE.value, stops=stops,
-                 chat=None if jsonl else _CHAT.value is not None)
+                 chat=None if jsonl else _CHAT.value is not None, dtype=_DTYPE.value,
+                 attention_impl=_ATTENTION.value)
   except (DecodeError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

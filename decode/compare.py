@@ -14,6 +14,13 @@ the measured acceptance (tau) and the measured cost of a round relative to
 an AR step (both from the timed repeats' decoding phase), and one line
 naming the term that decides the result on this machine (``verdict_line``).
 Per prompt category its own speedup (JSONL prompt files).
+
+At T = 0 the two outputs must be equal up to the numeric contract
+(docs/speculative_sampling.md): where a row differs, the first differing
+token index and the target's top-2 logit gap there (one cache-free forward
+of the target over the common prefix, in the decode dtype) against the
+contract's bound for that dtype (``near_tie``): below it a near-tie, at or
+above it a bug.
 """
 
 from __future__ import annotations
@@ -37,6 +44,136 @@ from mtp.timing import interleaved_times
 # a prediction this far outside the per-repeat range (printed with two
 # decimals) counts as disagreeing with the measurement
 AGREEMENT_SLACK = 0.01
+
+
+# -- the numeric contract: where greedy outputs differ ---------------------------
+
+# unit roundoff u (half the spacing of the numbers near 1) of each float format
+UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+
+
+def logit_error_bound(dtype: str, *, scale: float, layers: int, length: int) -> float:
+  """The contract's bound D on |z^A_v - z^B_v|: how far two computations of
+  the target's logit z_v at one position (an AR step, a verify block, the
+  cache-free forward; any cache size, attention implementation or G) may
+  differ in ``dtype`` (docs/speculative_sampling.md, "Numeric contract").
+
+  ``scale``: the position's logit scale ||h|| max_v ||W_v|| (the normed
+  final hidden state and the longest output-head row: |z_v| <= scale by
+  Cauchy-Schwarz, and a relative error delta of h moves z_v by at most
+  delta * scale); ``layers``: the target's L; ``length``: the positions the
+  attention sums over (the prefix length n).
+
+  float32 (and 16-bit models' float32 reductions): only the order of the
+  attention's float32 sums differs; two sums per layer in each of the two
+  computations, each with relative error about u sqrt(n):
+  D = 4 L u sqrt(n) scale. bfloat16 / float16: every activation of the
+  residual stream is rounded to the format (relative u) after each of the
+  2 L sublayers, the two computations round apart where their float32
+  accumulators differ, and the logit itself is rounded (relative u):
+  D = 2 u (sqrt(2 L) + 1) scale (the roundings' differences add as a
+  random walk over the 2 L writes, plus the final one). Raises ValueError
+  for another dtype."""
+  if dtype not in UNIT_ROUNDOFF:
+    raise ValueError(f"dtype={dtype!r}: no numeric contract; one of {sorted(UNIT_ROUNDOFF)}")
+  u = UNIT_ROUNDOFF[dtype]
+  if dtype == "float32":
+    return 4 * layers * u * math.sqrt(max(length, 1)) * scale
+  return 2 * u * (math.sqrt(2 * layers) + 1) * scale
+
+
+def near_tie(logits, *, dtype: str, scale: float, layers: int, length: int) -> dict:
+  """Whether a greedy disagreement at one position is allowed by the
+  numeric contract. ``logits``: the target's logits [V] there (one
+  computation; -inf ids are never emitted and are left out).
+
+  Two computations A and B that took different argmaxes a != b bound the
+  top-2 gap of any third C: with |z^X_v - z^Y_v| <= D for every pair and
+  id, z^C_top1 - z^C_top2 <= 2 D (the first of a and b in C's order is
+  within 2 D of C's top-1, since A or B ranked it first). So a gap below
+  ``bound`` = 2 D (``logit_error_bound``) is a near-tie, one at or above
+  it a bug.
+
+  Returns {"dtype", "gap" (top-1 minus top-2 logit), "bound", "near_tie"
+  (gap < bound), "top2_ids" [top-1, top-2], "logit_scale", "line" (the
+  printed verdict: "near-tie: top-2 gap X < bound B (dtype)" or "greedy
+  outputs differ at a top-2 gap X >= bound B: a bug")}."""
+  z = np.asarray(logits, np.float64).reshape(-1)
+  z = np.where(np.isfinite(z), z, -np.inf)
+  order = np.argsort(-z, kind="stable")
+  top1, top2 = int(order[0]), int(order[1])
+  gap = float(z[top1] - z[top2])
+  bound = 2.0 * logit_error_bound(dtype, scale=scale, layers=layers, length=length)
+  near = bool(gap < bound)
+  line = (f"near-tie: top-2 gap {gap:.3g} < bound {bound:.3g} ({dtype})" if near else
+          f"greedy outputs differ at a top-2 gap {gap:.3g} >= bound {bound:.3g} ({dtype}): "
+          "a bug")
+  return {"dtype": dtype, "gap": gap, "bound": bound, "near_tie": near,
+          "top2_ids": [top1, top2], "logit_scale": float(scale), "line": line}
+
+
+def first_difference(a, b) -> int | None:
+  """The first token index where sequences ``a`` and ``b`` differ (the
+  shorter one's length when it is a prefix of the longer); None when equal."""
+  a, b = np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)
+  n = min(len(a), len(b))
+  diff = np.flatnonzero(a[:n] != b[:n])
+  if diff.size:
+    return int(diff[0])
+  return None if len(a) == len(b) else n
+
+
+def target_logits_at(target, ids) -> tuple[np.ndarray, float]:
+  """The target's logits [V] (float32) for the token after ``ids`` (the
+  common prefix: prompt and the tokens both outputs share) from one
+  cache-free forward in the target's own dtype, and that position's logit
+  scale ||h|| max_v ||W_v|| (``logit_error_bound``)."""
+  import jax.numpy as jnp
+  tokens = jnp.asarray(np.asarray(ids, np.int32))[None]
+  positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+  h0, _ = target.backbone(tokens, positions)
+  h = h0[:, -1:]
+  logits = target.head(h)[0, 0]
+  hn = target.final_norm(h).astype(jnp.float32)
+  w = (target.embed.embedding[...] if target.cfg.tie_embeddings
+       else target.lm_head.kernel[...].T)
+  w_norm = float(jnp.linalg.norm(w.astype(jnp.float32), axis=-1).max())
+  return np.asarray(logits, np.float32), float(jnp.linalg.norm(hn)) * w_norm
+
+
+def greedy_check(target, prompt_ids: Sequence, method_tokens: Sequence, ar_tokens: Sequence,
+                 *, num_samples: int = 1) -> dict:
+  """Greedy (T = 0) outputs of a method and of AR, row by row (row r is
+  prompt r // ``num_samples``, ``prompt_ids`` its token ids). Returns
+  {"identical": bool, "mismatches": [per differing row {"row", "index"
+  (first differing token), "method_token", "ar_token" (None past a row's
+  end), and ``near_tie``'s keys for the target's logits after the common
+  prefix (``target_logits_at``, in the target's dtype)}], "bug": any
+  mismatch at a gap >= the bound}."""
+  cfg = target.cfg
+  mismatches = []
+  for r, (m, a) in enumerate(zip(method_tokens, ar_tokens)):
+    i = first_difference(m, a)
+    if i is None:
+      continue
+    prefix = np.concatenate([np.asarray(prompt_ids[r // num_samples], np.int32).reshape(-1),
+                             np.asarray(a[:i], np.int32).reshape(-1)])
+    logits, scale = target_logits_at(target, prefix)
+    verdict = near_tie(logits, dtype=cfg.dtype, scale=scale, layers=cfg.num_layers,
+                       length=len(prefix))
+    pick = lambda t: int(t[i]) if i < len(t) else None
+    mismatches.append({"row": r, "index": i, "method_token": pick(m), "ar_token": pick(a),
+                       **verdict})
+  return {"identical": not mismatches, "mismatches": mismatches,
+          "bug": any(not x["near_tie"] for x in mismatches)}
+
+
+def greedy_check_lines(check: dict, method: str) -> list[str]:
+  """One line per differing row: where (row, token index, the two tokens)
+  and the verdict (``near_tie``'s line)."""
+  return [f"greedy outputs of {method} and AR differ at row {x['row']}, token {x['index']} "
+          f"({method} {x['method_token']}, ar {x['ar_token']}): {x['line']}"
+          for x in check["mismatches"]]
 
 
 def _span(values) -> dict:
@@ -270,7 +407,8 @@ def compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: st
                     max_new_tokens: int, sampling: SamplingParams, num_samples: int, seed: int,
                     err: TextIO, stops: StopConditions | None = None, chat: bool = False,
                     systems: Sequence[str | None] | None = None,
-                    ar: Decoder | None = None, warm: bool = False) -> dict:
+                    ar: Decoder | None = None, warm: bool = False,
+                    check_greedy: bool = True) -> dict:
   """``repeats`` interleaved AR / ``decoder`` runs of ``prompts`` (see
   ``decode.run.run``; ``gen``: the reported generation, whose tokens greedy
   AR must reproduce); writes the two timed blocks, the speedup line (the
@@ -283,7 +421,11 @@ def compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: st
   tokens_per_s (per decoder: the blocks' medians), timed ({"ar": ...,
   METHOD: ...}: ``timed_summary`` of each) and prediction
   (``predict_speedup``'s dict with "measured_speedup", "measured_min",
-  "measured_max" and "line", the verdict; None without timings). ``ar``:
+  "measured_max" and "line", the verdict; None without timings) and
+  greedy_check (at T = 0 with ``check_greedy``: ``greedy_check``'s dict,
+  the first differing position of every row whose outputs differ and the
+  target's top-2 logit gap there against the numeric contract's bound,
+  each printed as one line; None at T > 0). ``ar``:
   the AR decoder to time (default a new one; passing one reuses its
   compilations). ``warm``: first compile ``decoder`` for this batch
   (``Decoder.warm_up``), when it has not decoded this batch shape yet."""
@@ -312,6 +454,11 @@ def compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: st
   speedup = rate[method] / rate["ar"]
   ar_summary = stats_lib.summarize(ar_gen)
   same = all(np.array_equal(a, b) for a, b in zip(ar_gen.tokens, gen.tokens))
+  check = None
+  if not sampling.temperature and check_greedy:
+    check = greedy_check(decoder.models()[0], encode_prompts(prompts, decoder.tokenizer, chat,
+                                                             systems),
+                         gen.tokens, ar_gen.tokens, num_samples=num_samples)
   err.write(f"--compare: AR and {method} timed in {repeats} interleaved "
             f"repeat{'s' if repeats != 1 else ''} each, after compilation and one untimed run; "
             "the blocks and the speedup below are those repeats\n")
@@ -326,7 +473,10 @@ def compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: st
                "tokens over all prompts; many prompts or scripts/bench_decode.py average that out)"
                if sampling.temperature else
                " (greedy outputs identical)" if same else
-               " (WARNING: greedy outputs differ; a float near-tie or a bug)") + "\n")
+               " (WARNING: greedy outputs differ; where and why below)") + "\n")
+  if check is not None:
+    for line in greedy_check_lines(check, method):
+      err.write(("WARNING: " if "a bug" in line else "") + line + "\n")
   form = ("tree" if decoder.tree is not None else
           "auto" if decoder.schedule is not None else "chain")
   pred = prediction_of(gens[method], gens["ar"], form)
@@ -351,7 +501,7 @@ def compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: st
     err.write("predicted by Theorem 3.8: n/a (no decoding-phase time to take costs from)\n")
   return {"ar_stats": ar_summary, "speedup": speedup, "speedup_per_repeat": ratios,
           "repeats": repeats, "wall_times_s": times, "new_tokens": new_tokens,
-          "tokens_per_s": rate, "timed": blocks, "prediction": pred}
+          "tokens_per_s": rate, "timed": blocks, "prediction": pred, "greedy_check": check}
 
 
 def category_speedups(decoder: Decoder, gen, prompts: Sequence[str],
@@ -375,6 +525,6 @@ def category_speedups(decoder: Decoder, gen, prompts: Sequence[str],
                           repeats=repeats, max_new_tokens=max_new_tokens, sampling=sampling,
                           num_samples=num_samples, seed=seed, err=io.StringIO(), stops=stops,
                           chat=chat, systems=None if systems is None else
-                          [systems[i] for i in idx], ar=ar, warm=True)
+                          [systems[i] for i in idx], ar=ar, warm=True, check_greedy=False)
     speedups[cat] = res["speedup"]
   return speedups

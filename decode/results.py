@@ -88,8 +88,10 @@ def config_record(workdir: str, method: str, decoder: Decoder, *, batch_size: in
   None for an exported model), method, num_draft_tokens
   (max_draft_tokens with "auto"), tree (branching or None), max_new_tokens,
   temperature, top_k, top_p, num_samples, seed, batch_size, chat, stop,
-  stop_token_ids and the device kind; with "auto" also ``auto``: the prior
-  and the round costs it used (``Decoder.auto_record``)."""
+  stop_token_ids, the device kind and ``numerics_record``'s keys (dtype,
+  param_dtype, matmul_precision, attention_impl, attention_impl_resolved:
+  the arithmetic decoded in); with "auto" also ``auto``: the prior and the
+  round costs it used (``Decoder.auto_record``)."""
   return {"workdir": workdir, "checkpoint_step": checkpoint_step, "method": method,
           "num_draft_tokens": decoder.num_draft_tokens,
           **({"max_draft_tokens": decoder.G} if decoder.num_draft_tokens == "auto" else {}),
@@ -99,5 +101,29 @@ def config_record(workdir: str, method: str, decoder: Decoder, *, batch_size: in
           "num_samples": num_samples, "seed": seed, "batch_size": batch_size,
           "chat": chat, "stop": [] if stops is None else list(stops.strings),
           "stop_token_ids": [] if stops is None else [int(i) for i in stops.token_ids],
-          "device": jax.devices()[0].device_kind,
+          "device": jax.devices()[0].device_kind, **numerics_record(decoder),
           **({"auto": decoder.auto_record()} if decoder.schedule is not None else {})}
+
+
+def numerics_record(decoder: Decoder) -> dict:
+  """The arithmetic the target decodes in: ``dtype`` (``model.dtype`` as
+  loaded, after ``--dtype``), ``param_dtype``, ``matmul_precision``,
+  ``attention_impl`` (the configured value, after ``--attention_impl``) and
+  ``attention_impl_resolved`` (what "auto" runs on this backend for this
+  dtype, ``mtp.model.resolve_attention_impl``)."""
+  from mtp import model as model_lib
+  cfg = decoder.target_cfg
+  return {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype,
+          "matmul_precision": cfg.matmul_precision, "attention_impl": cfg.attention_impl,
+          "attention_impl_resolved": model_lib.resolve_attention_impl(
+              cfg.attention_impl, model_lib.attention_backend(), cfg.dtype, cfg.head_dim)}
+
+
+def numerics_line(decoder: Decoder) -> str:
+  """``dtype D, attention A`` (``A (R)`` when "auto" resolves to R) for the
+  statistics block."""
+  r = numerics_record(decoder)
+  impl = r["attention_impl"]
+  if impl != r["attention_impl_resolved"]:
+    impl += f" ({r['attention_impl_resolved']})"
+  return f"dtype {r['dtype']}, attention {impl}"

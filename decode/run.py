@@ -9,11 +9,14 @@ comparisons and notices to ``err`` (stderr), and returns the report dict that
 "stats": {...},
 "ar_stats": {...}, "speedup": float (tokens/s ratio), "speedup_per_repeat": [...],
 "wall_times_s": {"ar": [...], METHOD: [...]}, "new_tokens": {...},
-"tokens_per_s": {...}, "timed": {"ar": {...}, METHOD: {...}}, "prediction": {...}}``
-(the last eight with ``compare``: ``decode.compare.compare_with_ar``; ``timed``
+"tokens_per_s": {...}, "timed": {"ar": {...}, METHOD: {...}}, "prediction": {...},
+"greedy_check": {...} or None}``
+(the last nine with ``compare``: ``decode.compare.compare_with_ar``; ``timed``
 holds each method's timed repeats as medians with min and max, the numbers
 the printed blocks and the speedup come from; ``ar_stats`` is AR's untimed
-run, not printed), and ``"interrupted": true`` when
+run, not printed; ``greedy_check`` at T = 0: every row where the two greedy
+outputs differ, its first differing token and the target's top-2 logit gap
+there against the numeric contract's bound, "near_tie" or a bug), and ``"interrupted": true`` when
 Ctrl-C ended the decoding (or the comparison) early. With prompts that carry a ``category`` (a JSONL
 ``--prompt_file``) every result records its ``"category"`` and the report
 has ``"per_category": {CATEGORY: {"rows", "num_tokens", "target_calls",
@@ -48,6 +51,7 @@ from decode.texts import (  # noqa: F401 (decode.run's API: python -m decode, te
     read_prompts)
 from mtp import loading
 from mtp import tokenizer as tok
+from mtp.config import ConfigError
 
 
 def parse_num_draft_tokens(text) -> int | str:
@@ -176,19 +180,69 @@ def auto_kwargs(workdir: str, cfg, target, max_draft_tokens: int | None = None) 
   return {"max_draft_tokens": g_max, "schedule": auto_schedule(workdir, g_max)}
 
 
+DTYPES = ("float32", "bfloat16")   # --dtype
+# the model fields --dtype and --attention_impl set (mtp.loading.overridden_config)
+OVERRIDE_FLAGS = {"model.param_dtype": "--dtype", "model.dtype": "--dtype",
+                  "model.attention_impl": "--attention_impl"}
+
+
+def check_overrides(dtype: str | None, attention_impl: str | None) -> None:
+  """``--dtype`` (None or one of ``DTYPES``) and ``--attention_impl`` (None or
+  a string; its allowed values are checked by ``mtp.config`` against the
+  checkpoint's config in ``model_overrides``). Raises DecodeError."""
+  if dtype is not None and dtype not in DTYPES:
+    raise DecodeError(f"--dtype={dtype!r} is not allowed: must be one of {', '.join(DTYPES)} "
+                      "(default: the checkpoint's model.dtype)")
+  if attention_impl is not None and not isinstance(attention_impl, str):
+    raise DecodeError(f"--attention_impl={attention_impl!r} must be a string")
+
+
+def model_overrides(cfg, *, dtype: str | None, attention_impl: str | None):
+  """The checkpoint's config ``cfg`` with ``--dtype`` / ``--attention_impl``
+  applied through ``mtp.config``'s validation
+  (``mtp.loading.overridden_config``); its ConfigError becomes one
+  DecodeError line naming the flag (the field it sets) and the allowed
+  values."""
+  try:
+    return loading.overridden_config(cfg, dtype=dtype, attention_impl=attention_impl)
+  except ConfigError as e:
+    msg = str(e)
+    for field, flag in OVERRIDE_FLAGS.items():
+      if msg.startswith(field + "="):
+        msg = flag + msg[len(field):]
+        break
+    raise DecodeError(msg.replace("unless model.dtype is", "unless --dtype (model.dtype) is")) \
+        from None
+
+
 def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
                  draft_workdir: str | None = None, max_draft_tokens: int | None = None,
-                 tree=None) -> tuple[Decoder, int, int | None]:
+                 tree=None, *, dtype: str | None = None,
+                 attention_impl: str | None = None) -> tuple[Decoder, int, int | None]:
   """(A Decoder for the checkpoint in ``workdir`` (and ``draft_workdir``),
   the number of draft offsets its MTP modules were trained for: D plus
   ``mtp.recursive_steps``, the checkpoint step loaded (None for an
   exported model)); ``num_draft_tokens`` an integer or "auto" (then
   ``max_draft_tokens``); ``tree``: a token tree such as "3,2,1" (method
-  "mtp"). Raises CheckpointError / DecodeError."""
+  "mtp").
+
+  ``dtype`` ("float32" or "bfloat16"; None: the checkpoint's
+  ``model.dtype``): the target (backbone, head and MTP modules) and the
+  draft model decode in that dtype, their parameters cast once here
+  (``mtp.loading.override_model``); the output law is then that of the
+  target in ``dtype``. ``attention_impl`` (None: the checkpoint's
+  ``model.attention_impl``): one of ``mtp.config.ATTENTION_IMPLS`` for
+  both models. Both are checked against the checkpoint's config before any
+  parameter is read. Raises CheckpointError / DecodeError."""
   if tree is not None and method != "mtp":
     raise DecodeError(f"--tree needs --method=mtp (the MTP modules draft the tree); got "
                       f"--method={method}")
+  check_overrides(dtype, attention_impl)
+  overrides = dict(dtype=dtype, attention_impl=attention_impl)
+  if dtype is not None or attention_impl is not None:    # bad values: before any parameter
+    model_overrides(loading.load_config(workdir)[0], **overrides)
   cfg, target, step = loading.load_model(workdir)
+  cfg, target = loading.override_model(cfg, target, **overrides)
   try:
     tokenizer = tok.load_tokenizer(workdir)
   except tok.TokenizerError as e:
@@ -198,7 +252,9 @@ def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
   if method == "draft":
     if not draft_workdir:
       raise DecodeError("--method=draft needs --draft_workdir (a trained draft-model workdir)")
-    _, draft, _ = loading.load_model(draft_workdir)
+    draft_cfg, draft, _ = loading.load_model(draft_workdir)
+    model_overrides(draft_cfg, **overrides)
+    _, draft = loading.override_model(draft_cfg, draft, **overrides)
   kw = {}
   if num_draft_tokens == "auto" and method == "mtp":
     kw = auto_kwargs(workdir, cfg, target, max_draft_tokens)
@@ -217,7 +273,8 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
         sampling: SamplingParams = SamplingParams(), num_samples: int = 1, seed: int = 0,
         compare: bool = False, repeats: int = 3, out: TextIO | None = None,
         err: TextIO | None = None, tree=None, stops: StopConditions | None = None,
-        chat: bool | None = False) -> dict:
+        chat: bool | None = False, dtype: str | None = None,
+        attention_impl: str | None = None) -> dict:
   """Everything ``python -m decode`` does; returns the JSON report.
 
   Generated text goes to ``out`` (default stdout): with one prompt and one
@@ -250,6 +307,12 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   template (its end-of-turn token ends the reply); else raw text; None:
   chat iff the model's tokenizer has a chat template (JSONL prompt files).
 
+  ``dtype`` / ``attention_impl``: decode in that dtype with that attention
+  implementation instead of the checkpoint's (``load_decoder``); the
+  report's ``config`` records what was used (``dtype``, ``attention_impl``
+  and ``attention_impl_resolved``, ``decode.results.numerics_record``) and
+  the statistics block says it.
+
   ``prompts``: strings, or dicts ``{"prompt", "category"?, "system"?}`` (a
   JSONL prompt file, ``read_prompt_jsonl_file``): each result then records
   its ``category`` and the report gains ``per_category`` (per category:
@@ -281,8 +344,10 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   check_run_args(max_new_tokens=max_new_tokens, num_samples=num_samples, seed=seed,
                  repeats=repeats, max_draft_tokens=max_draft_tokens, sampling=sampling)
   check_prompt_text(prompts, "--chat" if chat else "--prompt")
+  check_overrides(dtype, attention_impl)
   decoder, trained, step = load_decoder(workdir, method, num_draft_tokens, draft_workdir,
-                                  max_draft_tokens, tree)
+                                        max_draft_tokens, tree, dtype=dtype,
+                                        attention_impl=attention_impl)
   note = results_lib.untrained_offsets_note(decoder, method, trained)
   if note:
     err.write(note)
@@ -300,7 +365,8 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
     results_lib.write_rows(out, results, chat)
   compared = compare and method != "ar" and not gen.interrupted
   err.write(stats_lib.format_summary(f"{method}, the answer above" if compared else method,
-                                     summary, timing=not compared) + f"\n  seed {seed}\n")
+                                     summary, timing=not compared)
+            + f"\n  seed {seed}  {results_lib.numerics_line(decoder)}\n")
   notice = results_lib.length_notice(gen.finish_reasons, max_new_tokens)
   if notice:
     err.write(notice)

@@ -138,3 +138,42 @@ def _read_model(ckpt, step: int):
                           abstract_params)
   params, _ = ckpt.restore(step, abstract)
   return cfg, nnx.merge(graphdef, params), step
+
+
+def overridden_config(cfg: Config, *, dtype: str | None = None,
+                      attention_impl: str | None = None) -> Config:
+  """``cfg`` with the inference-time settings a reader may change without
+  touching the parameters' architecture: ``dtype`` sets ``model.dtype`` and
+  ``model.param_dtype`` (decode a float32-trained or imported model in
+  bfloat16), ``attention_impl`` sets ``model.attention_impl`` (a checkpoint
+  saved before "auto" existed stores "blockwise"). None keeps the saved
+  value. The result goes through ``mtp.config``'s validation, so a bad value
+  is the ConfigError line that names the field and its allowed values."""
+  changes = {}
+  if dtype is not None:
+    changes.update(dtype=dtype, param_dtype=dtype)
+  if attention_impl is not None:
+    changes["attention_impl"] = attention_impl
+  return cfg.replace(model=changes) if changes else cfg
+
+
+def override_model(cfg: Config, model, *, dtype: str | None = None,
+                   attention_impl: str | None = None):
+  """(config, model) for ``overridden_config(cfg, ...)``: ``model`` rebuilt
+  for the new config (its modules read dtype and attention implementation
+  when built) with its floating parameters cast to the new
+  ``model.param_dtype`` once, here, so no decode step casts weights again;
+  integer parameters (a draft vocabulary's ids) are kept. Returns ``(cfg,
+  model)`` unchanged when nothing changes. Raises ConfigError (see
+  ``overridden_config``)."""
+  new_cfg = overridden_config(cfg, dtype=dtype, attention_impl=attention_impl)
+  if new_cfg == cfg:
+    return cfg, model
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build_model(new_cfg)), nnx.Param)
+  params = nnx.state(model, nnx.Param)
+
+  def cast(x, a):
+    if x.dtype == a.dtype or not jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
+      return x
+    return x.astype(a.dtype)
+  return new_cfg, nnx.merge(graphdef, jax.tree.map(cast, params, abstract))
