@@ -1,0 +1,117 @@
+"""Self-written chat prompts: the target writes user turns from its own chat
+template's user-turn prefix (Magpie, Xu et al. 2024); ``mtp.data.self_prompts``
+samples, filters (unfinished, empty, too short / long, non-printable,
+repetitive, duplicate, overlapping the held-out set) and writes them.
+
+    .venv/bin/python -m scripts.self_prompts --workdir runs/smollm2_135m \\
+        --num_prompts 2048 --temperature 1 --top_p 0.95 --max_len 128 --seed 0 \\
+        --out results/self_prompts_smollm2.jsonl
+
+--out is a JSONL prompt file (``{"category": "self_written", "prompt": ...}``
+per line, ``mtp.data.chat.read_prompt_jsonl``'s format); OUT.meta.json next
+to it records the workdir, step, settings and the rejection counts.
+``mtp.data.self_prompts.read_self_prompts`` reads the file as chat prompts
+and ``mix_prompt_sources`` mixes them with the templated ones by weight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+
+from decode.speculative import DecodeError, Decoder
+from mtp import checkpoint as ckpt_lib
+from mtp import loading
+from mtp import tokenizer as tok
+from mtp.data import self_prompts as sp_lib
+from mtp.data.corpora import DataError
+
+
+def make_self_prompts(workdir: str, out: str, num_prompts: int, settings: sp_lib.SampleSettings,
+                      filters: sp_lib.FilterSettings = sp_lib.FilterSettings(), *,
+                      method: str = "ar", log=None) -> dict:
+  """Samples ``num_prompts`` self-written prompts from the model in
+  ``workdir`` and writes them to ``out`` (JSONL) and ``out.meta.json``.
+  Returns the metadata. Raises DataError (settings, no chat template, a
+  prompt prefix plus ``max_len`` past the model's ``max_seq_len``),
+  CheckpointError, DecodeError."""
+  settings.validate()
+  filters.validate()
+  if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
+    raise DataError(f"--num_prompts={num_prompts!r} must be an integer >= 1")
+  if method not in ("ar", "mtp"):
+    raise DataError(f"--method={method!r} must be 'ar' or 'mtp' (the model samples itself)")
+  tokenizer = tok.load_tokenizer(workdir)
+  prefix = sp_lib.user_turn_prefix(tokenizer)
+  cfg, model, step = loading.load_model(workdir)
+  if len(prefix) + settings.max_len > cfg.model.max_seq_len:
+    raise DataError(f"--max_len={settings.max_len} plus the {len(prefix)}-token user-turn prefix "
+                    f"exceeds the model's max_seq_len={cfg.model.max_seq_len}")
+  if method == "mtp" and cfg.mtp.depth < 1:
+    raise DataError(f"--method=mtp needs a model with MTP modules; {workdir!r} has mtp.depth=0")
+  decoder = Decoder(model, method, max(cfg.mtp.depth, 1), tokenizer=tokenizer)
+  t0 = time.perf_counter()
+  prompts, stats = sp_lib.generate_self_prompts(decoder, num_prompts, settings, filters, log=log)
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  sp_lib.write_prompt_jsonl(out, prompts)
+  meta = {"generator": "scripts.self_prompts", "workdir": os.path.abspath(workdir),
+          "step": int(step), "method": method, "num_prompts": num_prompts,
+          "prefix_tokens": [int(i) for i in prefix], "sampling": dataclasses.asdict(settings),
+          "filters": dataclasses.asdict(filters), **stats,
+          "wall_s": time.perf_counter() - t0, "date": datetime.date.today().isoformat()}
+  with open(f"{out}.meta.json", "w") as f:
+    json.dump(meta, f, indent=2)
+  return meta
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--workdir", required=True, help="the target's workdir (a chat-template tokenizer)")
+  ap.add_argument("--out", required=True, help="JSONL prompt file to write")
+  ap.add_argument("--num_prompts", type=int, default=512, help="prompts to keep")
+  d, f = sp_lib.SampleSettings(), sp_lib.FilterSettings()
+  ap.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature")
+  ap.add_argument("--top_p", type=float, default=d.top_p, help="top-p (1 = off)")
+  ap.add_argument("--top_k", type=int, default=d.top_k, help="top-k (0 = off)")
+  ap.add_argument("--max_len", type=int, default=d.max_len,
+                  help="longest user turn in tokens (one without an end-of-turn by then is dropped)")
+  ap.add_argument("--batch_size", type=int, default=d.batch_size, help="rows sampled together")
+  ap.add_argument("--max_rounds", type=int, default=d.max_rounds,
+                  help="decoder calls at most (stops early once --num_prompts are kept)")
+  ap.add_argument("--seed", type=int, default=d.seed, help="sampling seed")
+  ap.add_argument("--method", default="ar", choices=("ar", "mtp"),
+                  help="decoder (both sample the target exactly)")
+  ap.add_argument("--min_chars", type=int, default=f.min_chars, help="shortest kept prompt (chars)")
+  ap.add_argument("--max_chars", type=int, default=f.max_chars, help="longest kept prompt (chars)")
+  ap.add_argument("--min_words", type=int, default=f.min_words, help="fewest words of a kept prompt")
+  args = ap.parse_args(argv)
+  log = lambda s: print(s, file=sys.stderr, flush=True)
+  try:
+    settings = sp_lib.SampleSettings(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_len=args.max_len,
+        batch_size=args.batch_size, seed=args.seed, max_rounds=args.max_rounds)
+    filters = sp_lib.FilterSettings(min_chars=args.min_chars, max_chars=args.max_chars,
+                                    min_words=args.min_words)
+    meta = make_self_prompts(args.workdir, args.out, args.num_prompts, settings, filters,
+                             method=args.method, log=log)
+  except (DataError, DecodeError, ckpt_lib.CheckpointError, tok.TokenizerError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  rej = ", ".join(f"{k} {v}" for k, v in meta["rejected"].items() if v)
+  print(f"wrote {meta['kept']} of {meta['sampled']} sampled prompts to {args.out} "
+        f"({meta['rounds']} rounds, {meta['wall_s']:.0f} s; rejected: {rej or 'none'})")
+  if meta["kept"] < args.num_prompts:
+    print(f"warning: {meta['kept']} of --num_prompts={args.num_prompts} kept after "
+          f"--max_rounds={args.max_rounds}; raise --max_rounds or loosen the sampling",
+          file=sys.stderr)
+  return 0 if meta["kept"] else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
