@@ -20,7 +20,7 @@ How much is timed: ``calibration_plan`` (16 rounds per call, 7 calls per
 g up to 16 rows; at more rows the same rows x rounds, down to 3 calls of
 one round), and ``prefill_repeats`` for the prefills; before any of it
 ``AutoSchedule.drafting_can_pay`` may find that nothing needs measuring
-(``Decoder._drafting_can_pay``): at a large batch with a short budget the
+(``AutoCalibration.drafting_can_pay``): at a large batch with a short budget the
 costs could not make drafting pay.
 
 Why the fixed cost matters: a calibration call runs ~16 rounds at g = 0
@@ -32,6 +32,7 @@ most and compressed the ratios (docs/results.md 13.14).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -189,7 +190,7 @@ def decoder_round_costs(decoder, state, sp, form: str) -> Calibration:
 
 def plain_ar_calibration(ar_decoder, state, sp, form: str) -> Calibration:
   """Seconds per step of the plain AR decoder "auto" falls back to
-  (``Decoder._plain_ar``), measured as ``decoder_round_costs`` measures
+  (``Decoder.plain_ar``), measured as ``decoder_round_costs`` measures
   "auto"'s rounds, after the prefill ``state`` of that decoder (each call on
   a copy): ``Calibration`` with costs [1] (the AR step) and, in the
   while_loop form, the call's fixed cost. ``drafting_pays`` compares
@@ -245,7 +246,7 @@ def extra_prefill_seconds(decoder, prompts, max_new_tokens: int, repeats: int | 
   import time
 
   import jax
-  ar = decoder._plain_ar()
+  ar = decoder.plain_ar()
   repeats = prefill_repeats(len(prompts)) if repeats is None else repeats
   got = {"auto": [], "ar": []}
 
@@ -357,53 +358,157 @@ def stage_prior(workdir: str, max_draft_tokens: int) -> dict | None:
     greedy.append(clip(g))
     sampling.append(clip(row.get(f"mtp_{k}/teacher_overlap", g)))
   return {"greedy": tuple(greedy), "sampling": tuple(sampling), "step": row.get("step")}
+
+
+@dataclasses.dataclass
+class AutoCalibration:
+  """What a ``Decoder`` with "auto" measured and decides with, per cost key
+  (batch size, cache length, greedy, filtering, form): the costs are those
+  of one compiled program shape, so each key is measured once
+  (``with_costs``), then moved by the generations it decides.
+
+  fixed: the ``auto_costs`` given to the decoder, [G_max+1] float64
+    seconds per round, or None (measured).
+  costs: {key: [G_max+1] float64 seconds per round at g = 0..G_max}.
+  call_s: {key: seconds of a generate call that runs no round}.
+  plain: {key: ``Calibration`` of the plain AR fallback's step}.
+  prefill_extra: {key: seconds the MTP modules add to the prefill}.
+  key, ar_step_s, extra_prefill_s: the current generation's key (None for
+    fixed costs, a key's first generation, or no calibration), plain AR
+    step and prefill charge, set by ``with_costs`` for ``drafting_pays``.
+  """
+  fixed: np.ndarray | None = None
+  costs: dict = dataclasses.field(default_factory=dict)
+  call_s: dict = dataclasses.field(default_factory=dict)
+  plain: dict = dataclasses.field(default_factory=dict)
+  prefill_extra: dict = dataclasses.field(default_factory=dict)
+  key: tuple | None = None
+  ar_step_s: float | None = None
+  extra_prefill_s: float = 0.0
+
+  def record(self, schedule) -> dict:
+    """{"prior", "greedy_prior" (per draft position), "round_costs_s":
+    {"B, S, greedy, filtering, form": [seconds per round at g = 0..G_max]}
+    as held now (or {"fixed": ...}), "call_s": {same keys: seconds},
+    "plain_ar_step_s": {same keys: the AR fallback's step}}."""
+    as_list = lambda v: None if v is None else [float(x) for x in np.atleast_1d(v)]
+    costs = ({"fixed": as_list(self.fixed)} if self.fixed is not None else
+             {", ".join(map(str, k)): as_list(v) for k, v in self.costs.items()})
+    return {"prior": as_list(schedule.prior),
+            "greedy_prior": as_list(schedule.greedy_prior), "round_costs_s": costs,
+            "call_s": {", ".join(map(str, k)): float(v) for k, v in self.call_s.items()},
+            "plain_ar_step_s": {", ".join(map(str, k)): float(v.costs[0])
+                                for k, v in self.plain.items()}}
+
+  def drafting_can_pay(self, schedule, sp, max_new_tokens: int, batch: int) -> bool:
+    """False when no round costs could make drafting pay for this budget
+    and batch (``AutoSchedule.drafting_can_pay`` at the prior): then nothing
+    is calibrated or compiled for drafting and the generation is the plain
+    AR decoder's, the decision measured costs would have led to. True with
+    fixed costs (``drafting_pays`` decides)."""
+    if self.fixed is not None:
+      return True
+    if schedule.drafting_can_pay(sp.greedy, max_new_tokens, batch):
+      return True
+    self.key, self.ar_step_s, self.extra_prefill_s = None, None, 0.0
+    return False
+
+  def drafting_pays(self, schedule, state, sp, max_new_tokens: int) -> bool:
+    """``AutoSchedule.drafting_pays`` at the costs ``with_costs`` put into
+    ``state``, the token budget, the batch size, the modules' prefill charge
+    and the plain AR step."""
+    import jax
+    costs = np.asarray(jax.device_get(state.auto.schedule["costs"]), np.float64)
+    return schedule.drafting_pays(costs, sp.greedy, max_new_tokens, self.extra_prefill_s,
+                                  batch=int(state.tokens.shape[0]), ar_step_s=self.ar_step_s)
+
+  def learn(self, gen) -> None:
+    """``learn_costs`` from a drafting generation ``gen``, for its key."""
+    learn_costs(self.costs, self.key, gen, self.call_s.get(self.key, 0.0))
+
+  def fallback(self, gen, g_max: int, learn: bool = True):
+    """The AR fallback's ``Generation`` in "auto"'s shape (``as_auto``).
+    With ``learn`` (not a warm-up) and not interrupted, its decoding time
+    moves the plain AR step (``learn_ar_step``), so a calibration that put
+    that step too high or too low is corrected by the generations it
+    decides, as a drafting generation moves its g's costs."""
+    if learn and not gen.interrupted:
+      learn_ar_step(self.plain, self.key, gen)
+    return as_auto(gen, g_max)
+
+
+def as_auto(gen, g_max: int):
+  """An AR ``Generation`` in "auto"'s shape: num_draft_tokens G_max, every
+  round an AR step (draft length 0, 0 accepted), no draft position tested
+  (histograms [B, G_max+1] and [B, G_max] int64)."""
+  b = len(gen.tokens)
+  rounds = np.asarray(gen.target_calls, np.int64)
+  hist = np.zeros((b, g_max + 1), np.int64)
+  hist[:, 0] = rounds
+  zeros = np.zeros((b, g_max), np.int64)
+  return dataclasses.replace(gen, num_draft_tokens=g_max, accepted_histogram=hist,
+                             draft_length_histogram=hist.copy(), position_tested=zeros,
+                             position_accepted=zeros.copy())
+
+
+def start(decoder, prompts, max_new_tokens: int, sp, seed: int, stops, form: str,
+          budget: int | None = None):
+  """``decoder.prepare``'s (state, prefill_len) with "auto"'s round costs
+  (``with_costs``), or None where "auto" runs the plain AR decoder instead:
+  drafting cannot pay at any costs (``AutoCalibration.drafting_can_pay``,
+  then nothing is measured) or does not pay at the measured ones
+  (``drafting_pays``). Without "auto": the prepared state."""
+  cal = decoder.calibration
+  if cal is not None and not cal.drafting_can_pay(decoder.schedule, sp, max_new_tokens,
+                                                  len(prompts)):
+    return None
+  state, prefill_len = decoder.prepare(prompts, max_new_tokens, seed, stops, budget)
+  state = with_costs(decoder, state, sp, prompts, max_new_tokens, form=form, stops=stops)
+  if cal is not None and not cal.drafting_pays(decoder.schedule, state, sp, max_new_tokens):
+    return None
+  return state, prefill_len
+
+
 def with_costs(decoder, state, sp, prompts, max_new_tokens: int, form: str = "while",
                stops=None):
   """"auto": ``state`` (a ``DecodeState`` from ``decoder.prepare``) with the
   schedule's round costs [G_max+1] float32 seconds for this batch size,
-  cache length, sampling mode and form (``"while"`` or ``"stream"``),
-  measured once each (``decoder_round_costs`` on a probe batch of
-  ``prompts`` and ``stops``, the generation's own shapes, so the rounds
-  it compiles are the generation's; kept in ``decoder._costs``, then moved
-  toward each later
-  generation's own rounds by ``learn_costs``; not the first one of a key,
-  which compiles), and with them what the modules add to the prefill
-  (``extra_prefill_seconds``, into ``decoder._extra_prefill_s``) and the
-  plain AR fallback's step (``plain_ar_calibration``, kept in
-  ``decoder._plain`` and moved by the fallback's generations,
-  ``learn_ar_step``; into ``decoder._ar_step_s``), both for
-  ``drafting_pays``; ``auto_costs`` given to the ``Decoder`` replace all
-  three (no prefill charge then, and the AR step is ``auto_costs[0]``).
-  The schedule's estimates start at its prior for this mode
-  (``AutoSchedule.prior_alpha(sp.greedy)``). Replicated on the decoder's
-  mesh.
-  Without "auto" ``state`` is returned unchanged."""
+  cache length, sampling mode and form (``"while"`` or ``"stream"``), and
+  its estimates reset to the prior for this mode
+  (``AutoSchedule.prior_alpha(sp.greedy)``); replicated on the decoder's
+  mesh. A key's first call measures, on a probe batch of ``prompts`` and
+  ``stops`` (the generation's own shapes, so the programs it compiles are
+  the generation's), the round costs (``decoder_round_costs``), the plain
+  AR step (``plain_ar_calibration``) and the modules' prefill charge
+  (``extra_prefill_seconds``) into ``decoder.calibration``; later
+  generations move them (``learn_costs``, ``learn_ar_step``), the first
+  one not, since it compiles inside its timed decoding phase. Fixed
+  ``auto_costs`` replace all three (no prefill charge; the AR step is
+  ``auto_costs[0]``). Without "auto" ``state`` is returned unchanged."""
   if decoder.schedule is None:
     return state
   import jax
   import jax.numpy as jnp
   from decode import mesh as decode_mesh
-  costs, decoder._cost_key, decoder._extra_prefill_s = decoder._fixed_costs, None, 0.0
-  decoder._ar_step_s = None
+  cal = decoder.calibration
+  costs, cal.key, cal.extra_prefill_s = cal.fixed, None, 0.0
+  cal.ar_step_s = None
   if costs is None:
     key = (len(prompts), state.tokens.shape[1], sp.greedy, sp.filtering, form)
-    first = key not in decoder._costs
+    first = key not in cal.costs
     if first:           # a probe batch of its own: ``state`` is prefilled (and donated) later
       probe, prefill_len = decoder.prepare(prompts, max_new_tokens, 0, stops)
-      decoder._costs[key], decoder._call_s[key] = decoder_round_costs(
+      cal.costs[key], cal.call_s[key] = decoder_round_costs(
           decoder, decoder.prefill(probe, prefill_len), sp, form)
-      ar = decoder._plain_ar()
+      ar = decoder.plain_ar()
       probe, prefill_len = ar.prepare(prompts, max_new_tokens, 0, stops)
-      decoder._plain[key] = plain_ar_calibration(ar, ar.prefill(probe, prefill_len), sp, form)
+      cal.plain[key] = plain_ar_calibration(ar, ar.prefill(probe, prefill_len), sp, form)
       # both prefills ran at these shapes above: nothing left to compile there
-      decoder._prefill_extra[key] = extra_prefill_seconds(decoder, prompts, max_new_tokens,
-                                                          stops=stops, warmup=0)
-    decoder._extra_prefill_s = decoder._prefill_extra.get(key, 0.0)
-    decoder._ar_step_s = float(decoder._plain[key].costs[0])
-    # the first generation of a key compiles its program inside the timed
-    # decoding phase: learning from it once put seconds of compilation into
-    # every round's cost (SmolLM2: 0.96 s per round instead of 0.05)
-    costs, decoder._cost_key = decoder._costs[key], None if first else key
+      cal.prefill_extra[key] = extra_prefill_seconds(decoder, prompts, max_new_tokens,
+                                                     stops=stops, warmup=0)
+    cal.extra_prefill_s = cal.prefill_extra.get(key, 0.0)
+    cal.ar_step_s = float(cal.plain[key].costs[0])
+    costs, cal.key = cal.costs[key], None if first else key
   costs = jnp.asarray(costs, jnp.float32)
   old_alpha = state.auto.schedule["alpha"]
   alpha = jnp.broadcast_to(decoder.schedule.prior_alpha(sp.greedy), old_alpha.shape)

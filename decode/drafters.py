@@ -41,15 +41,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from decode.cache import gather_rows, module_lengths
 from decode.sampling import SamplingParams, draft_uniforms, pick
 from mtp.model import Transformer, init_layer_caches, write_cache
-
-
-def gather_rows(buf: jax.Array, idx: jax.Array) -> jax.Array:
-  """buf [B, S, ...] at per-row indices idx [B, W] -> [B, W, ...] (clipped to S-1)."""
-  idx = jnp.clip(idx, 0, buf.shape[1] - 1)
-  idx = idx.reshape(idx.shape + (1,) * (buf.ndim - 2))
-  return jnp.take_along_axis(buf, idx, axis=1)
 
 
 def head_pick(target: Transformer, k: int, h, u, params: SamplingParams):
@@ -201,9 +195,8 @@ class MTPDrafter:
       h, caches[k - 1] = target.mtp_forward(k, h, nxt, pos, cache=caches[k - 1])
       if k < self.used:
         hidden[k] = hidden[k].at[:, :prefill_len].set(h.astype(hidden[k].dtype))
-    ks = jnp.arange(1, self.used + 1, dtype=jnp.int32)[None, :]
-    committed = jnp.maximum(lengths[:, None] - 1 - ks, 0)
-    return MTPDraftState(caches=caches, hidden=hidden, committed=committed)
+    return MTPDraftState(caches=caches, hidden=hidden,
+                         committed=module_lengths(lengths - 1, self.used))
 
   def _catch_up(self, target: Transformer, k: int, caches, hidden, tokens, c, n):
     """Module k over committed positions only, in chunks of its window,
@@ -284,7 +277,7 @@ class MTPDrafter:
       qs.append(q)
     ks = jnp.arange(1, self.used + 1, dtype=jnp.int32)[None, :]
     ran = ks <= run                                                 # modules past g keep c_k
-    committed = jnp.where(ran, jnp.maximum(n[:, None] - ks, 0), committed)
+    committed = jnp.where(ran, module_lengths(n, self.used), committed)
     state = MTPDraftState(caches=caches, hidden=hidden, committed=committed)
     return state, tokens, jnp.stack(drafts, 1), jnp.stack(qs, 1)
 

@@ -21,6 +21,7 @@ rounds take fractions of a millisecond).
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -30,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decode.state import DecodeState
+from decode.state import DecodeState, repeat_row
 
 RoundG = Callable[[DecodeState, int], DecodeState]
 
@@ -205,3 +206,57 @@ def stream_rounds(step: Callable[[DecodeState, int], DecodeState], state: Decode
     if done.all():
       break
   return state, emit_times, None
+
+
+def timed_generate(prefill_fn: Callable[[DecodeState], DecodeState],
+                   generate_fn: Callable[[DecodeState], DecodeState], state: DecodeState,
+                   like=None) -> tuple[DecodeState, float, float]:
+  """The while_loop form after ``Decoder.prepare``: ``prefill_fn`` (its
+  output repeated into ``like``'s batch, ``state.repeat_row``, when given),
+  then ``generate_fn``, each blocked on. Returns (state, seconds of both,
+  seconds of the prefill), the clock started with ``state`` ready."""
+  jax.block_until_ready(state)
+  t0 = time.perf_counter()
+  state = prefill_fn(state)
+  state = jax.block_until_ready(state if like is None else repeat_row(state, like))
+  t1 = time.perf_counter()
+  state = generate_fn(state)
+  jax.block_until_ready(state.length)
+  return state, time.perf_counter() - t0, t1 - t0
+
+
+def timed_stream(prefill_fn: Callable[[DecodeState], DecodeState], step, state: DecodeState,
+                 max_rounds: int, watch, *, stop_rows, choose_fn=None,
+                 interruptible: bool = False):
+  """The stream form after ``Decoder.prepare``: ``prefill_fn`` (blocked
+  on), then ``stream_rounds`` with ``watch`` (a ``decode.stops.StreamStops``)
+  seeing each row's new ids, inside an ``InterruptFlag`` when
+  ``interruptible``; then ``watch.flush()``. Returns (state, emit_times,
+  kept, seconds since the prefill started, seconds of the prefill)."""
+  with (InterruptFlag() if interruptible else contextlib.nullcontext()) as interrupt:
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(prefill_fn(state))   # else: dispatch time only
+    prefill = time.perf_counter() - t0
+    state, emit_times, kept = stream_rounds(
+        step, state, max_rounds, t0=t0, on_new=watch.on_new if watch.needed else None,
+        stop_rows=stop_rows, choose_fn=choose_fn, interrupt=interrupt)
+  try:
+    watch.flush()
+  except KeyboardInterrupt:     # the callback that ended the loop, raising again
+    if kept is None:
+      raise
+  return state, emit_times, kept, time.perf_counter() - t0, prefill
+
+
+def warm_extras(state: DecodeState, step, stop_rows, cut: bool, g_max: int | None = None):
+  """What a warm-up compiles after its round: ``stop_rows`` with a no-op
+  mask when ``cut`` (there are stop strings), and with ``g_max`` (fixed
+  "auto" costs: no calibration compiled them) ``step`` at every draft
+  length 0..g_max. Returns the state, ready."""
+  if cut:
+    b = state.length.shape[0]
+    state = stop_rows(state, np.asarray(jax.device_get(state.length)), np.zeros(b, bool))
+  if g_max is not None:
+    for g in range(g_max + 1):
+      state = step(state, g)
+  return jax.block_until_ready(state)

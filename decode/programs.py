@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from decode import loops
@@ -94,6 +95,10 @@ class Programs:
   stop_rows: Callable
   choose: Callable
 
+  def stop_rows_host(self, state: DecodeState, lengths, mask) -> DecodeState:
+    """``stop_rows`` with host (numpy) lengths [B] and mask [B] (the stream loop's)."""
+    return self.stop_rows(state, jnp.asarray(lengths), jnp.asarray(mask))
+
 
 def _stop_rows(state: DecodeState, lengths, mask) -> DecodeState:
   return state.replace(length=jnp.where(mask, lengths, state.length), done=state.done | mask)
@@ -108,6 +113,25 @@ def _build(spec: ProgramSpec) -> Programs:
       generate=jax.jit(wrap(spec.generate), donate_argnums=(2,)),
       stop_rows=jax.jit(wrap(_stop_rows), donate_argnums=(0,)),
       choose=jax.jit(wrap(functools.partial(loops.choose, spec.schedule)), donate_argnums=(0,)))
+
+
+def on_device(tree):
+  """``tree`` with its numpy leaves moved to the default device (jax arrays
+  are left where they are): a jitted function copies a numpy argument to the
+  device on every call, and the parameters are arguments of every program."""
+  return jax.tree.map(lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, tree)
+
+
+def place_params(mesh, params, draft_params, cfg, draft_cfg=None):
+  """(params, draft_params) where the programs take them: on the default
+  device without a mesh (``on_device``), else sharded as in training
+  (``decode.mesh.place_params``; draft_params None stays None)."""
+  if mesh is None:
+    return on_device((params, draft_params))
+  params = decode_mesh.place_params(mesh, params, cfg)
+  if draft_params is not None:
+    draft_params = decode_mesh.place_params(mesh, draft_params, draft_cfg)
+  return params, draft_params
 
 
 _cached_build = functools.lru_cache(maxsize=CACHE_SIZE)(_build)

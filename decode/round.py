@@ -37,12 +37,12 @@ import jax
 import jax.numpy as jnp
 
 from decode import verify
-from decode.drafters import gather_rows
+from decode.cache import commit_prefix, gather_rows
 from decode.errors import ERROR_DRAFTER, ERROR_NONE, ERROR_TARGET
-from decode.sampling import SamplingParams, warped_probs
+from decode.sampling import SamplingParams
 from decode.state import DecodeState
 from mtp import tokenizer as tok
-from mtp.model import Transformer, write_cache
+from mtp.model import Transformer
 
 
 NO_DRAFT = -1     # a draft id marking "no draft" (outside the vocabulary: always rejected)
@@ -125,25 +125,6 @@ def flag_non_finite(state: DecodeState, target_logits, draft_q, n, positions=Non
                        error_pos=jnp.where(fresh, pos, state.error_pos))
 
 
-def verify_block(target: Transformer, state: DecodeState, block, positions, params: SamplingParams,
-                 **backbone_kw):
-  """The target over a verify block: (h_draft [B, T, D], logits [B, T, V], p
-  [B, T, V] (warped probabilities; the logits when greedy), new cache).
-  h_draft is what the MTP drafter stores for module 1
-  (``Transformer.backbone_features``: h^0, or the fused lower-layer features
-  with ``mtp.feature_layers``). block / positions: [B, T] int32;
-  ``backbone_kw``: write_offsets / mask for token trees."""
-  with jax.named_scope("verify"):
-    with jax.named_scope("forward"):
-      h0, h_draft, cache = target.backbone_features(block, positions, cache=state.cache,
-                                                    **backbone_kw)
-    with jax.named_scope("head"):
-      logits = target.head(h0)
-    with jax.named_scope("warp"):
-      p = logits if params.greedy else warped_probs(logits, params)
-  return h_draft, logits, p, cache
-
-
 def propose(drafter, target: Transformer, draft: Transformer | None, state: DecodeState,
             params: SamplingParams, g: int) -> tuple[DecodeState, Proposal]:
   """Draft g tokens (static; 0 = an AR step) and verify them in one target
@@ -173,8 +154,8 @@ def propose(drafter, target: Transformer, draft: Transformer | None, state: Deco
       d_tok, d_q = undrafted_as_absent(drafted_rows(drafter, n), d_tok, d_q)
     state = state.replace(drafter=dstate)
   block_pos = (n - 1)[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]
-  h0, logits, p, cache = verify_block(target, state, gather_rows(tokens, block_pos), block_pos,
-                                      params)
+  h0, logits, p, cache = verify.verify_block(target, state, gather_rows(tokens, block_pos),
+                                             block_pos, params)
   with jax.named_scope("check"):
     state = flag_non_finite(state, logits, d_q, n, allowed=tok.head_mask(target.cfg),
                             draft_allowed=(target.draft_mask() if draft is None
@@ -213,12 +194,11 @@ def commit(drafter, state: DecodeState, draft_tokens, a, nxt, h0) -> DecodeState
   active = ~done
   failed = state.error != ERROR_NONE
   e = jnp.where(active & ~failed, e, 0)                           # nothing from bad logits
-  new_n = n + e
+  tokens, new_n = commit_prefix(state.tokens, cand, n, e)   # a done row's writes: never read
   done = done | failed | (first_stop < e) | (new_n - state.prompt_len >= state.max_new)
-  # A done row's writes land past its length and are never read.
   hist = state.accepted_histogram + jax.nn.one_hot(
       a, state.accepted_histogram.shape[1], dtype=jnp.int32) * active[:, None]
-  state = state.replace(tokens=write_cache(state.tokens, cand, n), length=new_n, done=done,
+  state = state.replace(tokens=tokens, length=new_n, done=done,
                         target_calls=state.target_calls + active, accepted_histogram=hist)
   if drafter is not None:
     state = state.replace(drafter=drafter.after_verify(state.drafter, h0, n))

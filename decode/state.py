@@ -14,7 +14,6 @@ arrays, one entry per row.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -22,13 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from decode.errors import emitted_rows, raise_on_error
+from decode.errors import DecodeError, emitted_rows, raise_on_error
 from decode.stops import stop_id_array
 from mtp import tokenizer as tok
 from mtp.model import init_layer_caches
-
-PROMPT_BUCKET = 64      # prompt lengths are padded to a multiple: no recompile per length
-
 
 @struct.dataclass
 class AutoState:
@@ -140,13 +136,39 @@ class Generation:
   interrupted: bool = False
 
 
-def cache_length(prompt_len: int, max_new_tokens: int, headroom: int) -> tuple[int, int]:
-  """(prompt bucket P, cache slots S): P = the longest prompt rounded up to
-  ``PROMPT_BUCKET`` (no recompile per length), S = P + max_new_tokens +
-  ``headroom`` (scratch room past the budget for verify blocks and drafter
-  windows) rounded up the same way."""
-  p = PROMPT_BUCKET * math.ceil(prompt_len / PROMPT_BUCKET)
-  return p, PROMPT_BUCKET * math.ceil((p + max_new_tokens + headroom) / PROMPT_BUCKET)
+def check_prompts(prompts, max_new_tokens, max_len: int, mesh, vocab_size: int | None = None) -> None:
+  """``Decoder.prepare``'s input checks before a state is built: a
+  non-empty batch (divisible by ``mesh``'s ``data`` axis), max_new_tokens
+  an integer >= 1, every prompt (token ids, BOS included) of at least one
+  token, ids in [0, vocab_size), prompt + max_new_tokens <= max_len (the
+  model's max_seq_len).
+
+  Raises DecodeError naming the field (and, for a long prompt, what fits)."""
+  if not prompts:
+    raise DecodeError("no prompts given")
+  if mesh is not None and len(prompts) % mesh.shape["data"]:
+    raise DecodeError(f"{len(prompts)} prompts cannot be split over the mesh's data axis of size "
+                      f"{mesh.shape['data']}: give a multiple of it")
+  if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+    raise DecodeError(f"--max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+  for i, p in enumerate(prompts):
+    if len(p) < 1:
+      raise DecodeError(f"prompt {i} has no token as encoded: give at least 1")
+    if vocab_size is not None and len(p) and (np.min(p) < 0 or np.max(p) >= vocab_size):
+      bad = int(np.asarray(p)[(np.asarray(p) < 0) | (np.asarray(p) >= vocab_size)][0])
+      raise DecodeError(f"prompt {i} holds token id {bad}, outside the model's vocabulary "
+                        f"[0, {vocab_size})")
+    if len(p) + max_new_tokens > max_len:
+      room = max_len - len(p)
+      raise DecodeError(
+          f"prompt {i} has {len(p)} tokens as encoded (BOS included where the tokenizer adds "
+          f"one); with --max_new_tokens={max_new_tokens} it "
+          f"exceeds the model's max_seq_len={max_len}"
+          + (f" (at most {room} new tokens fit)" if room > 0 else
+             f" (no room left to generate: with this --max_new_tokens a prompt may have at most "
+             f"{max_len - max_new_tokens} tokens as encoded)"
+             if max_len - max_new_tokens >= 1 else
+             f" (--max_new_tokens must be at most {max_len - 1} to leave room for a prompt)"))
 
 
 def init_state(model_cfg, prompts, max_new_tokens: int, seed: int, cache_len: int,

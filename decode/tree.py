@@ -67,7 +67,8 @@ import numpy as np
 
 from decode import round as round_lib
 from decode import sampling, verify
-from decode.drafters import MTPDrafter, MTPDraftState, gather_rows
+from decode.cache import gather_rows, module_lengths, move_path_kv
+from decode.drafters import MTPDrafter, MTPDraftState
 from decode.sampling import SamplingParams
 from decode.state import DecodeState
 from decode.tree_spec import TreeSpec
@@ -254,22 +255,8 @@ class TreeMTPDrafter(MTPDrafter):
       node_tok.append(kids.reshape(bsz, spec.counts[k]))
       qs.append(q)
       prev_win, prev_nodes, prev_c = win_out, node_out, c
-    ks = jnp.arange(1, spec.depth + 1, dtype=jnp.int32)[None, :]
-    committed = jnp.maximum(n[:, None] - ks, 0)
-    state = MTPDraftState(caches=caches, hidden=hidden, committed=committed)
+    state = MTPDraftState(caches=caches, hidden=hidden, committed=module_lengths(n, spec.depth))
     return state, tokens, jnp.concatenate(node_tok, 1), jnp.concatenate(qs, 1)
-
-
-def move_path_kv(cache, path, n):
-  """Copies the target K/V of the accepted path's nodes (slot n + node
-  index) to slots n..n+m-1 of every layer: path [B, m] int32 node indices,
-  n [B]. All sources are gathered before the write (BFS order makes the
-  source slot >= the destination)."""
-  src = n[:, None] + path
-  out = []
-  for layer in cache:
-    out.append({name: write_cache(arr, gather_rows(arr, src), n) for name, arr in layer.items()})
-  return out
 
 
 def tree_propose(drafter: TreeMTPDrafter, target: Transformer, state: DecodeState,
@@ -297,8 +284,8 @@ def tree_propose(drafter: TreeMTPDrafter, target: Transformer, state: DecodeStat
   depth = jnp.asarray(np.concatenate([[0], spec.depths]), jnp.int32)
   pos = (n - 1)[:, None] + depth[None, :]
   mask = verify_mask(spec, n, tokens.shape[1])
-  h0, logits, p, cache = round_lib.verify_block(target, state, block, pos, params,
-                                                write_offsets=n - 1, mask=mask)
+  h0, logits, p, cache = verify.verify_block(target, state, block, pos, params,
+                                             write_offsets=n - 1, mask=mask)
   with jax.named_scope("check"):
     state = round_lib.flag_non_finite(state, logits, q, n, positions=pos,
                                       allowed=tok.head_mask(target.cfg),

@@ -27,10 +27,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from decode.sampling import SamplingParams, categorical_from_uniform, sample, uniform_open
+from decode.sampling import (SamplingParams, categorical_from_uniform, sample, uniform_open,
+                             warped_probs)
+from decode.state import DecodeState
 from decode.tree_spec import TreeSpec
+from mtp.model import Transformer
 
 __all__ = [
+  "verify_block",
   "rejection_sample",
   "greedy_verify",
   "accept",
@@ -38,6 +42,25 @@ __all__ = [
   "tree_greedy_verify",
   "tree_accept",
 ]
+
+def verify_block(target: Transformer, state: DecodeState, block, positions, params: SamplingParams,
+                 **backbone_kw):
+  """The target over a verify block: (h_draft [B, T, D], logits [B, T, V], p
+  [B, T, V] (warped probabilities; the logits when greedy), new cache).
+  h_draft is what the MTP drafter stores for module 1
+  (``Transformer.backbone_features``: h^0, or the fused lower-layer features
+  with ``mtp.feature_layers``). block / positions: [B, T] int32;
+  ``backbone_kw``: write_offsets / mask for token trees."""
+  with jax.named_scope("verify"):
+    with jax.named_scope("forward"):
+      h0, h_draft, cache = target.backbone_features(block, positions, cache=state.cache,
+                                                    **backbone_kw)
+    with jax.named_scope("head"):
+      logits = target.head(h0)
+    with jax.named_scope("warp"):
+      p = logits if params.greedy else warped_probs(logits, params)
+  return h_draft, logits, p, cache
+
 
 def _check_verify_shapes(name, target, draft_tokens, draft_probs=None):
   """Static (trace-time) shape checks for the verification functions."""

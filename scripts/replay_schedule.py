@@ -269,7 +269,7 @@ def replay(acc: np.ndarray, costs: Sequence[float], max_new: int, schedule=None,
   if schedule is not None and not schedule.drafting_pays(costs[:schedule.max_draft_tokens + 1],
                                                          greedy, max_new, extra_prefill_s, batch=1,
                                                          ar_step_s=plain):
-    schedule, cur = None, 0              # the decoder runs plain AR (Decoder._plain_ar)
+    schedule, cur = None, 0              # the decoder runs plain AR (Decoder.plain_ar)
   step_cost = [plain] + [float(c) for c in costs[1:]] if schedule is None else costs
   while emitted < budget and rounds < max_new:
     if schedule is not None and left == 0:
@@ -450,7 +450,7 @@ def measured_costs(model, tokenizer, prompt, max_draft_tokens: int, max_new: int
   sp = (SamplingParams(0.0) if params is None else params).validate()
   state, prefill_len = dec.prepare([prompt], max_new, 0)
   costs = calibrate.decoder_round_costs(dec, dec.prefill(state, prefill_len), sp, "while").costs
-  ar = dec._plain_ar()
+  ar = dec.plain_ar()
   state, prefill_len = ar.prepare([prompt], max_new, 0)
   plain = calibrate.plain_ar_calibration(ar, ar.prefill(state, prefill_len), sp, "while")
   return costs, float(plain.costs[0])

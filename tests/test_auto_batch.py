@@ -66,7 +66,7 @@ def _calibration_work(model, batch: int, form: str) -> Work:
   dec = Decoder(model, "mtp", "auto", max_draft_tokens=1)
   work = Work()
   work.watch(dec, "auto")
-  work.watch(dec._plain_ar(), "ar")
+  work.watch(dec.plain_ar(), "ar")
   prompts = random_prompts([5] * batch, seed=batch)
   state, _ = dec.prepare(prompts, 64, 0)
   calibrate.with_costs(dec, state, SamplingParams(1.0), prompts, 64, form=form)
@@ -125,7 +125,7 @@ def test_no_calibration_when_no_draft_length_can_beat_ar(trained_markov):
     work.watch(dec, "auto")
     gen = getattr(dec, form)(prompts, 2, sp, 7)
     ref = getattr(Decoder(model, "ar"), form)(prompts, 2, sp, 7)
-    assert work.calls == {} and dec._costs == {} and dec._plain == {}
+    assert work.calls == {} and dec.calibration.costs == {} and dec.calibration.plain == {}
     for a, b in zip(gen.tokens, ref.tokens):
       np.testing.assert_array_equal(a, b)
     assert gen.num_draft_tokens == 2 and gen.draft_length_histogram[:, 1:].sum() == 0
