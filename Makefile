@@ -17,7 +17,7 @@ SMOLLM_STEPS ?=
 STAMP := $(VENV)/.installed
 HF_STAMP := $(VENV)/.installed-hf
 SMOLLM_STAMP := $(VENV)/.installed-smollm
-.PHONY: demo demo-tiny test test-slow test-gpu test-hf install install-hf install-llamacpp clean-demo reference smollm smollm-mtp
+.PHONY: demo demo-tiny test test-slow test-gpu device-check test-hf install install-hf install-llamacpp clean-demo reference smollm smollm-mtp
 
 install: $(STAMP)
 $(STAMP): pyproject.toml
@@ -78,6 +78,9 @@ test-slow: $(STAMP)
 # make test on CUDA, with PY a Python whose jax has CUDA (cpu_only tests skip; docs/testing.md).
 test-gpu:
 	JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -q $(XDIST) --durations=25 -m "not slow" tests
+# This machine's accelerator checked in < 6 min (docs/testing.md); ARGS=--quick: the CPU dry run.
+device-check:
+	$(PY) scripts/device_check.py $(ARGS)
 
 # MTP_REQUIRE_HF=1: a missing torch/transformers fails instead of skipping.
 test-hf: $(HF_STAMP) $(SMOLLM_STAMP)
