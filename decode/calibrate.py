@@ -24,10 +24,15 @@ one round), and ``prefill_repeats`` for the prefills; before any of it
 costs could not make drafting pay.
 
 Why the fixed cost matters: a calibration call runs ~16 rounds at g = 0
-and more at larger g (its budget is 16 (g + 1) tokens), a generation
-40-128. On the tiny byte model a call's fixed cost was ~1 ms next to a
-0.3-0.4 ms AR step (B = 1), so it inflated the AR step's calibrated cost
-most and compressed the ratios (docs/results.md 13.14).
+and more at larger g (its budget is 16 (g + 1) tokens), a generation more.
+Left in, a call's fixed cost (which can exceed a small model's AR step)
+inflates the cost of the calls with the fewest rounds, the AR step's most,
+and compresses the ratios between draft lengths.
+
+``AutoCalibration`` is what a ``Decoder`` with "auto" holds: the costs per
+batch shape, the current generation's key, and the fallback decisions
+(``start``: prepare with costs or fall back to plain AR; ``fallback``: the
+AR result in "auto"'s shape, learning the AR step).
 """
 
 from __future__ import annotations
@@ -50,8 +55,8 @@ OUTLIER = 10.0             # a generation slower than this x the predicted time 
 
 def calibration_plan(batch: int) -> tuple[int, int]:
   """(rounds per timed call, timed calls per draft length) at ``batch``
-  rows. Up to ``CALIBRATION_ROWS`` rows (every batch size benchmarked in
-  docs/results): ``CALIBRATION_ROUNDS`` x ``CALIBRATION_REPEATS``. Above,
+  rows. Up to ``CALIBRATION_ROWS`` rows: ``CALIBRATION_ROUNDS`` x
+  ``CALIBRATION_REPEATS``. Above,
   the rows x rounds timed per draft length stay those of
   ``CALIBRATION_ROWS`` rows: first fewer calls, down to
   ``MIN_CALIBRATION_REPEATS``, then fewer rounds per call, down to one (a
@@ -141,10 +146,9 @@ def decoder_round_costs(decoder, state, sp, form: str) -> Calibration:
   starts). While_loop form: the generation's own jitted program
   (``programs.generate``, its segments, ``choose`` and rounds) with the
   schedule forced to g (``force``) and the budget cut to n x (g + 1)
-  tokens, per round of what it ran: a separate fori_loop of bare rounds
-  once measured a cheaper round than the generation's (the tiny byte
-  model: an AR step 1.5x too dear next to a G = 2 round), and every
-  decision rests on these ratios; the same program
+  tokens, per round of what it ran (a separate loop of bare rounds is
+  another program, whose round costs differ from the generation's, and
+  every decision rests on these ratios); the same program
   on a state whose rows are all done (no round) gives the call's fixed
   cost, taken off (``Calibration.call_s``). Stream form: n rounds called
   one by one from Python with the host sync the stream loop makes (its
@@ -162,8 +166,8 @@ def decoder_round_costs(decoder, state, sp, form: str) -> Calibration:
     if form == "while":
       s = s.replace(max_new=jnp.minimum(s.max_new, n * (g + 1)),
                     # from the state's own committed scalar: an uncommitted jnp.int32(g)
-                    # gave the calibration a program of its own, and the generation
-                    # compiled again (seconds, inside its timed decoding phase)
+                    # would give the calibration a program of its own, and the
+                    # generation would compile again inside its timed decoding phase
                     auto=s.auto.replace(schedule={**s.auto.schedule, "force": jnp.full_like(
                         s.auto.schedule["force"], g)}))
     return jax.block_until_ready(s)
@@ -196,9 +200,8 @@ def plain_ar_calibration(ar_decoder, state, sp, form: str) -> Calibration:
   while_loop form, the call's fixed cost. ``drafting_pays`` compares
   drafting with this step, not with "auto"'s own AR round (g = 0), which
   also feeds the MTP modules the new token (their catch-up) and runs inside
-  the segment loop: on the tiny byte model at B = 1, T = 1 "auto"'s AR
-  round cost 0.45 ms against 0.38 ms for the plain AR step, enough to make
-  a G = 2 draft (0.43 ms per token) look cheaper than AR. The stream
+  the segment loop, so it costs more and would make a short draft look
+  cheaper than AR. The stream
   form calls the round as ``Decoder.stream`` does (g None), so the
   program timed is the one the fallback runs, compiled here once."""
   import time
@@ -241,8 +244,7 @@ def extra_prefill_seconds(decoder, prompts, max_new_tokens: int, repeats: int | 
   prefills already ran at these shapes), floored at 0.
   ``AutoSchedule.drafting_pays
   charges it to drafting: on a shallow target at B = 1 it can exceed what
-  a short generation's drafts save (the tiny byte model: ~5 ms next to a
-  23 ms decoding phase)."""
+  a short generation's drafts save."""
   import time
 
   import jax

@@ -58,9 +58,8 @@ def head_pick(target: Transformer, k: int, h, u, params: SamplingParams):
   full-vocabulary logits (warping and Gumbel-max ignore -inf entries; ties
   still go to the lowest id, V' being sorted) and q is exactly the
   distribution the token was drawn from, so verification is unchanged; at
-  T = 1 it saves the warp and sample over the full vocabulary (measured
-  ~0.3 ms vs ~2 ms per draft at V = 49,152, V' = 4,096 on this CPU:
-  scripts/bench_draft_head.py)."""
+  T = 1 it saves the warp and sample over the full vocabulary
+  (scripts/bench_draft_head.py measures it)."""
   if not target.draft_vocab_size:
     with jax.named_scope("head"):
       logits = target.mtp_head(k, h)[:, 0]
@@ -113,8 +112,8 @@ class MTPDrafter:
   ``hidden[k-1]`` [B, S, D]; at speculative positions module k reads the
   values module k-1 wrote in the same round, exactly as teacher forcing
   would have produced them. The buffers are separate arrays per depth (a
-  list), so each round writes a few rows of one buffer in place (a stacked
-  [used, B, S, D] array made XLA copy it whole every round).
+  list), so each round writes a few rows of one buffer in place (XLA
+  copies a stacked [used, B, S, D] array whole on such a write).
 
   G < D uses modules 1..G. G > D reuses module D for steps D+1..G the way
   vLLM does: step k feeds module D its own previous hidden state and the

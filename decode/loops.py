@@ -12,11 +12,9 @@ next segment's (g, rounds) from the past only, and a segment runs its
 rounds at that g. In the while_loop form an outer loop over segments runs
 the inner while_loops of g = 0..G_max one after the other, of which only
 the chosen one iterates. Sequential loops, not a ``lax.switch`` over them:
-XLA copies every KV cache on entering a switch branch (it made "auto"
-visibly slower than the fixed G it chose at batch 4 on the reference
-model), while loops update their carry in place; and no host round trip
-per segment (a host-driven variant lost most on the demo model, whose
-rounds take fractions of a millisecond).
+XLA copies every KV cache on entering a switch branch, while loops update
+their carry in place; and no host round trip per segment (it would cost
+most where rounds are shortest).
 """
 
 from __future__ import annotations

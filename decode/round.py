@@ -5,28 +5,20 @@ For a row with committed tokens x_0..x_{n-1} (target cache valid for
 positions 0..n-2):
 
 1. ``propose``: the drafter drafts d_1..d_g with distributions q_1..q_g
-   (``decode.drafters``); one target forward verifies the block
-   [x_{n-1}, d_1..d_g] at positions n-1..n+g-1, p_j = warp(l_j);
-   ``flag_non_finite`` stops rows whose logits are NaN/inf. A row too short
-   for the drafter (n < ``drafter.min_length``: a one-token prompt's first
-   round for the MTP modules, which draft from position n-2) gets no draft:
-   its drafts are marked absent (``NO_DRAFT``) with q = 0, which every
-   acceptance rule rejects, so the round is an exact AR step for that row
-   (counted as a round with a = 0 in ``accepted_histogram``, as "auto"
-   counts its AR rounds);
-2. accept (``decode.verify.accept``, Leviathan et al. 2023, Algorithm 1):
-   a accepted drafts plus one residual/bonus token;
-3. ``commit``: n' = n + e where e <= a+1 is cut at the first stop id (EOS
-   or another stop token id, kept) and at the token budget, never overshooting ``max_new_tokens``. Rolling back the
-   caches is setting lengths; stale entries are masked and later
-   overwritten.
+   (``decode.drafters``); one target forward verifies [x_{n-1}, d_1..d_g]
+   at positions n-1..n+g-1 (``verify.verify_block``), p_j = warp(l_j);
+   ``flag_non_finite`` stops rows with NaN/inf logits. A row shorter than
+   ``drafter.min_length`` gets no draft (``NO_DRAFT``, q = 0, rejected by
+   every rule): its round is an exact AR step.
+2. accept (``decode.verify.accept``): a accepted drafts plus one
+   residual/bonus token.
+3. ``commit``: n' = n + e, e <= a+1 cut after the first stop id and at the
+   token budget; the caches roll back by length (``decode.cache``).
 
-The AR baseline is the same round with g = 0: one target call per token.
-``chain_round`` puts the three together (and, with "auto", folds the round
-into the schedule's estimates); the loops that run rounds are in
-``decode.loops``. Sampling settings are a ``SamplingParams`` whose static
-``greedy`` flag makes the greedy program argmaxes only (no softmax, no
-residual, no random numbers).
+The AR baseline is the same round with g = 0. ``chain_round`` puts the
+three together (with "auto", ``record_auto`` folds the round into the
+schedule's estimates); ``decode.loops`` runs rounds. A greedy
+``SamplingParams`` (static flag) makes the program argmaxes only.
 """
 
 from __future__ import annotations
@@ -49,19 +41,16 @@ NO_DRAFT = -1     # a draft id marking "no draft" (outside the vocabulary: alway
 
 
 def drafted_rows(drafter, n):
-  """[B] bool: rows whose committed length n [B] int32 lets ``drafter`` draft
-  (n >= ``drafter.min_length``; 2 for a drafter that does not say: drafting
-  from x_{n-2} is the convention of ``decode.drafters``)."""
+  """[B] bool: n [B] int32 >= ``drafter.min_length`` (default 2: drafts
+  read position n-2, the convention of ``decode.drafters``)."""
   return n >= getattr(drafter, "min_length", 2)
 
 
 def undrafted_as_absent(drafted, draft_tokens, draft_q):
   """(draft_tokens [B, w] int32, draft_q [B, r, V]) with rows where
-  ``drafted`` [B] bool is False marked as having no draft: ids ``NO_DRAFT``,
-  q = 0. Every acceptance rule rejects an id outside the vocabulary
-  (``verify.rejection_sample``, ``greedy_verify``, the tree rules), and with
-  q = 0 the chain's residual max(0, p_0 - q_1) is p_0 itself, so such a row
-  emits exactly an AR step's token (the argmax, or a sample of p_0)."""
+  ``drafted`` [B] bool is False set to ids ``NO_DRAFT`` and q = 0: every
+  rule rejects an id outside the vocabulary, and the residual max(0, p_0 -
+  0) is p_0, so such a row emits exactly an AR step's token."""
   return (jnp.where(drafted[:, None], draft_tokens, NO_DRAFT),
           jnp.where(drafted[:, None, None], draft_q, 0.0).astype(draft_q.dtype))
 
@@ -99,17 +88,13 @@ def split_keys(state: DecodeState, params: SamplingParams):
 
 def flag_non_finite(state: DecodeState, target_logits, draft_q, n, positions=None, *,
                     allowed, draft_allowed=None) -> DecodeState:
-  """Sets ``error``/``error_pos`` of rows (still active and not yet failed)
-  whose target logits [B, T, V] or draft q [B, G, V] (probabilities or
-  logits) hold NaN or +-inf at an emittable id (``allowed`` [V] bool, the
-  model's ``tok.head_mask``; the head's -inf at never-emitted ids is by
-  design). error_pos is the
-  position whose logits were bad: n-1+j for target block row j (or
-  ``positions[:, j]``, [B, T] int32, for a token tree's block), n-1 for
-  the drafter (its drafts for the round starting at n). ``draft_allowed``
-  [V] bool (default ``allowed``) is checked for the draft instead: an MTP
-  drafter with a reduced draft vocabulary V' gives -inf outside V' by
-  design (``Transformer.draft_mask``)."""
+  """Sets ``error``/``error_pos`` of active, not yet failed rows whose
+  target logits [B, T, V] or draft q [B, G, V] hold NaN/+-inf at an
+  emittable id (``allowed`` [V] bool, ``tok.head_mask``: the head's -inf
+  elsewhere is by design; ``draft_allowed`` [V] bool for the draft, e.g. a
+  reduced draft vocabulary's ``Transformer.draft_mask``). error_pos: n-1+j
+  for target row j (``positions[:, j]``, [B, T] int32, for a tree), n-1
+  for the drafter. The target is named when both are bad."""
   bad_t = jnp.any(~jnp.isfinite(target_logits) & allowed, -1)          # [B, T]
   code = jnp.where(jnp.any(bad_t, -1), ERROR_TARGET, ERROR_NONE)
   row = jnp.argmax(bad_t, -1).astype(jnp.int32)
@@ -127,23 +112,12 @@ def flag_non_finite(state: DecodeState, target_logits, draft_q, n, positions=Non
 
 def propose(drafter, target: Transformer, draft: Transformer | None, state: DecodeState,
             params: SamplingParams, g: int) -> tuple[DecodeState, Proposal]:
-  """Draft g tokens (static; 0 = an AR step) and verify them in one target
-  call; no acceptance yet.
-
-  Args:
-    drafter: ``decode.drafters`` drafter (None for AR).
-    target: the target model; its MTP modules draft for an MTP drafter.
-    draft: the independent draft model (``DraftModelDrafter``), else None.
-    state: the decode state after prefill.
-    params: sampling settings.
-    g: the round's draft length.
-  Returns:
-    (state with the drafts written, the target cache extended, the key
-    advanced and non-finite rows flagged, the ``Proposal``). Rows shorter
-    than the drafter's ``min_length`` get no draft (``undrafted_as_absent``):
-    the target still verifies the drafter's tokens written in the buffer
-    (valid ids, whatever they are), but none of them can be accepted.
-  """
+  """Drafts g tokens (static; 0 = an AR step) and verifies them in one
+  target call; no acceptance yet. ``drafter``: None for AR; ``draft``: the
+  independent draft model, else None (the target's MTP modules draft).
+  Returns (state with the drafts written, the target cache extended, the
+  key advanced and non-finite rows flagged, the ``Proposal``). Rows shorter
+  than ``drafter.min_length`` get no draft (``undrafted_as_absent``)."""
   state, k_draft, k_accept = split_keys(state, params)
   tokens, n = state.tokens, state.length
   d_tok = d_q = None
@@ -166,19 +140,17 @@ def propose(drafter, target: Transformer, draft: Transformer | None, state: Deco
 def commit(drafter, state: DecodeState, draft_tokens, a, nxt, h0) -> DecodeState:
   """Emits d_1..d_a then ``nxt`` per row, cut after the first stop id (EOS
   or ``state.stop_ids``; kept) and at the token budget; updates lengths,
-  done flags, statistics and the drafter state.
+  done flags, statistics and the drafter state (``after_verify``). Done or
+  failed rows emit nothing.
 
   Args:
-    drafter: the round's drafter (None for AR); its ``after_verify`` stores
-      what it keeps of the verify block.
-    draft_tokens: [B, w] int32, the emitted block's drafts (a chain's d_1..d_g,
-      a tree's accepted path), or None for an AR step (w = 0); ``NO_DRAFT``
-      entries (never accepted, so never emitted) are written to the buffer
-      past the new length as id 0, so that no drafter reads an id outside
-      the vocabulary there.
+    drafter: the round's drafter (None for AR).
+    draft_tokens: [B, w] int32, a chain's d_1..d_g or a tree's accepted
+      path, None for an AR step (w = 0); ``NO_DRAFT`` entries (never
+      emitted) are written past the new length as id 0, a valid id for
+      any drafter reading there.
     a: [B] int32 accepted drafts; nxt: [B] int32 the residual/bonus token.
     h0: [B, w+1, D] target hidden states of [x_{n-1}, emitted drafts].
-  Rows that are done or failed emit nothing.
   """
   w = 0 if draft_tokens is None else draft_tokens.shape[1]
   n, done = state.length, state.done
@@ -207,12 +179,10 @@ def commit(drafter, state: DecodeState, draft_tokens, a, nxt, h0) -> DecodeState
 
 def record_auto(schedule, state: DecodeState, g: int, a, active, drafted=None) -> DecodeState:
   """"auto": folds a round of static draft length g with accepted counts a
-  [B] into the schedule's estimates (an AR round relaxes them toward the
-  prior, ``AutoSchedule.update``) and the per-position statistics (rows
-  active before the round and not failed in it). ``drafted`` [B] bool
-  (default all): rows that had a draft (``drafted_rows``); a row without
-  one ran an AR step, counted at draft length 0 and left out of the
-  estimates and the per-position statistics."""
+  [B] int32 into the schedule's estimates (``AutoSchedule.update``) and the
+  per-position statistics, for rows ``active`` [B] before the round and
+  not failed in it. ``drafted`` [B] bool (default all): a row without a
+  draft ran an AR step, counted at g = 0 and left out of the estimates."""
   auto = state.auto
   ok = active & (state.error == ERROR_NONE)
   if g and drafted is not None:
@@ -234,12 +204,11 @@ def record_auto(schedule, state: DecodeState, g: int, a, active, drafted=None) -
 def chain_round(drafter, target: Transformer, draft: Transformer | None, state: DecodeState,
                 params: SamplingParams, g: int, *, schedule=None,
                 accept_rule=verify.accept) -> DecodeState:
-  """One draft-verify-accept-commit round with draft length g (static; 0 =
-  AR step) for every row (a no-op for done rows). ``schedule``: the
-  ``AutoSchedule`` of "auto" (its statistics are updated), else None.
-  ``accept_rule(key, p, q, draft_tokens, params) -> (a, next)``: the
-  acceptance rule (``verify.accept``; tests swap in wrong rules to check
-  that the statistical tests catch them)."""
+  """One draft-verify-accept-commit round at draft length g (static; 0 =
+  AR step) for every row (a no-op for done rows). ``schedule``: "auto"'s
+  ``AutoSchedule`` (statistics updated), else None. ``accept_rule(key, p,
+  q, draft_tokens, params) -> (a, next)``: default ``verify.accept``
+  (tests swap in wrong rules to check the statistics catch them)."""
   active = ~state.done
   drafted = drafted_rows(drafter, state.length) if g else None
   state, prop = propose(drafter, target, draft, state, params, g)

@@ -226,7 +226,7 @@ def _top_k_top_p(z, k, top_p, candidates=TOP_CANDIDATES):
       zs2, ids2 = jax.lax.top_k(zf, n2)            # ranks < n: the tokens ``ids``
       # ranks [n, n2) summed over the whole [R, n2] block, the first n masked
       # to 0: slicing zs2 first lets XLA fold the slice into the sort, and its
-      # CPU backend then runs a full sort instead of its TopK kernel (6x dearer)
+      # CPU backend then runs a full sort instead of its TopK kernel
       rank2 = jnp.arange(n2, dtype=jnp.int32)
       before2, total2 = _cumulative(jnp.where(rank2 >= n, jnp.exp(zs2 - lse), 0.0))
       keep2, last2 = (last + before2[:, n:]) < top_p, last + total2
@@ -243,51 +243,32 @@ def _top_k_top_p(z, k, top_p, candidates=TOP_CANDIDATES):
 
 
 def warp_logits(logits, temperature, top_k, top_p):
-  """Applies temperature, then top-k, then top-p to logits.
+  """Applies temperature, then top-k, then top-p to logits (nucleus
+  sampling, Holtzman et al. 2020, section 3.1). Target and drafter logits
+  get the same warp, so the speculative rule is lossless with respect to
+  sampling the target under these settings.
 
-  Standard nucleus sampling (Holtzman et al. 2020, "The Curious Case of Neural
-  Text Degeneration", section 3.1) after temperature and top-k; the same warp
-  must be applied to the target's and the drafter's logits so that the
-  speculative rule (Leviathan et al. 2023, Algorithm 1) is lossless with
-  respect to sampling the target under these settings.
-
-  Semantics:
-    - Temperature: finite logits are shifted by their row maximum and divided
-      by ``temperature`` (softmax is shift invariant, and the shift keeps tiny
-      temperatures from overflowing to +inf). ``temperature == 0`` (or any
-      traced value <= 0) is greedy: only the argmax of ``logits`` keeps a
-      finite logit (0.0), ties going to the lowest index as in ``jnp.argmax``,
-      so the softmax is exactly one-hot. Greedy ignores top-k and top-p (the
-      argmax is in every top-k / top-p set anyway).
-    - Top-k: keeps the ``top_k`` highest-scoring tokens, exactly ``top_k`` of
-      them: ties at the boundary go to the lowest index. ``top_k <= 0`` or
-      ``top_k >= V`` disables it.
-    - Top-p: over the temperature-scaled, top-k-filtered distribution, keeps
-      the smallest prefix of tokens sorted by decreasing probability (ties:
-      lowest index first) whose cumulative probability reaches ``top_p``,
-      always at least the top token. ``top_p >= 1`` disables it.
-    - Removed tokens get logit -inf. Input entries that are already -inf
-      (masked vocabulary padding) stay -inf under every setting, so their
-      probability is exactly 0 and they are never the greedy choice (unless
-      the whole row is -inf, which is invalid input: the row stays all -inf
-      and its softmax is NaN).
+  - Temperature: finite logits shifted by their row maximum (no overflow at
+    tiny temperatures), divided by ``temperature``. ``temperature`` <= 0 is
+    greedy: only the argmax (ties to the lowest id) keeps a finite logit
+    (0.0), so the softmax is one-hot; top-k / top-p are then moot.
+  - Top-k: exactly the ``top_k`` highest tokens (boundary ties to the lowest
+    id); ``top_k`` <= 0 or >= V is off.
+  - Top-p: over the top-k-filtered distribution, the smallest prefix by
+    decreasing probability (ties: lowest id first) reaching ``top_p``,
+    always the top token; ``top_p`` >= 1 is off.
+  - Removed tokens get -inf; -inf inputs (masked padding) stay -inf (an
+    all -inf row is invalid input and gives NaN probabilities).
 
   Args:
-    logits: [..., V] float (any float dtype; computed in float32). May contain
-      -inf for masked tokens; must not contain NaN or +inf.
-    temperature: scalar, Python float or traced jnp scalar, >= 0.
-    top_k: scalar, Python int or traced jnp integer scalar, >= 0 (0: off).
-    top_p: scalar, Python float or traced jnp scalar in (0, 1] (1: off).
-
+    logits: [..., V] float (computed in float32), no NaN or +inf.
+    temperature, top_k, top_p: scalars, Python or traced (ranges as
+      ``check_values``).
   Returns:
-    [..., V] float32 warped logits, removed tokens at -inf. At least one entry
-    per row is finite (given at least one finite input entry).
-
+    [..., V] float32 warped logits, at least one finite entry per row.
   Raises:
-    ValueError: if a parameter given as a Python scalar is out of range
-      (temperature < 0, top_k < 0 or non-integral, top_p outside (0, 1]).
-      Traced parameters cannot be checked: a traced temperature <= 0 is
-      greedy, top_k <= 0 disables top-k, top_p <= 0 keeps only the top token.
+    ValueError (``DecodeError``): a Python-scalar parameter out of range
+      (traced ones are not checked).
   """
   check_values(temperature, top_k, top_p)
   x = jnp.asarray(logits, jnp.float32)
@@ -343,19 +324,8 @@ def warped_probs(logits, params: SamplingParams):
 
 
 def probs_from_logits(warped_logits):
-  """Softmax of (warped) logits in float32.
-
-  Args:
-    warped_logits: [..., V] float, removed tokens at -inf (at least one finite
-      entry per row).
-
-  Returns:
-    [..., V] float32 probabilities summing to 1 over V; exactly 0.0 where the
-    logit is -inf.
-
-  Raises:
-    Nothing (an all -inf row gives NaN, like ``jax.nn.softmax``).
-  """
+  """Softmax of warped logits [..., V] in float32: probabilities summing to
+  1 over V, exactly 0.0 at -inf logits (an all -inf row gives NaN)."""
   return jax.nn.softmax(jnp.asarray(warped_logits, jnp.float32), axis=-1)
 
 
@@ -387,22 +357,10 @@ def sample_from_uniform(probs, u):
 
 
 def sample(key, probs):
-  """Draws one token per row from a categorical distribution.
-
-  Gumbel-max over log(probs) (as ``jax.random.categorical``): a token with
-  probability exactly 0 has log-probability -inf and is never returned. The
-  probabilities need not be normalised (only ratios matter).
-
-  Args:
-    key: a ``jax.random`` key.
-    probs: [..., V] float, non-negative, at least one positive entry per row.
-
-  Returns:
-    [...] int32 sampled token ids.
-
-  Raises:
-    ValueError: if ``probs`` has no vocabulary axis.
-  """
+  """One token per row ([...] int32) from categorical ``probs`` [..., V]
+  float >= 0 (unnormalised is fine, one positive entry per row) by
+  Gumbel-max: a 0-probability token is never returned. Raises ValueError
+  without a vocabulary axis."""
   probs = jnp.asarray(probs, jnp.float32)
   if probs.ndim < 1:
     raise ValueError(f"probs must have a vocabulary axis, got shape {probs.shape}")
@@ -410,24 +368,12 @@ def sample(key, probs):
 
 
 def sample_without_replacement(probs, u, k: int):
-  """k ordered draws without replacement from categorical ``probs``.
-
-  The Gumbel-top-k trick (Kool, van Hoof and Welling 2019, "Stochastic
-  Beams and Where to Find Them", section 3): the indices of the k largest
-  log p(x) + G_x, G_x = -log(-log u_x) i.i.d. Gumbel, in decreasing order,
-  are distributed as sequential sampling without replacement: the first
-  ~ p, the i-th ~ p restricted to the tokens not yet drawn, renormalised.
-  Only the first ``count = #{x: p(x) > 0}`` draws are real; when count < k
-  the rest are marked invalid (their ids are arbitrary zero-probability
-  tokens).
-
-  Args:
-    probs: [..., V] float >= 0 (need not be normalised).
-    u: [..., V] float32 uniforms in (0, 1) (``uniform_open``).
-    k: static number of draws, 1 <= k <= V.
-  Returns:
-    (tokens [..., k] int32, valid [..., k] bool).
-  """
+  """k ordered draws without replacement from categorical ``probs`` [..., V]
+  float >= 0 by the Gumbel-top-k trick (Kool et al. 2019, section 3): the
+  k largest log p(x) - log(-log u_x), in decreasing order, follow
+  sequential sampling without replacement. u: [..., V] float32 uniforms in
+  (0, 1); k static in [1, V]. Returns (tokens [..., k] int32, valid
+  [..., k] bool: only the first #{x: p(x) > 0} draws are real)."""
   probs = jnp.asarray(probs, jnp.float32)
   logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), _NEG_INF)
   scores, idx = jax.lax.top_k(logp - jnp.log(-jnp.log(u)), k)

@@ -36,23 +36,19 @@ A generation for which no g >= 1 is expected to finish sooner than AR
 (``AutoSchedule.drafting_pays``: at the prior and the measured round costs,
 charging the modules' prefill and, at B > 1, the rounds the batch's slowest
 row needs, ``batch_rounds``) runs as a plain AR decoder instead, without
-the modules' prefill or probes (on a shallow target with batched rows,
-where a round of drafting costs more than it emits, those were what cost
-`auto` most: docs/results.md 11.3 and 13.9).
+the modules' prefill or probes (on a shallow target with batched rows a
+round of drafting can cost more than it emits).
 
 Exploration: while g* = 0 nothing is drafted, so nothing is learnt about
 acceptance. Acceptance comes in streaks (a run of rejected drafts in one
 stretch of an answer says little about the next stretch), so every AR round
 moves each row's estimates a fraction ``relax`` of the way back to the prior
 (a mean-reverting belief: the stage's validation acceptance is the long-run
-rate; with relax = 0.05 an AR segment of 16 rounds goes 56 % of the way
-back), and drafting resumes by itself once the estimate crosses the break-
-even again. Without it (relax = 0) a streak of misses early in an answer
-could keep the rest of it in AR: replayed on 57 of SmolLM2's held-out
-greedy answers with the round costs measured there (1 / 1.19 / 1.41 / 1.51
-AR steps), relax = 0.05 cut the AR rounds from 1,639 to 614 and raised the
-schedule from 0.967 to 0.983 of the best fixed G per answer (geomean;
-scripts/replay_schedule.py, docs/results.md 13.7). Besides, after
+rate; with relax = 0.05 an AR segment of 16 rounds goes 1 - 0.95^16 = 56 %
+of the way back), and drafting resumes by itself once the estimate crosses
+the break-even again. Without it (relax = 0) a streak of misses early in an
+answer could keep the rest of it in AR (scripts/replay_schedule.py replays
+schedules on recorded answers to compare them). Besides, after
 ``probe_interval`` AR segments one short segment drafts with the best
 g >= 1; the interval doubles after every probe that leaves the choice at AR
 (up to ``max_probe_interval``) and resets when drafting wins again.
@@ -186,7 +182,7 @@ class AutoSchedule:
     ``ar_step_s``: seconds per step of that plain AR decoder
     (``calibrate.plain_ar_calibration``), the alternative drafting has to
     beat; default ``costs[0]``, "auto"'s own AR round, which also feeds the
-    modules and can cost more (the tiny byte model: 19 % more at B = 1)."""
+    modules and can cost more."""
     import numpy as np
     alpha = self.prior_alpha(greedy)
     costs = np.asarray(costs, np.float64)

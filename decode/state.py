@@ -1,14 +1,11 @@
 """The typed state of a batched generation, and its result.
 
 ``DecodeState`` is the pytree every jitted decoding function takes and
-returns (prefill, round, while_loop), threaded with buffer donation so
-writes happen in place. Every array has the batch B as its leading
-dimension, except the PRNG key and the "auto" schedule's scalars and round
-costs, which are shared by the batch; ``decode.mesh`` shards by field on
-that rule. The round's exact indices are in docs/design.md sections 5-6.
-
-``Generation`` is what ``Decoder.generate`` / ``stream`` return: host numpy
-arrays, one entry per row.
+returns, donated so writes happen in place. Every array has the batch B
+leading, except the PRNG key and "auto"'s scalars and round costs (shared
+by the batch; ``decode.mesh`` shards by that rule). ``Generation`` is what
+``Decoder.generate`` / ``stream`` return: host numpy arrays, one entry per
+row. Cache sizes: ``decode.cache``; indices: docs/design.md sections 5-6.
 """
 
 from __future__ import annotations
@@ -96,28 +93,23 @@ class Generation:
   prompt_lengths: per row, prompt length including BOS.
   accepted_histogram: [B, G+1] int64, rounds per number of accepted drafts a.
   target_calls: [B] int64, target verification calls while the row was active.
-  emit_times: per row, seconds from the start of the request to each emitted
-    token (stream form only; tokens of one round share a time).
-  wall_time_s: seconds for the whole call (prefill included), after compilation.
-  prefill_time_s: seconds of the prefill alone (target and drafter over the
-    prompt bucket); wall_time_s - prefill_time_s is the decoding phase.
+  emit_times: per row, seconds from the request's start to each emitted
+    token (stream form only; a round's tokens share a time).
+  wall_time_s: seconds of the whole call (prefill included, compilation not).
+  prefill_time_s: seconds of the prefill; wall - prefill is the decoding phase.
   num_draft_tokens: G, or G_max with ``num_draft_tokens="auto"``.
   draft_length_histogram: [B, G_max+1] int64, rounds per chosen draft length
     (0 = AR step) while the row was active (``"auto"`` only, else None).
   position_tested / position_accepted: [B, G_max] int64, rounds in which
-    draft position k was tested (the round drafted >= k tokens and d_1..d_{k-1}
-    were accepted) / accepted (``"auto"`` only: with a varying G the
-    accepted-length histogram alone cannot give alpha_k).
-  tree: the token tree's branching per depth (``Decoder(tree=...)``), else
-    None; then accepted_histogram counts accepted path lengths a = 0..m and
-    num_draft_tokens is the depth m.
-  finish_reasons: per row, why it ended (``decode.stops.FINISH_REASONS``:
-    "eos", "stop", "length"); None only for hand-built results.
-  texts: per row, the output text as UTF-8 bytes (cut before a stop
-    string), or None.
-  interrupted: an interrupt (Ctrl-C) ended the generation before every row
-    finished (``Decoder.stream(..., interruptible=True)``); each row holds
-    what was handed on until then.
+    draft position k was tested (>= k drafts, d_1..d_{k-1} accepted) /
+    accepted ("auto" only: with a varying G the histogram cannot give alpha_k).
+  tree: the token tree's branching per depth, else None; then
+    accepted_histogram counts path lengths a = 0..m, num_draft_tokens is m.
+  finish_reasons: per row, why it ended (``decode.stops.FINISH_REASONS``);
+    None only for hand-built results.
+  texts: per row, the output text as UTF-8 bytes (cut before a stop string).
+  interrupted: Ctrl-C ended the generation (``Decoder.stream(...,
+    interruptible=True)``); each row holds what was handed on.
   """
   tokens: list[np.ndarray]
   prompt_lengths: np.ndarray
@@ -199,19 +191,13 @@ def init_state(model_cfg, prompts, max_new_tokens: int, seed: int, cache_len: in
 
 
 def repeat_row(one: DecodeState, like) -> DecodeState:
-  """``one``'s single row repeated into a batch of ``like``'s shape.
-
-  one: a ``DecodeState`` of B = 1 (typically after the prefill); like: a
-  ``DecodeState`` (or its ``jax.eval_shape``) of B rows built by the same
-  decoder for the same prompt. Every leaf of ``one`` is broadcast to the
-  shape of ``like``'s leaf: batched leaves ([1, ...] -> [B, ...]) are copied
-  row for row, shared ones (the PRNG key, "auto"'s scalars and costs) are
-  kept. Since every round draws its randomness for all rows from one key
-  (``decode.sampling``), the B rows then sample independently.
-
-  Raises ValueError when the two states differ in structure, dtype or any
-  dimension but a leading 1 -> B.
-  """
+  """``one`` (a state of B = 1, e.g. after the prefill) broadcast to the
+  shapes of ``like`` (a state, or its ``jax.eval_shape``, of B rows from
+  the same decoder and prompt): batched leaves [1, ...] -> [B, ...], shared
+  ones (PRNG key, "auto"'s scalars and costs) kept. Each round draws all
+  rows' randomness from one key, so the B rows sample independently.
+  Raises ValueError for leaves that differ otherwise (structure, dtype,
+  any other dimension)."""
   def rep(a, b):
     if a.dtype != b.dtype or (a.shape != b.shape and (a.ndim != b.ndim or a.shape[0] != 1
                                                        or a.shape[1:] != b.shape[1:])):

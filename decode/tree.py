@@ -1,5 +1,5 @@
 """Token trees drafted by the sequential MTP modules, verified in one target
-call (issue 14).
+call.
 
 A static tree (``verify.TreeSpec``, branching b_1..b_m per depth, m <= D)
 replaces the chain of drafts: module k proposes all depth-k nodes in one
@@ -56,7 +56,7 @@ The cost of a round, relative to the chain of the same depth, is the
 larger target block (1+N instead of 1+m tokens), module k's N_{<k} extra
 entries, the top-k / sampling without replacement, the tree masks
 ([B, T, S] booleans) and the K/V copy of the accepted path (2 L small
-gathers and writes); docs/results.md measures it per node.
+gathers and writes, ``decode.cache.move_path_kv``).
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
-"""Verification: the acceptance rules of speculative decoding, for a chain of
-drafts and for a token tree (whose static shape is ``decode.tree_spec.TreeSpec``).
+"""Verification: the target's forward over a round's verify block and the
+acceptance rules of speculative decoding, for a chain of drafts and for a
+token tree (``decode.tree_spec.TreeSpec``); derivations in
+docs/speculative_sampling.md, indices in docs/design.md section 5.
 
-Pure, jittable functions with no model inside (docs/design.md section 5;
-derivations in docs/speculative_sampling.md):
+- ``verify_block``: the target over [x_{n-1}, drafts] -> hidden states,
+  logits, p (the only function here that runs a model).
+- ``rejection_sample``: Leviathan et al. 2023, Algorithm 1 (= Chen et al.
+  2023, Algorithm 2), vectorised over B and G; ``greedy_verify``: its
+  temperature-0 case; ``accept``: the one a round applies.
+- ``tree_rejection_sample`` (recursive rejection sampling, Jeon et al.
+  2024), ``tree_greedy_verify``, ``tree_accept``: the same for a tree.
 
-- ``rejection_sample``: the stochastic verification rule of Leviathan et al.
-  2023, "Fast Inference from Transformers via Speculative Decoding",
-  Algorithm 1 (the same rule as Chen et al. 2023, Algorithm 2), vectorised
-  over the batch B and the draft length G.
-- ``greedy_verify``: the temperature-0 special case (accept while the draft is
-  the target argmax).
-- ``accept``: the rule a decoding round applies, picked by the static
-  ``SamplingParams.greedy`` flag (and the AR step, G = 0).
-- Token trees (``TreeSpec``): ``tree_rejection_sample`` (recursive rejection
-  sampling over children drawn without replacement, Jeon et al. 2024,
-  "Recursive Speculative Decoding"), ``tree_greedy_verify`` (the longest path
-  of target argmaxes) and ``tree_accept``.
-
-Warping and sampling (the distributions these rules compare, the draws they
-use) live in ``decode.sampling``. Shapes use the axis letters of
-docs/design.md: B batch, G draft length, N tree nodes, V vocabulary.
+Axis letters: B batch, G draft length, N tree nodes, V vocabulary.
 """
 
 from __future__ import annotations
@@ -45,12 +37,11 @@ __all__ = [
 
 def verify_block(target: Transformer, state: DecodeState, block, positions, params: SamplingParams,
                  **backbone_kw):
-  """The target over a verify block: (h_draft [B, T, D], logits [B, T, V], p
-  [B, T, V] (warped probabilities; the logits when greedy), new cache).
-  h_draft is what the MTP drafter stores for module 1
-  (``Transformer.backbone_features``: h^0, or the fused lower-layer features
-  with ``mtp.feature_layers``). block / positions: [B, T] int32;
-  ``backbone_kw``: write_offsets / mask for token trees."""
+  """The target over a verify block: (h_draft [B, T, D], logits [B, T, V],
+  p [B, T, V] float32 warped probabilities (the logits when greedy), new
+  cache). block / positions: [B, T] int32; ``backbone_kw``: write_offsets /
+  mask for token trees. h_draft is what the MTP drafter stores for module 1
+  (h^0, or the fused features with ``mtp.feature_layers``)."""
   with jax.named_scope("verify"):
     with jax.named_scope("forward"):
       h0, h_draft, cache = target.backbone_features(block, positions, cache=state.cache,
@@ -81,54 +72,31 @@ def _check_verify_shapes(name, target, draft_tokens, draft_probs=None):
 
 
 def rejection_sample(key, target_probs, draft_probs, draft_tokens):
-  """Speculative-sampling verification of G drafted tokens per row.
+  """Speculative-sampling verification of G drafts per row (Leviathan et
+  al. 2023, Algorithm 1): for j = 1..G in order, d_j is accepted with
+  probability min(1, p_{j-1}(d_j) / q_j(d_j)); at the first rejection the
+  round emits one token from norm(max(0, p_{j-1} - q_j)), after G accepts a
+  bonus token from p_G. Each emitted token then follows the target's
+  distribution, provided d_j was sampled from q_j.
 
-  Leviathan et al. 2023, Algorithm 1 (= Chen et al. 2023, Algorithm 2), with
-  the indices of docs/design.md section 5: for j = 1..G in order, draft d_j is
-  accepted with probability min(1, p_{j-1}(d_j) / q_j(d_j)), where
-  p_{j-1} = ``target_probs[:, j-1]`` and q_j = ``draft_probs[:, j-1]``. At the
-  first rejection j* the round emits one token from the residual
-  norm(max(0, p_{j*-1} - q_{j*})) and stops; if all G drafts are accepted it
-  emits a bonus token from p_G = ``target_probs[:, G]``. With a accepted
-  drafts the round emits ``draft_tokens[:, :a]`` followed by ``next_token``;
-  each emitted token, given the tokens before it, follows the target's
-  distribution, so the output has exactly the target's law, provided each d_j
-  was really sampled from q_j (derivation: docs/speculative_sampling.md).
-
-  Implementation: all randomness of the round is one uniform draw of shape
-  [B, G + V] from ``key``: u_j (j = 1..G) for the acceptance tests, accept iff
-  u_j < p/q (so p >= q always accepts and p == 0 never does), and V more for
-  the Gumbel-max draw of the stop token. The accepted count is the length of
-  the leading run of accepts (cumulative product), so there is no loop over
-  G. The residual is formed only for the stop row.
-
-  Edge cases (decisions):
-    - p(d) == 0: never accepted, and never emitted (the residual and the
-      bonus row give it probability 0), whatever q(d) is.
-    - q(d) == 0 (impossible if d was sampled from q; an adversarial or buggy
-      drafter): the ratio is taken as +inf, i.e. accepted iff p(d) > 0. The
-      output is then no longer guaranteed to follow p: losslessness requires
-      drafts sampled from q.
-    - Draft ids outside [0, V) are rejected.
-    - Residual summing to 0 (only through rounding when p == q, or with an
-      adversarial q(d) == 0, p(d) == 0 draft on a row where p == q): falls
-      back to sampling from p itself.
+  All randomness is one uniform draw [B, G + V] from ``key``: u_j for the
+  tests (accept iff u_j < p/q) and V for the Gumbel-max draw of the stop
+  token; the accepted count is the leading run of accepts (a cumulative
+  product, no loop over G). Edge cases: p(d) = 0 is never accepted nor
+  emitted; q(d) = 0 counts as ratio +inf (accepted iff p(d) > 0; only a
+  buggy drafter gets there, and losslessness is then lost); ids outside
+  [0, V) are rejected; a residual summing to 0 falls back to p.
 
   Args:
-    key: a ``jax.random`` key (one uniform draw of shape [B, G + V]).
-    target_probs: [B, G+1, V] float, the warped target distributions p_0..p_G
-      (rows sum to 1).
-    draft_probs: [B, G, V] float, q_1..q_G, the distributions the drafts were
-      actually sampled from (after the same warp).
-    draft_tokens: [B, G] integer, the drafts d_1..d_G.
-
+    key: a ``jax.random`` key.
+    target_probs: [B, G+1, V] float, warped target distributions p_0..p_G.
+    draft_probs: [B, G, V] float, q_1..q_G the drafts were sampled from.
+    draft_tokens: [B, G] integer drafts d_1..d_G.
   Returns:
-    (num_accepted, next_token): [B] int32 in 0..G, and [B] int32, the residual
-    token (num_accepted < G) or the bonus token (num_accepted == G).
-
+    (num_accepted [B] int32 in 0..G, next_token [B] int32: the residual
+    token when num_accepted < G, else the bonus token).
   Raises:
-    ValueError: on inconsistent shapes or non-integer draft_tokens (at trace
-      time; G is static, one compilation per (B, G, V)).
+    ValueError: inconsistent shapes or non-integer draft_tokens (trace time).
   """
   p = jnp.asarray(target_probs, jnp.float32)
   q = jnp.asarray(draft_probs, jnp.float32)
@@ -167,26 +135,18 @@ def rejection_sample(key, target_probs, draft_probs, draft_tokens):
 
 
 def greedy_verify(target_logits_or_probs, draft_tokens):
-  """Greedy (temperature 0) verification of G drafted tokens per row.
-
-  Accepts d_j while d_j == argmax of target row j-1 (j = 1..G); the next
-  token is the argmax at the first mismatch position, or at position G (the
-  bonus) when all drafts match. This is ``rejection_sample`` with one-hot p
-  and q (Leviathan et al. 2023, Algorithm 1 at temperature 0): p(d)/q(d) is 1
-  iff d is the argmax and 0 otherwise, and the residual max(0, p - q) is then
-  the one-hot argmax. Ties go to the lowest index (``jnp.argmax``), matching
-  ``warp_logits`` at temperature 0. Deterministic: no key.
+  """Greedy (temperature 0) verification: accepts d_j while it is the
+  argmax of target row j-1; the next token is the argmax at the first
+  mismatch (or the bonus row G). ``rejection_sample`` with one-hot p and q;
+  ties go to the lowest id, as ``warp_logits`` at temperature 0.
 
   Args:
-    target_logits_or_probs: [B, G+1, V] float, target logits or probabilities
-      (only the argmax is used; -inf entries are never chosen).
-    draft_tokens: [B, G] integer drafts d_1..d_G.
-
+    target_logits_or_probs: [B, G+1, V] float (only argmaxes are used).
+    draft_tokens: [B, G] integer drafts.
   Returns:
-    (num_accepted, next_token): [B] int32 in 0..G and [B] int32.
-
+    (num_accepted [B] int32 in 0..G, next_token [B] int32).
   Raises:
-    ValueError: on inconsistent shapes or non-integer draft_tokens.
+    ValueError: inconsistent shapes or non-integer draft_tokens.
   """
   x = jnp.asarray(target_logits_or_probs)
   d = jnp.asarray(draft_tokens)
@@ -201,22 +161,12 @@ def greedy_verify(target_logits_or_probs, draft_tokens):
 
 
 def accept(key, target, draft_q, draft_tokens, params: SamplingParams):
-  """The acceptance of one chain round: (num_accepted [B] int32, next_token
-  [B] int32).
-
-  Greedy ``params`` (static flag): ``greedy_verify`` on logits (no key).
-  Otherwise ``rejection_sample`` (Leviathan et al. 2023, Algorithm 1) on
-  warped probabilities. An AR step (``draft_tokens`` None, target [B, 1, V])
-  emits the argmax, or a sample of p_0, and accepts nothing.
-
-  Args:
-    key: the round's acceptance key (None when greedy).
-    target: [B, G+1, V] target logits (greedy) or warped probabilities.
-    draft_q: [B, G, V] draft logits (greedy) or the warped draft
-      distributions the drafts were sampled from; None for an AR step.
-    draft_tokens: [B, G] int32 drafts, or None for an AR step.
-    params: the sampling settings (only their static ``greedy`` flag is read).
-  """
+  """The acceptance of one chain round: (num_accepted [B] int32,
+  next_token [B] int32), ``greedy_verify`` on logits (greedy ``params``,
+  static; no key) or ``rejection_sample`` on warped probabilities. An AR
+  step (``draft_tokens`` / ``draft_q`` None, target [B, 1, V]) accepts
+  nothing and emits the argmax or a sample of p_0. target: [B, G+1, V];
+  draft_q: [B, G, V] (logits when greedy); draft_tokens: [B, G] int32."""
   if params.greedy:
     if draft_tokens is not None:
       return greedy_verify(target, draft_tokens)
@@ -268,25 +218,21 @@ def _stop_block(path, a):
 
 
 def tree_greedy_verify(target_logits_or_probs, node_tokens, spec: TreeSpec):
-  """Greedy (temperature 0) verification of a token tree.
-
-  From the root, repeatedly move to the first child whose token is the
-  target argmax at the current node; stop where no child matches. The next
-  token is the argmax at the last accepted node (its bonus when that is a
-  leaf). This is the longest path on which every node is the target argmax
-  at its parent, so the emitted tokens are exactly the target's greedy
-  continuation: the tree version of ``greedy_verify`` (Leviathan et al.
-  2023, Algorithm 1 at temperature 0). Ties go to the lowest index.
+  """Greedy (temperature 0) verification of a token tree: from the root,
+  move to the first child whose token is the target argmax at the current
+  node, until none matches; the next token is the argmax at the last
+  accepted node. That path is the target's greedy continuation (the tree
+  form of ``greedy_verify``); ties go to the lowest id.
 
   Args:
-    target_logits_or_probs: [B, N+1, V] float, target rows of the verify
-      block (root at 0, node i at 1+i; only argmaxes are used).
-    node_tokens: [B, N] integer, the drafted token of every node (BFS order).
+    target_logits_or_probs: [B, N+1, V] float, the verify block's target
+      rows (root at 0, node i at 1+i; only argmaxes are used).
+    node_tokens: [B, N] integer, BFS order.
     spec: the tree (static).
   Returns:
-    (num_accepted [B] int32 in 0..m, next_token [B] int32, path [B, m] int32:
-    node index of the accepted node at depth d in column d-1, for
-    d <= num_accepted; later columns are arbitrary valid node indices).
+    (num_accepted [B] int32 in 0..m, next_token [B] int32, path [B, m]
+    int32: the accepted node at depth d in column d-1 for d <= num_accepted,
+    arbitrary valid nodes after).
   Raises:
     ValueError: on shapes that do not match ``spec``.
   """
@@ -312,49 +258,30 @@ def tree_greedy_verify(target_logits_or_probs, node_tokens, spec: TreeSpec):
 def tree_rejection_sample(key, target_probs, draft_probs, node_tokens, spec: TreeSpec):
   """Lossless verification of a token tree whose children were drawn
   without replacement: recursive rejection sampling (Jeon et al. 2024,
-  "Recursive Speculative Decoding", arXiv:2402.14160; the same rule as
-  Yang et al. 2024, "Multi-Candidate Speculative Decoding"), applied at
-  every node along the accepted path. Derivation and equations (T1)-(T3):
-  docs/speculative_sampling.md, "Token trees".
-
-  At a node with target distribution p (``target_probs`` at its block row)
-  and draft distribution q (``draft_probs`` at its row), whose children
-  c_1..c_b were drawn from q without replacement (``sample_without_replacement``:
-  c_i ~ q_i = q restricted to tokens other than c_1..c_{i-1}, renormalised),
+  arXiv:2402.14160), equations (T1)-(T3) of docs/speculative_sampling.md.
+  At a node with target p and draft q whose children c_1..c_b were drawn
+  from q without replacement (c_i ~ q_i, q renormalised without c_<i),
   with r_1 = p, for i = 1..b:
 
       accept c_i with probability min(1, r_i(c_i) / q_i(c_i));         (T1)
       otherwise r_{i+1} = norm(max(0, r_i - q_i))                        (T2)
 
-  and after the first acceptance continue at c_i (its own p and q); if all
-  children are rejected, emit one token from r_{b+1} and stop; at a leaf
-  emit a bonus token from its p. Every emitted token then follows the
-  target's conditional distribution (T3), whatever q is, provided the
-  children really were drawn as stated. Children past the number of
-  nonzero entries of q (top-k / top-p supports smaller than b) are invalid:
-  skipped, no update.
-
-  Implementation: the outcome at every internal node is computed at once
-  (independent uniforms per node, one vectorised pass per depth and child
-  rank), then the path is walked from the root; the randomness is one
-  uniform draw of shape [B, N + V] from ``key`` (one per node for (T1),
-  V for the final Gumbel-max draw). Edge cases as in ``rejection_sample``:
-  p(c) = 0 is never accepted or emitted; a residual that sums to 0
-  (rounding when r_i == q_i) falls back to r_i.
+  continue at the accepted child; if all are rejected emit a token from
+  r_{b+1}, at a leaf a bonus token from its p. Children past q's support
+  (top-k / top-p smaller than b) are skipped. Every node's outcome is
+  computed at once from one uniform draw [B, N + V], then the path is
+  walked; edge cases as ``rejection_sample``.
 
   Args:
     key: a ``jax.random`` key.
-    target_probs: [B, N+1, V] float, warped target distributions of the
-      verify block (root at 0, node i at 1+i).
-    draft_probs: [B, N_internal, V] float, q at every internal node (block
-      order: root, then depths 1..m-1), the distribution its children were
-      drawn from without replacement.
-    node_tokens: [B, N] integer, node tokens in BFS order (the children of
-      internal node j at consecutive indices, in drawing order).
+    target_probs: [B, N+1, V] float, the verify block's warped target
+      distributions (root at 0, node i at 1+i).
+    draft_probs: [B, N_internal, V] float, q per internal node (root, then
+      depths 1..m-1).
+    node_tokens: [B, N] integer, BFS order (siblings in drawing order).
     spec: the tree (static).
   Returns:
-    (num_accepted [B] int32 in 0..m, next_token [B] int32, path [B, m]
-    int32), as ``tree_greedy_verify``.
+    (num_accepted [B] int32 in 0..m, next_token [B] int32, path [B, m] int32).
   Raises:
     ValueError: on shapes that do not match ``spec``.
   """
