@@ -103,7 +103,8 @@ DEVICE_TESTS = {
         "test_draft_model_greedy_equals_ar", "test_eos_inside_accepted_block_and_budget_mid_block"],
     "tests/test_sampling.py": [
         "test_single_round_laws", "test_joint_law_of_emitted_tokens",
-        "test_harness_rejects_wrong_rule", "test_greedy_verify_equals_rejection_sample_with_one_hot",
+        "test_harness_rejects_wrong_rule",
+        "test_greedy_verify_equals_rejection_sample_with_one_hot",
         "test_zero_target_probability_never_accepted_or_emitted", "test_top_k_exact_set",
         "test_top_p_exact_set"],
     "tests/test_decode_distribution.py": [
@@ -116,7 +117,8 @@ DEVICE_TESTS = {
         "test_greedy_ar_float32_is_independent_of_cache_size_and_attention",
         "test_every_cached_step_matmul_carries_the_precision"],
     "tests/test_attention_backend.py": [
-        "test_attention_backend_names_this_platform", "test_accelerator_path_has_no_loop_in_a_decode_step",
+        "test_attention_backend_names_this_platform",
+        "test_accelerator_path_has_no_loop_in_a_decode_step",
         "test_dense_equals_dot_product_attention"],
     "tests/test_stops.py": ["test_stop_string_output_equals_ar_however_it_falls"],
 }
@@ -132,7 +134,8 @@ QUICK_TESTS = {
 PEAK_TFLOPS = (
     # NVIDIA H200 NVL datasheet: BF16 Tensor Core 1,671 TFLOPS with sparsity (835.5 dense), FP32 60
     ("H200 NVL", 835.5, 60.0),
-    # NVIDIA H200 datasheet (SXM): BF16 Tensor Core 1,979 TFLOPS with sparsity (989.5 dense), FP32 67
+    # NVIDIA H200 datasheet (SXM): BF16 Tensor Core 1,979 TFLOPS with sparsity (989.5 dense),
+    # FP32 67
     ("H200", 989.5, 67.0),
     # NVIDIA H100 datasheet, PCIe: BF16 1,513 with sparsity (756.5 dense), FP32 51
     ("H100 PCIe", 756.5, 51.0),
@@ -157,6 +160,7 @@ SMOLLM2_135M = dict(vocab_size=49152, d_model=576, num_layers=30, num_heads=9, n
                     norm_eps=1e-5, tie_embeddings=True)
 TINY_MODEL = dict(vocab_size=264, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
                   head_dim=16, mlp_dim=64, max_seq_len=256)
+DEFAULT_CACHE = os.path.join("runs", "jax_cache")
 QUICK_PROMPTS = ("def main(", "import os\nimport sys\n", "class Stack:\n")
 
 
@@ -304,7 +308,7 @@ class Context:
   lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
   current: str | None = None       # the part running now
   child: subprocess.Popen | None = None
-  target: tuple | None = None      # (cfg, fp32 model, tokenizer, source) once the decode part loaded it
+  target: tuple | None = None      # (cfg, fp32 model, tokenizer, workdir): the decode part's
 
   @property
   def quick(self) -> bool:
@@ -392,7 +396,8 @@ def run_part(ctx: Context, name: str, fn) -> None:
       rec["status"] = "ok"
   except Exception as e:                      # noqa: BLE001 (the next part still runs)
     rec["status"] = "error"
-    rec["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:500]
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    rec["error"] = f"{type(e).__name__}: {first}"[:500]
     rec["traceback_tail"] = traceback.format_exc().strip().splitlines()[-12:]
     log(f"[{name}] error: {rec['error']}")
   finally:
@@ -424,7 +429,8 @@ def device_info() -> dict:
     mem = None
   return {"devices": [str(d) for d in devs], "device_count": len(devs), "kind": d0.device_kind,
           "slug": kind_slug(d0.device_kind), "platform": d0.platform,
-          "platform_version": str(version), "jax_platforms": jax_platforms_value(d0.platform, version),
+          "platform_version": str(version),
+          "jax_platforms": jax_platforms_value(d0.platform, version),
           "only_cpu": all(d.platform == "cpu" for d in devs),
           "jax_version": jax.__version__, "jaxlib_version": jaxlib.__version__,
           "flax_version": flax.__version__, "python": platform.python_version(),
@@ -462,7 +468,9 @@ def tests_part(ctx: Context, rec: dict, deadline: float) -> None:
   cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider",
          "--durations=10", "-k", keyword_expression(tests), *tests]
   if ctx.args.test_workers > 0 and importlib.util.find_spec("xdist") is not None:
-    cmd += ["-n", str(ctx.args.test_workers), "--dist", "loadfile", "--max-worker-restart", "0"]
+    # tests, not files, go to the workers: a file's fixtures then compile in each worker that
+    # runs one of its tests, in parallel, instead of one file's tests queueing in one worker
+    cmd += ["-n", str(ctx.args.test_workers), "--dist", "load", "--max-worker-restart", "0"]
   # a pytest of its own: nothing of a calling pytest's (xdist worker) environment
   env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
   env.update(JAX_PLATFORMS=ctx.device["jax_platforms"],
@@ -577,7 +585,8 @@ def measure(decoders: dict, prompts, batch: int, max_new: int, sp, repeats: int)
   bench_lib.run_cells(list(cells.values()), prompts, batch, max_new, sp, repeats)
   ar = cells["ar"]
   tokens = bench_lib.mean_tokens(ar)
-  rate, decode_rate = tokens / float(np.median(ar.walls)), tokens / float(np.median(ar.decode_walls))
+  rate = tokens / float(np.median(ar.walls))
+  decode_rate = tokens / float(np.median(ar.decode_walls))
   step = bench_lib.round_s(ar)
   rows = []
   for label, c in cells.items():
@@ -605,7 +614,8 @@ def decode_part(ctx: Context, rec: dict, deadline: float) -> None:
   if ctx.quick:
     cfg, model = tiny_target()
     tokenizer, workdir, prompts = None, None, list(QUICK_PROMPTS)
-    rec["model"] = f"tiny random byte model ({TINY_MODEL['num_layers']} layer, d_model {TINY_MODEL['d_model']}, D = 2; --quick)"
+    rec["model"] = (f"tiny random byte model ({TINY_MODEL['num_layers']} layer, d_model "
+                    f"{TINY_MODEL['d_model']}, D = 2; --quick)")
   else:
     workdir = ensure_workdir(a.workdir, a.mtp_modules)
     cfg, model, _ = loading.load_model(workdir)
@@ -804,7 +814,8 @@ def markdown(meta: dict, results: dict) -> str:
   d = results.get("device") or {}
   parts = results.get("parts", {})
   lines = [f"# Device check: {d.get('kind', '?')}", "",
-           f"{d.get('device_count', '?')} x {d.get('kind', '?')} (platform {d.get('platform', '?')} "
+           f"{d.get('device_count', '?')} x {d.get('kind', '?')} "
+           f"(platform {d.get('platform', '?')} "
            f"{d.get('platform_version', '')}), jax {d.get('jax_version')}, jaxlib "
            f"{d.get('jaxlib_version')}, flax {d.get('flax_version')}, Python {d.get('python')}; "
            f"host {meta.get('host')}; commit {meta.get('commit')}"
@@ -824,7 +835,8 @@ def markdown(meta: dict, results: dict) -> str:
   t = parts.get("tests")
   if t and "passed" in t:
     lines += ["", "## Correctness tests", "",
-              f"`{t.get('command', '')}` with JAX_PLATFORMS={t.get('env', {}).get('JAX_PLATFORMS')}: "
+              f"`{t.get('command', '')}` with "
+              f"JAX_PLATFORMS={t.get('env', {}).get('JAX_PLATFORMS')}: "
               f"{t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} "
               f"skipped, {t['not_run']} not run of {t['selected']} selected."]
     for f in t.get("failing", []):
@@ -834,12 +846,14 @@ def markdown(meta: dict, results: dict) -> str:
     lines += ["", "## Decoding (while_loop form)", "",
               f"{dp.get('model')}; {dp.get('max_new_tokens')} new tokens per row at most, median "
               f"of {dp.get('repeats')} interleaved repeats after a compiling call; speedup = "
-              "tokens/s over AR's in the same cell; greedy = AR: the tokens equal AR's (T = 0).", "",
-              "| B | dtype | T | decoder | tokens/s | speedup | decoding phase | tau | greedy = AR |",
+              "tokens/s over AR's in the same cell; greedy = AR: the tokens equal AR's (T = 0).",
+              "", "| B | dtype | T | decoder | tokens/s | speedup | decoding phase | tau | "
+              "greedy = AR |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in dp["rows"]:
       same = r.get("identical_to_ar")
-      same = "-" if same is None else ("yes" if same else f"no (from token {r['first_divergence']})")
+      same = ("-" if same is None else "yes" if same
+              else f"no (from token {r['first_divergence']})")
       lines.append(f"| {r['batch_size']} | {r['dtype']} | {r['temperature']:g} | {r['label']} | "
                    f"{_f(r['tokens_per_s'], '.1f')} | {_f(r['speedup'])}x | "
                    f"{_f(r.get('speedup_decode'))}x | {_f(r.get('tau'))} | {same} |")
@@ -852,7 +866,8 @@ def markdown(meta: dict, results: dict) -> str:
     lines += ["", "## Train step", "", f"{tr.get('model')}, one MTP module; {tr.get('flops')}; "
               "MFU against the device's peak dense FLOP/s in that dtype; XLA: the compiled "
               "step's own FLOP count.", "",
-              "| dtype | batch x seq | params | ms/step | tokens/s | model TFLOP/s | peak TFLOP/s | "
+              "| dtype | batch x seq | params | ms/step | tokens/s | model TFLOP/s | "
+              "peak TFLOP/s | "
               "MFU | XLA FLOPs / peak |", "|---|---|---|---|---|---|---|---|---|"]
     for r in tr["rows"]:
       pct = lambda x: "-" if x is None else f"{x:.1%}"
@@ -908,16 +923,18 @@ def parse_args(argv=None):
   ap.add_argument("--repeats", type=int, default=2, help="timed repeats per cell, in [1, 100]")
   ap.add_argument("--hf_batch_sizes", default="1,16", help="transformers' batch sizes, in [1, 256]")
   ap.add_argument("--train_batch", type=int, default=16, help="train batch rows, in [1, 4096]")
-  ap.add_argument("--train_seq_len", type=int, default=512, help="train sequence length, in [8, 8192]")
+  ap.add_argument("--train_seq_len", type=int, default=512,
+                  help="train sequence length, in [8, 8192]")
   ap.add_argument("--train_steps", type=int, default=5, help="train steps per repeat, in [1, 1000]")
   ap.add_argument("--train_repeats", type=int, default=3, help="timed train repeats, in [1, 100]")
-  ap.add_argument("--compile_cache", default=None,
+  ap.add_argument("--compile_cache", default=DEFAULT_CACHE,
                   help="JAX's persistent compilation cache folder (here and in pytest): a rerun "
-                       "loads what the first run compiled")
+                       "loads what the first run compiled; '' for none (--quick: none)")
   args = ap.parse_args(argv)
   if args.quick:
-    cli.apply_quick(ap, args, tests_s=90.0, test_workers=0, batch_sizes="1", temperatures="0",
-                    num_draft_tokens="1", max_new_tokens=8, repeats=1, hf_batch_sizes="1",
+    cli.apply_quick(ap, args, compile_cache="", tests_s=90.0, test_workers=0, batch_sizes="1",
+                    temperatures="0", num_draft_tokens="1", max_new_tokens=8, repeats=1,
+                    hf_batch_sizes="1",
                     train_batch=2, train_seq_len=16, train_steps=2, train_repeats=1)
   cli.check_range(ap, args, budget_s=(10, 7200), tests_s=1, test_workers=(0, 64),
                   max_new_tokens=(1, 4096), repeats=(1, 100), train_batch=(1, 4096),
@@ -965,7 +982,8 @@ def main(argv=None) -> int:
     if importlib.util.find_spec(m) is not None:
       versions[f"{m}_version"] = getattr(__import__(m), "__version__", None)
   meta = report.provenance(
-      command=report.command_line(__file__, argv), argv=list(sys.argv[1:] if argv is None else argv),
+      command=report.command_line(__file__, argv),
+      argv=list(sys.argv[1:] if argv is None else argv),
       datetime_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       host=platform.node(), python=platform.python_version(),
       jaxlib_version=device["jaxlib_version"], flax_version=device["flax_version"],
@@ -981,7 +999,8 @@ def main(argv=None) -> int:
     for name, fn in (("tests", tests_part), ("decode", decode_part), ("train", train_part),
                      ("hf", hf_part)):
       run_part(ctx, name, fn)
-  bad = [n for n, p in ctx.results["parts"].items() if p.get("status") in ("failed", "error", "timeout")]
+  bad = [n for n, p in ctx.results["parts"].items()
+         if p.get("status") in ("failed", "error", "timeout")]
   ctx.results["verdict"] = "ok" if not bad else f"not ok: {', '.join(bad)}"
   ctx.write()
   log(f"device_check: {ctx.results['verdict']} in {ctx.budget.elapsed():.0f} s; wrote {out}.json "
