@@ -422,9 +422,13 @@ def device_info() -> dict:
   slug, platform, platform_version, jax_platforms, jax_version,
   jaxlib_version, flax_version, python, memory_bytes (None when the backend
   does not say)}."""
-  import flax
   import jax
   import jaxlib
+  try:
+    import flax
+    flax_version = flax.__version__
+  except Exception as e:                      # noqa: BLE001 (reported; the parts then fail)
+    flax_version = f"import failed ({type(e).__name__}: {str(e)[:200]})"
   devs = jax.devices()
   d0 = devs[0]
   try:
@@ -441,7 +445,7 @@ def device_info() -> dict:
           "jax_platforms": jax_platforms_value(d0.platform, version),
           "only_cpu": all(d.platform == "cpu" for d in devs),
           "jax_version": jax.__version__, "jaxlib_version": jaxlib.__version__,
-          "flax_version": flax.__version__, "python": platform.python_version(),
+          "flax_version": flax_version, "python": platform.python_version(),
           "memory_bytes": mem}
 
 
@@ -967,6 +971,20 @@ def parse_args(argv=None):
   return ap, args
 
 
+def enable_compile_cache(path: str) -> str | None:
+  """JAX's persistent compilation cache in ``path`` for the rest of the
+  process, through the config option (stable across JAX versions); returns
+  None, or the error that left the run without a cache."""
+  try:
+    import jax
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    return None
+  except Exception as e:                      # noqa: BLE001 (a cache is an optimisation)
+    log(f"device_check: no compilation cache ({type(e).__name__}: {e})")
+    return f"{type(e).__name__}: {e}"
+
+
 def main(argv=None) -> int:
   ap, args = parse_args(argv)
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # pytest shares the device
@@ -1001,10 +1019,11 @@ def main(argv=None) -> int:
                 results={"device": device, "parts": {}}, device=device)
   ctx.write()
   start_watchdog(ctx)
-  with cli.compile_cache(os.path.abspath(args.compile_cache) if args.compile_cache else None):
-    for name, fn in (("tests", tests_part), ("decode", decode_part), ("train", train_part),
-                     ("hf", hf_part)):
-      run_part(ctx, name, fn)
+  if args.compile_cache:
+    meta["compile_cache_error"] = enable_compile_cache(os.path.abspath(args.compile_cache))
+  for name, fn in (("tests", tests_part), ("decode", decode_part), ("train", train_part),
+                   ("hf", hf_part)):
+    run_part(ctx, name, fn)
   bad = [n for n, p in ctx.results["parts"].items()
          if p.get("status") in ("failed", "error", "timeout")]
   ctx.results["verdict"] = "ok" if not bad else f"not ok: {', '.join(bad)}"
