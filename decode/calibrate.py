@@ -55,21 +55,14 @@ OUTLIER = 10.0             # a generation slower than this x the predicted time 
 
 def calibration_plan(batch: int) -> tuple[int, int]:
   """(rounds per timed call, timed calls per draft length) at ``batch``
-  rows. Up to ``CALIBRATION_ROWS`` rows: ``CALIBRATION_ROUNDS`` x
-  ``CALIBRATION_REPEATS``. Above,
-  the rows x rounds timed per draft length stay those of
-  ``CALIBRATION_ROWS`` rows: first fewer calls, down to
-  ``MIN_CALIBRATION_REPEATS``, then fewer rounds per call, down to one (a
-  call of more rows lasts longer, so the fixed noise of a call weighs less
-  in it). Past ``CALIBRATION_ROWS x CALIBRATION_ROUNDS x CALIBRATION_REPEATS
-  / MIN_CALIBRATION_REPEATS`` rows each program runs one untimed call
-  (its compilation) and ``MIN_CALIBRATION_REPEATS`` timed ones of one
-  round (a budget of g + 1 tokens in the while_loop form) at the batch: a
-  fixed number of the rounds the generation runs anyway, however large
-  the batch. The costs are still those of the batch itself: a
-  smaller timing batch would misplace them where a round's time stops
-  growing in proportion to its rows (a GPU below its compute bound), and
-  the ratios between draft lengths decide."""
+  rows: ``CALIBRATION_ROUNDS`` x ``CALIBRATION_REPEATS`` up to
+  ``CALIBRATION_ROWS`` rows; above, the rows x rounds per draft length stay
+  those of ``CALIBRATION_ROWS`` rows, first by fewer calls (down to
+  ``MIN_CALIBRATION_REPEATS``; a longer call's fixed noise weighs less),
+  then fewer rounds per call (down to one), so the work stays bounded
+  however large the batch. The timing still runs at the batch itself: a
+  smaller one would misplace the costs where a round's time stops growing
+  with its rows (a GPU below its compute bound)."""
   work = CALIBRATION_ROWS * CALIBRATION_ROUNDS * CALIBRATION_REPEATS
   batch = max(int(batch), 1)
   repeats = min(CALIBRATION_REPEATS,
@@ -141,19 +134,15 @@ def _timed_generate(decoder, state, sp) -> tuple[float, object]:
 
 
 def decoder_round_costs(decoder, state, sp, form: str) -> Calibration:
-  """``round_costs`` of a ``Decoder`` with "auto", after the prefill
-  ``state`` (not donated: every call runs on a copy, made before its clock
-  starts). While_loop form: the generation's own jitted program
-  (``programs.generate``, its segments, ``choose`` and rounds) with the
-  schedule forced to g (``force``) and the budget cut to n x (g + 1)
-  tokens, per round of what it ran (a separate loop of bare rounds is
-  another program, whose round costs differ from the generation's, and
-  every decision rests on these ratios); the same program
-  on a state whose rows are all done (no round) gives the call's fixed
-  cost, taken off (``Calibration.call_s``). Stream form: n rounds called
-  one by one from Python with the host sync the stream loop makes (its
-  host overhead is part of a round's cost there, which favours longer
-  drafts). n and the timed calls per g: ``calibration_plan`` of the batch."""
+  """``round_costs`` of a ``Decoder`` with "auto" after the prefill
+  ``state`` (each call on a copy made before its clock starts).
+  While_loop form: the generation's own jitted program with the schedule
+  forced to g and the budget cut to n (g + 1) tokens, per round it ran (a
+  separate loop of bare rounds would be another program with other
+  costs); the same program on all-done rows gives the call's fixed cost
+  (``Calibration.call_s``). Stream form: n rounds called from Python with
+  the stream loop's host sync (part of a round's cost there). n and the
+  calls per g: ``calibration_plan`` of the batch."""
   import time
 
   import jax
@@ -407,8 +396,9 @@ class AutoCalibration:
     and batch (``AutoSchedule.drafting_can_pay`` at the prior): then nothing
     is calibrated or compiled for drafting and the generation is the plain
     AR decoder's, the decision measured costs would have led to. True with
-    fixed costs (``drafting_pays`` decides)."""
-    if self.fixed is not None:
+    fixed costs (``drafting_pays`` decides) and without "auto" (``schedule``
+    None)."""
+    if schedule is None or self.fixed is not None:
       return True
     if schedule.drafting_can_pay(sp.greedy, max_new_tokens, batch):
       return True
@@ -418,14 +408,18 @@ class AutoCalibration:
   def drafting_pays(self, schedule, state, sp, max_new_tokens: int) -> bool:
     """``AutoSchedule.drafting_pays`` at the costs ``with_costs`` put into
     ``state``, the token budget, the batch size, the modules' prefill charge
-    and the plain AR step."""
+    and the plain AR step; True without "auto" (``schedule`` None)."""
     import jax
+    if schedule is None:
+      return True
     costs = np.asarray(jax.device_get(state.auto.schedule["costs"]), np.float64)
     return schedule.drafting_pays(costs, sp.greedy, max_new_tokens, self.extra_prefill_s,
                                   batch=int(state.tokens.shape[0]), ar_step_s=self.ar_step_s)
 
   def learn(self, gen) -> None:
-    """``learn_costs`` from a drafting generation ``gen``, for its key."""
+    """``learn_costs`` from a drafting generation ``gen``, for its key (a
+    no-op when the key is None: fixed costs, a key's first generation, or
+    no "auto")."""
     learn_costs(self.costs, self.key, gen, self.call_s.get(self.key, 0.0))
 
   def fallback(self, gen, g_max: int, learn: bool = True):
@@ -461,12 +455,11 @@ def start(decoder, prompts, max_new_tokens: int, sp, seed: int, stops, form: str
   then nothing is measured) or does not pay at the measured ones
   (``drafting_pays``). Without "auto": the prepared state."""
   cal = decoder.calibration
-  if cal is not None and not cal.drafting_can_pay(decoder.schedule, sp, max_new_tokens,
-                                                  len(prompts)):
+  if not cal.drafting_can_pay(decoder.schedule, sp, max_new_tokens, len(prompts)):
     return None
   state, prefill_len = decoder.prepare(prompts, max_new_tokens, seed, stops, budget)
   state = with_costs(decoder, state, sp, prompts, max_new_tokens, form=form, stops=stops)
-  if cal is not None and not cal.drafting_pays(decoder.schedule, state, sp, max_new_tokens):
+  if not cal.drafting_pays(decoder.schedule, state, sp, max_new_tokens):
     return None
   return state, prefill_len
 

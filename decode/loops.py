@@ -206,16 +206,17 @@ def stream_rounds(step: Callable[[DecodeState, int], DecodeState], state: Decode
   return state, emit_times, None
 
 
-def timed_generate(prefill_fn: Callable[[DecodeState], DecodeState],
+def timed_generate(prefill_fn: Callable[[DecodeState, int], DecodeState],
                    generate_fn: Callable[[DecodeState], DecodeState], state: DecodeState,
-                   like=None) -> tuple[DecodeState, float, float]:
-  """The while_loop form after ``Decoder.prepare``: ``prefill_fn`` (its
-  output repeated into ``like``'s batch, ``state.repeat_row``, when given),
-  then ``generate_fn``, each blocked on. Returns (state, seconds of both,
-  seconds of the prefill), the clock started with ``state`` ready."""
+                   prefill_len: int, like=None) -> tuple[DecodeState, float, float]:
+  """The while_loop form after ``Decoder.prepare``: ``prefill_fn(state,
+  prefill_len)`` (its output repeated into ``like``'s batch,
+  ``state.repeat_row``, when given), then ``generate_fn``, each blocked on.
+  Returns (state, seconds of both, seconds of the prefill), the clock
+  started with ``state`` ready."""
   jax.block_until_ready(state)
   t0 = time.perf_counter()
-  state = prefill_fn(state)
+  state = prefill_fn(state, prefill_len)
   state = jax.block_until_ready(state if like is None else repeat_row(state, like))
   t1 = time.perf_counter()
   state = generate_fn(state)
@@ -223,17 +224,17 @@ def timed_generate(prefill_fn: Callable[[DecodeState], DecodeState],
   return state, time.perf_counter() - t0, t1 - t0
 
 
-def timed_stream(prefill_fn: Callable[[DecodeState], DecodeState], step, state: DecodeState,
-                 max_rounds: int, watch, *, stop_rows, choose_fn=None,
-                 interruptible: bool = False):
-  """The stream form after ``Decoder.prepare``: ``prefill_fn`` (blocked
-  on), then ``stream_rounds`` with ``watch`` (a ``decode.stops.StreamStops``)
+def timed_stream(prefill_fn: Callable[[DecodeState, int], DecodeState], step,
+                 state: DecodeState, prefill_len: int, max_rounds: int, watch, *, stop_rows,
+                 choose_fn=None, interruptible: bool = False):
+  """The stream form after ``Decoder.prepare``: ``prefill_fn(state,
+  prefill_len)`` (blocked on), then ``stream_rounds`` with ``watch`` (a ``decode.stops.StreamStops``)
   seeing each row's new ids, inside an ``InterruptFlag`` when
   ``interruptible``; then ``watch.flush()``. Returns (state, emit_times,
   kept, seconds since the prefill started, seconds of the prefill)."""
   with (InterruptFlag() if interruptible else contextlib.nullcontext()) as interrupt:
     t0 = time.perf_counter()
-    state = jax.block_until_ready(prefill_fn(state))   # else: dispatch time only
+    state = jax.block_until_ready(prefill_fn(state, prefill_len))   # else: dispatch time only
     prefill = time.perf_counter() - t0
     state, emit_times, kept = stream_rounds(
         step, state, max_rounds, t0=t0, on_new=watch.on_new if watch.needed else None,

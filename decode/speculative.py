@@ -192,10 +192,8 @@ class Decoder:
     tokenizer: the model's tokenizer (required for a BPE model; default the
       byte tokenizer): its stop ids end a row, its ``decode_bytes`` gives
       the text stop strings are matched against.
-  Raises:
-    DecodeError: settings ``resolve_method`` rejects, or a BPE model
-      without its tokenizer (one line naming the flag and the range).
-    ConfigError: mesh axes that do not divide the model dimensions.
+  Raises DecodeError (``resolve_method``; a BPE model without its
+  tokenizer), ConfigError (mesh axes that do not divide the model).
   """
 
   def __init__(self, target: Transformer, method: str = "mtp", num_draft_tokens: int | str = 2,
@@ -213,9 +211,7 @@ class Decoder:
     self.draft_graphdef, self.draft_params = (nnx.split(draft, nnx.Param) if method == "draft"
                                               else (None, None))
     self.mesh = mesh
-    # "auto"'s measured costs and fallback decisions (decode.calibrate owns them)
-    self.calibration = (calibrate.AutoCalibration(m.fixed_costs) if self.schedule is not None
-                        else None)
+    self.calibration = calibrate.AutoCalibration(m.fixed_costs)    # "auto"'s costs (calibrate's)
     self._ar = None          # the plain AR decoder "auto" falls back to (``plain_ar``)
     self.target_params, self.draft_params = programs_lib.place_params(
         mesh, self.target_params, self.draft_params, target.cfg,
@@ -229,7 +225,7 @@ class Decoder:
   def auto_record(self) -> dict | None:
     """"auto"'s prior and costs as held now (``AutoCalibration.record``);
     None without "auto"."""
-    return None if self.calibration is None else self.calibration.record(self.schedule)
+    return None if self.schedule is None else self.calibration.record(self.schedule)
 
   @property
   def num_draft_tokens(self) -> int | str:
@@ -309,10 +305,9 @@ class Decoder:
     if started is None:
       return self.calibration.fallback(self.plain_ar().generate(
           prompts, max_new_tokens, sampling_params, seed, stops), self.G)
-    state, wall, prefill = self._timed_generate(*started, sp)
+    state, wall, prefill = loops.timed_generate(self.prefill, self._loop(sp), *started)
     gen = self._result(state, None, wall, prefill, stops)
-    if self.calibration is not None:
-      self.calibration.learn(gen)
+    self.calibration.learn(gen)
     return gen
 
   def sample(self, prompt, num_samples: int, max_new_tokens: int,
@@ -332,8 +327,8 @@ class Decoder:
     sp = sampling_params.validate()
     like = jax.eval_shape(lambda: self.prepare([prompt] * num_samples, max_new_tokens, seed,
                                                stops)[0])
-    state, wall, prefill = self._timed_generate(
-        *self.prepare([prompt], max_new_tokens, seed, stops), sp, like)
+    state, wall, prefill = loops.timed_generate(
+        self.prefill, self._loop(sp), *self.prepare([prompt], max_new_tokens, seed, stops), like)
     return self._result(state, None, wall, prefill, stops)
 
   def stream(self, prompts, max_new_tokens: int, sampling_params: SamplingParams, seed: int = 0,
@@ -360,11 +355,9 @@ class Decoder:
     return self._stream(prompts, max_new_tokens, sampling_params, seed, None, stops, None,
                         budget=WARMUP_TOKENS)
 
-  def _timed_generate(self, state, prefill_len, sp, like=None):
-    """``loops.timed_generate`` with this decoder's prefill and while_loop."""
-    return loops.timed_generate(
-        lambda s: self.prefill(s, prefill_len),
-        lambda s: self.programs.generate(self.target_params, self.draft_params, s, sp), state, like)
+  def _loop(self, sp):
+    """The jitted while_loop of rounds as a function of the state."""
+    return lambda s: self.programs.generate(self.target_params, self.draft_params, s, sp)
 
   def _stream(self, prompts, max_new_tokens, sampling_params, seed, on_tokens, stops, on_text, *,
               budget: int | None = None, interruptible: bool = False) -> Generation:
@@ -383,27 +376,20 @@ class Decoder:
     watch = stops_lib.StreamStops(strings, self.token_bytes, len(prompts), on_tokens, on_text)
     jax.block_until_ready(state)
     state, emit_times, kept, wall, prefill = loops.timed_stream(
-        lambda s: self.prefill(s, prefill_len), step, state,
+        self.prefill, step, state, prefill_len,
         max_new_tokens if budget is None else min(budget, max_new_tokens), watch,
         stop_rows=self.programs.stop_rows_host, interruptible=interruptible,
         choose_fn=self.programs.choose if self.schedule is not None else None)
     if warm:
-      fixed = self.calibration is not None and self.calibration.fixed is not None
       state = loops.warm_extras(state, step, self.programs.stop_rows_host, bool(strings),
-                                self.G if fixed else None)
+                                self.G if self.calibration.fixed is not None else None)
     gen = self._result(state, emit_times, wall, prefill, stops, kept, max_new_tokens)
-    if not (warm or gen.interrupted) and self.calibration is not None:
+    if not (warm or gen.interrupted):
       self.calibration.learn(gen)
     return gen
 
   def _result(self, state, emit_times, wall, prefill, stops: StopConditions | None,
               kept=None, max_new_tokens: int = 0) -> Generation:
-    """The ``Generation``: rows cut at stop strings, finish reasons, texts;
-    ``kept``: the lengths an interrupted stream handed on (rows cut there,
-    unfinished rows "interrupted" against ``max_new_tokens``)."""
-    gen = state_lib.to_generation(state, emit_times=emit_times, wall=wall, prefill=prefill,
-                                  num_draft_tokens=self.G,
-                                  tree=None if self.tree is None else self.tree.branching,
-                                  kept=kept)
-    gen = stops_lib.finish_rows(gen, stops, self.token_bytes, self.eos_ids)
-    return stops_lib.mark_interrupted(gen, max_new_tokens)
+    """``state.finish``'s ``Generation`` for this decoder's G, tree and tokenizer."""
+    return state_lib.finish(state, emit_times, wall, prefill, stops, self.G, self.tree,
+                            self.token_bytes, self.eos_ids, kept, max_new_tokens)

@@ -19,7 +19,7 @@ import numpy as np
 from flax import struct
 
 from decode.errors import DecodeError, emitted_rows, raise_on_error
-from decode.stops import stop_id_array
+from decode.stops import finish_rows, mark_interrupted, stop_id_array
 from mtp import tokenizer as tok
 from mtp.model import init_layer_caches
 
@@ -244,3 +244,17 @@ def to_generation(state: DecodeState, *, emit_times, wall: float, prefill: float
                     host["prompt_len"], host["accepted_histogram"].astype(np.int64),
                     host["target_calls"].astype(np.int64), emit_times, wall, num_draft_tokens,
                     prefill, tree=tree, interrupted=kept is not None, **extra)
+
+
+def finish(state: DecodeState, emit_times, wall: float, prefill: float, stops, g: int, tree,
+           token_bytes, eos_ids, kept=None, max_new_tokens: int = 0) -> Generation:
+  """A finished state's ``Generation`` (``to_generation``, G ``g``, ``tree``
+  a ``TreeSpec`` or None) with rows cut at stop strings, finish reasons
+  and texts (``decode.stops.finish_rows``); ``kept``: the lengths an
+  interrupted stream handed on (rows cut there, unfinished ones
+  "interrupted" against ``max_new_tokens``)."""
+  gen = to_generation(state, emit_times=emit_times, wall=wall, prefill=prefill,
+                      num_draft_tokens=g, tree=None if tree is None else tree.branching,
+                      kept=kept)
+  gen = finish_rows(gen, stops, token_bytes, eos_ids)
+  return mark_interrupted(gen, max_new_tokens)

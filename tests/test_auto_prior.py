@@ -70,7 +70,7 @@ def test_the_first_generation_of_a_shape_does_not_move_the_costs(trained_markov,
   # failed that way): here it is 0, so the second call is learned
   dec.calibration.call_s[key] = 0.0
   dec.generate(prompts, 8, sp, seed=1)
-  assert not np.array_equal(dec.calibration.costs[key], measured)          # a timed call: learned
+  assert not np.array_equal(dec.calibration.costs[key], measured)  # a timed call: learned
 
 
 def _first_auto_generation(trained_markov, monkeypatch, drafting_pays):
@@ -87,7 +87,7 @@ def _first_auto_generation(trained_markov, monkeypatch, drafting_pays):
   dec.generate(prompts, 8, sp, seed=0)
   (key, measured), = dec.calibration.costs.items()
   measured = measured.copy()
-  np.testing.assert_array_equal(dec.calibration.costs[key], measured)      # first call: not learned
+  np.testing.assert_array_equal(dec.calibration.costs[key], measured)  # first call: not learned
   return dec, key, measured, prompts, sp
 
 
@@ -249,7 +249,8 @@ def test_calibration_leaves_the_state_and_runs_the_generation_program(trained_ma
     np.testing.assert_array_equal(a, b)
   assert (costs > 0).all() and (np.diff(costs) >= 0).all() and call_s > 0
   compiled = dec.programs.generate._cache_size()
-  dec.calibration.drafting_pays = lambda *a, **k: True       # run the drafting program, not the AR fallback
+  # run the drafting program, not the AR fallback
+  dec.calibration.drafting_pays = lambda *a, **k: True
   gen = dec.generate(prompts, 8, sp, seed=3)
   assert np.asarray(gen.draft_length_histogram).sum() > 0
   assert dec.programs.generate._cache_size() == compiled
@@ -270,13 +271,16 @@ def test_the_ar_fallback_learns_the_plain_ar_step_and_charges_the_prefill(traine
   dec, key, measured, prompts, sp = _first_auto_generation(trained_markov, monkeypatch, never)
   plain = float(dec.calibration.plain[key].costs[0])
   assert plain > 0 and dec.calibration.plain[key].call_s > 0
-  dec.calibration.plain[key] = dec.calibration.plain[key]._replace(call_s=0.0)      # as above: a busy machine's call_s
-  gen = dec.generate(prompts, 8, sp, seed=1)                   # could exceed this call's time
+  # as above: a busy machine's call_s could exceed this call's time
+  dec.calibration.plain[key] = dec.calibration.plain[key]._replace(call_s=0.0)
+  gen = dec.generate(prompts, 8, sp, seed=1)
   assert gen.draft_length_histogram[:, 1:].sum() == 0
-  np.testing.assert_array_equal(dec.calibration.costs[key], measured)      # auto's rounds: not this program
-  assert dec.calibration.plain[key].costs[0] != plain                      # the plain AR step learned
+  # auto's rounds: not this program
+  np.testing.assert_array_equal(dec.calibration.costs[key], measured)
+  assert dec.calibration.plain[key].costs[0] != plain  # the plain AR step learned
   assert key in dec.calibration.prefill_extra and dec.calibration.prefill_extra[key] >= 0
-  assert seen == [(8, dec.calibration.prefill_extra[key], 2, plain)] * 2    # learnt after the generation
+  # learnt after the generation
+  assert seen == [(8, dec.calibration.prefill_extra[key], 2, plain)] * 2
   assert dec.auto_record()["plain_ar_step_s"] == {", ".join(map(str, key)):
                                                   float(dec.calibration.plain[key].costs[0])}
 
