@@ -228,9 +228,9 @@ def timed_stream(prefill_fn: Callable[[DecodeState, int], DecodeState], step,
                  state: DecodeState, prefill_len: int, max_rounds: int, watch, *, stop_rows,
                  choose_fn=None, interruptible: bool = False):
   """The stream form after ``Decoder.prepare``: ``prefill_fn(state,
-  prefill_len)`` (blocked on), then ``stream_rounds`` with ``watch`` (a ``decode.stops.StreamStops``)
-  seeing each row's new ids, inside an ``InterruptFlag`` when
-  ``interruptible``; then ``watch.flush()``. Returns (state, emit_times,
+  prefill_len)`` (blocked on), then ``stream_rounds`` with ``watch`` (a
+  ``decode.stops.StreamStops``) seeing each row's new ids, inside an
+  ``InterruptFlag`` when ``interruptible``; then ``watch.flush()``. Returns (state, emit_times,
   kept, seconds since the prefill started, seconds of the prefill)."""
   with (InterruptFlag() if interruptible else contextlib.nullcontext()) as interrupt:
     t0 = time.perf_counter()

@@ -1,23 +1,17 @@
 """Logits warping and sampling: the distributions speculative decoding
-compares and the draws it makes.
+compares and the draws it makes. Pure, jittable, no model inside
+(docs/design.md sections 3 and 5); the acceptance rules are
+``decode.verify``'s.
 
-Pure, jittable functions with no model inside (docs/design.md, sections 3 and 5):
+- ``SamplingParams``: temperature, top-k, top-p as traced leaves (one
+  compilation serves every value), ``greedy`` and ``filtering`` static
+  (each combination compiles its own lean program); ``validate`` once.
+- ``warp_logits`` (temperature, then top-k, then top-p; the same for target
+  and drafter), ``warped_probs``, ``probs_from_logits``.
+- ``sample`` (never a 0-probability token), ``sample_without_replacement``
+  (Gumbel-top-k, for token trees), ``pick`` (one draft and its q).
 
-- ``SamplingParams``: the sampling settings as one pytree: temperature,
-  top-k and top-p are traced leaves (one compilation serves every value),
-  ``greedy`` (temperature 0) and ``filtering`` (top-k or top-p on) are
-  static, so each combination compiles its own lean program. Validated once
-  (``validate``), on the host, before anything runs.
-- ``warp_logits``: temperature, then top-k, then top-p (nucleus), applied
-  identically to target and draft logits; ``warped_probs`` its softmax.
-- ``probs_from_logits``: float32 softmax with exact zeros at removed tokens.
-- ``sample``: categorical sampling that never returns a 0-probability token;
-  ``sample_without_replacement`` (Gumbel-top-k, Kool et al. 2019) for
-  token trees; ``pick``: one draft and the distribution it was drawn from.
-
-The acceptance rules that compare target and draft distributions are in
-``decode.verify``. Shapes use the axis letters of docs/design.md: B batch,
-G draft length (gamma), V vocabulary. Internally everything is float32.
+Axis letters: B batch, G draft length, V vocabulary; computed in float32.
 """
 
 from __future__ import annotations
@@ -83,18 +77,12 @@ class SamplingParams:
   """Sampling settings: temperature >= 0 (0 = greedy), top_k >= 0 (0 = off),
   top_p in (0, 1] (1 = off); warping order temperature, top-k, top-p.
 
-  A pytree: the three values are its leaves (float32 / int32 / float32 on
-  the device, traced under ``jax.jit``: one compilation serves every
-  value), and two static flags are its structure: ``greedy``
-  (temperature == 0: drafts, verification and the next token are argmaxes;
-  no softmax, residual or random number is built) and ``filtering`` (top-k
-  or top-p active: only then is the vocabulary sort compiled). The flags
-  are derived from the Python values given; a tree rebuilt inside ``jit``
-  carries them along.
-
-  Construction does not check ranges; ``validate()`` does (once, on the
-  host: ``Decoder.generate`` / ``stream`` and the CLI call it before
-  anything is loaded or run) and raises DecodeError naming the flag.
+  A pytree: the values are its leaves (float32 / int32 / float32, traced
+  under ``jax.jit``), two static flags its structure: ``greedy``
+  (temperature == 0: argmaxes only, no softmax, residual or random number)
+  and ``filtering`` (top-k or top-p on: only then is the vocabulary sort
+  compiled). ``validate()`` checks the ranges (once, on the host) and
+  raises DecodeError naming the flag; construction does not.
   """
   temperature: float = 1.0
   top_k: int = 0
@@ -130,9 +118,9 @@ class SamplingParams:
     return cls(*leaves, _flags=tuple(flags))
 
 # Top-k / top-p rank the 1,024 best tokens first (``jax.lax.top_k``, a partial
-# sort: ~20x cheaper than sorting a 49k vocabulary on a CPU); a batch where
-# some row's kept set may reach past them ranks 4,096 (~6x cheaper than the
-# full sort), and only a batch past those sorts the whole vocabulary.
+# sort, far cheaper than sorting a large vocabulary); a batch where some row's
+# kept set may reach past them ranks 4,096, and only a batch past those sorts
+# the whole vocabulary.
 TOP_CANDIDATES = (1024, 4096)
 
 
@@ -292,8 +280,7 @@ def warp_logits(logits, temperature, top_k, top_p):
   z = jnp.where(valid, (x - row_max) / safe_t, _NEG_INF)
 
   # Top-k / top-p need a sort; skip it at run time when both are off (or at
-  # temperature 0), which is the common case and costs a visible share of a
-  # small model's decoding step on CPU.
+  # temperature 0), the common case.
   filtering = (t > 0) & ((k > 0) | (top_p < 1.0))
   z = jax.lax.cond(filtering, _top_k_top_p, lambda z, k, top_p: z, z, k, top_p)
 

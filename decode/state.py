@@ -128,7 +128,8 @@ class Generation:
   interrupted: bool = False
 
 
-def check_prompts(prompts, max_new_tokens, max_len: int, mesh, vocab_size: int | None = None) -> None:
+def check_prompts(prompts, max_new_tokens, max_len: int, mesh,
+                  vocab_size: int | None = None) -> None:
   """``Decoder.prepare``'s input checks before a state is built: a
   non-empty batch (divisible by ``mesh``'s ``data`` axis), max_new_tokens
   an integer >= 1, every prompt (token ids, BOS included) of at least one
