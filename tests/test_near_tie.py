@@ -31,19 +31,25 @@ U32, U16 = 2.0 ** -24, 2.0 ** -8
 # -- the pure function -------------------------------------------------------------
 
 def test_bounds_are_the_documented_formulas():
-  """D = 4 L u sqrt(n) scale in float32, 2 u (sqrt(2 L) + 1) scale in
-  bfloat16; the near-tie bound is 2 D; another dtype has no contract."""
-  d32 = compare_lib.logit_error_bound("float32", scale=8.0, layers=2, length=60)
+  """D = 4 L u sqrt(n) scale in float32 (u = 2^-24; the logit scale ||h||
+  max ||W_v||), 8 ulps of the largest logit in bfloat16 (16 u |z|_max,
+  u = 2^-8, whatever L, n and scale); the near-tie bound is 2 D; another
+  dtype has no contract."""
+  f = compare_lib.logit_error_bound
+  d32 = f("float32", scale=8.0, layers=2, length=60, max_logit=3.0)
   assert d32 == pytest.approx(4 * 2 * U32 * math.sqrt(60) * 8.0)
-  d16 = compare_lib.logit_error_bound("bfloat16", scale=8.0, layers=2, length=60)
-  assert d16 == pytest.approx(2 * U16 * 3 * 8.0)
-  assert compare_lib.logit_error_bound("bfloat16", scale=8.0, layers=2, length=5) == d16
-  assert compare_lib.logit_error_bound("float32", scale=16.0, layers=30, length=60) == \
-      pytest.approx(d32 * 2 * 15)
-  r = compare_lib.near_tie(np.zeros(4), dtype="float32", scale=8.0, layers=2, length=60)
-  assert r["bound"] == pytest.approx(2 * d32)
+  assert f("float32", scale=16.0, layers=30, length=60, max_logit=99.0) == pytest.approx(d32 * 30)
+  d16 = f("bfloat16", scale=8.0, layers=2, length=60, max_logit=-3.0)
+  assert d16 == pytest.approx(16 * U16 * 3.0) == 0.1875
+  assert f("bfloat16", scale=1.0, layers=30, length=5, max_logit=3.0) == d16
+  r = compare_lib.near_tie(np.array([3.0, -2.0, -np.inf]), dtype="float32", scale=8.0, layers=2,
+                           length=60)
+  assert r["bound"] == pytest.approx(2 * d32) and r["max_logit"] == 3.0
+  r = compare_lib.near_tie(np.array([1.0, -3.0, -np.inf]), dtype="bfloat16", scale=8.0,
+                           layers=2, length=60)
+  assert r["bound"] == pytest.approx(2 * d16)
   with pytest.raises(ValueError, match="dtype='int8'"):
-    compare_lib.logit_error_bound("int8", scale=1.0, layers=1, length=1)
+    f("int8", scale=1.0, layers=1, length=1, max_logit=1.0)
 
 
 def test_near_tie_and_bug_verdicts():
@@ -51,15 +57,15 @@ def test_near_tie_and_bug_verdicts():
   a gap under the bound is a near-tie, at or over it a bug, each with its
   printed line."""
   kw = dict(dtype="bfloat16", scale=4.0, layers=2, length=10)
-  bound = 2 * 2 * U16 * 3 * 4.0                       # 0.1875
-  z = np.array([-np.inf, 1.0, 3.0, 3.0 - 0.01, np.inf * 0 - np.inf])
+  bound = 2 * 16 * U16 * 3.0                          # 0.375: 16 ulps of 3.0
+  z = np.array([-np.inf, 1.0, 3.0, 3.0 - 0.01, np.nan])
   r = compare_lib.near_tie(z, **kw)
   assert r["top2_ids"] == [2, 3] and r["gap"] == pytest.approx(0.01)
   assert r["near_tie"] and r["bound"] == pytest.approx(bound)
-  assert r["line"] == "near-tie: top-2 gap 0.01 < bound 0.188 (bfloat16)"
+  assert r["line"] == "near-tie: top-2 gap 0.01 < bound 0.375 (bfloat16)"
   r = compare_lib.near_tie(np.array([0.5, 3.0, 3.0 - bound]), **kw)     # exactly the bound
   assert not r["near_tie"]
-  assert r["line"] == ("greedy outputs differ at a top-2 gap 0.188 >= bound 0.188 (bfloat16): "
+  assert r["line"] == ("greedy outputs differ at a top-2 gap 0.375 >= bound 0.375 (bfloat16): "
                        "a bug")
   tie = compare_lib.near_tie(np.array([2.0, 2.0, 1.0]), **kw)           # an exact tie
   assert tie["near_tie"] and tie["gap"] == 0 and tie["top2_ids"] == [0, 1]
@@ -112,10 +118,11 @@ def test_contract_bound_covers_every_computation_of_the_logits(dtype):
   cache slots, "blockwise"; verify blocks of 3 tokens with 256 slots,
   "dense"; AR steps with 256 slots, "dense"; the cache-free forward) differ
   pairwise by at most the contract's D at every position (per position:
-  its own scale ||h|| max ||W_v|| and prefix length); and by more than
-  D / 64, so the bound is not vacuous slack on this model (measured on
-  this CPU: float32 about 8 u scale, bfloat16 about 2.6 u scale, against
-  D = 4 L u sqrt(n) scale and 6 u scale)."""
+  its own scale ||h|| max ||W_v||, largest logit and prefix length); and
+  by more than D / 64, so the bound is not vacuous slack on this model
+  (measured on this CPU: float32 up to 7 u scale against D = 4 L u sqrt(n)
+  scale, about 50 u scale; bfloat16 up to 5.8 u |z|_max against 16 u
+  |z|_max)."""
   cfg32 = tiny_config(model=dict(max_seq_len=512), mtp=dict(depth=0))
   cfg, model = loading.override_model(cfg32, model_lib.build_model(cfg32, seed=1), dtype=dtype)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, TOTAL)), jnp.int32)
@@ -130,8 +137,10 @@ def test_contract_bound_covers_every_computation_of_the_logits(dtype):
     runs.append(_cached_logits(m, c, tokens, slots, step))
   finite = np.isfinite(free)
   lengths = np.arange(PROMPT, TOTAL + 1)[None, :]
-  bound = np.vectorize(lambda s, n: compare_lib.logit_error_bound(
-      dtype, scale=float(s), layers=cfg.model.num_layers, length=int(n)))(scale, lengths)
+  max_logit = np.abs(np.where(finite, free, 0.0)).max(-1)
+  bound = np.vectorize(lambda s, n, z: compare_lib.logit_error_bound(
+      dtype, scale=float(s), layers=cfg.model.num_layers, length=int(n), max_logit=float(z)))(
+          scale, lengths, max_logit)
   worst = 0.0
   for i, a in enumerate(runs):
     for b in runs[i + 1:]:
