@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import sys
@@ -27,6 +26,7 @@ import time
 from decode.speculative import DecodeError, Decoder
 from mtp import checkpoint as ckpt_lib
 from mtp import loading
+from mtp import report
 from mtp import tokenizer as tok
 from mtp.data import self_prompts as sp_lib
 from mtp.data.corpora import DataError
@@ -63,7 +63,7 @@ def make_self_prompts(workdir: str, out: str, num_prompts: int, settings: sp_lib
           "step": int(step), "method": method, "num_prompts": num_prompts,
           "prefix_tokens": [int(i) for i in prefix], "sampling": dataclasses.asdict(settings),
           "filters": dataclasses.asdict(filters), **stats,
-          "wall_s": time.perf_counter() - t0, "date": datetime.date.today().isoformat()}
+          "wall_s": time.perf_counter() - t0, **report.provenance()}
   with open(f"{out}.meta.json", "w") as f:
     json.dump(meta, f, indent=2)
   return meta
