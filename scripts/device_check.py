@@ -476,6 +476,10 @@ def tests_part(ctx: Context, rec: dict, deadline: float) -> None:
   ``JAX_PLATFORMS`` = this device's, killed at --tests_s or the part's
   deadline; the log goes to OUT.pytest.log."""
   tests = QUICK_TESTS if ctx.quick else DEVICE_TESTS
+  if ctx.device["platform"] == "tpu":
+    raise PartSkipped("a TPU admits one process at a time and this one holds it: run the subset "
+                      f"alone, JAX_PLATFORMS=tpu python -m pytest -k "
+                      f"'{keyword_expression(tests)}' {' '.join(tests)}")
   limit = max(1.0, min(ctx.args.tests_s, deadline - ctx.budget.elapsed()))
   cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider",
          "--durations=10", "-k", keyword_expression(tests), *tests]
