@@ -45,7 +45,8 @@ to install the accelerator's JAX plugin and build a wheelhouse.
 
 ``--quick``: the dry run CI runs, on the CPU unless ``JAX_PLATFORMS`` says
 otherwise, in well under two minutes: a few fast tests, a tiny random model
-instead of SmolLM2 (AR, G = 1, auto; B = 1; a few tokens), a tiny train
+instead of SmolLM2 (AR and G = 1, greedy, float32 and bfloat16, B = 1, 8
+tokens), a tiny train
 step, transformers only on a tiny random Llama when torch is installed;
 written to runs/quick/device_<kind> unless ``--out``.
 

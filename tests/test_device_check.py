@@ -181,6 +181,22 @@ def test_run_part_skips_what_the_budget_cannot_fit_and_records_errors(tmp_path):
   assert "| decode | skipped |" in open(tmp_path / "device.md").read()
 
 
+def test_the_watchdog_writes_the_report_then_ends_the_process(tmp_path, monkeypatch):
+  import argparse
+  exits = []
+  monkeypatch.setattr(dc.os, "_exit", exits.append)
+  ctx = dc.Context(args=argparse.Namespace(parts=list(dc.PARTS), quick=True),
+                   budget=dc.Budget(10, start=0.0, clock=lambda: 10 + dc.HARD_GRACE_S + 1),
+                   out=str(tmp_path / "device"), meta={"command": "python scripts/device_check.py"},
+                   results={"device": {"kind": "cpu"}, "parts": {"tests": {"status": "ok"}}})
+  ctx.current = "decode"
+  dc.start_watchdog(ctx).join(timeout=30)
+  assert exits == [124]
+  res = json.load(open(tmp_path / "device.json"))["results"]
+  assert res["parts"]["decode"]["status"] == "cut_off" and res["watchdog"].startswith("ended at")
+  assert res["parts"]["tests"] == {"status": "ok"}
+
+
 def test_quick_dry_run(tmp_path):
   """--quick end to end: every part ran (hf skips without torch), the JSON
   and markdown hold the device, provenance and each part's rows; greedy
