@@ -45,7 +45,12 @@ def decoder(bpe_workdir):
     ("tell me a story " * 4, "repetition"),                     # a 3-gram 4 times
     ("What is this?" + "!" * 20, "repetition"),                 # a run of 21
     ("yes no maybe no yes yes maybe no no yes maybe maybe yes no", "repetition"),  # 3 of 14 distinct
+    ("Hello, how can I assist you today?", "assistant_like"),
+    ("As an AI language model, I cannot browse the web.", "assistant_like"),
+    ("Sure, here is a poem about the sea.", "assistant_like"),
     (GOOD, None),
+    ("Hello! Can you help me plan a trip to Rome?", None),
+    ("How can I help my daughter learn to read?", None),
     ("Traduis en français : « le chat dort ».", None),
     ("Write a Python function\n\treturning the sum of a list.", None),
 ])
@@ -136,7 +141,7 @@ def test_generator_stops_when_enough_are_kept_and_counts_reasons(decoder, monkey
                                "Explain how a rainbow forms in the sky.")]
   assert stats["sampled"] == 8 and stats["kept"] == 3 and stats["rounds"] == 2
   assert stats["rejected"] == {"unfinished": 2, "empty": 1, "too_short": 1, "too_long": 0,
-                               "non_printable": 0, "repetition": 0, "duplicate": 1,
+                               "non_printable": 0, "repetition": 0, "assistant_like": 0, "duplicate": 1,
                                "heldout_overlap": 0}
   monkeypatch.setattr(sp, "sample_user_turns", lambda *a: [None] * 4)
   prompts, stats = sp.generate_self_prompts(decoder, 3, sp.SampleSettings(max_rounds=3),

@@ -21,6 +21,9 @@ dropped. ``filter_prompts`` then rejects, with one reason per text:
   more than ``max_ngram_repeats`` times, a character repeated more than
   ``max_char_run`` times in a row, or (texts of >= 12 words) fewer than
   ``min_distinct_words`` of the words distinct;
+- ``assistant_like``: opens like an assistant's turn ("Hello, how can I
+  assist you today?", "As an AI ...", "Sure, here is ...": the model
+  answering instead of asking, Magpie's known failure);
 - ``duplicate``: the same normalised text as a kept prompt (lower-cased,
   punctuation dropped, whitespace collapsed: exact and near duplicates
   that differ in case, spacing or punctuation);
@@ -57,7 +60,16 @@ from mtp.data.corpora import DataError
 CATEGORY = "self_written"
 SOURCE = "self_written"
 REASONS = ("unfinished", "empty", "too_short", "too_long", "non_printable", "repetition",
-           "duplicate", "heldout_overlap")
+           "assistant_like", "duplicate", "heldout_overlap")
+# openings of an assistant's turn, not a user's (Magpie's known failure: the
+# model answers as the assistant instead of asking); matched at the start,
+# case-insensitively
+_ASSISTANT_OPENINGS = re.compile(
+    r"^\W*(?:(?:hello|hi|hey|greetings)\b[^.?!]{0,40}[,.!]?\s*)?"
+    r"(?:how (?:can|may) i (?:help|assist) you|what can i (?:do|help) (?:for )?you"
+    r"|i'?m (?:here|happy|glad) to help"
+    r"|i am (?:here|happy|glad) to help|as an ai\b|i'?m an ai\b|i am an ai\b"
+    r"|sure[,!.]? (?:here|i can)|certainly[,!.]? (?:here|i can))", re.I)
 # two probe contents whose rendered chats share exactly the tokens before a user's content
 _PROBES = ("Q", "z")
 
@@ -123,7 +135,8 @@ def _repetitive(text: str, s: FilterSettings) -> bool:
 
 def check_text(text: str, settings: FilterSettings = FilterSettings()) -> str | None:
   """The first reason (``REASONS``, in order) ``text`` fails the per-text
-  filters (empty, length, printable, repetition), or None when it passes."""
+  filters (empty, length, printable, repetition, assistant-like), or None
+  when it passes."""
   t = text.strip()
   if not t:
     return "empty"
@@ -135,6 +148,8 @@ def check_text(text: str, settings: FilterSettings = FilterSettings()) -> str | 
     return "non_printable"
   if _repetitive(t, settings):
     return "repetition"
+  if _ASSISTANT_OPENINGS.match(t):
+    return "assistant_like"
   return None
 
 
