@@ -673,8 +673,16 @@ def decode_part(ctx: Context, rec: dict, deadline: float) -> None:
           rec["skipped"].append(cell)
           continue
         t0 = time.monotonic()
-        rows = measure(decoders[dt], prompts, b, a.max_new_tokens, SamplingParams(temperature=t),
-                       a.repeats)
+        try:
+          rows = measure(decoders[dt], prompts, b, a.max_new_tokens,
+                         SamplingParams(temperature=t), a.repeats)
+        except Exception as e:                # noqa: BLE001 (the next cell still runs)
+          first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+          cell["error"] = f"{type(e).__name__}: {first}"[:500]
+          rec.setdefault("cell_errors", []).append(cell)
+          log(f"[decode] B={b} {dt} T={t:g}: {cell['error']}")
+          ctx.write()
+          continue
         for r in rows:
           r["dtype"] = dt
         rec["rows"] += rows
@@ -696,6 +704,9 @@ def decode_part(ctx: Context, rec: dict, deadline: float) -> None:
   if differ:
     rec.update(status="failed",
                reason="greedy float32 tokens differ from AR's: " + ", ".join(differ))
+  elif rec.get("cell_errors"):
+    rec.update(status="error", error=f"{len(rec['cell_errors'])} cell(s) raised: "
+               + rec["cell_errors"][0]["error"])
 
 
 # -- part 4: the train step ----------------------------------------------------------------
@@ -884,6 +895,10 @@ def markdown(meta: dict, results: dict) -> str:
       lines.append(f"| {r['batch_size']} | {r['dtype']} | {r['temperature']:g} | {r['label']} | "
                    f"{_f(r['tokens_per_s'], '.1f')} | {_f(r['speedup'])}x | "
                    f"{_f(r.get('speedup_decode'))}x | {_f(r.get('tau'))} | {same} |")
+  if dp and dp.get("cell_errors"):
+    lines += ["", "Decode cells that raised:", ""]
+    lines += [f"- B {c['batch_size']}, T {c['temperature']:g}, {c['dtype']}: {c['error']}"
+              for c in dp["cell_errors"]]
   if dp and dp.get("skipped"):
     lines += ["", "Decode cells skipped:", ""]
     lines += [f"- {', '.join(f'{k} {v}' for k, v in s.items() if k != 'reason')}: {s['reason']}"
