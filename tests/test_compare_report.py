@@ -155,6 +155,9 @@ def test_compare_prints_timed_blocks_whose_medians_make_the_speedup(workdir):
   assert pred["tau"] == pytest.approx(timed["mtp"]["mean_accepted_length"])   # T = 0: same runs
   assert len(pred["predicted_per_repeat"]) == 3 and pred["draft_tokens"] == 2
   assert "ar_stats" in report and "[ar] tokens" not in text      # AR's untimed run: JSON only
+  # T = 0 and a correct rule: the greedy check finds nothing and prints no verdict line
+  assert report["greedy_check"] == {"identical": True, "mismatches": [], "bug": False}
+  assert "(greedy outputs identical)" in line and "near-tie" not in text and "a bug" not in text
   json.dumps(report)
 
 
