@@ -120,6 +120,28 @@ def test_the_chosen_tests_exist():
   assert expr.split(" or ")[0] == "test_single_round_laws" and expr.count(" or ") == 2
 
 
+def test_agreement_with_ar_and_the_near_tie_verdict():
+  from types import SimpleNamespace as NS
+
+  import numpy as np
+  _, model = dc.tiny_target()
+  gens = lambda *rows: [NS(tokens=[np.array(r, np.int32) for r in rows])]
+  prompt = np.array([1, 100, 101, 102], np.int32)
+  rows_of = lambda r: [prompt] * 6
+  ar = NS(gens=gens(*[[5, 6, 7]] * 6))
+  same = dc.agreement(ar, NS(gens=gens(*[[5, 6, 7]] * 6)), rows_of, model)
+  assert same == {"identical_to_ar": True, "rows_differing": 0, "first_divergence": None,
+                  "near_tie_checks": [], "bug": False}
+  other = NS(gens=gens([5, 6, 7], [5, 9, 7], [5, 6], *[[8, 6, 7]] * 3))
+  got = dc.agreement(ar, other, rows_of, model, checks=3)
+  assert got["rows_differing"] == 5 and got["first_divergence"] == 0
+  checks = got["near_tie_checks"]
+  assert [(c["row"], c["index"]) for c in checks] == [(1, 1), (2, 2), (3, 0)]
+  for c in checks:
+    assert c["gap"] >= 0 and c["bound"] > 0 and c["near_tie"] == (c["gap"] < c["bound"])
+  assert got["bug"] == any(not c["near_tie"] for c in checks)
+
+
 def test_finite_and_bad_flags(tmp_path):
   assert dc.finite({"a": float("nan"), "b": [1.0, float("inf")], "c": 2}) == \
       {"a": None, "b": [1.0, None], "c": 2}
