@@ -265,3 +265,30 @@ def test_tv_training_lowers_the_held_out_tv(trained_markov):
   assert np.isfinite(float(metrics["loss"]))
   for k, (b, a) in enumerate(zip(before, after), 1):
     assert a < 0.5 * b, f"depth {k}: TV {b:.4f} -> {a:.4f}"
+
+
+def test_frozen_compact_step_with_the_tv_term_runs_jitted(trained_markov):
+  """The Trainer's jitted frozen step from cached h0 with a draft vocabulary
+  (the compact form: the full teacher's normaliser inside the step) trains
+  the modules only and lowers the mixed objective on its batch."""
+  _, model, transition = trained_markov
+  cfg = tiny_config(mtp=dict(distill_weight=1.0, distill_divergence="mix", tv_weight=0.5,
+                             draft_vocab_size=12),
+                    train=dict(num_steps=8, batch_size=8, seq_len=32, warmup_steps=0,
+                               learning_rate=3e-3, freeze_backbone=True))
+  trainer = Trainer(cfg)
+  ids = np.sort(np.concatenate([ALPHABET, [10, 33, 120, 258, 200]]))
+  full = dict(nnx.to_flat_state(nnx.state(with_noisy_mtp(model, 1.0), nnx.Param)))
+  params = trainer.init_state(nnx.state(build_model(cfg), nnx.Param)).params
+  for path, var in nnx.to_flat_state(params):        # the trained weights, V' set below
+    if path in full:
+      var[...] = full[path][...]
+  params = draft_vocab_lib.with_draft_vocab(params, ids)
+  state = trainer.init_state(params)
+  batch = markov_batch(np.random.default_rng(3), 8, 32, transition)
+  batch["h0"] = trainer.hidden_states(state.params, batch)
+  losses_seen = []
+  for _ in range(cfg.train.num_steps):
+    state, metrics = trainer.train_step(state, batch)
+    losses_seen.append(float(metrics["loss"]))
+  assert all(np.isfinite(losses_seen)) and losses_seen[-1] < losses_seen[0]
