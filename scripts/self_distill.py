@@ -43,7 +43,8 @@ e.g. an imported SmolLM2 workdir):
 
     python -m scripts.self_distill --workdir runs/smollm --out_name smollm_chat \
         --chat_prompts 2048 --temperatures 0,1 [--val_prompts 128] [--method ar] \
-        [--batch_size 32] [--max_new_tokens 256] [--max_context_chars 1200]
+        [--batch_size 32] [--max_new_tokens 256] [--max_context_chars 1200] \
+        [--self_prompts runs/self_prompts.jsonl --self_prompt_share 0.5]
 
 builds N training chat prompts from the embedded corpora
 (``mtp.data.chat_prompts``, split ``train``; categories code, explain, qa,
@@ -77,6 +78,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import resource
@@ -93,6 +95,7 @@ from mtp import data as data_lib
 from mtp import loading
 from mtp import tokenizer as tok
 from mtp.config import DataConfig
+from mtp.data import self_prompts as self_prompts_lib
 
 
 # -- text mode -----------------------------------------------------------------------------
@@ -237,7 +240,12 @@ class ChatRecipe:
   ``temperatures[i % len]``); top_k >= 0, top_p in (0, 1]; max_new_tokens
   >= 1; method "ar" or "mtp"; num_draft_tokens >= 0 (0 = D); batch_size >= 1;
   seed >= 0; max_context_chars >= 200 (``mtp.data.chat_prompts``);
-  categories: a non-empty subset of ``mtp.data.CHAT_CATEGORIES``.
+  categories: a non-empty subset of ``mtp.data.CHAT_CATEGORIES``;
+  self_prompts: a self-written prompt file (``scripts/self_prompts.py``,
+  JSONL) and self_prompt_share in [0, 1]: that share of the *training*
+  prompts comes from the file (``mix_prompt_sources``: the file's first
+  round(share * chat_prompts) prompts, the rest templated, shuffled by seed);
+  validation stays templated, so agreement stays comparable across recipes.
   """
   chat_prompts: int = 512
   val_prompts: int = 32
@@ -251,6 +259,8 @@ class ChatRecipe:
   seed: int = 0
   max_context_chars: int = data_lib.chat.MAX_CONTEXT_CHARS
   categories: tuple[str, ...] = data_lib.CHAT_CATEGORIES
+  self_prompts: str = ""
+  self_prompt_share: float = 0.0
 
   def validate(self) -> "ChatRecipe":
     """Returns self or raises DecodeError naming the flag and its range."""
@@ -266,11 +276,52 @@ class ChatRecipe:
       raise DecodeError("--temperatures must list at least one temperature >= 0")
     for t in self.temperatures:
       SamplingParams(t, self.top_k, self.top_p).validate()
+    share = self.self_prompt_share
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+      raise DecodeError(f"--self_prompt_share={share!r} must be a number in [0, 1]")
+    if share > 0 and not self.self_prompts:
+      raise DecodeError(f"--self_prompt_share={share} needs --self_prompts FILE (a self-written "
+                        "prompt file: python -m scripts.self_prompts)")
     bad = [c for c in self.categories if c not in data_lib.CHAT_CATEGORIES]
     if not self.categories or bad:
       raise DecodeError(f"--categories={','.join(self.categories)!r}: each must be one of "
                         f"{','.join(data_lib.CHAT_CATEGORIES)}")
     return self
+
+
+_SELF_PROMPT_FIELDS = ("self_prompts", "self_prompt_share")
+
+
+def chat_recipe_json(recipe: ChatRecipe) -> dict:
+  """The recipe as recorded in (and compared with) a dataset's metadata.
+  The self-written prompt fields appear only when used, so a dataset made
+  before they existed still matches its own recipe (a re-run does nothing)."""
+  out = json.loads(json.dumps(dataclasses.asdict(recipe)))
+  if not recipe.self_prompt_share:
+    for k in _SELF_PROMPT_FIELDS:
+      out.pop(k)
+    return out
+  try:                      # the file's content is part of the recipe, not only its path
+    with open(recipe.self_prompts, "rb") as f:
+      out["self_prompts_sha256"] = hashlib.sha256(f.read()).hexdigest()
+  except OSError as e:
+    raise data_lib.DataError(f"--self_prompts={recipe.self_prompts!r}: cannot read it "
+                             f"({e.strerror})") from None
+  return out
+
+
+def training_chat_prompts(recipe: ChatRecipe, n: int, split: str, kw: dict) -> list[dict]:
+  """The ``n`` chat prompts of ``split``: templated (``mtp.data.chat_prompts``),
+  with ``recipe.self_prompt_share`` of the training split from the
+  self-written prompt file (``mix_prompt_sources``). Raises DataError (an
+  unreadable file, or fewer prompts in it than the share needs)."""
+  templated = data_lib.chat_prompts(n, split=split, **kw)
+  if split != "train" or not recipe.self_prompt_share:
+    return templated
+  share = float(recipe.self_prompt_share)
+  return self_prompts_lib.mix_prompt_sources(
+      {"templated": templated, "self_written": self_prompts_lib.read_self_prompts(recipe.self_prompts)},
+      {"templated": 1.0 - share, "self_written": share}, n, seed=recipe.seed)
 
 
 def parse_temperatures(text: str) -> tuple[float, ...]:
@@ -391,7 +442,7 @@ def make_chat_dataset(workdir: str, out_name: str, recipe: ChatRecipe, *, data_d
   cfg, _ = loading.load_config(workdir)
   src_dir = data_lib.resolve_data_dir(DataConfig(data_dir=data_dir or cfg.data.data_dir))
   out_dir = os.path.abspath(out_dir) if out_dir else src_dir
-  recipe_json = json.loads(json.dumps(dataclasses.asdict(recipe)))
+  recipe_json = chat_recipe_json(recipe)
   folder = os.path.join(out_dir, out_name)
   if os.path.exists(folder):
     old = data_lib.distilled_metadata(folder)
@@ -429,14 +480,15 @@ def make_chat_dataset(workdir: str, out_name: str, recipe: ChatRecipe, *, data_d
                            ("validation", recipe.val_prompts, 1 << 20)):
     if n == 0:
       continue
-    prompts = data_lib.chat_prompts(n, split=split, **kw)
+    prompts = training_chat_prompts(recipe, n, split, kw)
     if log is not None:
       log(f"{split}: {n} chat prompts")
     splits[split], per_split[split] = answer_examples(
         decoder, prompts, recipe, max_prompt_tokens=max_prompt, seed_offset=offset, log=log,
         cache_dir=partial, cache_tag=split)
     per_split[split]["categories"] = {c: sum(1 for _, e in splits[split] if e["category"] == c)
-                                      for c in recipe.categories}
+                                      for c in sorted({*recipe.categories,
+                                                       *(p["category"] for p in prompts)})}
   meta = {"generator": "scripts.self_distill (chat)", "workdir": os.path.abspath(workdir),
           "step": int(step), "tokenizer": tokenizer.kind, "recipe": recipe_json,
           "num_draft_tokens": g if recipe.method == "mtp" else 0,
@@ -488,6 +540,10 @@ def main(argv=None) -> int:
                     help="longest document excerpt in a prompt (characters, >= 200)")
   chat.add_argument("--categories", default=",".join(c.categories),
                     help="comma-separated prompt categories")
+  chat.add_argument("--self_prompts", default="", help="a self-written prompt file "
+                    "(python -m scripts.self_prompts) to mix into the training prompts")
+  chat.add_argument("--self_prompt_share", type=float, default=0.0,
+                    help="share of the training prompts taken from --self_prompts, in [0, 1]")
   args = ap.parse_args(argv)
   log = lambda s: print(s, file=sys.stderr, flush=True)
   if args.chat_prompts:
@@ -501,7 +557,8 @@ def main(argv=None) -> int:
           num_draft_tokens=args.num_draft_tokens,
           batch_size=args.batch_size if args.batch_size is not None else c.batch_size,
           seed=args.seed, max_context_chars=args.max_context_chars,
-          categories=tuple(cli.list_items(ap, "categories", args.categories)))
+          categories=tuple(cli.list_items(ap, "categories", args.categories)),
+          self_prompts=args.self_prompts, self_prompt_share=args.self_prompt_share)
       meta = make_chat_dataset(args.workdir, args.out_name, recipe, data_dir=args.data_dir,
                                out_dir=args.out_dir, log=log)
     except (DecodeError, ckpt_lib.CheckpointError, data_lib.DataError) as e:

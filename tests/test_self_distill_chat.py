@@ -95,6 +95,8 @@ def test_rerun_is_idempotent_and_other_recipe_refused(made, bpe_workdir, data_di
     (dict(method="draft"), "--method='draft'"),
     (dict(categories=("poems",)), "--categories='poems'"),
     (dict(max_context_chars=50), "--max_context_chars=50"),
+    (dict(self_prompt_share=1.5, self_prompts="f.jsonl"), r"--self_prompt_share=1.5 must be .* \[0, 1\]"),
+    (dict(self_prompt_share=0.5), "needs --self_prompts FILE"),
 ])
 def test_chat_recipe_validation(kw, needle):
   with pytest.raises(DecodeError, match=needle):
@@ -157,3 +159,36 @@ def test_interrupted_run_resumes_with_the_same_results(made, bpe_workdir, data_d
     assert got.keys() == want.keys()
     for k in want:
       np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_self_written_prompts_mixed_into_training_only(made, bpe_workdir, data_dir, tmp_path):
+  """--self_prompts FILE --self_prompt_share 0.4 of 5 training prompts: 2
+  come from the file (their text rendered as the user turn), 3 are templated;
+  validation stays templated; the recipe records the file's hash, so a
+  changed file is another recipe; a recipe without them records neither
+  field (datasets made before them still match)."""
+  from mtp.data import self_prompts as sp
+  path = str(tmp_path / "self.jsonl")
+  texts = [f"Tell me a fact about the number {i}." for i in range(4)]
+  sp.write_prompt_jsonl(path, [{"category": "self_written", "prompt": t} for t in texts])
+  recipe = sd.ChatRecipe(**{**RECIPE.__dict__, "self_prompts": path, "self_prompt_share": 0.4})
+  out = str(tmp_path / "out")
+  meta = sd.make_chat_dataset(bpe_workdir, "chat_sp", recipe, data_dir=data_dir, out_dir=out,
+                              log=None)
+  assert meta["splits"]["train"]["categories"]["self_written"] == 2
+  assert "self_written" not in meta["splits"]["validation"]["categories"]
+  assert len(meta["recipe"]["self_prompts_sha256"]) == 64
+  tk = tok.load_tokenizer(bpe_workdir)
+  src = data.load_source(DataConfig(name="chat_sp", data_dir=out), "train")
+  got = set()
+  for r in range(len(src)):
+    rec = src[r]
+    if bytes(rec["category"]).decode() == "self_written":
+      text = tk.decode(list(rec["tokens"][rec["loss_mask"] == 0]))
+      got |= {t for t in texts if t in text}
+  assert got == set(texts[:2])
+  assert "self_prompts" not in sd.chat_recipe_json(RECIPE)
+  with open(path, "a") as f:
+    f.write('{"category": "self_written", "prompt": "One more."}\n')
+  with pytest.raises(data.DataError, match="already exists"):
+    sd.make_chat_dataset(bpe_workdir, "chat_sp", recipe, data_dir=data_dir, out_dir=out, log=None)
