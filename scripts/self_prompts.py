@@ -22,15 +22,95 @@ import json
 import os
 import sys
 import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
+
+from decode.sampling import SamplingParams
 from decode.speculative import DecodeError, Decoder
 from mtp import checkpoint as ckpt_lib
 from mtp import loading
 from mtp import report
 from mtp import tokenizer as tok
+from mtp.data import chat as chat_lib
 from mtp.data import self_prompts as sp_lib
 from mtp.data.corpora import DataError
 
+
+# -- sampling: the target writes user turns ---------------------------------------------------
+
+def sample_user_turns(decoder, prefix: np.ndarray, settings: sp_lib.SampleSettings, round_index: int
+                      ) -> list[str | None]:
+  """One decoder call: ``settings.batch_size`` continuations of ``prefix``
+  (``Decoder.sample``, seed a function of (settings.seed, round_index)), each
+  cut at its end-of-turn id and decoded to text; None for a row that ended
+  without one (``unfinished``)."""
+  sp = SamplingParams(settings.temperature, settings.top_k, settings.top_p)
+  gen = decoder.sample(prefix, settings.batch_size, settings.max_len, sp,
+                       seed=settings.seed * 1_000_003 + round_index)
+  out = []
+  for j in range(settings.batch_size):
+    ids = np.asarray(gen.tokens[j], np.int64)
+    if not ids.size or int(ids[-1]) not in decoder.eos_ids:
+      out.append(None)
+      continue
+    out.append(decoder.tokenizer.decode([int(i) for i in ids[:-1]]))
+  return out
+
+
+def generate_self_prompts(decoder, num_prompts: int, settings: sp_lib.SampleSettings = sp_lib.SampleSettings(),
+                          filters: sp_lib.FilterSettings = sp_lib.FilterSettings(), *,
+                          heldout: Sequence[str] | None = None, log=None
+                          ) -> tuple[list[dict], dict[str, Any]]:
+  """Samples and filters user turns until ``num_prompts`` are kept or
+  ``settings.max_rounds`` decoder calls are spent.
+
+  Args:
+    decoder: a ``decode.speculative.Decoder`` over the target with its
+      tokenizer (its stop ids end a turn; method "ar" or "mtp", both sample
+      the target's law exactly).
+    num_prompts: >= 1 prompts wanted.
+    settings, filters: sampling and filter settings (validated).
+    heldout: as ``mtp.data.self_prompts.filter_prompts`` (None = the package's held-out set).
+  Returns:
+    (prompts, stats): prompts ``[{"category": "self_written", "prompt":
+    str}]`` (at most ``num_prompts``, in sampling order); stats ``sampled``,
+    ``kept``, ``rounds`` and ``rejected`` {reason: count} over ``mtp.data.self_prompts.REASONS``.
+    The result depends only on the target, the tokenizer and the settings.
+  Raises:
+    DataError: bad settings, a tokenizer without a chat template.
+  """
+  if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
+    raise DataError(f"num_prompts={num_prompts!r} must be an integer >= 1")
+  settings.validate()
+  filters.validate()
+  if heldout is None:
+    heldout = [chat_lib.prompt_text(p) for p in chat_lib.heldout_chat_prompts()]
+  prefix = sp_lib.user_turn_prefix(decoder.tokenizer)
+  rejected = Counter({r: 0 for r in sp_lib.REASONS})
+  seen: set[str] = set()
+  kept: list[str] = []
+  sampled = rounds = 0
+  while len(kept) < num_prompts and rounds < settings.max_rounds:
+    turns = sample_user_turns(decoder, prefix, settings, rounds)
+    rounds += 1
+    sampled += len(turns)
+    rejected["unfinished"] += sum(t is None for t in turns)
+    new, reasons = sp_lib.filter_prompts([t for t in turns if t is not None], filters,
+                                  heldout=heldout, seen=seen)
+    rejected.update(r for r in reasons if r is not None)
+    kept += new
+    if log is not None:
+      log(f"round {rounds}: {len(kept)}/{num_prompts} kept of {sampled} sampled")
+  kept = kept[:num_prompts]
+  stats = {"sampled": sampled, "kept": len(kept), "rounds": rounds,
+           "rejected": {r: int(rejected[r]) for r in sp_lib.REASONS}}
+  return [{"category": sp_lib.CATEGORY, "prompt": t} for t in kept], stats
+
+
+# -- the CLI's job -------------------------------------------------------------------------------
 
 def make_self_prompts(workdir: str, out: str, num_prompts: int, settings: sp_lib.SampleSettings,
                       filters: sp_lib.FilterSettings = sp_lib.FilterSettings(), *,
@@ -56,7 +136,7 @@ def make_self_prompts(workdir: str, out: str, num_prompts: int, settings: sp_lib
     raise DataError(f"--method=mtp needs a model with MTP modules; {workdir!r} has mtp.depth=0")
   decoder = Decoder(model, method, max(cfg.mtp.depth, 1), tokenizer=tokenizer)
   t0 = time.perf_counter()
-  prompts, stats = sp_lib.generate_self_prompts(decoder, num_prompts, settings, filters, log=log)
+  prompts, stats = generate_self_prompts(decoder, num_prompts, settings, filters, log=log)
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   sp_lib.write_prompt_jsonl(out, prompts)
   meta = {"generator": "scripts.self_prompts", "workdir": os.path.abspath(workdir),

@@ -13,6 +13,7 @@ from mtp import tokenizer as tok
 from mtp.data import chat as chat_lib
 from mtp.data import self_prompts as sp
 from mtp.data.corpora import DataError
+from scripts import self_prompts as sps
 from tests import tiny_bpe
 
 GOOD = "Write a short poem about the sea at night."
@@ -107,15 +108,15 @@ def test_user_turn_prefix_is_the_templates_text_before_a_users_content(bpe_workd
 def test_sampling_is_deterministic_by_seed(decoder):
   prefix = sp.user_turn_prefix(decoder.tokenizer)
   s = sp.SampleSettings(max_len=24, batch_size=8, seed=3)
-  a = sp.sample_user_turns(decoder, prefix, s, 0)
-  assert a == sp.sample_user_turns(decoder, prefix, s, 0)
-  assert a != sp.sample_user_turns(decoder, prefix, s, 1)
-  other = sp.sample_user_turns(decoder, prefix, sp.SampleSettings(max_len=24, batch_size=8,
+  a = sps.sample_user_turns(decoder, prefix, s, 0)
+  assert a == sps.sample_user_turns(decoder, prefix, s, 0)
+  assert a != sps.sample_user_turns(decoder, prefix, s, 1)
+  other = sps.sample_user_turns(decoder, prefix, sp.SampleSettings(max_len=24, batch_size=8,
                                                                   seed=4), 0)
   assert a != other and len(a) == 8
   assert all(t is None or isinstance(t, str) for t in a)
   loose = sp.FilterSettings(min_chars=1, min_words=1)
-  run = lambda seed: sp.generate_self_prompts(
+  run = lambda seed: sps.generate_self_prompts(
       decoder, 4, sp.SampleSettings(max_len=24, batch_size=8, seed=seed, max_rounds=2), loose)
   p1, s1 = run(0)
   assert (p1, s1) == run(0)
@@ -132,8 +133,8 @@ def test_generator_stops_when_enough_are_kept_and_counts_reasons(decoder, monkey
   def fake(dec, prefix, settings, round_index):
     calls.append(round_index)
     return rounds[round_index]
-  monkeypatch.setattr(sp, "sample_user_turns", fake)
-  prompts, stats = sp.generate_self_prompts(decoder, 3, sp.SampleSettings(batch_size=4),
+  monkeypatch.setattr(sps, "sample_user_turns", fake)
+  prompts, stats = sps.generate_self_prompts(decoder, 3, sp.SampleSettings(batch_size=4),
                                             heldout=[])
   assert calls == [0, 1]
   assert prompts == [{"category": "self_written", "prompt": t}
@@ -143,8 +144,8 @@ def test_generator_stops_when_enough_are_kept_and_counts_reasons(decoder, monkey
   assert stats["rejected"] == {"unfinished": 2, "empty": 1, "too_short": 1, "too_long": 0,
                                "non_printable": 0, "repetition": 0, "assistant_like": 0, "duplicate": 1,
                                "heldout_overlap": 0}
-  monkeypatch.setattr(sp, "sample_user_turns", lambda *a: [None] * 4)
-  prompts, stats = sp.generate_self_prompts(decoder, 3, sp.SampleSettings(max_rounds=3),
+  monkeypatch.setattr(sps, "sample_user_turns", lambda *a: [None] * 4)
+  prompts, stats = sps.generate_self_prompts(decoder, 3, sp.SampleSettings(max_rounds=3),
                                             heldout=[])
   assert prompts == [] and stats["rounds"] == 3 and stats["rejected"]["unfinished"] == 12
 

@@ -5,8 +5,8 @@ An instruct model continues its chat template's user-turn prefix (for
 SmolLM2 ``<|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n``) with
 text that reads like a user's request, drawn from the distribution of
 requests it was tuned on, with no external data. ``user_turn_prefix``
-finds that prefix, ``sample_user_turns`` samples continuations from it
-(``decode.speculative.Decoder.sample``: one prefill, B rows; temperature,
+finds that prefix, ``scripts.self_prompts.sample_user_turns`` samples
+continuations from it (``Decoder.sample``: one prefill, B rows; temperature,
 top-p and a length cap in tokens) and cuts each at the end-of-turn (stop)
 id; a row that never emits one within the cap is ``unfinished`` and
 dropped. ``filter_prompts`` then rejects, with one reason per text:
@@ -240,76 +240,6 @@ class SampleSettings:
     if not 0 < self.top_p <= 1:
       raise DataError(f"top_p={self.top_p!r} must be in (0, 1]")
     return self
-
-
-def sample_user_turns(decoder, prefix: np.ndarray, settings: SampleSettings, round_index: int
-                      ) -> list[str | None]:
-  """One decoder call: ``settings.batch_size`` continuations of ``prefix``
-  (``Decoder.sample``, seed a function of (settings.seed, round_index)), each
-  cut at its end-of-turn id and decoded to text; None for a row that ended
-  without one (``unfinished``)."""
-  from decode.speculative import SamplingParams
-  sp = SamplingParams(settings.temperature, settings.top_k, settings.top_p)
-  gen = decoder.sample(prefix, settings.batch_size, settings.max_len, sp,
-                       seed=settings.seed * 1_000_003 + round_index)
-  out = []
-  for j in range(settings.batch_size):
-    ids = np.asarray(gen.tokens[j], np.int64)
-    if not ids.size or int(ids[-1]) not in decoder.eos_ids:
-      out.append(None)
-      continue
-    out.append(decoder.tokenizer.decode([int(i) for i in ids[:-1]]))
-  return out
-
-
-def generate_self_prompts(decoder, num_prompts: int, settings: SampleSettings = SampleSettings(),
-                          filters: FilterSettings = FilterSettings(), *,
-                          heldout: Sequence[str] | None = None, log=None
-                          ) -> tuple[list[dict], dict[str, Any]]:
-  """Samples and filters user turns until ``num_prompts`` are kept or
-  ``settings.max_rounds`` decoder calls are spent.
-
-  Args:
-    decoder: a ``decode.speculative.Decoder`` over the target with its
-      tokenizer (its stop ids end a turn; method "ar" or "mtp", both sample
-      the target's law exactly).
-    num_prompts: >= 1 prompts wanted.
-    settings, filters: sampling and filter settings (validated).
-    heldout: as ``filter_prompts`` (None = the package's held-out set).
-  Returns:
-    (prompts, stats): prompts ``[{"category": "self_written", "prompt":
-    str}]`` (at most ``num_prompts``, in sampling order); stats ``sampled``,
-    ``kept``, ``rounds`` and ``rejected`` {reason: count} over ``REASONS``.
-    The result depends only on the target, the tokenizer and the settings.
-  Raises:
-    DataError: bad settings, a tokenizer without a chat template.
-  """
-  if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
-    raise DataError(f"num_prompts={num_prompts!r} must be an integer >= 1")
-  settings.validate()
-  filters.validate()
-  if heldout is None:
-    heldout = [chat_lib.prompt_text(p) for p in chat_lib.heldout_chat_prompts()]
-  prefix = user_turn_prefix(decoder.tokenizer)
-  rejected = Counter({r: 0 for r in REASONS})
-  seen: set[str] = set()
-  kept: list[str] = []
-  sampled = rounds = 0
-  while len(kept) < num_prompts and rounds < settings.max_rounds:
-    turns = sample_user_turns(decoder, prefix, settings, rounds)
-    rounds += 1
-    sampled += len(turns)
-    rejected["unfinished"] += sum(t is None for t in turns)
-    new, reasons = filter_prompts([t for t in turns if t is not None], filters,
-                                  heldout=heldout, seen=seen)
-    rejected.update(r for r in reasons if r is not None)
-    kept += new
-    if log is not None:
-      log(f"round {rounds}: {len(kept)}/{num_prompts} kept of {sampled} sampled")
-  kept = kept[:num_prompts]
-  stats = {"sampled": sampled, "kept": len(kept), "rounds": rounds,
-           "rejected": {r: int(rejected[r]) for r in REASONS}}
-  return [{"category": CATEGORY, "prompt": t} for t in kept], stats
 
 
 # -- files and mixing --------------------------------------------------------------------------
