@@ -44,7 +44,7 @@ from decode import results as results_lib
 from decode import stats as stats_lib
 from decode.schedule import AutoSchedule
 from decode.speculative import MAX_DRAFT_TOKENS
-from decode.speculative import DecodeError, Decoder, SamplingParams
+from decode.speculative import DecodeError, Decoder, SamplingParams, check_flags
 from decode.stops import StopConditions
 from decode.texts import (  # noqa: F401 (decode.run's API: python -m decode, tests)
     check_prompt_text, decode_texts, encode_prompts, read_prompt_file, read_prompt_jsonl_file,
@@ -234,9 +234,7 @@ def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
   ``model.attention_impl``): one of ``mtp.config.ATTENTION_IMPLS`` for
   both models. Both are checked against the checkpoint's config before any
   parameter is read. Raises CheckpointError / DecodeError."""
-  if tree is not None and method != "mtp":
-    raise DecodeError(f"--tree needs --method=mtp (the MTP modules draft the tree); got "
-                      f"--method={method}")
+  check_flags(method, num_draft_tokens, tree)        # before anything is read
   check_overrides(dtype, attention_impl)
   overrides = dict(dtype=dtype, attention_impl=attention_impl)
   if dtype is not None or attention_impl is not None:    # bad values: before any parameter
