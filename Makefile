@@ -59,7 +59,7 @@ demo: $(SMOLLM_STAMP)
 	  --workdir $(SMOLLM_DEMO) --mtp_modules $(SMOLLM_DEMO_MODULES)
 	$(PY) -m decode --workdir $(SMOLLM_DEMO) --method mtp --num_draft_tokens auto --compare \
 	  --chat "Write a Python class Stack with push, pop, peek and is_empty methods." \
-	  --max_new_tokens 128 --temperature 0
+	  --max_new_tokens 128 --temperature 0 $(ARGS)
 demo-tiny: $(STAMP)
 	$(PY) -m train --config configs/tiny.py --workdir $(WORKDIR)
 	$(PY) -m decode --workdir $(WORKDIR) --method mtp --num_draft_tokens auto --compare \
