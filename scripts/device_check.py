@@ -24,7 +24,10 @@ On the machine's accelerator (the backend JAX picks, or ``JAX_PLATFORMS``):
    interleaved repeats, medians). At T = 0 every row says whether its tokens
    equal AR's; where they part, the numeric contract's verdict
    (``decode.compare.greedy_check``: a near-tie, or a bug that fails the
-   part).
+   part). Each decoder's generate program at B = 1 is also counted
+   (``scripts.hlo_kernels.kernels_per_step`` of its compiled HLO): kernels
+   launched per decode step (AR step or MTP round) and the loops nested in
+   it (each a host round trip per iteration on a GPU).
 4. train: the jitted train step of a random model of SmolLM2-135M's size
    with one MTP module (``train.bench.train_step_costs``), bfloat16
    activations then float32: tokens/s and model FLOP utilisation against
@@ -640,6 +643,36 @@ def measure(decoders: dict, prompts, batch: int, max_new: int, sp, repeats: int,
   return rows
 
 
+def step_kernels(decoders: dict, prompt, max_new: int, sp) -> dict:
+  """{label: ``scripts.hlo_kernels.kernels_per_step``} of every decoder's
+  generate program (``Decoder.lowered``) for one row of ``prompt`` (a text
+  or ids) and ``max_new`` new tokens: the program a B = 1 cell of these
+  settings runs, so after that cell its compilation is cached; a decoder
+  that raises gets {"error": ...}."""
+  from scripts import bench_lib, hlo_kernels
+  encoded = bench_lib.encode_prompts([prompt])
+  out = {}
+  for label, d in decoders.items():
+    try:
+      state, prefill_len = d.prepare(encoded, max_new, 0)
+      _, generate = d.lowered(state, prefill_len, sp)
+      out[label] = hlo_kernels.kernels_per_step(generate.compile().as_text())
+    except Exception as e:                    # noqa: BLE001 (a count is a side note)
+      first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+      out[label] = {"error": f"{type(e).__name__}: {first}"[:300]}
+  return out
+
+
+def annotate_kernels(rec: dict) -> None:
+  """Copies the decode part's kernel counts (``rec["kernels"]``: {dtype:
+  {label: counts}}) into its rows: ``kernels_per_step`` and
+  ``loops_per_step`` (nested whiles), None where not counted."""
+  for r in rec.get("rows", []):
+    k = rec.get("kernels", {}).get(r.get("dtype"), {}).get(r.get("label"), {})
+    r["kernels_per_step"] = k.get("kernels")
+    r["loops_per_step"] = k.get("nested_whiles")
+
+
 def decode_part(ctx: Context, rec: dict, deadline: float) -> None:
   """AR vs MTP (G and auto) per (B, T, dtype) cell, in that order of
   priority (B = 1 greedy in float32 and bfloat16 first), each cell only
@@ -649,7 +682,7 @@ def decode_part(ctx: Context, rec: dict, deadline: float) -> None:
   from decode.sampling import SamplingParams
   from mtp import loading
   from mtp import tokenizer as tok_lib
-  from scripts import bench_chat, bench_hf
+  from scripts import bench_chat, bench_hf, hlo_kernels
   a = ctx.args
   if ctx.quick:
     cfg, model = tiny_target()
@@ -665,7 +698,7 @@ def decode_part(ctx: Context, rec: dict, deadline: float) -> None:
     rec["model"] = f"SmolLM2-135M-Instruct + {a.mtp_modules} ({workdir})"
     ctx.target = (cfg, model, tokenizer, workdir)
   rec.update(max_new_tokens=a.max_new_tokens, repeats=a.repeats, form="while",
-             mtp_depth=model.mtp_depth, rows=[], skipped=[])
+             mtp_depth=model.mtp_depth, rows=[], skipped=[], kernels={})
   models = {"float32": (cfg, model)}
   if "bfloat16" in a.dtypes:
     cast, why = bfloat16_cast()
@@ -711,6 +744,16 @@ def decode_part(ctx: Context, rec: dict, deadline: float) -> None:
         log(f"[decode] B={b} {dt} T={t:g} ({wall:.1f} s): " + "  ".join(
             f"{r['label']} {r['tokens_per_s']:.0f} tok/s x{r['speedup']:.2f}"
             + ("" if r.get("identical_to_ar", True) else " (differs from AR)") for r in rows))
+        if dt not in rec["kernels"] and deadline - ctx.budget.elapsed() >= need:
+          # B = 1 at this T: compiled already when this cell was B = 1 (the first is, by default)
+          k0 = time.monotonic()
+          counts = rec["kernels"][dt] = step_kernels(decoders[dt], prompts[0], a.max_new_tokens,
+                                                     SamplingParams(temperature=t))
+          rec.setdefault("kernels_wall_s", {})[dt] = round(time.monotonic() - k0, 1)
+          log(f"[decode] {dt}, B = 1: kernels per step (loops nested in it): " + "  ".join(
+              f"{label} {k.get('error') or hlo_kernels.summary(k)}"
+              for label, k in counts.items()))
+        annotate_kernels(rec)
         ctx.write()
   greedy = [r for r in rec["rows"] if r["temperature"] == 0 and r["label"] != "ar"]
   rec["greedy_equal_to_ar"] = {f"B={r['batch_size']} {r['dtype']} {r['label']}":
@@ -866,6 +909,7 @@ def _f(x, spec=".2f") -> str:
 
 def markdown(meta: dict, results: dict) -> str:
   """The report's tables: the parts, the tests, decoding, the train step, transformers."""
+  from scripts import hlo_kernels
   d = results.get("device") or {}
   parts = results.get("parts", {})
   lines = [f"# Device check: {d.get('kind', '?')}", "",
@@ -901,10 +945,15 @@ def markdown(meta: dict, results: dict) -> str:
     lines += ["", "## Decoding (while_loop form)", "",
               f"{dp.get('model')}; {dp.get('max_new_tokens')} new tokens per row at most, median "
               f"of {dp.get('repeats')} interleaved repeats after a compiling call; speedup = "
-              "tokens/s over AR's in the same cell; greedy = AR: the tokens equal AR's (T = 0).",
+              "tokens/s over AR's in the same cell; greedy = AR: the tokens equal AR's (T = 0); "
+              "kernels / step: kernel-launching instructions of one step (AR step or MTP round) "
+              "of the decoder's compiled generate program at B = 1 (scripts/hlo_kernels.py), with "
+              "the loops nested in it (a host round trip per iteration on a GPU; on a CPU a "
+              "fusion is a loop in one program, so the count is a proxy).",
               "", "| B | dtype | T | decoder | tokens/s | speedup | decoding phase | tau | "
-              "greedy = AR |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "greedy = AR | kernels / step |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    counts = dp.get("kernels") or {}
     for r in dp["rows"]:
       same = r.get("identical_to_ar")
       ties = r.get("near_tie_checks") or []
@@ -913,9 +962,11 @@ def markdown(meta: dict, results: dict) -> str:
       same = ("-" if same is None else "yes" if same
               else f"no: {r['rows_differing']} row(s), from token {r['first_divergence']}"
               + verdict)
+      k = counts.get(r["dtype"], {}).get(r["label"])
+      kernels = "-" if not k else "error" if "error" in k else hlo_kernels.summary(k)
       lines.append(f"| {r['batch_size']} | {r['dtype']} | {r['temperature']:g} | {r['label']} | "
                    f"{_f(r['tokens_per_s'], '.1f')} | {_f(r['speedup'])}x | "
-                   f"{_f(r.get('speedup_decode'))}x | {_f(r.get('tau'))} | {same} |")
+                   f"{_f(r.get('speedup_decode'))}x | {_f(r.get('tau'))} | {same} | {kernels} |")
   if dp and dp.get("cell_errors"):
     lines += ["", "Decode cells that raised:", ""]
     lines += [f"- B {c['batch_size']}, T {c['temperature']:g}, {c['dtype']}: {c['error']}"
