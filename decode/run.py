@@ -211,7 +211,9 @@ def model_overrides(cfg, *, dtype: str | None, attention_impl: str | None):
       if msg.startswith(field + "="):
         msg = flag + msg[len(field):]
         break
-    raise DecodeError(msg.replace("unless model.dtype is", "unless --dtype (model.dtype) is")) \
+    raise DecodeError(msg.replace("unless model.dtype is bfloat16 or float16",
+                                  "unless --dtype is bfloat16")
+                      .replace("unless model.dtype is", "unless --dtype (model.dtype) is")) \
         from None
 
 
@@ -239,6 +241,9 @@ def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
   overrides = dict(dtype=dtype, attention_impl=attention_impl)
   if dtype is not None or attention_impl is not None:    # bad values: before any parameter
     model_overrides(loading.load_config(workdir)[0], **overrides)
+  if attention_impl == "cudnn" and jax.default_backend() != "gpu":
+    raise DecodeError(f"--attention_impl=cudnn needs an NVIDIA GPU (cuDNN); this backend is "
+                      f"{jax.default_backend()}: use auto, blockwise or dense")
   cfg, target, step = loading.load_model(workdir)
   cfg, target = loading.override_model(cfg, target, **overrides)
   try:

@@ -3,7 +3,7 @@ template's user-turn prefix (Magpie, Xu et al. 2024); ``mtp.data.self_prompts``
 samples, filters (unfinished, empty, too short / long, non-printable,
 repetitive, duplicate, overlapping the held-out set) and writes them.
 
-    .venv/bin/python -m scripts.self_prompts --workdir runs/smollm2_135m \\
+    .venv/bin/python -m scripts.self_prompts --workdir runs/smollm \\
         --num_prompts 2048 --temperature 1 --top_p 0.95 --max_len 128 --seed 0 \\
         --out results/self_prompts_smollm2.jsonl
 
@@ -126,6 +126,7 @@ def make_self_prompts(workdir: str, out: str, num_prompts: int, settings: sp_lib
     raise DataError(f"--num_prompts={num_prompts!r} must be an integer >= 1")
   if method not in ("ar", "mtp"):
     raise DataError(f"--method={method!r} must be 'ar' or 'mtp' (the model samples itself)")
+  loading.load_config(workdir)          # a missing or empty workdir: CheckpointError, first
   tokenizer = tok.load_tokenizer(workdir)
   prefix = sp_lib.user_turn_prefix(tokenizer)
   cfg, model, step = loading.load_model(workdir)
@@ -150,7 +151,7 @@ def make_self_prompts(workdir: str, out: str, num_prompts: int, settings: sp_lib
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__,
+  ap = argparse.ArgumentParser(prog="python -m scripts.self_prompts", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--workdir", required=True, help="the target's workdir (a chat-template tokenizer)")
   ap.add_argument("--out", required=True, help="JSONL prompt file to write")

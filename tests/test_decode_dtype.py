@@ -132,7 +132,12 @@ def test_bad_values_are_one_line_naming_the_flag(blockwise_workdir):
     load_decoder(blockwise_workdir, "mtp", 2, attention_impl="cudnn")
   msg = str(e.value)
   assert msg.startswith("--attention_impl='cudnn'") and "--dtype" in msg and "\n" not in msg
-  load_decoder(blockwise_workdir, "ar", 1, attention_impl="cudnn", dtype="bfloat16")  # allowed
+  if jax.default_backend() == "gpu":
+    load_decoder(blockwise_workdir, "ar", 1, attention_impl="cudnn", dtype="bfloat16")  # allowed
+  else:                       # cuDNN exists only on NVIDIA GPUs: one line, not a RuntimeError later
+    with pytest.raises(DecodeError, match=r"^--attention_impl=cudnn needs an NVIDIA GPU \(cuDNN\); "
+                                          rf"this backend is {jax.default_backend()}"):
+      load_decoder(blockwise_workdir, "ar", 1, attention_impl="cudnn", dtype="bfloat16")
   for bad in ("float16", "fp32", "bf16"):
     with pytest.raises(DecodeError, match=rf"^--dtype='{bad}' is not allowed: must be one of "
                                           r"float32, bfloat16"):

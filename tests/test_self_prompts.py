@@ -213,3 +213,7 @@ def test_cli_writes_prompts_and_metadata(bpe_workdir, tmp_path, capsys):
   assert cli.main(["--workdir", bpe_workdir, "--out", out, "--top_p", "0"]) == 2
   assert "top_p=0.0 must be in (0, 1]" in capsys.readouterr().err
   assert os.path.exists(out)
+  # a workdir that does not exist is named as such (not "a byte tokenizer has no chat template")
+  assert cli.main(["--workdir", str(tmp_path / "nope"), "--out", str(tmp_path / "x.jsonl")]) == 2
+  err = capsys.readouterr().err
+  assert "nope" in err and "chat template" not in err and len(err.strip().splitlines()) == 1
