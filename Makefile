@@ -80,7 +80,7 @@ test-gpu:
 	JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -q $(XDIST) --durations=25 -m "not slow" tests
 # This machine's accelerator checked in < 6 min (docs/testing.md); ARGS=--quick: the CPU dry run.
 device-check:
-	$(PY) scripts/device_check.py $(ARGS)
+	$(PY) -m scripts.device_check $(ARGS)
 
 # MTP_REQUIRE_HF=1: a missing torch/transformers fails instead of skipping.
 test-hf: $(HF_STAMP) $(SMOLLM_STAMP)

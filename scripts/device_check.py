@@ -83,8 +83,6 @@ import threading  # noqa: E402
 import traceback  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-  sys.path.insert(0, REPO)
 
 PARTS = ("tests", "decode", "train", "hf")
 HARD_GRACE_S = 20.0          # the watchdog's margin past --budget_s
