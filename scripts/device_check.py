@@ -18,7 +18,8 @@ On the machine's accelerator (the backend JAX picks, or ``JAX_PLATFORMS``):
    with the committed module ``assets/smollm2_mtp1.safetensors`` into
    ``--workdir``, as ``make demo`` does; reused when already there), AR vs
    MTP with G = 1, 2, 3 and ``auto``, B = 1, 16, 64, T = 0 and 1, float32
-   and bfloat16, in this one process (loaded once; every decoder compiles
+   and bfloat16, then AR alone at B = 256, T = 1, 160 tokens (the
+   self-distillation generator's shape; ``--large_batch``), in this one process (loaded once; every decoder compiles
    once per shape, greedy and sampling apart), timed with
    ``scripts.bench_lib``'s cells (``run_cells``, ``summarize_cell``:
    interleaved repeats, medians). At T = 0 every row says whether its tokens
@@ -671,6 +672,44 @@ def annotate_kernels(rec: dict) -> None:
     r["loops_per_step"] = k.get("nested_whiles")
 
 
+def large_batch_cells(ctx: Context, rec: dict, deadline: float, decoders: dict, prompts,
+                      models: dict, need: float) -> None:
+  """AR alone at B = ``--large_batch`` and T = 1 for ``--large_batch_tokens``
+  new tokens, bfloat16 first, then float32: the self-distillation
+  generator's shape (``make smollm-mtp-device`` answers at B = 256, 160
+  tokens), whose target is generated tokens/s. Rows go to ``rec["rows"]``
+  with ``large_batch: True``; a cell that does not fit the time left is
+  skipped with the reason, one that raises is recorded and the check goes on."""
+  from decode.sampling import SamplingParams
+  a = ctx.args
+  if not a.large_batch:
+    return
+  for dt in sorted((d for d in a.dtypes if d in decoders), key=lambda d: d != "bfloat16"):
+    cell = {"batch_size": a.large_batch, "temperature": 1.0, "dtype": dt, "large_batch": True}
+    left = deadline - ctx.budget.elapsed()
+    if left < need:
+      cell["reason"] = f"time budget: {max(left, 0):.0f} s left, the large-batch cell needs ~{need:.0f} s"
+      rec["skipped"].append(cell)
+      continue
+    t0 = time.monotonic()
+    try:
+      rows = measure({"ar": decoders[dt]["ar"]}, prompts, a.large_batch, a.large_batch_tokens,
+                     SamplingParams(temperature=1.0), 1, models[dt][1])
+    except Exception as e:                    # noqa: BLE001 (the check goes on)
+      first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+      cell["error"] = f"{type(e).__name__}: {first}"[:500]
+      rec.setdefault("cell_errors", []).append(cell)
+      log(f"[decode] large batch B={a.large_batch} {dt}: {cell['error']}")
+      ctx.write()
+      continue
+    for r in rows:
+      r.update(dtype=dt, large_batch=True)
+    rec["rows"] += rows
+    log(f"[decode] large batch: AR B={a.large_batch} T=1 {dt}, {a.large_batch_tokens} tokens "
+        f"({time.monotonic() - t0:.1f} s): {rows[0]['tokens_per_s']:.0f} generated tok/s")
+    ctx.write()
+
+
 def decode_part(ctx: Context, rec: dict, deadline: float) -> None:
   """AR vs MTP (G and auto) per (B, T, dtype) cell, in that order of
   priority (B = 1 greedy in float32 and bfloat16 first), each cell only
@@ -753,6 +792,7 @@ def decode_part(ctx: Context, rec: dict, deadline: float) -> None:
               for label, k in counts.items()))
         annotate_kernels(rec)
         ctx.write()
+  large_batch_cells(ctx, rec, deadline, decoders, prompts, models, need)
   greedy = [r for r in rec["rows"] if r["temperature"] == 0 and r["label"] != "ar"]
   rec["greedy_equal_to_ar"] = {f"B={r['batch_size']} {r['dtype']} {r['label']}":
                                r["identical_to_ar"] for r in greedy}
@@ -1033,6 +1073,10 @@ def parse_args(argv=None):
   ap.add_argument("--dtypes", default="float32,bfloat16", help="float32 and/or bfloat16")
   ap.add_argument("--max_new_tokens", type=int, default=64, help="new tokens per row, in [1, 4096]")
   ap.add_argument("--repeats", type=int, default=2, help="timed repeats per cell, in [1, 100]")
+  ap.add_argument("--large_batch", type=int, default=256,
+                  help="AR batch of the large-batch generation cell (T = 1), in [0, 4096]; 0: none")
+  ap.add_argument("--large_batch_tokens", type=int, default=160,
+                  help="new tokens per row in that cell, in [1, 4096]")
   ap.add_argument("--hf_batch_sizes", default="1,16", help="transformers' batch sizes, in [1, 256]")
   ap.add_argument("--train_batch", type=int, default=16, help="train batch rows, in [1, 4096]")
   ap.add_argument("--train_seq_len", type=int, default=512,
@@ -1046,10 +1090,11 @@ def parse_args(argv=None):
   if args.quick:
     cli.apply_quick(ap, args, compile_cache="", tests_s=90.0, test_workers=0, batch_sizes="1",
                     temperatures="0", num_draft_tokens="1", max_new_tokens=8, repeats=1,
-                    hf_batch_sizes="1",
+                    hf_batch_sizes="1", large_batch=4, large_batch_tokens=4,
                     train_batch=2, train_seq_len=16, train_steps=2, train_repeats=1)
   cli.check_range(ap, args, budget_s=(10, 7200), tests_s=1, test_workers=(0, 64),
                   max_new_tokens=(1, 4096), repeats=(1, 100), train_batch=(1, 4096),
+                  large_batch=(0, 4096), large_batch_tokens=(1, 4096),
                   train_seq_len=(8, 8192), train_steps=(1, 1000), train_repeats=(1, 100))
   args.parts = cli.parse_list(ap, "parts", args.parts, str, choices=PARTS)
   args.batch_sizes = cli.parse_list(ap, "batch_sizes", args.batch_sizes, int, 1, 1024)

@@ -12,7 +12,8 @@ repository root (paths below are relative to it):
    --seed 0``) into ``--init_workdir`` (runs/smollm_d<depth>; skipped when it
    has ``checkpoints/``);
 3. ``scripts.self_distill``: answer 1,100 training chat prompts (44 more for
-   validation) at T = 0 and 1 into ``--data_dir`` as dataset ``smollm_chat``
+   validation) at T = 0 and 1, ``--answer_batch_size`` rows at a time (auto:
+   32 on the CPU, 256 on an accelerator), into ``--data_dir`` as dataset ``smollm_chat``
    (resumes an interrupted run, leaves a finished one alone);
 4. the same for every seed of ``--data_seeds`` other than 0: 1,100 more
    prompts each, dataset ``smollm_chat_s<seed>``, no validation prompts;
@@ -81,7 +82,8 @@ def plan(args) -> list[tuple[str | None, list]]:
   bench = args.bench_out or f"results/bench_chat_smollm{suffix}"
   data_name = "+".join(["smollm_chat"] + [f"smollm_chat_s{s}" for s in extra])
   distill = [py, "-m", "scripts.self_distill", "--workdir", args.base_workdir]
-  answer = ["--temperatures", "0,1", "--method", "ar", "--batch_size", "32", "--max_new_tokens", "160"]
+  answer = ["--temperatures", "0,1", "--method", "ar", "--batch_size", str(args.answer_batch_size),
+            "--max_new_tokens", "160"]
   steps = [
       (args.base_workdir, [py, "-m", "mtp.importers", "--gguf", GGUF, "--workdir", args.base_workdir]),
       (init, [py, "-m", "mtp.importers", "--gguf", GGUF, "--workdir", init, "--mtp_depth", str(depth),
@@ -116,6 +118,33 @@ def shell_line(skip_dir: str | None, argv: list) -> str:
   return line
 
 
+CPU_ANSWER_BATCH = 32          # what the committed module's data was generated with
+ACCELERATOR_ANSWER_BATCH = 256  # one H200 holds it easily; AR generation is step-bound, so tok/s ~ B
+
+
+def jax_backend() -> str:
+  """The backend JAX would use: the first entry of ``JAX_PLATFORMS`` when set,
+  otherwise asked of a JAX subprocess (this script itself never imports JAX)."""
+  env = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip()
+  if env:
+    return env
+  r = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"],
+                     cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  return r.stdout.strip() or "cpu"
+
+
+def answer_batch(text: str) -> int:
+  """``--answer_batch_size``: an integer >= 1, or ``auto`` = 32 on the CPU
+  (the recipe the committed data used: batches and seeds are recorded, so a
+  re-run resumes) and 256 on an accelerator (generation there is bound by the
+  step's fixed cost, so rows are nearly free). Raises ValueError."""
+  if text == "auto":
+    return CPU_ANSWER_BATCH if jax_backend() == "cpu" else ACCELERATOR_ANSWER_BATCH
+  if not text.isdigit() or int(text) < 1:
+    raise ValueError(f"--answer_batch_size: {text!r} is not an integer >= 1 or auto")
+  return int(text)
+
+
 def gguf_path() -> str:
   """The GGUF file's path, from ``python -m mtp.importers.smollm`` (exits on error)."""
   r = subprocess.run([sys.executable, "-m", "mtp.importers.smollm"], cwd=REPO,
@@ -145,6 +174,9 @@ def parse_args(argv=None):
   ap.add_argument("--bench_out", default="", help="benchmark report (default "
                   "results/bench_chat_smollm<suffix>)")
   ap.add_argument("--data_dir", default="runs/data", help="self-distilled datasets")
+  ap.add_argument("--answer_batch_size", default="auto", help="rows answered together by "
+                  "scripts.self_distill: an integer >= 1, or auto (32 on the CPU, 256 on an "
+                  "accelerator)")
   ap.add_argument("--cache_dir", default="runs/hidden_caches",
                   help="hidden-state caches, one per fingerprint (train.hidden_cache_dir)")
   ap.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
@@ -160,6 +192,7 @@ def parse_args(argv=None):
     if args.features and not all(f.isdigit() for f in args.features.split(",")):
       raise ValueError(f"--features: {args.features!r} is not a comma list of block indices")
     args.data_seeds = parse_seeds(args.data_seeds)
+    args.answer_batch_size = answer_batch(args.answer_batch_size)
   except ValueError as e:
     ap.error(str(e))
   return args

@@ -245,6 +245,8 @@ def test_quick_dry_run(tmp_path):
   for r in rows:
     assert r["tokens_per_s"] > 0 and r["tau"] >= 1
   assert all(r["identical_to_ar"] for r in rows if r["dtype"] == "float32" and r["label"] != "ar")
+  large = [r for r in rows if r.get("large_batch")]      # the generator's shape, AR at T = 1
+  assert {(r["label"], r["batch_size"], r["temperature"]) for r in large} == {("ar", 4, 1.0)}
   train = parts["train"]["rows"]
   assert {r["dtype"] for r in train} == {"bfloat16", "float32"}
   assert all(r["tokens_per_s"] > 0 and r["model_flops_per_step"] > 0 for r in train)

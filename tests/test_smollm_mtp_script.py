@@ -62,8 +62,18 @@ def test_dry_run_prints_the_makefile_commands(flags, want):
   assert dry_run(*flags) == want
 
 
+def test_answer_batch_follows_the_backend_or_the_flag(monkeypatch):
+  script = importlib.import_module("scripts.smollm_mtp")
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  assert script.answer_batch("auto") == 32        # the committed data's recipe: resumes as is
+  monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+  assert script.answer_batch("auto") == 256
+  assert script.answer_batch("7") == 7
+  assert "--batch_size 8 " in " ".join(dry_run("--answer_batch_size", "8")[2:3])
+
+
 def test_bad_flags_fail_naming_the_flag():
-  for flags, needle in [(["--depth", "0"], "--depth"), (["--steps", "x"], "--steps"),
+  for flags, needle in [(["--answer_batch_size", "0"], "--answer_batch_size"), (["--depth", "0"], "--depth"), (["--steps", "x"], "--steps"),
                         (["--data_seeds", "1,-2"], "--data_seeds"), (["--features", "a"], "--features")]:
     r = subprocess.run([sys.executable, SCRIPT, "--dry_run", *flags], cwd=REPO,
                        capture_output=True, text=True, timeout=60)
