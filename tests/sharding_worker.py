@@ -245,8 +245,16 @@ def _checkpoint_and_decode(args, cfg, batches, kept) -> dict:
   return out
 
 
+def _mark(phase: str):
+  """One progress line in the worker's log (the fixture shows its tail on a
+  failure, so a hang names the phase it stopped in)."""
+  import time
+  print(f"[sharding_worker {time.strftime('%H:%M:%S')}] {phase}", file=sys.stderr, flush=True)
+
+
 def run_process(args) -> dict:
   from mtp import sharding as shard_lib
+  _mark(f"process {args.process_id}: jax.distributed.initialize")
   shard_lib.initialize_distributed(f"127.0.0.1:{args.port}", 2, args.process_id)
   import grain
   import jax
@@ -262,7 +270,8 @@ def run_process(args) -> dict:
   state = trainer.init_state()
   rows = BATCH // n
   losses = []
-  for batch in _batches(NUM_STEPS):
+  for i, batch in enumerate(_batches(NUM_STEPS)):
+    _mark(f"train step {i}")
     local = {k: v[pid * rows:(pid + 1) * rows] for k, v in batch.items()}
     state, metrics = trainer.train_step(state, local)
     losses.append(float(metrics["loss"]))
@@ -274,10 +283,12 @@ def run_process(args) -> dict:
   data_iter = iter(grain.MapDataset.range(16)[pid::n].to_iter_dataset())
   for _ in range(pid + 1):
     next(data_iter)
+  _mark("checkpoint save")
   ckpt = ckpt_lib.Checkpointer(args.workdir)
   ckpt.save(state.step, state.params, state.opt_state, data_iter, cfg)
   saved = [np.asarray(s.data) for s in gate.addressable_shards]
   fresh = iter(grain.MapDataset.range(16)[pid::n].to_iter_dataset())
+  _mark("checkpoint restore")
   params, _ = ckpt.restore(NUM_STEPS, trainer.abstract_params, trainer.abstract_opt_state, fresh)
   got = params["blocks"][0]["mlp"]["gate"]["kernel"].get_value()
   out["restored_equal"] = all(np.array_equal(a, np.asarray(s.data))
@@ -285,6 +296,7 @@ def run_process(args) -> dict:
   out["restored_next_item"] = int(next(fresh))
   out["restored_config_depth"] = ckpt.restore_config(NUM_STEPS).mtp.depth
   ckpt.close()
+  _mark("done")
   return out
 
 
@@ -339,6 +351,8 @@ def main():
   result["wall_s"] = time.time() - t0
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)
+  if args.mode == "process":
+    _mark("result written; exiting (jax.distributed shuts down at exit)")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@ decoding, and the bad-mesh errors.
 JAX must see the fake devices before it loads, and this pytest process has
 already loaded it with one device, so the checks run in subprocesses
 (``tests/sharding_worker.py``): one per MTP depth on 8 devices, and two
-processes x 2 devices that form one 4-device mesh. All four start together
-(they share the machine's cores) from a module fixture that kills whatever
-is still running when it finishes, passes or fails.
+processes x 2 devices that form one 4-device mesh. A module fixture runs
+the two 8-device workers together, then the pair, and kills whatever is
+still running when it finishes, passes or fails.
 
 Tolerances: losses on different meshes agree to rtol 1e-5 (float32 sums
 reduced in another order; observed differences are ~1e-7 relative).
@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -31,7 +32,8 @@ from tests.conftest import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "sharding_worker.py")
-TIMEOUT_S = 1200       # all workers together; typical ~2 min on 2 busy cores, 7+ min when the suite runs slowly
+MESH_TIMEOUT_S = 900   # the two 8-device runs together; typical ~2 min on 2 busy cores, 7+ min when the suite runs slowly
+PAIR_TIMEOUT_S = 420   # the two-process pair; ~1 min alone on 2 cores beside 2 busy loops
 RTOL = 1e-5
 MESHES = ("8x1x1", "1x8x1", "2x2x2", "1x1x1")
 
@@ -42,48 +44,73 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  """Runs every worker; returns {name: result dict or failure text}."""
-  root = tmp_path_factory.mktemp("sharding")
-  port = _free_port()
+def _run_group(root, jobs: dict, timeout_s: float, tag: str = "") -> tuple[dict, bool]:
+  """Starts every job of ``jobs`` ({name: worker argv}) together and waits up
+  to ``timeout_s`` for all; kills what is still running (only the processes
+  started here, by handle). Returns ({name: result dict or failure text},
+  whether any job ran out of time)."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  jobs = {
-      "d0": ["meshes", "--depth", "0"],
-      "d2": ["meshes", "--depth", "2", "--extras"],
-      "proc0": ["process", "--process_id", "0", "--port", str(port)],
-      "proc1": ["process", "--process_id", "1", "--port", str(port)],
-  }
   procs, logs, results = {}, {}, {}
+  timed_out = False
   try:
     for name, argv in jobs.items():
-      workdir = root / ("ckpt_2proc" if name.startswith("proc") else name)
-      logs[name] = open(root / f"{name}.log", "w")
+      workdir = root / (f"ckpt_2proc{tag}" if name.startswith("proc") else name)
+      logs[name] = open(root / f"{name}{tag}.log", "w")
       procs[name] = subprocess.Popen(
           [sys.executable, WORKER, *argv, "--workdir", str(workdir),
-           "--out", str(root / f"{name}.json")],
+           "--out", str(root / f"{name}{tag}.json")],
           cwd=REPO, env=env, stdout=logs[name], stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + TIMEOUT_S
-    for name, p in procs.items():
+    deadline = time.monotonic() + timeout_s
+    for p in procs.values():
       try:
         p.wait(timeout=max(deadline - time.monotonic(), 1))
       except subprocess.TimeoutExpired:
-        pass
+        timed_out = True
   finally:
-    for p in procs.values():       # only the processes started here, by handle
+    for p in procs.values():
       if p.poll() is None:
         p.kill()
         p.wait()
     for f in logs.values():
       f.close()
   for name, p in procs.items():
-    out = root / f"{name}.json"
+    out = root / f"{name}{tag}.json"
     if p.returncode == 0 and out.exists():
       results[name] = json.loads(out.read_text())
     else:
-      tail = (root / f"{name}.log").read_text()[-3000:]
-      results[name] = f"worker {name} exited with {p.returncode}:\n{tail}"
+      tail = (root / f"{name}{tag}.log").read_text()[-3000:]
+      wrote = "wrote its result" if out.exists() else "wrote no result"
+      results[name] = f"worker {name}{tag} exited with {p.returncode} ({wrote}):\n{tail}"
+  return results, timed_out
+
+
+def _process_jobs() -> dict:
+  port = _free_port()
+  return {f"proc{i}": ["process", "--process_id", str(i), "--port", str(port)] for i in (0, 1)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """Runs every worker; returns {name: result dict or failure text}.
+
+  The two 8-device runs go first, together; the two-process pair after them,
+  so its gloo collectives do not compete with 16 emulated devices for 2
+  cores. A pair that runs out of time is started once more (fresh port and
+  workdir) and the first attempt's log tails are kept under "proc_hang": a
+  hang seen once in CI under load (2026-12-05, 1,200 s) that a lone pair
+  never showed; each worker logs its phase, so a repeat names where it
+  stopped. A pair that fails in any other way is not retried."""
+  root = tmp_path_factory.mktemp("sharding")
+  t0 = time.monotonic()
+  results, _ = _run_group(root, {"d0": ["meshes", "--depth", "0"],
+                                 "d2": ["meshes", "--depth", "2", "--extras"]}, MESH_TIMEOUT_S)
+  pair, hung = _run_group(root, _process_jobs(), PAIR_TIMEOUT_S)
+  if hung:
+    results["proc_hang"] = pair
+    pair, _ = _run_group(root, _process_jobs(), PAIR_TIMEOUT_S, tag="_retry")
+  results.update(pair)
   results["root"] = root
+  results["wall_s"] = time.monotonic() - t0
   return results
 
 
@@ -145,6 +172,9 @@ def test_fsdp_divides_parameter_memory(runs, depth):
 @pytest.mark.cpu_only
 @pytest.mark.slow
 def test_two_processes_train_like_one(runs):
+  if "proc_hang" in runs:     # passed on the second start: say so in pytest's summary
+    warnings.warn("the two-process pair ran out of time once and was started again; first "
+                  "attempt: " + " | ".join(str(v)[-600:] for v in runs["proc_hang"].values()))
   ref = _get(runs, "d2")["losses"]["1x1x1"]
   for i in (0, 1):
     r = _get(runs, f"proc{i}")
@@ -156,7 +186,8 @@ def test_two_processes_train_like_one(runs):
     assert r["restored_equal"] and r["restored_config_depth"] == 2
   # Each process's grain iterator resumes at its own position (range(16)[i::2], i+1 consumed).
   assert [_get(runs, f"proc{i}")["restored_next_item"] for i in (0, 1)] == [2, 5]
-  data = runs["root"] / "ckpt_2proc" / "checkpoints" / "3" / "data"
+  tag = "_retry" if "proc_hang" in runs else ""
+  data = runs["root"] / f"ckpt_2proc{tag}" / "checkpoints" / "3" / "data"
   assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(os.listdir(data))
 
 
