@@ -17,7 +17,7 @@ SMOLLM_STEPS ?=
 STAMP := $(VENV)/.installed
 HF_STAMP := $(VENV)/.installed-hf
 SMOLLM_STAMP := $(VENV)/.installed-smollm
-.PHONY: demo demo-tiny test test-slow test-gpu device-check test-hf install install-hf install-llamacpp clean-demo reference smollm smollm-mtp
+.PHONY: demo demo-tiny test test-slow test-gpu device-check test-hf install install-hf install-llamacpp clean-demo reference smollm smollm-mtp smollm-mtp-device
 
 install: $(STAMP)
 $(STAMP): pyproject.toml
@@ -53,6 +53,10 @@ smollm: $(SMOLLM_STAMP)
 smollm-mtp: smollm
 	$(PY) scripts/smollm_mtp.py --depth '$(SMOLLM_DEPTH)' --features '$(SMOLLM_FEATURES)' \
 	  --data_seeds '$(SMOLLM_DATA_SEEDS)' --steps '$(SMOLLM_STEPS)' --base_workdir $(SMOLLM_WORKDIR)
+
+# The recipe in a wall-clock budget on an accelerator (ARGS=--budget_s 480; docs/smollm.md).
+smollm-mtp-device: smollm
+	$(PY) -m scripts.smollm_mtp_device --base_workdir $(SMOLLM_WORKDIR) $(ARGS)
 
 demo: $(SMOLLM_STAMP)
 	test -d $(SMOLLM_DEMO)/checkpoints || $(PY) -m mtp.importers --gguf "$$($(PY) -m mtp.importers.smollm)" \
