@@ -31,9 +31,9 @@ Steps (each one resumes; issue 43 item 3):
    checkpoints every num_steps / ``--evals`` steps. ``--steps auto``: a short
    calibration run (``CAL_WINDOWS`` log windows of ``CAL_LOG_EVERY`` steps,
    stopped with a checkpoint) measures the step time, and num_steps is what
-   the rest of the training share holds (``steps_for_budget``); a timer stops
-   training at the end of the share in any case (``BudgetStop``: the loop's
-   own SIGINT path, a checkpoint at the next step boundary);
+   the rest of the training share holds (``steps_for_budget``); training
+   stops at the end of the share in any case (``train.loop.train``'s
+   ``deadline``: a checkpoint at the first log step past it);
 4. held-out agreement: alpha per draft position (G = the trained offsets)
    and tau per category of the held-out chat prompts (``mtp/data/heldout_chat.jsonl``,
    ``scripts.bench_chat.heldout_prompts``) at ``--temperatures``, float32,
@@ -69,9 +69,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
-import signal  # noqa: E402
 import sys  # noqa: E402
-import threading  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATE_FILE = "device_run.json"          # in --workdir: the plan and what finished
@@ -483,44 +481,6 @@ class StampLog:
     log(line)
 
 
-class BudgetStop:
-  """Stops ``train.loop.train`` at ``deadline`` (seconds since START) the
-  way a user's Ctrl-C does: a SIGINT to this process once the loop's own
-  handler (``train.loop._StopFlag``) is installed, so the step in progress
-  finishes and a checkpoint is saved. ``fired`` says whether it did. A
-  SIGINT that arrives once it fired, outside the loop, is ignored."""
-
-  def __init__(self, deadline: float):
-    self.deadline, self.fired = deadline, False
-    self._done = threading.Event()
-    self._thread = threading.Thread(target=self._watch, daemon=True)
-
-  def _loop_handler(self) -> bool:
-    from train import loop
-    return isinstance(getattr(signal.getsignal(signal.SIGINT), "__self__", None), loop._StopFlag)
-
-  def _watch(self):
-    while not self._done.wait(min(max(self.deadline - elapsed(), 0.0), 0.25) or 0.05):
-      if elapsed() >= self.deadline and self._loop_handler():
-        self.fired = True
-        os.kill(os.getpid(), signal.SIGINT)
-        return
-
-  def _handler(self, signum, frame):
-    if not self.fired:
-      raise KeyboardInterrupt
-
-  def __enter__(self):
-    self._old = signal.signal(signal.SIGINT, self._handler)
-    self._thread.start()
-    return self
-
-  def __exit__(self, *exc):
-    self._done.set()
-    self._thread.join()
-    signal.signal(signal.SIGINT, self._old)
-
-
 def latest_step(workdir: str) -> int:
   """The stage's latest checkpoint step (0 without one)."""
   from mtp import checkpoint as ckpt_lib
@@ -536,15 +496,15 @@ def latest_step(workdir: str) -> int:
 def run_train(cfg, workdir: str, stamps: dict, run: int, deadline: float | None,
               stop_after: int | None) -> tuple[dict, bool]:
   """``train.loop.train(cfg, workdir)`` with step lines timed, the bar off
-  and (``deadline``) a ``BudgetStop``. Returns (its result, whether the
-  budget stopped it)."""
+  and (``deadline``: seconds since START) the loop's own deadline: it stops
+  at the first log step past it with a checkpoint, as a signal would.
+  Returns (its result, whether the deadline stopped it)."""
   from train import loop
+  at = None if deadline is None else START + deadline
   with contextlib.redirect_stderr(_NoTTY(sys.stderr)):
-    if deadline is None:
-      return loop.train(cfg, workdir, log=StampLog(stamps, run), stop_after=stop_after), False
-    with BudgetStop(deadline) as stop:
-      result = loop.train(cfg, workdir, log=StampLog(stamps, run), stop_after=stop_after)
-    return result, stop.fired
+    result = loop.train(cfg, workdir, log=StampLog(stamps, run), stop_after=stop_after,
+                        deadline=at)
+  return result, bool(result.get("deadline_reached"))
 
 
 def train_phase(args, state: dict, data_names: list[str], deadline: float, run: int,

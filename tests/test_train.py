@@ -69,6 +69,24 @@ def test_killed_and_resumed_run_reproduces_losses(uninterrupted, tmp_path, data_
   np.testing.assert_allclose(second["eval"]["main/loss"], _eval(workdir), rtol=1e-6)
 
 
+def test_deadline_stops_at_a_log_step_with_a_checkpoint_and_resumes(uninterrupted, tmp_path,
+                                                                     data_dir):
+  workdir, _ = uninterrupted
+  run = str(tmp_path / "budget")
+  lines = []
+  first = train(_cfg(data_dir), run, deadline=0.0, log=lines.append)   # already past: first log step
+  assert (first["step"], first["interrupted"], first["signal"], first["deadline_reached"]) == \
+      (2, True, None, True)
+  assert ckpt_lib.Checkpointer(run, read_only=True).all_steps() == [2]
+  assert not os.path.exists(os.path.join(run, "final_metrics.json"))
+  assert any(l.startswith("deadline reached: checkpoint saved at step 2") for l in lines)
+  second = train(_cfg(data_dir), run, deadline=time.monotonic() + 3600)
+  assert (second["step"], second["interrupted"], second["deadline_reached"]) == (6, False, False)
+  want, got = _train_losses(workdir), _train_losses(run)
+  np.testing.assert_allclose([got[s] for s in sorted(want)], [want[s] for s in sorted(want)],
+                             rtol=1e-6)
+
+
 def _eval(workdir):
   return json.load(open(os.path.join(workdir, "final_metrics.json")))["eval"]["main/loss"]
 

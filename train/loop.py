@@ -413,7 +413,7 @@ def _from_process_0(flag: bool) -> bool:
 
 
 def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None,
-          stop_after: int | None = None) -> dict[str, Any]:
+          stop_after: int | None = None, deadline: float | None = None) -> dict[str, Any]:
   """Trains (or resumes) ``cfg`` in ``workdir``.
 
   Work per step s: the train step; a train-metrics row every
@@ -447,13 +447,21 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
     log: line printer (default: tqdm.write to stderr).
     stop_after: stop (with a checkpoint) after this global step, as if
       interrupted; used by resume tests.
+    deadline: a ``time.monotonic()`` value: at the first log step
+      (``train.log_every``) at or after it, stop as a signal would (the step
+      finishes, a checkpoint is saved, ``interrupted`` True, ``signal``
+      None, ``deadline_reached`` True); re-running resumes. Decided on
+      process 0 (one broadcast per log step when multi-host), so every
+      process stops at the same step. Used by wall-clock budgets
+      (scripts/smollm_mtp_device.py).
   Returns:
     dict with ``step``, ``train`` (last logged train metrics), ``eval``
     (validation metrics computed at ``step``; empty when none was),
     ``step_time_s`` (median seconds/step after the first, compiling, log
     window; synchronised at log steps; None when no window was timed),
-    ``params`` counts, ``interrupted`` (a signal stopped the run with work
-    left) and ``signal`` (its number, else None).
+    ``params`` counts, ``interrupted`` (a signal or the deadline stopped
+    the run with work left), ``signal`` (its number, else None) and
+    ``deadline_reached``.
   One writer per workdir: process 0 holds ``WORKDIR/train.lock``
   (``train.workdir.WorkdirLock``) while it runs; a stale lock (its run was
   killed) is taken over with a notice.
@@ -467,7 +475,7 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
   """
   lock = workdir_lib.WorkdirLock(workdir)
   try:
-    return _train(cfg, workdir, lock, log=log, stop_after=stop_after)
+    return _train(cfg, workdir, lock, log=log, stop_after=stop_after, deadline=deadline)
   finally:
     lock.release()
 
@@ -658,7 +666,7 @@ def _evaluate(cfg: Config, trainer: Trainer, state: TrainState, eval_batches, wr
 
 def _loop(cfg: Config, workdir: str, trainer: Trainer, state: TrainState, data_iter, ckpt,
           writer, eval_batches, rec: _Records, counts, *, eval_pending: bool, target: int,
-          is_main: bool, log) -> dict[str, Any]:
+          is_main: bool, log, deadline: float | None = None) -> dict[str, Any]:
   """Steps from ``state`` to ``target`` (or a signal), with the log rows,
   evaluations and checkpoints ``train`` describes; returns ``train``'s
   result (written as final_metrics.json when complete)."""
@@ -674,11 +682,14 @@ def _loop(cfg: Config, workdir: str, trainer: Trainer, state: TrainState, data_i
     if eval_pending:
       evaluate()
     clock = _LogClock(rec.step_times)
-    while state.step < target and stop.signum is None:
+    out_of_time = False
+    while state.step < target and stop.signum is None and not out_of_time:
       state, metrics = trainer.train_step(state, next(data_iter))
       clock.tick()
       if state.step % t.log_every == 0 or state.step == target:
         host = jax.device_get(metrics)   # the only host sync in the loop
+        if deadline is not None and state.step < target:
+          out_of_time = _from_process_0(time.monotonic() >= deadline)
         now, elapsed = clock.close_window()
         rec.last_train = _train_row(t, state.step, host, clock.window_steps, elapsed)
         writer.write(state.step, "train", rec.last_train)
@@ -695,21 +706,23 @@ def _loop(cfg: Config, workdir: str, trainer: Trainer, state: TrainState, data_i
     if ckpt.latest_step() != state.step:
       save()
     complete = state.step >= t.num_steps and rec.eval_step == state.step
-    interrupted = stop.signum is not None and not complete
+    interrupted = (stop.signum is not None or out_of_time) and not complete
     if interrupted:
-      log(f"signal {stop.signum}: checkpoint saved at step {state.step}; exiting (re-run the "
+      why = f"signal {stop.signum}" if stop.signum is not None else "deadline reached"
+      log(f"{why}: checkpoint saved at step {state.step}; exiting (re-run the "
           "same command to finish the run)")
     result = {"step": state.step, "train": rec.last_train,
               "eval": rec.last_eval if rec.eval_step == state.step else {},
               "step_time_s": float(np.median(rec.step_times)) if rec.step_times else None,
               "params": counts, "interrupted": interrupted,
-              "signal": stop.signum if interrupted else None}
+              "signal": stop.signum if interrupted else None,
+              "deadline_reached": interrupted and out_of_time}
     if is_main and complete:
       workdir_lib.write_final_metrics(workdir, result)
   return result
 
 
-def _train(cfg: Config, workdir: str, lock, *, log, stop_after) -> dict[str, Any]:
+def _train(cfg: Config, workdir: str, lock, *, log, stop_after, deadline) -> dict[str, Any]:
   """``train``'s body; takes ``lock`` (process 0) before anything is read
   from an existing workdir, or before a new one is created."""
   workdir_lib.check_memory_floor(cfg)   # before the lock: a refused run touches nothing
@@ -776,7 +789,8 @@ def _train(cfg: Config, workdir: str, lock, *, log, stop_after) -> dict[str, Any
   target = t.num_steps if stop_after is None else min(t.num_steps, stop_after)
   try:
     return _loop(cfg, workdir, trainer, state, data_iter, ckpt, writer, eval_batches, rec, counts,
-                 eval_pending=eval_pending, target=target, is_main=is_main, log=log)
+                 eval_pending=eval_pending, target=target, is_main=is_main, log=log,
+                 deadline=deadline)
   finally:
     ckpt.close()
     writer.close()
