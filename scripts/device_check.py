@@ -414,8 +414,7 @@ def run_part(ctx: Context, name: str, fn) -> None:
     log(f"[{name}] skipped: {e}")
   except Exception as e:                      # noqa: BLE001 (the next part still runs)
     rec["status"] = "error"
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    rec["error"] = f"{type(e).__name__}: {first}"[:500]
+    rec["error"] = error_line(e)
     rec["traceback_tail"] = traceback.format_exc().strip().splitlines()[-12:]
     log(f"[{name}] error: {rec['error']}")
   finally:
@@ -609,6 +608,21 @@ def agreement(ar, cell, rows_of, target, checks: int = TIE_CHECKS) -> dict:
           "bug": any(not c["near_tie"] for c in checked)}
 
 
+def error_line(e: BaseException, limit: int = 500) -> str:
+  """``Type: first line of the message``, cut to ``limit`` characters."""
+  text = str(e).strip()
+  return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:limit]
+
+
+def record_cell_error(ctx, rec: dict, cell: dict, e: BaseException, where: str) -> None:
+  """A decode cell that raised: its error line into ``cell`` and
+  ``rec["cell_errors"]``, logged and written; the check goes on."""
+  cell["error"] = error_line(e)
+  rec.setdefault("cell_errors", []).append(cell)
+  log(f"[decode] {where}: {cell['error']}")
+  ctx.write()
+
+
 def measure(decoders: dict, prompts, batch: int, max_new: int, sp, repeats: int,
             target) -> list[dict]:
   """Every decoder ({label: Decoder}, "ar" among them) on the same rows in
@@ -657,8 +671,7 @@ def step_kernels(decoders: dict, prompt, max_new: int, sp) -> dict:
       _, generate = d.lowered(state, prefill_len, sp)
       out[label] = hlo_kernels.kernels_per_step(generate.compile().as_text())
     except Exception as e:                    # noqa: BLE001 (a count is a side note)
-      first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-      out[label] = {"error": f"{type(e).__name__}: {first}"[:300]}
+      out[label] = {"error": error_line(e, 300)}
   return out
 
 
@@ -696,11 +709,7 @@ def large_batch_cells(ctx: Context, rec: dict, deadline: float, decoders: dict, 
       rows = measure({"ar": decoders[dt]["ar"]}, prompts, a.large_batch, a.large_batch_tokens,
                      SamplingParams(temperature=1.0), 1, models[dt][1])
     except Exception as e:                    # noqa: BLE001 (the check goes on)
-      first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-      cell["error"] = f"{type(e).__name__}: {first}"[:500]
-      rec.setdefault("cell_errors", []).append(cell)
-      log(f"[decode] large batch B={a.large_batch} {dt}: {cell['error']}")
-      ctx.write()
+      record_cell_error(ctx, rec, cell, e, f"large batch B={a.large_batch} {dt}")
       continue
     for r in rows:
       r.update(dtype=dt, large_batch=True)
@@ -764,11 +773,7 @@ def decode_part(ctx: Context, rec: dict, deadline: float) -> None:
           rows = measure(decoders[dt], prompts, b, a.max_new_tokens,
                          SamplingParams(temperature=t), a.repeats, models[dt][1])
         except Exception as e:                # noqa: BLE001 (the next cell still runs)
-          first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-          cell["error"] = f"{type(e).__name__}: {first}"[:500]
-          rec.setdefault("cell_errors", []).append(cell)
-          log(f"[decode] B={b} {dt} T={t:g}: {cell['error']}")
-          ctx.write()
+          record_cell_error(ctx, rec, cell, e, f"B={b} {dt} T={t:g}")
           continue
         for r in rows:
           r["dtype"] = dt
