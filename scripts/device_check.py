@@ -688,16 +688,16 @@ def annotate_kernels(rec: dict) -> None:
 def large_batch_cells(ctx: Context, rec: dict, deadline: float, decoders: dict, prompts,
                       models: dict, need: float) -> None:
   """AR alone at B = ``--large_batch`` and T = 1 for ``--large_batch_tokens``
-  new tokens, bfloat16 first, then float32: the self-distillation
-  generator's shape (``make smollm-mtp-device`` answers at B = 256, 160
-  tokens), whose target is generated tokens/s. Rows go to ``rec["rows"]``
+  new tokens, float32 first (what the self-distillation generator runs:
+  ``make smollm-mtp-device`` answers in the target's float32 at B = 256, 160
+  tokens), then bfloat16; the target is generated tokens/s. Rows go to ``rec["rows"]``
   with ``large_batch: True``; a cell that does not fit the time left is
   skipped with the reason, one that raises is recorded and the check goes on."""
   from decode.sampling import SamplingParams
   a = ctx.args
   if not a.large_batch:
     return
-  for dt in sorted((d for d in a.dtypes if d in decoders), key=lambda d: d != "bfloat16"):
+  for dt in sorted((d for d in a.dtypes if d in decoders), key=lambda d: d != "float32"):
     cell = {"batch_size": a.large_batch, "temperature": 1.0, "dtype": dt, "large_batch": True}
     left = deadline - ctx.budget.elapsed()
     if left < need:
@@ -992,7 +992,8 @@ def markdown(meta: dict, results: dict) -> str:
               "kernels / step: kernel-launching instructions of one step (AR step or MTP round) "
               "of the decoder's compiled generate program at B = 1 (scripts/hlo_kernels.py), with "
               "the loops nested in it (a host round trip per iteration on a GPU; on a CPU a "
-              "fusion is a loop in one program, so the count is a proxy).",
+              "fusion is a loop in one program, so the count is a proxy). Rows marked "
+              "(large batch): AR alone, T = 1, --large_batch_tokens new tokens, one repeat.",
               "", "| B | dtype | T | decoder | tokens/s | speedup | decoding phase | tau | "
               "greedy = AR | kernels / step |",
               "|---|---|---|---|---|---|---|---|---|---|"]
@@ -1007,7 +1008,8 @@ def markdown(meta: dict, results: dict) -> str:
               + verdict)
       k = counts.get(r["dtype"], {}).get(r["label"])
       kernels = "-" if not k else "error" if "error" in k else hlo_kernels.summary(k)
-      lines.append(f"| {r['batch_size']} | {r['dtype']} | {r['temperature']:g} | {r['label']} | "
+      label = r["label"] + (" (large batch)" if r.get("large_batch") else "")
+      lines.append(f"| {r['batch_size']} | {r['dtype']} | {r['temperature']:g} | {label} | "
                    f"{_f(r['tokens_per_s'], '.1f')} | {_f(r['speedup'])}x | "
                    f"{_f(r.get('speedup_decode'))}x | {_f(r.get('tau'))} | {same} | {kernels} |")
   if dp and dp.get("cell_errors"):
@@ -1079,7 +1081,8 @@ def parse_args(argv=None):
   ap.add_argument("--max_new_tokens", type=int, default=64, help="new tokens per row, in [1, 4096]")
   ap.add_argument("--repeats", type=int, default=2, help="timed repeats per cell, in [1, 100]")
   ap.add_argument("--large_batch", type=int, default=256,
-                  help="AR batch of the large-batch generation cell (T = 1), in [0, 4096]; 0: none")
+                  help="AR batch of the large-batch generation cell (T = 1, --large_batch_tokens "
+                       "new tokens), in [0, 4096]; 0: none")
   ap.add_argument("--large_batch_tokens", type=int, default=160,
                   help="new tokens per row in that cell, in [1, 4096]")
   ap.add_argument("--hf_batch_sizes", default="1,16", help="transformers' batch sizes, in [1, 256]")

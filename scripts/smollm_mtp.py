@@ -43,6 +43,7 @@ script with its exit status. Nothing here imports JAX.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import subprocess
@@ -133,12 +134,34 @@ def jax_backend() -> str:
   return r.stdout.strip() or "cpu"
 
 
-def answer_batch(text: str) -> int:
-  """``--answer_batch_size``: an integer >= 1, or ``auto`` = 32 on the CPU
-  (the recipe the committed data used: batches and seeds are recorded, so a
-  re-run resumes) and 256 on an accelerator (generation there is bound by the
-  step's fixed cost, so rows are nearly free). Raises ValueError."""
+def recorded_batch(data_dir: str, name: str) -> int | None:
+  """The answer batch size recorded by dataset ``name`` in ``data_dir``
+  (finished: ``NAME/<version>/metadata.json``; unfinished:
+  ``.NAME.partial/recipe.json``), or None when there is neither."""
+  finished = os.path.join(REPO, data_dir, name)
+  stamps = [os.path.join(finished, v, "metadata.json")
+            for v in (sorted(os.listdir(finished)) if os.path.isdir(finished) else [])]
+  stamps.append(os.path.join(REPO, data_dir, f".{name}.partial", "recipe.json"))
+  for path in stamps:
+    try:
+      with open(path) as f:
+        return int(json.load(f)["recipe"]["batch_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+      continue
+  return None
+
+
+def answer_batch(text: str, data_dir: str = "runs/data") -> int:
+  """``--answer_batch_size``: an integer >= 1, or ``auto``: the batch size an
+  existing (finished or partial) ``smollm_chat`` dataset in ``data_dir``
+  recorded (the recipe, batch size included, must match for a re-run to
+  reuse or resume it), else 32 on the CPU (the committed data's recipe) and
+  256 on an accelerator (generation there is bound by the step's fixed
+  cost, so rows are nearly free). Raises ValueError."""
   if text == "auto":
+    have = recorded_batch(data_dir, "smollm_chat")
+    if have is not None:
+      return have
     return CPU_ANSWER_BATCH if jax_backend() == "cpu" else ACCELERATOR_ANSWER_BATCH
   if not text.isdigit() or int(text) < 1:
     raise ValueError(f"--answer_batch_size: {text!r} is not an integer >= 1 or auto")
@@ -175,8 +198,8 @@ def parse_args(argv=None):
                   "results/bench_chat_smollm<suffix>)")
   ap.add_argument("--data_dir", default="runs/data", help="self-distilled datasets")
   ap.add_argument("--answer_batch_size", default="auto", help="rows answered together by "
-                  "scripts.self_distill: an integer >= 1, or auto (32 on the CPU, 256 on an "
-                  "accelerator)")
+                  "scripts.self_distill: an integer >= 1, or auto (what an existing "
+                  "smollm_chat dataset recorded, else 32 on the CPU, 256 on an accelerator)")
   ap.add_argument("--cache_dir", default="runs/hidden_caches",
                   help="hidden-state caches, one per fingerprint (train.hidden_cache_dir)")
   ap.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
@@ -192,7 +215,7 @@ def parse_args(argv=None):
     if args.features and not all(f.isdigit() for f in args.features.split(",")):
       raise ValueError(f"--features: {args.features!r} is not a comma list of block indices")
     args.data_seeds = parse_seeds(args.data_seeds)
-    args.answer_batch_size = answer_batch(args.answer_batch_size)
+    args.answer_batch_size = answer_batch(args.answer_batch_size, args.data_dir)
   except ValueError as e:
     ap.error(str(e))
   return args

@@ -22,7 +22,10 @@ Steps (each one resumes; issue 43 item 3):
    only when the previous one's wall time still fits. ``--self_prompts FILE
    --self_prompt_share S``: that share of each part's prompts from a
    self-written prompt file (``scripts/self_prompts.py``), a different slice
-   of the file per part;
+   of the file per part. Templated prompts are drawn per part (seed + k) and
+   repeat across parts: their 'general' category holds ~230 distinct
+   prompts, one in 11 of each part, so past a few parts the diversity comes
+   from the other categories and from self-written prompts;
 3. training of the modules (``configs/smollm_mtp.py`` on the step-1 workdir,
    through ``train.loop.train``, the path of ``python -m train``) with the
    frozen backbone computed on the fly (``train.hidden_cache=False``), in
@@ -77,6 +80,11 @@ MODULES_LIMIT_BYTES = 16 * 2 ** 20
 CAL_LOG_EVERY = 5                       # calibration: log windows of this many steps,
 CAL_WINDOWS = 3                         # the first (compiling) one untimed
 STEP_SAFETY = 0.9                       # share of the estimated steps planned
+# mtp.data.chat_prompts draws every 11th prompt from the 'general' category, which holds
+# ~230 distinct training and ~28 validation prompts: a part of more than ~2,400 prompts (or
+# more than ~250 validation prompts) cannot be filled without repeats, and it raises
+MAX_PART_PROMPTS = 2048
+MAX_VAL_PROMPTS = 256
 ACCEL_DEFAULTS = {"batch_size": 256, "train_batch": 64, "dtype": "bfloat16"}
 CPU_DEFAULTS = {"batch_size": 32, "train_batch": 8, "dtype": "float32"}
 # what makes a run: another value with an existing run is refused (the budget may differ)
@@ -152,10 +160,10 @@ def parse_args(argv=None):
   ap.add_argument("--prompts", type=int, default=65536,
                   help="most training prompts answered, in [1, 4194304]")
   ap.add_argument("--chunk_prompts", default="auto",
-                  help="prompts per dataset part: auto (8 x --batch_size) or an integer in "
-                       "[1, 1048576]")
+                  help="prompts per dataset part: auto (8 x --batch_size, at most 2048) or an "
+                       "integer in [1, 2048] (the templated 'general' category runs out above)")
   ap.add_argument("--val_prompts", type=int, default=64,
-                  help="validation prompts (part 0), in [1, 100000]")
+                  help="validation prompts (part 0), in [1, 256]")
   ap.add_argument("--max_new_tokens", type=int, default=160,
                   help="answer tokens at most, in [1, 4096]")
   ap.add_argument("--gen_temperatures", default="0,1",
@@ -202,7 +210,7 @@ def parse_args(argv=None):
                     data_dir=os.path.join(cli.QUICK_OUT_DIR, "data"),
                     modules_out=os.path.join(cli.QUICK_OUT_DIR, "smollm2_mtp_device.safetensors"))
   cli.check_range(ap, args, budget_s=(20, 86400), gen_share=(0.05, 0.9), eval_s=(0, 3600),
-                  depth=(1, 3), prompts=(1, 1 << 22), val_prompts=(1, 100000),
+                  depth=(1, 3), prompts=(1, 1 << 22), val_prompts=(1, MAX_VAL_PROMPTS),
                   max_new_tokens=(1, 4096), seed=0, self_prompt_share=(0, 1),
                   seq_len=(16, 8192), draft_vocab_size=(0, 1 << 20), evals=(1, 1000),
                   heldout_per_category=(1, 1000), heldout_max_new_tokens=(1, 4096),
@@ -218,7 +226,7 @@ def parse_args(argv=None):
   if not re.fullmatch(r"[a-z][a-z0-9_]*", args.name):
     ap.error(f"--name={args.name!r}: must be snake_case (a-z, 0-9, _; a letter first)")
   args.batch_size = auto_int(ap, "batch_size", args.batch_size, 1, 4096)
-  args.chunk_prompts = auto_int(ap, "chunk_prompts", args.chunk_prompts, 1, 1 << 20)
+  args.chunk_prompts = auto_int(ap, "chunk_prompts", args.chunk_prompts, 1, MAX_PART_PROMPTS)
   args.steps = auto_int(ap, "steps", args.steps, 1, 10_000_000)
   args.train_batch = auto_int(ap, "train_batch", args.train_batch, 1, 4096)
   args.gen_temperatures = cli.parse_list(ap, "gen_temperatures", args.gen_temperatures, float,
@@ -232,12 +240,12 @@ def parse_args(argv=None):
 def resolve_auto(args, backend: str):
   """Fills the "auto" flags for ``backend`` (jax.default_backend()):
   ``ACCEL_DEFAULTS`` on an accelerator, ``CPU_DEFAULTS`` on the CPU;
-  chunk_prompts = 8 x batch_size. Returns ``args``."""
+  chunk_prompts = 8 x batch_size, at most ``MAX_PART_PROMPTS``. Returns ``args``."""
   d = CPU_DEFAULTS if backend == "cpu" else ACCEL_DEFAULTS
   args.batch_size = args.batch_size or d["batch_size"]
   args.train_batch = args.train_batch or d["train_batch"]
   args.dtype = d["dtype"] if args.dtype == "auto" else args.dtype
-  args.chunk_prompts = args.chunk_prompts or 8 * args.batch_size
+  args.chunk_prompts = args.chunk_prompts or min(8 * args.batch_size, MAX_PART_PROMPTS)
   return args
 
 
@@ -375,7 +383,7 @@ def part_recipe(args, k: int, n: int):
   from scripts import self_distill as sd
   kw = {}
   if args.self_prompt_share > 0:
-    n_self = round(args.self_prompt_share * n)
+    n_self = math.ceil(args.self_prompt_share * n)   # mix_prompt_sources never asks for more
     path = os.path.abspath(os.path.join(args.data_dir, f"{args.name}_p{k}.self_prompts.jsonl"))
     if not os.path.isfile(path):
       rows = chat_lib.read_prompt_jsonl(args.self_prompts, what="--self_prompts file")
@@ -409,7 +417,9 @@ def generate(args, state: dict, deadline: float, save) -> list[str]:
     t0 = time.monotonic()
     meta = sd.make_chat_dataset(args.init_workdir, name, part_recipe(args, k, sizes[k]),
                                 data_dir=args.data_dir, out_dir=args.data_dir, log=log)
-    wall = time.monotonic() - t0
+    # a part found finished (written, then the process died before the state was saved)
+    # keeps the wall time of the run that made it, so the next part's fit check stays real
+    wall = meta.get("wall_s", 0.0) if meta.get("skipped") else time.monotonic() - t0
     split = meta["splits"]["train"]
     g["parts"].append({"name": name, "prompts": split["prompts"],
                        "answer_tokens": split["answer_tokens"],
@@ -533,6 +543,8 @@ def train_phase(args, state: dict, data_names: list[str], deadline: float, run: 
       t0 = time.monotonic()
       result, _ = run_train(cfg, args.workdir, stamps, run, None, start + cal)
       wall = time.monotonic() - t0
+      if result.get("interrupted"):         # a user's signal: nothing planned, a re-run calibrates
+        cli.exit_if_interrupted(result, start + cal, "calibration", args.workdir)
       step_s = result.get("step_time_s") or wall / max(result["step"] - start, 1)
       overhead = max(wall - (result["step"] - start) * step_s, 0.0)
       more = steps_for_budget(deadline - elapsed(), step_s, overhead)
@@ -562,7 +574,9 @@ def train_phase(args, state: dict, data_names: list[str], deadline: float, run: 
   t["step"], t["step_time_s"] = result["step"], result.get("step_time_s")
   t["stopped_by_budget"] = by_budget
   user_signal = result.get("interrupted") and not by_budget
-  t["done"] = not user_signal and (result["step"] >= n or by_budget)
+  # a budget-stopped stage is evaluated and exported at its latest step, and a re-run
+  # (another budget) trains on toward num_steps
+  t["done"] = result["step"] >= n
   save()
   if user_signal:
     cli.exit_if_interrupted(result, n, "training", args.workdir)

@@ -48,7 +48,8 @@ def _run_group(root, jobs: dict, timeout_s: float, tag: str = "") -> tuple[dict,
   """Starts every job of ``jobs`` ({name: worker argv}) together and waits up
   to ``timeout_s`` for all; kills what is still running (only the processes
   started here, by handle). Returns ({name: result dict or failure text},
-  whether any job ran out of time)."""
+  whether every job was still running at the deadline: a hang of them all,
+  not one that exited and left its peers waiting)."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   procs, logs, results = {}, {}, {}
   timed_out = False
@@ -65,7 +66,8 @@ def _run_group(root, jobs: dict, timeout_s: float, tag: str = "") -> tuple[dict,
       try:
         p.wait(timeout=max(deadline - time.monotonic(), 1))
       except subprocess.TimeoutExpired:
-        timed_out = True
+        pass
+    timed_out = all(p.poll() is None for p in procs.values())
   finally:
     for p in procs.values():
       if p.poll() is None:
@@ -95,8 +97,8 @@ def runs(tmp_path_factory):
 
   The two 8-device runs go first, together; the two-process pair after them,
   so its gloo collectives do not compete with 16 emulated devices for 2
-  cores. A pair that runs out of time is started once more (fresh port and
-  workdir) and the first attempt's log tails are kept under "proc_hang": a
+  cores. A pair whose two processes both run out of time is started once
+  more (fresh port and workdir) and the first attempt's log tails are kept under "proc_hang": a
   hang seen once in CI under load (2026-12-05, 1,200 s) that a lone pair
   never showed; each worker logs its phase, so a repeat names where it
   stopped. A pair that fails in any other way is not retried."""

@@ -73,7 +73,8 @@ def test_quick_run_reports_exports_and_resumes(tmp_path, data_dir):
   out = str(tmp_path / "report")
   stage = str(tmp_path / "stage")
   parts = str(tmp_path / "data")
-  args = ["--quick", "--budget_s", "150", "--base_workdir", base,
+  # a budget far above the run: under load the deadline must not cut the 12 steps
+  args = ["--quick", "--budget_s", "3600", "--base_workdir", base,
           "--init_workdir", str(tmp_path / "init"), "--workdir", stage, "--data_dir", parts,
           "--out", out, "--modules_out", str(tmp_path / "modules.safetensors")]
   env = {"MTP_DATA_DIR": data_dir}
@@ -100,7 +101,8 @@ def test_quick_run_reports_exports_and_resumes(tmp_path, data_dir):
   res = json.load(open(out + ".json"))["results"]
   assert res["status"] == "complete" and res["train"]["step"] == 12 and res["train"]["done"]
   curve = res["curve"]
-  assert [c["step"] for c in curve] == sorted({c["step"] for c in curve}) and curve[-1]["step"] == 12
+  steps = [c["step"] for c in curve]
+  assert {5, 12} <= set(steps) and steps[-1] == 12      # the cut's step and the last
   assert {c["run"] for c in curve if c["step"] > 5} == {1}
   assert all(c["train_loss"] is not None and c["wall_s"] > 0 for c in curve)
   evals = [c for c in curve if c["agreement"] is not None]

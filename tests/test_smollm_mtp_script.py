@@ -16,7 +16,9 @@ GGUF = '"$(PY -m mtp.importers.smollm)"'
 
 
 def dry_run(*flags):
+  # the CPU's answer batch (32) on any backend: make test-gpu runs this too
   r = subprocess.run([sys.executable, SCRIPT, "--dry_run", *flags], cwd=REPO,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"},
                      capture_output=True, text=True, timeout=60)
   assert r.returncode == 0, r.stderr
   return r.stdout.replace(sys.executable, PY).splitlines()
@@ -62,13 +64,23 @@ def test_dry_run_prints_the_makefile_commands(flags, want):
   assert dry_run(*flags) == want
 
 
-def test_answer_batch_follows_the_backend_or_the_flag(monkeypatch):
+def test_answer_batch_follows_the_backend_or_the_flag(monkeypatch, tmp_path):
   script = importlib.import_module("scripts.smollm_mtp")
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-  assert script.answer_batch("auto") == 32        # the committed data's recipe: resumes as is
+  none = str(tmp_path / "no_data")
+  assert script.answer_batch("auto", none) == 32  # the committed data's recipe: resumes as is
   monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
-  assert script.answer_batch("auto") == 256
+  assert script.answer_batch("auto", none) == 256
   assert script.answer_batch("7") == 7
+  # an existing dataset's recorded batch wins over the backend's (its recipe must match)
+  meta = tmp_path / "smollm_chat" / "1.0.0" / "metadata.json"
+  meta.parent.mkdir(parents=True)
+  meta.write_text('{"recipe": {"batch_size": 48}}')
+  assert script.answer_batch("auto", str(tmp_path)) == 48
+  partial = tmp_path / "p" / ".smollm_chat.partial" / "recipe.json"
+  partial.parent.mkdir(parents=True)
+  partial.write_text('{"workdir": "w", "recipe": {"batch_size": 24}}')
+  assert script.answer_batch("auto", str(tmp_path / "p")) == 24
   assert "--batch_size 8 " in " ".join(dry_run("--answer_batch_size", "8")[2:3])
 
 

@@ -452,7 +452,8 @@ def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None
       finishes, a checkpoint is saved, ``interrupted`` True, ``signal``
       None, ``deadline_reached`` True); re-running resumes. Decided on
       process 0 (one broadcast per log step when multi-host), so every
-      process stops at the same step. Used by wall-clock budgets
+      process stops at the same step; every process must pass a deadline
+      (any value) or none, as the broadcast is a collective. Used by wall-clock budgets
       (scripts/smollm_mtp_device.py).
   Returns:
     dict with ``step``, ``train`` (last logged train metrics), ``eval``
