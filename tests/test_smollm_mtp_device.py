@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from scripts import smollm_mtp_device as smd
@@ -21,7 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _run(args, env_extra=None, timeout=300):
   env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-  env.update(JAX_PLATFORMS="cpu", **(env_extra or {}))
+  env.update(**(env_extra or {}))      # the backend the suite runs on (make test-gpu: cuda)
   return subprocess.run([sys.executable, "-m", "scripts.smollm_mtp_device", *args], cwd=REPO,
                         env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -84,7 +85,7 @@ def test_quick_run_reports_exports_and_resumes(tmp_path, data_dir):
   first = json.load(open(out + ".json"))
   meta, res = first["meta"], first["results"]
   assert {"commit", "jax_version", "backend", "device_kind", "date", "command"} <= set(meta)
-  assert meta["backend"] == "cpu" and res["status"] == "partial"
+  assert meta["backend"] == jax.default_backend() and res["status"] == "partial"
   assert res["train"]["step"] == 5 and res["train"]["num_steps"] == 12 and not res["train"]["done"]
   assert res["train"]["config"]["hidden_cache"] is False
   assert set(res["budget"]) >= {"budget_s", "gen_share", "generation_s", "train_s", "eval_s"}
