@@ -9,7 +9,11 @@ now runs its script in a process of its own). A crash is not a test
 failing: the test never finished. This plugin, on the xdist controller:
 
 - records the test each crashed worker was running
-  (``pytest_handlecrashitem``) and every report;
+  (``pytest_handlecrashitem``) and every report; a test that failed with
+  ``SystemError`` counts as crashed too: CPython raises it for an internal
+  error of the interpreter or of a C extension, never for a test's own
+  assertion (CI, 2026-12-05: jaxlib's "error return without exception set"
+  in a jitted call, and that worker segfaulted two files later);
 - at the end, when every failure of the run is a worker crash (a run with any
   ordinary failure keeps its failure status and reruns nothing), reruns the
   crashed tests and any collected test that never reported (a crash also
@@ -116,6 +120,22 @@ def _takes_value(config) -> dict[str, bool]:
   return {opt: action.nargs != 0 for opt, action in parser._option_string_actions.items()}
 
 
+# Failures that are the process's, not the test's: a report whose exception
+# is one of these is recorded as a crash (CPython's SystemError: "internal
+# error in the interpreter", e.g. a C extension returning NULL with no error).
+INTERPRETER_ERRORS = ("SystemError",)
+
+
+def interpreter_error(report) -> str | None:
+  """The message of a failed report whose exception is an interpreter-level
+  error (``INTERPRETER_ERRORS``), else None. Reads ``longrepr.reprcrash``,
+  which survives xdist's serialization of reports."""
+  crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
+  msg = getattr(crash, "message", "") or ""
+  name = msg.split(":", 1)[0].strip().rsplit(".", 1)[-1]
+  return msg if report.failed and name in INTERPRETER_ERRORS else None
+
+
 class _Recorder:
   """Controller-side recorder (a plugin object, so it holds the config): on
   the controller, xdist reports the workers' collections and crashes, and
@@ -124,7 +144,7 @@ class _Recorder:
 
   def __init__(self, config):
     self.config = config
-    self.st = dict(collected=None, crashed=[], failed=set(), reported=set())
+    self.st = dict(collected=None, crashed=[], failed=set(), reported=set(), interpreter={})
 
   @pytest.hookimpl(optionalhook=True)
   def pytest_xdist_node_collection_finished(self, node, ids):
@@ -142,6 +162,10 @@ class _Recorder:
       st["reported"].add(report.nodeid)
     if report.failed:
       st["failed"].add(report.nodeid)
+      msg = interpreter_error(report)
+      if msg and report.nodeid not in st["crashed"]:
+        st["crashed"].append(report.nodeid)
+        st["interpreter"][report.nodeid] = msg.splitlines()[0][:120]
 
   def pytest_collectreport(self, report):
     if report.failed:   # a collection error is a failure of the run, never a crash
@@ -154,7 +178,11 @@ class _Recorder:
       return
     tr = self.config.pluginmanager.get_plugin("terminalreporter")
     say = (lambda s: tr.write_line(s, yellow=True, bold=True)) if tr else print
-    say(f"\nworker crash while running {', '.join(st['crashed'])}")
+    worker = [i for i in st["crashed"] if i not in st["interpreter"]]
+    if worker:
+      say(f"\nworker crash while running {', '.join(worker)}")
+    for nodeid, msg in st["interpreter"].items():
+      say(f"\ninterpreter error, treated as a crash: {nodeid} ({msg})")
     if exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
       say(f"no rerun: the run ended with {pytest.ExitCode(exitstatus).name} (interrupted, "
           "collection errors or a usage error), not only with failed tests")
@@ -170,9 +198,10 @@ class _Recorder:
     say(f"rerunning {len(todo)} test(s) once in a fresh process: "
         f"{' '.join(cmd[1:len(cmd) - len(todo)])} ...")
     sys.stdout.flush()
-    rc = subprocess.call(cmd, cwd=str(inv.dir))
+    # the rerun does not rerun (an interpreter error there would recurse)
+    rc = subprocess.call(cmd, cwd=str(inv.dir), env={**os.environ, "MTP_NO_CRASH_RERUN": "1"})
     self.verdict = (f"crash rerun: {'passed' if rc == 0 else f'FAILED (exit {rc})'}: the "
-                    f"worker crash in {', '.join(st['crashed'])} reported above was rerun in a "
+                    f"crash in {', '.join(st['crashed'])} reported above was rerun in a "
                     f"fresh process; the run's exit status is the rerun's ({rc})")
     say(self.verdict)
     session.exitstatus = pytest.ExitCode.OK if rc == 0 else pytest.ExitCode.TESTS_FAILED

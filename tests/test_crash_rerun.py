@@ -48,6 +48,14 @@ def _run(tmp_path, always=False, c_passes=True, d_passes=True, other=None, extra
   return p.returncode, p.stdout + p.stderr
 
 
+# test_c fails with SystemError (what jaxlib raised in CI on 2026-12-05) once,
+# or every time; no worker crashes
+SYSTEM_ERROR = BODY.replace("os.kill(os.getpid(), signal.SIGSEGV)", "pass").replace(
+    "assert {c_passes}",
+    "M2 = MARK + '2'\n  if not {c_passes} or not os.path.exists(M2):\n"
+    "    open(M2, 'w').close()\n"
+    "    raise SystemError('error return without exception set')")
+
 # -W error turns test_c's warning into a failure in the run, so in the rerun too
 WARNS = BODY.replace("assert {c_passes}", "import warnings; warnings.warn('x', UserWarning)")
 
@@ -62,6 +70,11 @@ WARNS = BODY.replace("assert {c_passes}", "import warnings; warnings.warn('x', U
      ["no rerun: 1 test(s) failed without a crash (first: test_y.py::test_d)"]),
     ("a collection error beside a crash is not rerun",
      dict(other="import no_such_module_xyz\n"), None, ["no rerun"]),
+    ("a SystemError once is rerun and passes", dict(body=SYSTEM_ERROR), 0,
+     ["interpreter error, treated as a crash: test_x.py::test_c (SystemError: error return",
+      "crash rerun: passed"]),
+    ("a SystemError every time fails the run", dict(body=SYSTEM_ERROR, c_passes=False), 1,
+     ["interpreter error, treated as a crash", "crash rerun: FAILED"]),
     ("the rerun keeps the run's options", dict(body=WARNS, extra=["-W", "error::UserWarning"]), 1,
      ["rerunning 2 test(s)", "crash rerun: FAILED"]),
 ])
