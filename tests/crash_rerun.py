@@ -1,19 +1,16 @@
 """A crashed pytest-xdist worker gets one rerun, in a fresh process.
 
 ``make test`` runs the files on 2 xdist workers with ``--max-worker-restart
-0`` (a restart can hang ``--dist loadfile``, pytest-xdist issue 784). In
-three full runs (2026-12-03 and 12-04, locally and in CI) a worker died of a
-segfault inside jaxlib, in XLA's CPU compile of
-``test_bench_cache_length_quick``, a test that passes alone every time (it
-now runs its script in a process of its own). A crash is not a test
-failing: the test never finished. This plugin, on the xdist controller:
+0`` (a restart can hang ``--dist loadfile``, pytest-xdist issue 784). A
+worker can die of a segfault inside jaxlib in a test that passes alone
+(docs/testing.md lists those seen). A crash is not a test failing: the test
+never finished. This plugin, on the xdist controller:
 
 - records the test each crashed worker was running
   (``pytest_handlecrashitem``) and every report; a test that failed with
   ``SystemError`` counts as crashed too: CPython raises it for an internal
-  error of the interpreter or of a C extension, never for a test's own
-  assertion (CI, 2026-12-05: jaxlib's "error return without exception set"
-  in a jitted call, and that worker segfaulted two files later);
+  error of the interpreter or of a C extension (jaxlib's "error return
+  without exception set"), never for a test's own assertion;
 - at the end, when every failure of the run is a worker crash (a run with any
   ordinary failure keeps its failure status and reruns nothing), reruns the
   crashed tests and any collected test that never reported (a crash also
