@@ -137,6 +137,20 @@ def place_params(mesh, params, draft_params, cfg, draft_cfg=None):
 _cached_build = functools.lru_cache(maxsize=CACHE_SIZE)(_build)
 
 
+def clear_cache() -> None:
+  """Drops every cached ``Programs`` and JAX's compiled executables
+  (``jax.clear_caches``), so that the executables of programs no longer
+  referenced are freed, with their memory mappings.
+
+  For long-lived processes that build many programs: on the CPU each
+  executable holds about 7 memory mappings (its JIT code and data), and a
+  process past the kernel's ``vm.max_map_count`` (65,530 by default) cannot
+  map more: XLA:CPU's next compile then segfaults or fails with "Cannot
+  allocate memory" (docs/testing.md). The next call of a program recompiles it."""
+  _cached_build.cache_clear()
+  jax.clear_caches()
+
+
 def programs(spec: ProgramSpec) -> Programs:
   """The jitted functions of ``spec``, built once per distinct spec (an
   LRU cache of ``CACHE_SIZE`` specs); a spec holding something unhashable

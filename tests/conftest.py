@@ -20,6 +20,22 @@ from mtp import tokenizer as tok
 from tests.crash_rerun import pytest_configure  # noqa: F401
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+  """After each test file, frees the compiled programs nothing references
+  any more (``decode.programs.clear_cache``, then a GC pass). Without it an
+  xdist worker's process accumulated the executables of every file it ran,
+  ~7 memory mappings each (test_decode alone left 22,391), until it passed
+  the kernel's vm.max_map_count (65,530): a core dump of a worker that
+  segfaulted in XLA:CPU's compiler held 65,328 mappings (docs/testing.md)."""
+  yield
+  import gc
+
+  from decode import programs
+  programs.clear_cache()
+  gc.collect()
+
+
 def pytest_collection_modifyitems(config, items):
   """Skips ``cpu_only`` tests (8 fake CPU devices, subprocesses pinned to
   JAX_PLATFORMS=cpu) when JAX's backend is not the CPU: they would test the
