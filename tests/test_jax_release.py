@@ -1,20 +1,25 @@
-"""The installed JAX computes what it is asked: a regression check for
-releases the project's pins exclude (pyproject.toml).
+"""A known miscompile of the installed JAX, recorded where it applies.
 
 jax/jaxlib 0.10.2's XLA:CPU silently miscompiles a vmapped matrix-vector
 product followed by a reduction once the batch passes 2**15 rows in float32
-(jax-ml/jax#39103): on this project's 2-core Xeon it returned 1.0654e9 for
-row 32,768's exact 1.0737e9 (2026-12-05), where 0.10.1 is exact. The
-project's losses and logits reduce matmul outputs row by row at such sizes
-(B x T rows in training), so a release that gets this wrong is refused at
-install time, and this test fails if one is installed anyway. Runs on any
-backend (accelerators compute it exactly too)."""
+(jax-ml/jax#39103): on this project's 2-core Xeon row 32,768 came out
+1.0654e9 for 1.0737e9 (2026-12-05); 0.10.1 is exact. The pins still admit
+0.10.2 (pyproject.toml says why: 0.10.1 makes an MTP round 1.5x dearer on
+the CPU), so on jax 0.10.2 with the CPU this test is a strict xfail: it
+fails the day the pattern computes right (drop the mark then) and on every
+other release or backend it must pass."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 
+KNOWN_BAD = jax.__version__ == "0.10.2" and jax.default_backend() == "cpu"
+
+
+@pytest.mark.xfail(KNOWN_BAD, strict=True,
+                   reason="jax 0.10.2 XLA:CPU miscompiles this pattern (jax-ml/jax#39103)")
 def test_vmapped_matvec_then_reduce_is_exact_under_jit():
   n = 32_769                                  # first float32 size that failed on 0.10.2
   i = jnp.arange(n, dtype=jnp.float32)
@@ -30,4 +35,4 @@ def test_vmapped_matvec_then_reduce_is_exact_under_jit():
       f"jax {jax.__version__} (jaxlib {jax.lib.__version__}) on {jax.default_backend()} "
       f"miscompiles a vmapped matvec + reduction: {bad.size} of {n} rows wrong, row {bad[-1]} "
       f"gives {got[bad[-1]]:.6g} for {want[bad[-1]]:.6g} (jax-ml/jax#39103; pyproject.toml "
-      "excludes jax 0.10.2)")
+      "says why the pins admit jax 0.10.2)")
