@@ -562,13 +562,44 @@ def verify_checksums(tree, recorded: dict, where: str) -> None:
                             "resumed (use an earlier step)")
 
 
+@jax.jit
+def _nonfinite_count(x):
+  """The number of NaN / +-inf entries of ``x`` (int32 scalar, on x's device)."""
+  return jnp.sum(~jnp.isfinite(x), dtype=jnp.int32)
+
+
+def _local_nonfinite_counts(leaves) -> np.ndarray:
+  """Per leaf, the non-finite entries among the shards this process holds
+  (each shard once: replica 0 only), counted on the shards' own devices and
+  read back together; int64 array of len(leaves).
+
+  Why per shard, with no cross-process op: one global reduction per leaf
+  is one collective program per leaf, and a stream of them dispatched back
+  to back deadlocked two gloo processes on 2 busy CPU cores (both main
+  threads blocked in dispatch; tests/test_sharding.py's pair, 1 run in ~15).
+  Single-device programs have nothing to wait for."""
+  counts = []
+  for x in leaves:
+    if isinstance(x, jax.Array):
+      counts.append([_nonfinite_count(s.data) for s in x.addressable_shards if s.replica_id == 0])
+    else:
+      counts.append([np.sum(~np.isfinite(np.asarray(x)))])
+  return np.array([sum(int(c) for c in cs) for cs in jax.device_get(counts)], dtype=np.int64)
+
+
 def check_finite(params, where: str) -> None:
   """Raises CheckpointError naming the first parameter (dotted path) of
   ``params`` (a pytree of arrays, sharded or not) that holds NaN or +-inf,
-  with the count of such entries; ``where`` names the checkpoint. One
-  reduction per parameter, read back together."""
+  with the count of such entries; ``where`` names the checkpoint.
+
+  Each process counts its own shards (``_local_nonfinite_counts``); with
+  several processes one allgather of those counts (a single collective)
+  gives every process the same totals, so all raise together."""
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  bad = jax.device_get([jnp.sum(~jnp.isfinite(x)) for _, x in leaves])
+  bad = _local_nonfinite_counts([x for _, x in leaves])
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    bad = np.asarray(multihost_utils.process_allgather(bad)).reshape(jax.process_count(), -1).sum(0)
   for (path, x), count in zip(leaves, bad):
     if count:
       name = jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value")

@@ -28,8 +28,10 @@ Results go to OUT.json; the tests compare them.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
 
 DEVICES = {"meshes": 8, "process": 2, "distill": 8}
@@ -156,6 +158,7 @@ def run_meshes(args) -> dict:
   for name in finals:
     out["final_params_max_diff"][name] = _max_diff(finals[name], finals["1x1x1"])
   out["errors"] = _errors(cfg)
+  out["nonfinite"] = _nonfinite_messages(kept["2x2x2"][0].mesh)
   if args.extras:
     out.update(_checkpoint_and_decode(args, cfg, batches, kept))
   return out
@@ -245,6 +248,37 @@ def _checkpoint_and_decode(args, cfg, batches, kept) -> dict:
   return out
 
 
+def _nonfinite_messages(mesh) -> dict:
+  """check_finite's error for arrays on ``mesh`` with NaNs in known shards:
+  "split" (one row per device) holds NaN in every row of process 1 (every
+  row's 4 entries when there is one process: 3 NaNs placed by hand),
+  "replicated" holds 2 NaNs on every device (counted once, not per copy)."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from mtp import checkpoint as ckpt_lib
+  n = mesh.devices.size
+  host = np.ones((n, 4), np.float32)
+  if jax.process_count() == 1:
+    host[0, 1] = host[n - 1, 2] = host[n - 1, 3] = np.nan
+  split = jax.make_array_from_callback(
+      host.shape, NamedSharding(mesh, P(mesh.axis_names, None)),
+      lambda idx: host[idx] if jax.process_count() == 1 or jax.process_index() == 0
+      else np.full_like(host[idx], np.nan))
+  rep = np.ones((4, 4), np.float32)
+  rep[1, 1] = rep[2, 3] = np.nan
+  # not device_put: with several processes it compares the host values across processes, and NaN != NaN
+  replicated = jax.make_array_from_callback(rep.shape, NamedSharding(mesh, P()), lambda idx: rep[idx])
+  out = {}
+  for name, x in (("split", split), ("replicated", replicated)):
+    try:
+      ckpt_lib.check_finite({"ok": jax.numpy.ones(3), name: x}, "CKPT")
+      out[name] = "no error"
+    except ckpt_lib.CheckpointError as e:
+      out[name] = str(e)
+  return out
+
+
 def _mark(phase: str):
   """One progress line in the worker's log (the fixture shows its tail on a
   failure, so a hang names the phase it stopped in)."""
@@ -296,6 +330,8 @@ def run_process(args) -> dict:
   out["restored_next_item"] = int(next(fresh))
   out["restored_config_depth"] = ckpt.restore_config(NUM_STEPS).mtp.depth
   ckpt.close()
+  _mark("non-finite check")
+  out["nonfinite"] = _nonfinite_messages(mesh)
   _mark("done")
   return out
 
@@ -344,6 +380,10 @@ def main():
   ap.add_argument("--workdir", required=True)
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
+  # SIGUSR1 writes every thread's Python stack to stderr (the log): the
+  # fixture sends it to a hung pair before killing it, so the log shows
+  # where each process waited.
+  faulthandler.register(signal.SIGUSR1, all_threads=True)
   _setup_env(args.mode)
   import time
   t0 = time.time()

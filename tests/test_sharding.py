@@ -17,6 +17,7 @@ for token identical.
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -69,10 +70,14 @@ def _run_group(root, jobs: dict, timeout_s: float, tag: str = "") -> tuple[dict,
         pass
     timed_out = all(p.poll() is None for p in procs.values())
   finally:
-    for p in procs.values():
-      if p.poll() is None:
-        p.kill()
-        p.wait()
+    running = [p for p in procs.values() if p.poll() is None]
+    for p in running:         # every thread's Python stack into its log (faulthandler), then kill
+      p.send_signal(signal.SIGUSR1)
+    if running:
+      time.sleep(3)
+    for p in running:
+      p.kill()
+      p.wait()
     for f in logs.values():
       f.close()
   for name, p in procs.items():
@@ -80,7 +85,7 @@ def _run_group(root, jobs: dict, timeout_s: float, tag: str = "") -> tuple[dict,
     if p.returncode == 0 and out.exists():
       results[name] = json.loads(out.read_text())
     else:
-      tail = (root / f"{name}{tag}.log").read_text()[-3000:]
+      tail = (root / f"{name}{tag}.log").read_text()[-6000:]
       wrote = "wrote its result" if out.exists() else "wrote no result"
       results[name] = f"worker {name}{tag} exited with {p.returncode} ({wrote}):\n{tail}"
   return results, timed_out
@@ -97,11 +102,17 @@ def runs(tmp_path_factory):
 
   The two 8-device runs go first, together; the two-process pair after them,
   so its gloo collectives do not compete with 16 emulated devices for 2
-  cores. A pair whose two processes both run out of time is started once
-  more (fresh port and workdir) and the first attempt's log tails are kept under "proc_hang": a
-  hang seen once in CI under load (2026-12-05, 1,200 s) that a lone pair
-  never showed; each worker logs its phase, so a repeat names where it
-  stopped. A pair that fails in any other way is not retried."""
+  cores. A worker still running at its deadline writes every thread's
+  Python stack into its log before it is killed, so a hang names its line.
+
+  The pair hung in CI on 2026-12-05 (twice in one run) and ~1 run in 15
+  here under load: both main threads blocked in ``check_finite`` while it
+  dispatched one global reduction (a gloo collective) per parameter; it
+  now counts per shard on each device and allgathers once. A pair whose
+  two processes both run out of time is still started once more (fresh
+  port and workdir), with the first attempt's logs, stacks included, kept
+  under "proc_hang" and shown as a warning. A pair that fails in any other
+  way is not retried."""
   root = tmp_path_factory.mktemp("sharding")
   t0 = time.monotonic()
   results, _ = _run_group(root, {"d0": ["meshes", "--depth", "0"],
@@ -186,11 +197,25 @@ def test_two_processes_train_like_one(runs):
     assert r["gate"]["spec"] == ["fsdp", "tensor"] and r["gate"]["shard_shape"] == [16, 32]
     # Checkpoint written by both processes and restored by each.
     assert r["restored_equal"] and r["restored_config_depth"] == 2
+    # NaNs only in process 1's shards: both processes raise, with the global count (2 rows x 4).
+    assert "split (4, 4) holds 8 non-finite" in r["nonfinite"]["split"], r["nonfinite"]
+    assert "replicated (4, 4) holds 2 non-finite" in r["nonfinite"]["replicated"], r["nonfinite"]
   # Each process's grain iterator resumes at its own position (range(16)[i::2], i+1 consumed).
   assert [_get(runs, f"proc{i}")["restored_next_item"] for i in (0, 1)] == [2, 5]
   tag = "_retry" if "proc_hang" in runs else ""
   data = runs["root"] / f"ckpt_2proc{tag}" / "checkpoints" / "3" / "data"
   assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(os.listdir(data))
+
+
+@pytest.mark.cpu_only
+@pytest.mark.slow
+@pytest.mark.parametrize("depth", [0, 2])
+def test_nonfinite_check_counts_each_entry_once(runs, depth):
+  """check_finite counts per shard (replica 0 only): 3 NaNs over 2 of 8
+  shards, and 2 NaNs in an array replicated on 8 devices, counted once."""
+  r = _get(runs, f"d{depth}")["nonfinite"]
+  assert "CKPT: parameter split (8, 4) holds 3 non-finite" in r["split"], r
+  assert "CKPT: parameter replicated (4, 4) holds 2 non-finite" in r["replicated"], r
 
 
 @pytest.mark.cpu_only
