@@ -563,28 +563,43 @@ def verify_checksums(tree, recorded: dict, where: str) -> None:
 
 
 @jax.jit
-def _nonfinite_count(x):
-  """The number of NaN / +-inf entries of ``x`` (int32 scalar, on x's device)."""
-  return jnp.sum(~jnp.isfinite(x), dtype=jnp.int32)
+def _nonfinite_counts(arrays):
+  """Per array of ``arrays`` (a list, all on one device), its number of NaN
+  / +-inf entries: int32 [len(arrays)], on that device."""
+  return jnp.stack([jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in arrays])
 
 
 def _local_nonfinite_counts(leaves) -> np.ndarray:
-  """Per leaf, the non-finite entries among the shards this process holds
-  (each shard once: replica 0 only), counted on the shards' own devices and
-  read back together; int64 array of len(leaves).
+  """Per leaf, the non-finite entries this process holds: of a global array,
+  in its shards here (each shard once: replica 0 only); of a local array
+  (numpy, or a jax.Array all on this process's devices), in the whole of
+  it. int64 array of len(leaves).
 
-  Why per shard, with no cross-process op: one global reduction per leaf
-  is one collective program per leaf, and a stream of them dispatched back
-  to back deadlocked two gloo processes on 2 busy CPU cores (both main
-  threads blocked in dispatch; tests/test_sharding.py's pair, 1 run in ~15).
-  Single-device programs have nothing to wait for."""
-  counts = []
-  for x in leaves:
+  Counted by one program per local device over that device's shards, with
+  no cross-process op. Why: one global reduction per leaf is one collective
+  program per leaf, and a stream of them dispatched back to back
+  deadlocked two gloo processes (both main threads blocked in dispatch;
+  tests/test_sharding.py's pair, about 1 run in 15 on 2 busy CPU cores)."""
+  counts = np.zeros(len(leaves), np.int64)
+  per_device = {}      # device -> [(leaf index, shard data)]
+  for i, x in enumerate(leaves):
     if isinstance(x, jax.Array):
-      counts.append([_nonfinite_count(s.data) for s in x.addressable_shards if s.replica_id == 0])
+      for s in x.addressable_shards:
+        if s.replica_id == 0:
+          per_device.setdefault(s.device, []).append((i, s.data))
     else:
-      counts.append([np.sum(~np.isfinite(np.asarray(x)))])
-  return np.array([sum(int(c) for c in cs) for cs in jax.device_get(counts)], dtype=np.int64)
+      counts[i] = np.sum(~np.isfinite(np.asarray(x)))
+  groups = list(per_device.values())
+  results = jax.device_get([_nonfinite_counts([a for _, a in items]) for items in groups])
+  for items, got in zip(groups, results):
+    for (i, _), c in zip(items, got):
+      counts[i] += int(c)
+  return counts
+
+
+def _is_global(x) -> bool:
+  """Whether ``x`` is a jax.Array with shards on other processes' devices."""
+  return isinstance(x, jax.Array) and not x.is_fully_addressable
 
 
 def check_finite(params, where: str) -> None:
@@ -592,14 +607,20 @@ def check_finite(params, where: str) -> None:
   ``params`` (a pytree of arrays, sharded or not) that holds NaN or +-inf,
   with the count of such entries; ``where`` names the checkpoint.
 
-  Each process counts its own shards (``_local_nonfinite_counts``); with
-  several processes one allgather of those counts (a single collective)
-  gives every process the same totals, so all raise together."""
+  Each process counts what it holds (``_local_nonfinite_counts``). When a
+  leaf is a global array (shards on several processes), every process must
+  call this: one allgather of the counts (a single collective) gives each
+  the same totals (a global array's sum over processes, a local leaf's
+  largest count), so all raise together."""
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  bad = _local_nonfinite_counts([x for _, x in leaves])
-  if jax.process_count() > 1:
+  arrays = [x for _, x in leaves]
+  bad = _local_nonfinite_counts(arrays)
+  is_global = np.array([_is_global(x) for x in arrays], bool)
+  if is_global.any():        # the same on every process: each calls the collective, or none does
     from jax.experimental import multihost_utils
-    bad = np.asarray(multihost_utils.process_allgather(bad)).reshape(jax.process_count(), -1).sum(0)
+    sent = np.minimum(bad, 2**31 - 1).astype(np.int32)     # int32 on the wire (x64 off)
+    got = np.asarray(multihost_utils.process_allgather(sent)).reshape(jax.process_count(), -1)
+    bad = np.where(is_global, got.astype(np.int64).sum(0), got.max(0))
   for (path, x), count in zip(leaves, bad):
     if count:
       name = jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value")

@@ -249,10 +249,12 @@ def _checkpoint_and_decode(args, cfg, batches, kept) -> dict:
 
 
 def _nonfinite_messages(mesh) -> dict:
-  """check_finite's error for arrays on ``mesh`` with NaNs in known shards:
-  "split" (one row per device) holds NaN in every row of process 1 (every
-  row's 4 entries when there is one process: 3 NaNs placed by hand),
-  "replicated" holds 2 NaNs on every device (counted once, not per copy)."""
+  """check_finite's error for parameters on ``mesh`` with NaNs in known
+  places: "split" (one row per device) is all NaN in process 1's rows with
+  two processes, and holds 3 NaNs placed by hand with one; "replicated"
+  holds 2 NaNs on every device (counted once, not per copy); "local" is a
+  numpy leaf with 1 NaN beside a finite global array (every process holds
+  all of it: counted once, not once per process)."""
   import jax
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
@@ -261,18 +263,23 @@ def _nonfinite_messages(mesh) -> dict:
   host = np.ones((n, 4), np.float32)
   if jax.process_count() == 1:
     host[0, 1] = host[n - 1, 2] = host[n - 1, 3] = np.nan
+  rows = NamedSharding(mesh, P(mesh.axis_names, None))
   split = jax.make_array_from_callback(
-      host.shape, NamedSharding(mesh, P(mesh.axis_names, None)),
-      lambda idx: host[idx] if jax.process_count() == 1 or jax.process_index() == 0
+      host.shape, rows, lambda idx: host[idx] if jax.process_count() == 1 or jax.process_index() == 0
       else np.full_like(host[idx], np.nan))
   rep = np.ones((4, 4), np.float32)
   rep[1, 1] = rep[2, 3] = np.nan
   # not device_put: with several processes it compares the host values across processes, and NaN != NaN
   replicated = jax.make_array_from_callback(rep.shape, NamedSharding(mesh, P()), lambda idx: rep[idx])
+  finite = jax.make_array_from_callback((n, 4), rows, lambda idx: np.ones((n, 4), np.float32)[idx])
+  local = np.array([1.0, np.nan, 2.0, 3.0], np.float32)
+  cases = {"split": {"ok": np.ones(3, np.float32), "split": split},
+           "replicated": {"ok": np.ones(3, np.float32), "replicated": replicated},
+           "local": {"finite": finite, "local": local}}
   out = {}
-  for name, x in (("split", split), ("replicated", replicated)):
+  for name, params in cases.items():
     try:
-      ckpt_lib.check_finite({"ok": jax.numpy.ones(3), name: x}, "CKPT")
+      ckpt_lib.check_finite(params, "CKPT")
       out[name] = "no error"
     except ckpt_lib.CheckpointError as e:
       out[name] = str(e)

@@ -71,13 +71,15 @@ def _run_group(root, jobs: dict, timeout_s: float, tag: str = "") -> tuple[dict,
     timed_out = all(p.poll() is None for p in procs.values())
   finally:
     running = [p for p in procs.values() if p.poll() is None]
-    for p in running:         # every thread's Python stack into its log (faulthandler), then kill
-      p.send_signal(signal.SIGUSR1)
-    if running:
-      time.sleep(3)
-    for p in running:
-      p.kill()
-      p.wait()
+    try:
+      for p in running:         # every thread's Python stack into its log (faulthandler), then kill
+        p.send_signal(signal.SIGUSR1)
+      if running:
+        time.sleep(3)
+    finally:
+      for p in running:
+        p.kill()
+        p.wait()
     for f in logs.values():
       f.close()
   for name, p in procs.items():
@@ -187,7 +189,7 @@ def test_fsdp_divides_parameter_memory(runs, depth):
 def test_two_processes_train_like_one(runs):
   if "proc_hang" in runs:     # passed on the second start: say so in pytest's summary
     warnings.warn("the two-process pair ran out of time once and was started again; first "
-                  "attempt: " + " | ".join(str(v)[-600:] for v in runs["proc_hang"].values()))
+                  "attempt: " + " | ".join(str(v)[-4000:] for v in runs["proc_hang"].values()))
   ref = _get(runs, "d2")["losses"]["1x1x1"]
   for i in (0, 1):
     r = _get(runs, f"proc{i}")
@@ -200,6 +202,7 @@ def test_two_processes_train_like_one(runs):
     # NaNs only in process 1's shards: both processes raise, with the global count (2 rows x 4).
     assert "split (4, 4) holds 8 non-finite" in r["nonfinite"]["split"], r["nonfinite"]
     assert "replicated (4, 4) holds 2 non-finite" in r["nonfinite"]["replicated"], r["nonfinite"]
+    assert "parameter local (4,) holds 1 non-finite" in r["nonfinite"]["local"], r["nonfinite"]
   # Each process's grain iterator resumes at its own position (range(16)[i::2], i+1 consumed).
   assert [_get(runs, f"proc{i}")["restored_next_item"] for i in (0, 1)] == [2, 5]
   tag = "_retry" if "proc_hang" in runs else ""
@@ -212,10 +215,12 @@ def test_two_processes_train_like_one(runs):
 @pytest.mark.parametrize("depth", [0, 2])
 def test_nonfinite_check_counts_each_entry_once(runs, depth):
   """check_finite counts per shard (replica 0 only): 3 NaNs over 2 of 8
-  shards, and 2 NaNs in an array replicated on 8 devices, counted once."""
+  shards, 2 NaNs in an array replicated on 8 devices and 1 in a numpy
+  leaf, each counted once."""
   r = _get(runs, f"d{depth}")["nonfinite"]
   assert "CKPT: parameter split (8, 4) holds 3 non-finite" in r["split"], r
   assert "CKPT: parameter replicated (4, 4) holds 2 non-finite" in r["replicated"], r
+  assert "CKPT: parameter local (4,) holds 1 non-finite" in r["local"], r
 
 
 @pytest.mark.cpu_only
