@@ -576,10 +576,9 @@ def _local_nonfinite_counts(leaves) -> np.ndarray:
   it. int64 array of len(leaves).
 
   Counted by one program per local device over that device's shards, with
-  no cross-process op. Why: one global reduction per leaf is one collective
-  program per leaf, and a stream of them dispatched back to back
-  deadlocked two gloo processes (both main threads blocked in dispatch;
-  tests/test_sharding.py's pair, about 1 run in 15 on 2 busy CPU cores)."""
+  no cross-process op: one global reduction per leaf is one collective
+  program per leaf, and a stream of them dispatched back to back can
+  deadlock two processes (docs/testing.md, "A hung worker")."""
   counts = np.zeros(len(leaves), np.int64)
   per_device = {}      # device -> [(leaf index, shard data)]
   for i, x in enumerate(leaves):

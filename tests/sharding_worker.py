@@ -158,8 +158,8 @@ def run_meshes(args) -> dict:
   for name in finals:
     out["final_params_max_diff"][name] = _max_diff(finals[name], finals["1x1x1"])
   out["errors"] = _errors(cfg)
-  out["nonfinite"] = _nonfinite_messages(kept["2x2x2"][0].mesh)
   if args.extras:
+    out["nonfinite"] = _nonfinite_messages(kept["2x2x2"][0].mesh)
     out.update(_checkpoint_and_decode(args, cfg, batches, kept))
   return out
 

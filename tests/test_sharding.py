@@ -212,12 +212,11 @@ def test_two_processes_train_like_one(runs):
 
 @pytest.mark.cpu_only
 @pytest.mark.slow
-@pytest.mark.parametrize("depth", [0, 2])
-def test_nonfinite_check_counts_each_entry_once(runs, depth):
+def test_nonfinite_check_counts_each_entry_once(runs):
   """check_finite counts per shard (replica 0 only): 3 NaNs over 2 of 8
   shards, 2 NaNs in an array replicated on 8 devices and 1 in a numpy
   leaf, each counted once."""
-  r = _get(runs, f"d{depth}")["nonfinite"]
+  r = _get(runs, "d2")["nonfinite"]
   assert "CKPT: parameter split (8, 4) holds 3 non-finite" in r["split"], r
   assert "CKPT: parameter replicated (4, 4) holds 2 non-finite" in r["replicated"], r
   assert "CKPT: parameter local (4,) holds 1 non-finite" in r["local"], r
