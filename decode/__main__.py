@@ -56,7 +56,7 @@ _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Independent samples per p
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed in [0, 2**32 - 1] (default 0: the same "
                              "text every run at T > 0; printed and stored in the report).")
 _STOP = flags.DEFINE_multi_string("stop", [], "Stop string (repeatable): a row ends when its "
-                                  "text contains one; the text is cut before it.")
+                                  "text contains one; the text is cut before it")
 _STOP_IDS = flags.DEFINE_list("stop_token_ids", [], "Comma-separated token ids that end a row "
                               "when emitted (kept, like EOS).")
 _COMPARE = flags.DEFINE_bool("compare", False, "Also time AR and the method on the same "
