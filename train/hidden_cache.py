@@ -16,7 +16,9 @@ Layout of the cache folder, ``WORKDIR/hidden_cache/`` or, with
 ``train.hidden_cache_dir``, ``DIR/<digest of the source and rows fingerprints>/``
 (shared by every run whose backbone, rows, tokenizer, seq_len and dtype
 agree: a schedule or learning-rate sweep builds it once), written into a
-temporary sibling and renamed, so a cache killed mid-build is never read:
+build folder beside it and renamed, so a cache killed mid-build is never
+read; the build folder keeps its written rows, so the next run resumes it,
+and rows already in a cache of the same backbone are copied (``build``):
 
 - ``h0.npy``: [N, T, D] h^0 of every row in the model's activation dtype
   ([N, T, (m + 1) D] with m ``mtp.feature_layers``: those blocks' outputs
@@ -47,7 +49,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 import zlib
 from collections.abc import Callable, Mapping
@@ -177,15 +178,48 @@ def _storage(dtype: str) -> tuple[np.dtype, str]:
   return np.dtype(dtype), dtype
 
 
+PROGRESS_FILE = "done.npy"       # bool [N]: rows of a build in progress whose h^0 is written
+REUSE_KEYS = ("backbone", "seq_len", "tokenizer", "dtype", "feature_layers")
+
+
+def row_digests(rows: Mapping[str, np.ndarray]) -> list[bytes]:
+  """Per row, a digest of what decides its h^0 (tokens, segment_ids,
+  positions): equal digests under one backbone give equal h^0."""
+  keys = ("tokens", "segment_ids", "positions")
+  arrs = [np.ascontiguousarray(rows[k], np.int32) for k in keys]
+  return [hashlib.sha1(b"".join(a[i].tobytes() for a in arrs)).digest()
+          for i in range(arrs[0].shape[0])]
+
+
+def _reusable(parent: str, source: Mapping[str, Any], skip: str):
+  """Finished caches beside ``skip`` in ``parent`` whose h^0 came from the
+  same backbone, seq_len, tokenizer, dtype and features (any data)."""
+  want = {k: source.get(k) for k in REUSE_KEYS}
+  for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else ():
+    path = os.path.join(parent, name)
+    if path == skip or name.startswith("."):
+      continue
+    try:
+      cache = load(path)
+    except HiddenCacheError:
+      continue
+    if cache is not None and {k: cache.meta["source"].get(k) for k in REUSE_KEYS} == want:
+      yield path, cache
+
+
 def build(folder: str, rows: Mapping[str, np.ndarray], hidden_fn: Callable[[dict], np.ndarray],
           *, batch_size: int, d_model: int, dtype: str, source: Mapping[str, Any],
-          log: Callable[[str], None] = print) -> Cache:
+          log: Callable[[str], None] = print, save_every: int = 16) -> Cache:
   """Runs ``hidden_fn`` (a jitted backbone: batch dict of int32 [B, T] ->
-  h^0 [B, T, D] in ``dtype``) over every row in batches of ``batch_size``
-  (the last one padded with copies of row 0, one compiled shape) and writes
-  the cache into ``folder`` (module docstring; its parent is created),
-  replacing an existing one. Logs the build
-  time (seconds) and size. Returns the loaded cache.
+  h^0 [B, T, D] in ``dtype``) over the rows in batches of ``batch_size``
+  (the last one padded with copies of its first row, one compiled shape)
+  and writes the cache into ``folder`` (module docstring), replacing an
+  existing one. Resumable: the build folder ``.hidden_cache.build-<digest
+  of source and rows>`` beside ``folder`` keeps its written rows
+  (``done.npy``, saved every ``save_every`` batches), so a killed build
+  continues where it stopped; rows equal to rows of a finished cache beside
+  ``folder`` with the same backbone (``REUSE_KEYS``) are copied, not
+  recomputed. Logs progress, time (seconds) and size; returns the cache.
 
   rows: ``check_rows`` output. Raises HiddenCacheError for an h^0 of another
   shape."""
@@ -194,22 +228,65 @@ def build(folder: str, rows: Mapping[str, np.ndarray], hidden_fn: Callable[[dict
   out = os.path.abspath(folder)
   parent = os.path.dirname(out)
   os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=f".{CACHE_DIR}.build-", dir=parent)
+  tmp = os.path.join(parent, f".{CACHE_DIR}.build-"
+                     f"{_digest({'source': dict(source), 'rows': rows_fingerprint(rows)})}")
+  h0_path, done_path = os.path.join(tmp, H0_FILE), os.path.join(tmp, PROGRESS_FILE)
   start = time.perf_counter()
+  done = None
+  if os.path.isfile(done_path):
+    try:
+      done = np.load(done_path)
+      h0 = np.lib.format.open_memmap(h0_path, mode="r+")
+      if done.shape != (n,) or h0.shape != (n, t, d_model) or h0.dtype != disk:
+        done = None
+    except (OSError, ValueError):
+      done = None
+  if done is None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    h0 = np.lib.format.open_memmap(h0_path, mode="w+", dtype=disk, shape=(n, t, d_model))
+    done = np.zeros(n, bool)
+  else:
+    log(f"hidden cache: resuming the build in {tmp} ({int(done.sum())}/{n} rows written)")
+
+  def save_progress():
+    h0.flush()
+    np.save(done_path + ".tmp.npy", done)
+    os.replace(done_path + ".tmp.npy", done_path)
+
+  if not done.all():
+    digests = row_digests(rows)
+    where: dict[bytes, list[int]] = {}
+    for i in np.flatnonzero(~done):
+      where.setdefault(digests[i], []).append(int(i))
+    for path, other in _reusable(parent, source, out):
+      hits = [(j, where.pop(d)) for j, d in enumerate(row_digests(other.rows)) if d in where]
+      for j, targets in hits:
+        raw = np.asarray(other.h0[j]).view(disk) if dtype == "bfloat16" else other.h0[j]
+        h0[targets] = raw
+        done[targets] = True
+      if hits:
+        log(f"hidden cache: {sum(len(x) for _, x in hits)} rows copied from {path}")
+    save_progress()
+  todo = np.flatnonzero(~done)
+  rate_t0, batches = time.perf_counter(), 0
   try:
-    h0 = np.lib.format.open_memmap(os.path.join(tmp, H0_FILE), mode="w+", dtype=disk,
-                                   shape=(n, t, d_model))
-    for lo in range(0, n, batch_size):
-      idx = np.arange(lo, lo + batch_size)
-      idx = np.where(idx < n, idx, 0)
+    for lo in range(0, len(todo), batch_size):
+      chunk = todo[lo:lo + batch_size]
+      idx = np.concatenate([chunk, np.full(batch_size - len(chunk), chunk[0])])
       h = np.asarray(hidden_fn({k: rows[k][idx] for k in ("tokens", "positions", "segment_ids")}))
       if h.shape != (batch_size, t, d_model):
         raise HiddenCacheError(f"{out}: the backbone returned h0 of shape {h.shape}, expected "
                                f"{(batch_size, t, d_model)}")
-      keep = min(batch_size, n - lo)
-      h = h[:keep]
-      h0[lo:lo + keep] = h.view(np.uint16) if dtype == "bfloat16" else h.astype(disk)
-    h0.flush()
+      h = h[:len(chunk)]
+      h0[chunk] = h.view(np.uint16) if dtype == "bfloat16" else h.astype(disk)
+      done[chunk] = True
+      batches += 1
+      if batches % save_every == 0:
+        save_progress()
+        rate = batches * batch_size * t / (time.perf_counter() - rate_t0)
+        log(f"hidden cache: {int(done.sum())}/{n} rows ({rate:.0f} tokens/s)")
+    save_progress()
     del h0
     np.savez(os.path.join(tmp, ROWS_FILE), **{k: rows[k] for k in ROW_KEYS})
     seconds = time.perf_counter() - start
@@ -220,11 +297,20 @@ def build(folder: str, rows: Mapping[str, np.ndarray], hidden_fn: Callable[[dict
     with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
       json.dump(meta, f, indent=2, sort_keys=True)
       f.write("\n")
+      f.flush()
+      os.fsync(f.fileno())
+    os.remove(done_path)
     if os.path.lexists(out):
       shutil.rmtree(out)
     os.rename(tmp, out)
-  except BaseException:
+  except HiddenCacheError:
     shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  except BaseException:
+    try:
+      save_progress()       # kept: the next build with these rows continues from here
+    except Exception:
+      pass
     raise
   log(f"hidden cache: built {out} in {seconds:.1f} s: {n} rows x {t} tokens, h0 {dtype} "
       f"[{n}, {t}, {d_model}], {size / 2**20:.1f} MiB ({size / max(n * t, 1):.0f} bytes/token)")
