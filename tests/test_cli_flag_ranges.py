@@ -73,3 +73,13 @@ def test_export_creates_the_missing_parents_of_out_and_removes_them_on_failure(t
                      env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert r.returncode == 2 and "no checkpoint" in r.stderr and "parent" not in r.stderr, r.stderr
   assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("module", ["decode", "train", "mtp.export", "mtp.importers"])
+def test_help_exits_zero_before_jax(module, tmp_path):
+  out = tmp_path / "heavy.txt"
+  r = subprocess.run([sys.executable, "-c", _WRAPPER, module, "--help"], cwd=REPO,
+                     capture_output=True, text=True, timeout=120,
+                     env={**os.environ, "HEAVY_OUT": str(out), "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 0 and "--workdir" in r.stdout, r.stderr[-1000:]
+  assert out.read_text() == "", f"{module} --help imported {out.read_text()}"
