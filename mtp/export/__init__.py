@@ -2,7 +2,7 @@
 directory with the MTP modules under DeepSeek-V3 naming, and back.
 
 ``python -m mtp.export --workdir W --out DIR [--overwrite] [--step N]`` (CLI in
-``mtp/export/__main__.py``) calls ``mtp.export.run.export``, which loads the
+``mtp/export/__main__.py``) calls ``mtp.exporting.export``, which loads the
 checkpoint (``mtp.loading``) and calls ``write_export`` here. (``--modules_out
 FILE`` writes only the MTP modules and draft vocabulary instead:
 ``mtp.export.modules``.) This module is

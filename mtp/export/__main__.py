@@ -7,7 +7,7 @@ DeepSeek-V3 naming (``mtp.export``; mapping table in docs/export.md).
 ``--modules_out``: writes only its MTP modules and draft vocabulary as a
 small safetensors file (``mtp.export.modules``; docs/import.md), for
 ``python -m mtp.importers ... --mtp_modules FILE``. Parses flags and calls
-``mtp.export.run``; errors print one line and exit with status 2.
+``mtp.exporting``; errors print one line and exit with status 2.
 """
 
 import contextlib
@@ -58,7 +58,7 @@ def main(argv):
   logging.set_verbosity(logging.ERROR)   # orbax warns about read-only managers
   from mtp.checkpoint import CheckpointError
   from mtp.export import WEIGHTS_FILE, ExportError
-  from mtp.export import run
+  from mtp import exporting as run
   out = _MODULES_OUT.value or _OUT.value
   try:
     made = make_parents(out)
