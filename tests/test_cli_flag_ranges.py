@@ -42,6 +42,9 @@ CASES = [
     ("mtp.importers", ["--gguf", "x.gguf", "--mtp_depth", "-1"], "--mtp_depth"),
     ("mtp.importers", ["--gguf", "x.gguf", "--mtp_init_scale", "nan"], "--mtp_init_scale"),
     ("scripts/smollm_mtp.py", ["--steps", "-5"], "--steps"),
+    ("scripts/bench_decode.py", ["--workdir", NOWHERE, "--repeats", "0"], "--repeats"),
+    ("scripts/bench_decode.py", ["--workdir", NOWHERE, "--num_draft_tokens", "17"],
+     "--num_draft_tokens"),
 ]
 
 
