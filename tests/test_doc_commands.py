@@ -98,8 +98,9 @@ def accepted_flags(cli: str, full: bool = False) -> frozenset:
   """The flags ``cli`` (a module, or a script path) accepts, read from its
   --help (``full``: absl's --helpfull, which adds absl's own flags)."""
   argv = [sys.executable] + (["-m", cli] if not cli.endswith(".py") else [cli])
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}   # this checkout's packages
   r = subprocess.run(argv + ["--helpfull" if full else "--help"], cwd=REPO, capture_output=True,
-                     text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                     text=True, timeout=300, env=env)
   assert r.stdout or full, f"{cli} --help printed nothing: {r.stderr[-1000:]}"
   names = set()
   for m in re.finditer(r"--(\[no\])?([a-z][a-z0-9_]*)", r.stdout):
