@@ -78,7 +78,7 @@ def test_export_creates_the_missing_parents_of_out_and_removes_them_on_failure(t
   assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.parametrize("module", ["decode", "train", "mtp.export", "mtp.importers"])
+@pytest.mark.parametrize("module", ["mtp.export"])   # decode, train: tests/test_cli_small_things.py
 def test_help_exits_zero_before_jax(module, tmp_path):
   out = tmp_path / "heavy.txt"
   r = subprocess.run([sys.executable, "-c", _WRAPPER, module, "--help"], cwd=REPO,
