@@ -43,7 +43,10 @@ from decode import compare as compare_lib
 from decode import results as results_lib
 from decode import stats as stats_lib
 from decode.schedule import AutoSchedule
-from decode.speculative import MAX_DRAFT_TOKENS
+from decode import limits
+from decode.limits import (  # noqa: F401 (decode.run's API)
+    DTYPES, MAX_DRAFT_TOKENS, MAX_NEW_TOKENS, MAX_REPEATS, MAX_SAMPLES, MAX_SEED,
+    check_overrides, parse_num_draft_tokens)
 from decode.speculative import DecodeError, Decoder, SamplingParams, check_flags
 from decode.stops import StopConditions
 from decode.texts import (  # noqa: F401 (decode.run's API: python -m decode, tests)
@@ -52,24 +55,6 @@ from decode.texts import (  # noqa: F401 (decode.run's API: python -m decode, te
 from mtp import loading
 from mtp import tokenizer as tok
 from mtp.config import ConfigError
-
-
-def parse_num_draft_tokens(text) -> int | str:
-  """``--num_draft_tokens``: an integer in [1, ``MAX_DRAFT_TOKENS``] or
-  "auto". Raises DecodeError."""
-  if isinstance(text, int) and not isinstance(text, bool):
-    value = text
-  elif str(text).strip().lower() == "auto":
-    return "auto"
-  else:
-    try:
-      value = int(str(text).strip())
-    except ValueError:
-      value = None
-  if value is None or not 1 <= value <= MAX_DRAFT_TOKENS:
-    raise DecodeError(f"--num_draft_tokens={text!r} must be an integer in [1, {MAX_DRAFT_TOKENS}] "
-                      "or 'auto'")
-  return value
 
 
 def parse_stops(strings: Sequence[str], token_ids: Sequence[str]) -> StopConditions | None:
@@ -131,25 +116,12 @@ def out_of_memory_as_decode_error(num_prompts: int, num_samples: int, max_new_to
         "--num_samples, the number of prompts or --max_new_tokens") from None
 
 
-MAX_NEW_TOKENS = 2 ** 31 - 1
-MAX_SAMPLES = 65536
-MAX_REPEATS = 1000
-MAX_SEED = 2 ** 32 - 1
-
-
 def check_run_args(*, max_new_tokens, num_samples, seed, repeats, max_draft_tokens=None,
                    sampling: SamplingParams | None = None) -> None:
   """Range checks of every numeric setting of ``run``, made before anything
   is loaded. Raises DecodeError, one line naming the flag and its range."""
-  def integer(name, value, lo, hi):
-    if not (isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi):
-      raise DecodeError(f"--{name}={value!r} must be an integer in [{lo}, {hi}]")
-  integer("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS)
-  integer("num_samples", num_samples, 1, MAX_SAMPLES)
-  integer("seed", seed, 0, MAX_SEED)
-  integer("repeats", repeats, 1, MAX_REPEATS)
-  if max_draft_tokens is not None:
-    integer("max_draft_tokens", max_draft_tokens, 1, MAX_DRAFT_TOKENS)
+  limits.check_counts(max_new_tokens=max_new_tokens, num_samples=num_samples, seed=seed,
+                      repeats=repeats, max_draft_tokens=max_draft_tokens)
   if sampling is not None:
     sampling.validate()
 
@@ -180,21 +152,9 @@ def auto_kwargs(workdir: str, cfg, target, max_draft_tokens: int | None = None) 
   return {"max_draft_tokens": g_max, "schedule": auto_schedule(workdir, g_max)}
 
 
-DTYPES = ("float32", "bfloat16")   # --dtype
 # the model fields --dtype and --attention_impl set (mtp.loading.overridden_config)
 OVERRIDE_FLAGS = {"model.param_dtype": "--dtype", "model.dtype": "--dtype",
                   "model.attention_impl": "--attention_impl"}
-
-
-def check_overrides(dtype: str | None, attention_impl: str | None) -> None:
-  """``--dtype`` (None or one of ``DTYPES``) and ``--attention_impl`` (None or
-  a string; its allowed values are checked by ``mtp.config`` against the
-  checkpoint's config in ``model_overrides``). Raises DecodeError."""
-  if dtype is not None and dtype not in DTYPES:
-    raise DecodeError(f"--dtype={dtype!r} is not allowed: must be one of {', '.join(DTYPES)} "
-                      "(default: the checkpoint's model.dtype)")
-  if attention_impl is not None and not isinstance(attention_impl, str):
-    raise DecodeError(f"--attention_impl={attention_impl!r} must be a string")
 
 
 def model_overrides(cfg, *, dtype: str | None, attention_impl: str | None):

@@ -229,3 +229,64 @@ def parse_flags_or_exit(argv: list[str]) -> list[str]:
           "(quote a value that holds spaces, e.g. --prompt='def main(')", file=sys.stderr)
     sys.exit(BAD_INPUT)
   return rest
+
+
+HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")
+
+
+def asks_for_help(argv) -> bool:
+  """Whether the command line has one of absl's help flags (--help, -?,
+  --helpshort, --helpfull, --helpxml)."""
+  return any(a.lstrip("-").split("=", 1)[0] in HELP_FLAGS for a in argv[1:]
+             if a.startswith("-"))
+
+
+def help_exits_zero(parse):
+  """``parse`` (an absl ``flags_parser``), except that a help flag exits
+  with status 0: absl prints the help and exits 1, which a shell, make or a
+  CI step reads as a failure of a request that succeeded."""
+  def parse_flags(argv):
+    try:
+      return parse(argv)
+    except SystemExit as e:
+      if e.code == 1 and asks_for_help(argv):
+        sys.exit(0)
+      raise
+  return parse_flags
+
+
+def flags_parser(check=None):
+  """The absl ``flags_parser`` of the project's absl CLIs: as
+  ``parse_flags_or_exit`` but each error is one line; help exits 0; then
+  ``check()`` (the flag ranges, before jax or any model code loads): a
+  ValueError it raises is printed as ``error: ...``, exit status 2."""
+  def parse(argv):
+    from absl import flags
+    try:
+      rest = flags.FLAGS(argv)
+    except flags.Error as e:
+      print(f"error: {e} (--helpfull lists the flags)", file=sys.stderr)
+      sys.exit(BAD_INPUT)
+    except SystemExit as e:
+      if e.code == 1 and asks_for_help(argv):
+        sys.exit(0)
+      raise
+    try:
+      if len(rest) > 1:
+        raise ValueError(f"unexpected arguments {' '.join(map(repr, rest[1:]))}: these are flags "
+                         "only (quote a value that holds spaces, e.g. --prompt='def main(')")
+      if check is not None:
+        check()
+    except ValueError as e:
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(BAD_INPUT)
+    return rest
+  return parse
+
+
+class OneLineParser(argparse.ArgumentParser):
+  """An ArgumentParser whose errors are one line on stderr (no usage block):
+  ``error: ...`` naming the flag, exit status 2."""
+
+  def error(self, message):
+    self.exit(BAD_INPUT, f"error: {message} (--help lists the flags)\n")

@@ -180,6 +180,7 @@ def gguf_path() -> str:
 def parse_args(argv=None):
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.error = lambda message: ap.exit(2, f"error: {message} (--help lists the flags)\n")  # one line
   ap.add_argument("--depth", default="1", help="MTP modules attached (D >= 1; 2 or 3: separate "
                   "modules, three draft offsets either way)")
   ap.add_argument("--features", default="", help="comma list of backbone blocks whose outputs "

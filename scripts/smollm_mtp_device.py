@@ -730,7 +730,7 @@ def export(args, state: dict, argv) -> int:
   """The modules file of the stage's latest checkpoint (``mtp.export
   --modules_out``, bfloat16); returns 1 when it is 16 MB or more."""
   from mtp import report
-  from mtp.export.run import export_modules
+  from mtp.exporting import export_modules
   step = latest_step(args.workdir)
   m = state.get("modules") or {}
   if m.get("step") == step and os.path.isfile(args.modules_out):

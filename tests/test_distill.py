@@ -449,22 +449,6 @@ def test_distill_script_tables():
   assert not v["tau_ratio_vs_base_t1_met"] and v["tau_ratio_vs_data_t1_met"]
 
 
-def test_decode_self_distill_shim_says_it_moved_and_runs_the_new_cli(tmp_path):
-  """``python -m decode.self_distill`` (users' muscle memory) prints one
-  line naming ``python -m scripts.self_distill`` on stderr, then runs it:
-  the exit status and messages are the new CLI's."""
-  import subprocess
-  import sys
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  r = subprocess.run([sys.executable, "-m", "decode.self_distill", "--workdir",
-                      str(tmp_path / "none"), "--out_name", "sd_shim"], cwd=repo,
-                     capture_output=True, text=True, timeout=300)
-  assert r.returncode == 2, r.stderr
-  assert r.stderr.splitlines()[0] == ("note: python -m decode.self_distill moved to "
-                                      "python -m scripts.self_distill")
-  assert "no checkpoint" in r.stderr and not (tmp_path / "sd_shim").exists()
-
-
 def test_self_distill_cli_rejects_bad_flags(markov_workdir, tmp_path, capsys, monkeypatch):
   from scripts import self_distill
   base = ["--workdir", markov_workdir, "--out_name", "sd_cli", "--out_dir", str(tmp_path)]

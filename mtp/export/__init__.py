@@ -2,7 +2,7 @@
 directory with the MTP modules under DeepSeek-V3 naming, and back.
 
 ``python -m mtp.export --workdir W --out DIR [--overwrite] [--step N]`` (CLI in
-``mtp/export/__main__.py``) calls ``mtp.export.run.export``, which loads the
+``mtp/export/__main__.py``) calls ``mtp.exporting.export``, which loads the
 checkpoint (``mtp.loading``) and calls ``write_export`` here. (``--modules_out
 FILE`` writes only the MTP modules and draft vocabulary instead:
 ``mtp.export.modules``.) This module is
@@ -39,7 +39,8 @@ directions. ``load_exported`` reads such a directory back into a
 ``Transformer`` with bitwise-identical parameters; ``mtp.loading.load_model``
 (and so ``python -m decode --workdir DIR``) accepts it in place of a workdir.
 Writing needs only numpy and ``safetensors``; torch and transformers are not
-imported here.
+imported here, jax and flax only inside the functions that use them (``python -m
+mtp.export`` checks its flags before jax loads).
 """
 
 from __future__ import annotations
@@ -52,9 +53,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import numpy as np
-from flax import nnx
 
 from mtp.bpe import bytes_to_unicode
 from mtp import config as config_lib
@@ -198,6 +197,8 @@ def hf_state_dict(model, cfg: Config) -> dict[str, np.ndarray]:
     ExportError: a setting Llama cannot express, or a parameter the table does
       not cover (names it).
   """
+  import jax
+  from flax import nnx
   check_exportable(cfg)
   flat = {tuple(p): np.asarray(jax.device_get(v[...]))
           for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
@@ -550,6 +551,8 @@ def load_exported(path: str):
       DeepSeek-V3 copy of a shared tensor that differs from the original
       (names it).
   """
+  import jax
+  from flax import nnx
   from safetensors.numpy import load_file
   from mtp.model import build_model
   path = os.path.abspath(os.path.expanduser(path))

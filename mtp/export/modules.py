@@ -3,7 +3,7 @@ draft vocabulary) as one small safetensors file, attached again to a freshly
 imported target (``python -m mtp.importers ... --mtp_modules FILE``).
 
 Written by ``python -m mtp.export --workdir W --modules_out FILE.safetensors``
-(``mtp.export.run.export_modules`` loads the checkpoint and calls
+(``mtp.exporting.export_modules`` loads the checkpoint and calls
 ``write_modules_file``). This module is the format only: it imports neither
 ``mtp.checkpoint`` nor ``mtp.loading`` nor ``mtp.importers``.
 
