@@ -73,9 +73,11 @@ def main(argv=None) -> int:
   except corpora.DataError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  if args.prompts_out and not os.path.isdir(os.path.dirname(os.path.abspath(args.prompts_out))):
-    print(f"error: --prompts_out: folder of {args.prompts_out} does not exist", file=sys.stderr)
-    return 2
+  if args.prompts_out:
+    if os.path.isdir(args.prompts_out):
+      print(f"error: --prompts_out={args.prompts_out} is a folder; give a file path", file=sys.stderr)
+      return 2
+    os.makedirs(os.path.dirname(os.path.abspath(args.prompts_out)), exist_ok=True)
   try:
     convs, stats = sharegpt.read_conversations()
   except sharegpt.ShareGPTUnavailable as e:

@@ -23,7 +23,9 @@ PYTHONS = ("python", "python3", ".venv/bin/python", "$(PY)")
 # (CLI, flag) whose value is a path the command writes; True: the CLI makes its missing parents
 OUTPUTS = {("train", "workdir"): True, ("mtp.importers", "workdir"): True,
            ("mtp.export", "out"): True, ("mtp.export", "modules_out"): True,
-           ("scripts.self_prompts", "out"): True, ("decode", "json"): False}
+           ("scripts.self_prompts", "out"): True, ("decode", "json"): False,
+           ("train", "config.train.hidden_cache_dir"): True, ("train", "config.data.data_dir"): True,
+           ("scripts.sharegpt_data", "out_dir"): True, ("scripts.sharegpt_data", "prompts_out"): True}
 # what a make target leaves behind (the Makefile's defaults)
 MAKE_MAKES = {"install": [".venv"], "demo": ["runs/smollm_demo", ".venv"],
               "demo-tiny": ["runs/tiny", ".venv"], "smollm": ["runs/smollm", ".venv"],
