@@ -22,10 +22,10 @@ decoder; whole benchmarks: the grid of scripts/bench_decode.py (settings as
 ``DecodeBench``; AR, MTP chains, ``auto``, trees and a draft model, per
 batch size and temperature, with the bare target forward beside them), its
 tree-vs-chain comparison, the drafting-cost scan of
-scripts/bench_draft_cost.py (c against target depth on random-weight
-targets), the sweeps of scripts/sweep_decode.py, the cost-matched draft of
-scripts/compare_drafters.py and the parameter-swapping bench of
-scripts/distill_mtp.py.
+experiments/bench_draft_cost.py (c against target depth on random-weight
+targets), the sweeps of experiments/sweep_decode.py, the cost-matched draft of
+experiments/compare_drafters.py and the parameter-swapping bench of
+experiments/distill_mtp.py.
 
 Terms (docs/design.md section 7): a *cell* is one decoder (method, G or
 tree) in one form ("while": one jitted while_loop; "stream": one jitted
@@ -477,7 +477,7 @@ def ar_vs_mtp(model, prompts: list[str], temperatures, max_new_tokens: int, repe
   return rows
 
 
-# -- a deliberately wrong decoder, for power checks (scripts/losslessness_study.py) ---------
+# -- a deliberately wrong decoder, for power checks (experiments/losslessness_study.py) ---------
 
 def argmax_accept(key, target_probs, draft_tokens):
   """WRONG acceptance rule, for the power check: accept d_j while it equals
@@ -517,7 +517,7 @@ class ArgmaxAcceptDecoder(Decoder):
 
 
 # -- whole benchmarks: the grid of scripts/bench_decode.py, its tree-vs-chain comparison,
-#    the drafting-cost scan of scripts/bench_draft_cost.py --------------------------------
+#    the drafting-cost scan of experiments/bench_draft_cost.py --------------------------------
 
 @dataclasses.dataclass
 class DecodeBench:
@@ -671,7 +671,7 @@ def draft_cost_vs_depth(cfg: config_lib.Config, layers: int, gs: list[int], repe
                         log=print) -> list[dict]:
   """Rows {layers, num_draft_tokens, c, c_flops, overhead, draft_s, forward_s, ideal_speedup}
   for a random target copy of ``cfg`` with ``layers`` layers and MTP depth
-  max(gs) (scripts/bench_draft_cost.py): c = ``draft_time_s`` / (G x one
+  max(gs) (experiments/bench_draft_cost.py): c = ``draft_time_s`` / (G x one
   in-loop ``bare_forward_s`` over 1 token), batch 1, T = 0, prompt
   ``DRAFT_COST_PROMPT``; c_flops = ``draft_flop_share``; ideal_speedup
   {alpha: Theorem 3.8} at ``ALPHAS``. ``log`` gets one line per G."""
@@ -724,7 +724,7 @@ def point_key(p: dict) -> tuple:
 
 @dataclasses.dataclass
 class SweepDecode:
-  """The settings of one decode sweep (scripts/sweep_decode.py).
+  """The settings of one decode sweep (experiments/sweep_decode.py).
 
   target: the MTP target (D >= 1); gs: draft lengths G of the MTP rows;
   plan: ``sweep_points``' {sweep: [point]}; prompts: {domain: held-out
@@ -826,7 +826,7 @@ def drafter_grid(target, drafts: dict, gs: list[int], temperatures: list[float],
 
 class ParamSwapBench:
   """Decoders for AR and MTP (G in ``gs``) compiled once for one
-  architecture (scripts/distill_mtp.py: a base and its distilled stages);
+  architecture (experiments/distill_mtp.py: a base and its distilled stages);
   ``use(model)`` swaps in another model's parameters (same shapes: a stage
   of the same base), so every model is measured by the same compiled
   programs.

@@ -1,4 +1,4 @@
-"""scripts/losslessness_study.py: the statistics on synthetic samples, the
+"""experiments/losslessness_study.py: the statistics on synthetic samples, the
 deliberately wrong acceptance rule, and the --quick study end to end on the
 Markov model (the correct rule passes, the wrong rule is rejected)."""
 
@@ -13,14 +13,14 @@ from scipy import stats
 
 from scripts import bench_lib
 from tests.conftest import md_command
-from tests.test_scripts import _script
+from tests.test_scripts import _experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def ls():
-  return _script("losslessness_study")
+  return _experiment("losslessness_study")
 
 
 # -- statistics (no model) -------------------------------------------------------------
@@ -119,7 +119,7 @@ def test_quick_report_structure(quick, markov_workdir):
     assert sum(acc["accepted_length_histogram"][1:]) > 0 and acc["tau"] > 1
   md = open(out + ".md").read()
   assert md_command(out + ".md") == " ".join(
-      ["python scripts/losslessness_study.py --workdir", markov_workdir, "--quick --out", out])
+      ["python -m experiments.losslessness_study --workdir", markov_workdir, "--quick --out", out])
   assert "Holm" in md and md.count("| wrong_argmax | first") == len(wrong)
   assert 5_000 < os.path.getsize(out + "_pvalues.png") < 150_000
 

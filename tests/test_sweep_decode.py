@@ -1,4 +1,4 @@
-"""scripts/sweep_decode.py: sweep plan, end-to-end --quick run on the Markov
+"""experiments/sweep_decode.py: sweep plan, end-to-end --quick run on the Markov
 model, flag errors (timings are not asserted)."""
 
 import json
@@ -8,12 +8,12 @@ import pytest
 
 from tests.conftest import md_command
 from scripts import bench_lib
-from tests.test_scripts import _script
+from tests.test_scripts import _experiment
 
 
 @pytest.fixture(scope="module")
 def sweep():
-  return _script("sweep_decode")
+  return _experiment("sweep_decode")
 
 
 def test_sweep_points_move_one_axis_around_the_base(sweep):
@@ -71,7 +71,7 @@ def test_sweep_decode_quick(sweep, markov_workdir, data_dir, tmp_path):
   md = open(out + ".md").read()
   assert all(f"## {name}" in md for name in bench_lib.SWEEPS)
   assert md_command(out + ".md") == meta["command"] == " ".join([
-      "python scripts/sweep_decode.py --workdir", markov_workdir, "--data_dir", data_dir,
+      "python -m experiments.sweep_decode --workdir", markov_workdir, "--data_dir", data_dir,
       "--quick --out", out])
   table_rows = [l for l in md.splitlines() if l.startswith("| ") and not l.startswith("| domain")]
   assert len(table_rows) == sum(len(rows) for rows in sweeps.values())

@@ -1,6 +1,6 @@
 r"""MTP drafting vs independent small draft models, for one trained MTP target.
 
-    python scripts/compare_drafters.py --workdir runs/tiny --runs_dir runs/drafters \
+    python -m experiments.compare_drafters --workdir runs/tiny --runs_dir runs/drafters \
         --out results/compare_drafters [--draft_steps N] [--num_draft_tokens 1,2,3] \
         [--temperatures 0,1] [--repeats 10] [--max_new_tokens 128]
 
@@ -37,7 +37,7 @@ uses already-trained draft checkpoints instead (nothing is trained).
 Reported per drafter: extra parameters (MTP: the D modules; draft: the
 drafting model's backbone, embedding and head included), extra training
 cost (a train-step probe in this process, interleaved repeats, same
-approach as scripts/bench_train.py: MTP = step time with D / step time of
+approach as experiments/bench_train.py: MTP = step time with D / step time of
 the same target with D = 0, minus 1; draft = its own separate run, step
 time x steps / (D = 0 target step time x target steps); XLA FLOP ratios
 beside them), the training wall time and median step time of the draft
@@ -72,6 +72,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from decode.speculative import MAX_DRAFT_TOKENS, DecodeError  # noqa: E402
+from experiments import common  # noqa: E402
 from mtp import loading  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
@@ -353,9 +354,7 @@ def plot(rows: list[dict], path: str) -> None:
   axes[1].axhline(1.0, color="gray", lw=0.8)
   axes[1].set(ylabel="speedup over AR", title="measured speedup (batch 1)")
   axes[0].legend(fontsize=6)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  common.save_figure(fig, path)
 
 
 # -- main ---------------------------------------------------------------------------------
@@ -459,7 +458,7 @@ def main(argv=None):
                       probe_once=args.draft_cost_probe == "once", log=lambda s: print(s, flush=True))
 
   meta = report.provenance(
-      command=report.command_line(__file__, argv),
+      command=common.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(), runs_dir=args.runs_dir,
       target={"num_layers": cfg.model.num_layers, "d_model": cfg.model.d_model, "depth": cfg.mtp.depth,
               "params": counts, "dataset": dataset, "val_bpb": val_bpb(target_final),

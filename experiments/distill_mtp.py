@@ -2,9 +2,9 @@ r"""MTP modules distilled from the main head (issue 12): acceptance before and
 after a second training stage on a trained model, against a data-only
 stage of the same budget.
 
-    python scripts/distill_mtp.py --workdir runs/tiny --runs_dir runs/distill_tiny \
+    python -m experiments.distill_mtp --workdir runs/tiny --runs_dir runs/distill_tiny \
         --out results/distill_mtp_tiny
-    python scripts/distill_mtp.py --workdir runs/reference --runs_dir runs/distill_reference \
+    python -m experiments.distill_mtp --workdir runs/reference --runs_dir runs/distill_reference \
         --batch_size 8 --out results/distill_mtp_reference
 
 From the trained base workdir (never written to) the script
@@ -67,6 +67,7 @@ import jax
 from flax import nnx
 
 from decode.speculative import DecodeError
+from experiments import common
 from mtp import loading
 from mtp import cli, report
 from mtp import config as config_lib
@@ -346,11 +347,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
   ap = parser()
-  args = ap.parse_args(argv)
-  for k, (full, quick) in DEFAULTS.items():
-    if getattr(args, k) is None:
-      setattr(args, k, quick if args.quick else full)
-  cli.quick_out(ap, args)
+  args = common.parse_with_defaults(ap, argv, DEFAULTS)
   variants = cli.parse_list(ap, "variants", args.variants, str, choices=tuple(VARIANTS))
   seeds = cli.parse_list(ap, "seeds", args.seeds, int, 0)
   temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
@@ -506,7 +503,7 @@ def _run(args, argv, plan: Plan):
   results = {"self_distilled": sd_meta, "base_eval": base_eval, "base_acceptance": base_acc,
              "base_speed": base_speed, "stages": stages, "acceptance_table": table,
              "targets": targets(table, depth)}
-  cmd = report.command_line(__file__, argv)
+  cmd = common.command_line(__file__, argv)
   meta = report.provenance(
       command=cmd, quick=args.quick, base_workdir=args.workdir, base_step=base_step,
       base_config=base_cfg.to_dict(), base_params=sum(x.size for x in jax.tree.leaves(base_params)),

@@ -1,7 +1,7 @@
 r"""Drafting cost ratio c against target depth: how the MTP drafter's cost
 per draft token compares with one target step as the target gets deeper.
 
-    python scripts/bench_draft_cost.py --config configs/tiny.py --layers 2,4,8,16 \
+    python -m experiments.bench_draft_cost --config configs/tiny.py --layers 2,4,8,16 \
         --num_draft_tokens 1,2 [--out results/bench_draft_cost]
 
 An MTP module is one transformer block (plus a projection and the shared
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 
 import matplotlib
 
@@ -29,8 +28,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from decode.speculative import MAX_DRAFT_TOKENS, DecodeError  # noqa: E402
+from experiments import common  # noqa: E402
 from mtp import cli, report  # noqa: E402
-from mtp import config as config_lib  # noqa: E402
 from scripts.bench_lib import ALPHAS, draft_cost_vs_depth  # noqa: E402
 
 
@@ -62,9 +61,7 @@ def plot(rows: list[dict], path: str) -> None:
   ax.set_ylabel("cost ratio c per draft token")
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  common.save_figure(fig, path)
 
 
 def main(argv=None):
@@ -84,12 +81,7 @@ def main(argv=None):
   cli.check_range(ap, args, repeats=1, max_new_tokens=1)
   layers = cli.parse_list(ap, "layers", args.layers, int, 1)
   gs = cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1, MAX_DRAFT_TOKENS)
-  if not os.path.isfile(args.config):
-    ap.error(f"--config={args.config!r}: no such file")
-  try:
-    cfg = config_lib.load_config_file(args.config)
-  except config_lib.ConfigError as e:
-    ap.error(f"--config: {e}")
+  cfg = common.load_config(ap, args.config)
   if args.quick:
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=256))
@@ -98,7 +90,7 @@ def main(argv=None):
                                                          log=lambda s: print(s, flush=True))]
   meta = report.provenance(config_file=args.config, d_model=cfg.model.d_model, layers=layers,
                            num_draft_tokens=gs, repeats=args.repeats,
-                           command=report.command_line(__file__, argv))
+                           command=common.command_line(__file__, argv))
   report.write_report(args.out, meta, rows, markdown(rows, meta))
   plot(rows, args.out + ".png")
   print(f"wrote {args.out}.json, {args.out}.md and {args.out}.png")

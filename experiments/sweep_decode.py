@@ -1,7 +1,7 @@
 r"""Where MTP acceptance collapses and where batching erases the gain:
 one-axis sweeps of speculative decoding around a base point.
 
-    python scripts/sweep_decode.py --workdir runs/tiny --out results/sweep_decode \
+    python -m experiments.sweep_decode --workdir runs/tiny --out results/sweep_decode \
         [--temperatures 0,0.3,0.7,1,1.3] [--top_ps 1,0.9] [--batch_sizes 1,4,16] \
         [--batch_temperatures 0,1] [--domains python_stdlib,python_docs] \
         [--num_draft_tokens D] [--repeats 10] [--max_new_tokens 128] [--prompt_bytes 256]
@@ -53,6 +53,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from decode.speculative import MAX_DRAFT_TOKENS, DecodeError  # noqa: E402
+from experiments import common  # noqa: E402
 from mtp import loading  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
@@ -112,9 +113,7 @@ def plot_temperature(rows: list[dict], path: str) -> None:
   axes[1].axhline(1.0, color="gray", lw=0.8, ls="--")
   axes[1].set(xlabel="temperature T", ylabel="speedup over AR", title="measured speedup (batch 1)")
   axes[0].legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  common.save_figure(fig, path)
 
 
 def plot_batch(rows: list[dict], path: str) -> None:
@@ -138,9 +137,7 @@ def plot_batch(rows: list[dict], path: str) -> None:
   axes[0].set(ylabel="speedup over AR (same B)", title="measured speedup")
   axes[1].set(ylabel="tau", title="mean accepted length")
   axes[0].legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  common.save_figure(fig, path)
 
 
 # -- main --------------------------------------------------------------------------------
@@ -214,7 +211,7 @@ def main(argv=None):
                          draft_cost_probe=args.draft_cost_probe)
   sweeps = bench_lib.run_sweep(settings, log=lambda s: print(s, flush=True))
   meta = report.provenance(
-      command=report.command_line(__file__, argv),
+      command=common.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(), depth=depth,
       num_draft_tokens=gs, domains=domains, temperatures=temps, top_ps=top_ps, batch_sizes=batches,
       batch_temperatures=batch_temps, base=base, forms=forms, prompt_bytes=args.prompt_bytes,

@@ -1,4 +1,4 @@
-"""The MTP ablation grid (scripts/ablate_mtp.py): depth D x loss weight
+"""The MTP ablation grid (experiments/ablate_mtp.py): depth D x loss weight
 lambda x seed at a fixed backbone, its cells' configs and training, and the
 two result tables kept apart (docs/design.md section 7): (a) training
 benefit (validation loss and bits per byte vs D = 0 over the same seeds)
@@ -202,7 +202,7 @@ def decode_table(cells: list[dict]) -> list[dict]:
 
 @dataclasses.dataclass
 class Ablation:
-  """The settings of one ablation run (scripts/ablate_mtp.py).
+  """The settings of one ablation run (experiments/ablate_mtp.py).
 
   base: the config whose backbone every cell trains; depths, loss_weights,
   seeds: the grid axes; budget: ``cell_config``'s shared keywords

@@ -6,7 +6,7 @@ quiet CPU cores about 45 minutes: ~33 min of train steps (0.23 s/step at
 D = 0 to ~0.5 s at D = 4), ~5 min of per-cell compile/eval/checkpoint, ~4 min
 of decoding; proportionally longer on a shared machine:
 
-    python scripts/ablate_mtp.py --config configs/tiny.py --depths 0,1,2,3,4 \
+    python -m experiments.ablate_mtp --config configs/tiny.py --depths 0,1,2,3,4 \
         --loss_weights 0.1,0.3,1.0 --seeds 0,1 --num_steps 200 --batch_size 16 \
         --seq_len 128 --runs_dir runs/ablate --out results/ablate_mtp
 
@@ -64,6 +64,8 @@ import jax
 import numpy as np
 
 from decode.speculative import DecodeError
+from experiments import common
+from experiments.ablation import Ablation, decode_table, decoded_cells, quick_config, train_grid, train_table
 from mtp import loading
 from mtp import cli, report
 from mtp import config as config_lib
@@ -71,9 +73,8 @@ from mtp import data as data_lib
 from mtp.config import ConfigError
 from mtp.timing import format_spread
 from scripts.bench_lib import ar_vs_mtp
-from train.ablation import Ablation, decode_table, decoded_cells, quick_config, train_grid, train_table
 
-FULL_COMMAND = ("python scripts/ablate_mtp.py --config configs/tiny.py --depths 0,1,2,3,4 "
+FULL_COMMAND = ("python -m experiments.ablate_mtp --config configs/tiny.py --depths 0,1,2,3,4 "
                 "--loss_weights 0.1,0.3,1.0 --seeds 0,1 --num_steps 200 --batch_size 16 "
                 "--seq_len 128 --runs_dir runs/ablate --out results/ablate_mtp")
 
@@ -192,9 +193,7 @@ def plot_train(ttable: list[dict], path: str) -> None:
   ax2.set_title("paired difference (< 0: MTP training helps)", fontsize=9)
   if ax2.get_legend_handles_labels()[0]:
     ax2.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  common.save_figure(fig, path)
 
 
 def plot_decode(dtable: list[dict], path: str) -> None:
@@ -227,9 +226,7 @@ def plot_decode(dtable: list[dict], path: str) -> None:
       ax.set_ylim(bottom=1.0)          # tau >= 1 (the bonus / correction token)
       ax.legend(fontsize=6)
   fig.suptitle("Decoding: mean accepted length (error bars: min/max over seeds)", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  common.save_figure(fig, path)
 
 
 # -- main ------------------------------------------------------------------------
@@ -273,11 +270,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
   ap = parser()
-  args = ap.parse_args(argv)
-  for k, (full, quick) in DEFAULTS.items():
-    if getattr(args, k) is None:
-      setattr(args, k, quick if args.quick else full)
-  cli.quick_out(ap, args)
+  args = common.parse_with_defaults(ap, argv, DEFAULTS)
   depths = _parse_list(ap, "depths", args.depths, int, 0, 16)
   lams = _parse_list(ap, "loss_weights", args.loss_weights, float, 0.0)
   if any(lam <= 0 for lam in lams):
@@ -350,7 +343,7 @@ def _run(args, argv, ab: Ablation, cache_dir: str | None):
   t_decode = time.perf_counter() - t_start - t_train
 
   ttable, dtable = train_table(cells), decode_table(cells)
-  cmd = report.command_line(__file__, argv)
+  cmd = common.command_line(__file__, argv)
   meta = report.provenance(
       command=cmd, full_command=FULL_COMMAND, quick=args.quick,
       config_file="--quick test model" if args.quick else args.config, dataset=base.data.name,

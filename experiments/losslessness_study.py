@@ -2,7 +2,7 @@ r"""Losslessness study: speculative decoding samples from the same distribution
 as autoregressive (AR) sampling from the target, tested statistically, with a
 deliberately wrong acceptance rule as a power check.
 
-    python scripts/losslessness_study.py --workdir runs/tiny [--dataset python_stdlib] \
+    python -m experiments.losslessness_study --workdir runs/tiny [--dataset python_stdlib] \
         [--num_prompts 4 | --prompt_indices 3,6] [--prompt_bytes 48] [--plan_only] [--temperatures 0.7,1.0,1.3] [--top_ps 1.0,0.9] \
         [--num_draft_tokens 2] [--num_samples 4000] [--num_tokens 4] [--batch_size 1000] \
         [--out results/losslessness_study]
@@ -85,6 +85,7 @@ import numpy as np  # noqa: E402
 from scipy import stats as sps  # noqa: E402
 
 from decode.speculative import DecodeError, Decoder, SamplingParams  # noqa: E402
+from experiments import common  # noqa: E402
 from mtp import checkpoint as ckpt_lib  # noqa: E402
 from mtp import loading  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
@@ -430,9 +431,7 @@ def plot_pvalues(path: str, correct: list[float], wrong: list[float]) -> None:
   ax2.set_ylabel(f"-log10 observed p (clipped at {floor:g})")
   # outside the axes: the points run along the diagonal and, for the wrong rule, up the left side
   ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  common.save_figure(fig, path, dpi=100)
 
 
 # -- main ------------------------------------------------------------------------------
@@ -641,7 +640,7 @@ def main(argv=None):
     return {"planned_power": plan}
 
   meta = report.provenance(
-      command=report.command_line(__file__, argv),
+      command=common.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),
       prompt_source=("--prompt" if args.prompt else "held_out_prompts" if tokenizer is None
                      else "heldout_chat.jsonl"), dataset=args.dataset,
