@@ -248,7 +248,6 @@ def test_markdown_starts_with_the_quoted_command(tmp_path):
     report.write_report(str(tmp_path / "s"), {}, [], "# Title\n")
 
 
-@pytest.mark.parametrize("room", ["scripts", "experiments"])
 def test_experiments_record_the_command_as_a_module():
   """An experiment's OUT.md records ``python -m experiments.NAME ARG ...``,
   which runs from the repository root whether or not the package is
