@@ -34,7 +34,7 @@ Two results, kept apart (docs/design.md section 7):
     batch 1, on held-out prompts of the config's dataset (validation split),
     at temperatures 0 and 1: mean accepted length tau, acceptance rate alpha_k
     per position, speedup over AR (while_loop form), the measured drafting
-    cost ratio c; timed with scripts/bench_lib.py (``ar_vs_mtp``: run_cells /
+    cost ratio c; timed with ``ar_vs_mtp`` (scripts/bench_lib.py's run_cells /
     summarize_cell), aggregated over seeds.
 
 Writes OUT.json (meta: provenance, grid, budget, backbone and cell configs;
@@ -63,7 +63,7 @@ import time
 import jax
 import numpy as np
 
-from decode.speculative import DecodeError
+from decode.speculative import DecodeError, Decoder, SamplingParams
 from experiments import common
 from experiments.ablation import Ablation, decode_table, decoded_cells, quick_config, train_grid, train_table
 from mtp import loading
@@ -72,7 +72,7 @@ from mtp import config as config_lib
 from mtp import data as data_lib
 from mtp.config import ConfigError
 from mtp.timing import format_spread
-from scripts.bench_lib import ar_vs_mtp
+from scripts.bench_lib import measure_point
 
 FULL_COMMAND = ("python -m experiments.ablate_mtp --config configs/tiny.py --depths 0,1,2,3,4 "
                 "--loss_weights 0.1,0.3,1.0 --seeds 0,1 --num_steps 200 --batch_size 16 "
@@ -85,6 +85,25 @@ DEFAULTS = {
     "temperatures": ("0,1", "0,1"), "decode_prompts": (8, 1), "decode_tokens": (128, 8),
     "decode_repeats": (1, 1), "prompt_bytes": (120, 64),
 }
+
+
+# -- the decoding benefit: AR vs MTP of one trained cell ---------------------------
+
+def ar_vs_mtp(model, prompts: list[str], temperatures, max_new_tokens: int, repeats: int,
+              batch: int = 1) -> list[dict]:
+  """AR vs MTP speculative decoding with G = 1 and G = D of one model with
+  D >= 1 MTP modules, while_loop form, ``measure_point`` at every
+  temperature (``repeats`` interleaved decodes per method: prompt r mod
+  len(prompts), seed r). The drafting time behind c is probed once per G,
+  at the first temperature (the temperature is a runtime argument of the
+  same compiled step). Returns ``measure_point``'s rows, AR rows included."""
+  gs = sorted({1, model.mtp_depth})
+  decoders = {"ar": Decoder(model, "ar"), **{f"mtp_G{g}": Decoder(model, "mtp", g) for g in gs}}
+  draft_cache, rows = {}, []
+  for t in temperatures:
+    rows += measure_point(decoders, prompts, batch, max_new_tokens, SamplingParams(temperature=t),
+                          repeats, draft_cache=draft_cache)
+  return rows
 
 
 # -- report ----------------------------------------------------------------------

@@ -3,7 +3,7 @@ lambda x seed at a fixed backbone, its cells' configs and training, and the
 two result tables kept apart (docs/design.md section 7): (a) training
 benefit (validation loss and bits per byte vs D = 0 over the same seeds)
 and (b) decoding benefit (tau, alpha_k, speedup of each cell's MTP
-modules, aggregated over seeds from ``scripts.bench_lib.ar_vs_mtp`` rows).
+modules, aggregated over seeds from ``experiments.ablate_mtp.ar_vs_mtp`` rows).
 
 DeepSeek-V3 report, eq. 21-25: L = L_main + lambda / D * sum_k L^k.
 """

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from scripts import bench_lib
 from tests.conftest import md_command
 from tests.test_scripts import _experiment
 
@@ -74,12 +73,12 @@ def test_argmax_accept_rule(ls):
   v = 5
   p = jnp.asarray(np.tile(np.array([0.1, 0.6, 0.1, 0.1, 0.1], np.float32), (4000, 3, 1)))
   drafts = jnp.asarray(np.tile(np.array([1, 2], np.int32), (4000, 1)))    # d_1 = argmax, d_2 not
-  a, nxt = jax.jit(bench_lib.argmax_accept)(jax.random.key(0), p, drafts)
+  a, nxt = jax.jit(ls.argmax_accept)(jax.random.key(0), p, drafts)
   assert (np.asarray(a) == 1).all()
   freq = np.bincount(np.asarray(nxt), minlength=v) / 4000                  # sampled from p_1
   np.testing.assert_allclose(freq, [0.1, 0.6, 0.1, 0.1, 0.1], atol=0.03)
   all_ok = jnp.asarray(np.tile(np.array([1, 1], np.int32), (4000, 1)))
-  assert (np.asarray(bench_lib.argmax_accept(jax.random.key(1), p, all_ok)[0]) == 2).all()
+  assert (np.asarray(ls.argmax_accept(jax.random.key(1), p, all_ok)[0]) == 2).all()
 
 
 # -- end to end on the Markov model ------------------------------------------------------
