@@ -46,8 +46,8 @@ def draft_cost_vs_depth(cfg: config_lib.Config, layers: int, gs: list[int], repe
                         log=print) -> list[dict]:
   """Rows {layers, num_draft_tokens, c, c_flops, overhead, draft_s, forward_s, ideal_speedup}
   for a random target copy of ``cfg`` with ``layers`` layers and MTP depth
-  max(gs) (experiments/bench_draft_cost.py): c = ``draft_time_s`` / (G x one
-  in-loop ``bare_forward_s`` over 1 token), batch 1, T = 0, prompt
+  max(gs): c = ``draft_time_s`` / (G x one in-loop ``bare_forward_s`` over
+  1 token), batch 1, T = 0, prompt
   ``DRAFT_COST_PROMPT``; c_flops = ``draft_flop_share``; ideal_speedup
   {alpha: Theorem 3.8} at ``ALPHAS``. ``log`` gets one line per G."""
   cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers),

@@ -175,10 +175,9 @@ class Evaluator:
 
 class ParamSwapBench:
   """Decoders for AR and MTP (G in ``gs``) compiled once for one
-  architecture (experiments/distill_mtp.py: a base and its distilled stages);
-  ``use(model)`` swaps in another model's parameters (same shapes: a stage
-  of the same base), so every model is measured by the same compiled
-  programs.
+  architecture (a base and its distilled stages); ``use(model)`` swaps in
+  another model's parameters (same shapes: a stage of the same base), so
+  every model is measured by the same compiled programs.
 
   Args:
     model: a model of the architecture (its parameters are used until ``use``).

@@ -89,7 +89,7 @@ def point_key(p: dict) -> tuple:
 
 @dataclasses.dataclass
 class SweepDecode:
-  """The settings of one decode sweep (experiments/sweep_decode.py).
+  """The settings of one decode sweep.
 
   target: the MTP target (D >= 1); gs: draft lengths G of the MTP rows;
   plan: ``sweep_points``' {sweep: [point]}; prompts: {domain: held-out
