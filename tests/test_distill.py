@@ -367,7 +367,7 @@ def test_written_dataset_reads_like_any_other(tmp_path):
 
 @pytest.mark.slow
 def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
-  """scripts/distill_mtp.py --quick end to end from the Markov workdir: a
+  """experiments/distill_mtp.py --quick end to end from the Markov workdir: a
   self-distilled dataset (every document = a training-text prompt + sampled
   text), a data-only and a distilled stage with a recursive step, acceptance
   before and after, the report files; the dataset is reused for the same
@@ -375,8 +375,8 @@ def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
   from scripts import self_distill
   from mtp import data as data_lib
   from mtp.config import DataConfig
-  from tests.test_scripts import _script
-  script = _script("distill_mtp")
+  from tests.test_scripts import _experiment
+  script = _experiment("distill_mtp")
   runs, out = str(tmp_path / "runs"), str(tmp_path / "out")
   argv = ["--quick", "--workdir", markov_workdir, "--data_dir", data_dir, "--runs_dir", runs,
           "--out", out]
@@ -384,7 +384,7 @@ def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
   report = json.load(open(out + ".json"))
   meta, res = report["meta"], report["results"]
   assert {"commit", "date", "cpu_model", "command", "base_config", "budget"} <= set(meta)
-  assert open(out + ".md").read().startswith("Command: `python scripts/distill_mtp.py --quick")
+  assert open(out + ".md").read().startswith("Command: `python -m experiments.distill_mtp --quick")
   sd = res["self_distilled"]
   cfg = DataConfig(name=sd["path"].split(os.sep)[-2], data_dir=sd["data_dir"])
   docs = data_lib.load_documents(cfg, "train")
@@ -423,8 +423,8 @@ def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
 def test_distill_script_tables():
   """Per-seed ratios to the base and to the data control of the same seed,
   spreads over seeds, and the target verdicts, on hand-made rows."""
-  from tests.test_scripts import _script
-  script = _script("distill_mtp")
+  from tests.test_scripts import _experiment
+  script = _experiment("distill_mtp")
   row = lambda g, t, tau, a1: {"num_draft_tokens": g, "temperature": t, "tau": tau,
                                "alpha": [a1] + [0.5] * (g - 1)}
   base = [row(2, 0.0, 2.0, 0.80), row(2, 1.0, 2.0, 0.70)]
