@@ -52,7 +52,7 @@ def head_pick(target: Transformer, k: int, h, u, params: SamplingParams):
   still go to the lowest id, V' being sorted) and q is exactly the
   distribution the token was drawn from, so verification is unchanged; at
   T = 1 it saves the warp and sample over the full vocabulary
-  (scripts/bench_draft_head.py measures it)."""
+  (experiments/bench_draft_head.py measures it)."""
   if not target.draft_vocab_size:
     with jax.named_scope("head"):
       logits = target.mtp_head(k, h)[:, 0]
