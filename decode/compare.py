@@ -376,7 +376,7 @@ def verdict_line(p: dict, measured: float, lo: float, hi: float, *,
     per = (f"(c = {c:.3f} per {'drafted node' if p['form'] == 'tree' else 'draft token'})"
            if c is not None else f"({_c_text(p)})")
     head = (f"tau {tau:.3f} over a round of {r:.3f} AR steps {per}: drafting pays here"
-            if tau > r else
+            if round(tau, 3) > round(r, 3) else      # as printed, so the line reads true
             f"tau {tau:.3f} but a round costs {r:.3f} AR steps {per}: drafting does not pay "
             "here")
   line = f"{head}; predicted {pred:.2f}x, {measured_text}"
@@ -430,7 +430,7 @@ def format_timed(name: str, t: dict) -> str:
                                     "max": t["rounds"]}
   lines.append(f"  decoding phase: {span(t['round_s'], 1e3, '.3f', ' ms')} per round, "
                f"{span(rounds, fmt='.0f')} rounds per call")
-  if t["mean_draft_tokens"]:
+  if t.get("form", "ar") != "ar" or t["mean_draft_tokens"]:
     alphas = ", ".join("n/a" if a is None else f"{a:.3f}"
                        for a in t["acceptance_rate_per_position"])
     tau = t.get("tau", t["emitted_per_round"])
@@ -504,12 +504,13 @@ def time_runs(decoder: Decoder, prompts: Sequence[str], *, method: str, repeats:
               runs: TimedRuns | None = None, **kw) -> TimedRuns:
   """``repeats`` interleaved ``decoder`` / AR runs of ``prompts``
   (``decode_texts`` keywords ``kw``; round r starts with the method when r
-  is even, with AR when odd, so drift hits both alike), AR's first call
-  preceded by its untimed compiling run. ``out``: the method's first
-  repeat is the answer: warmed up (compiled, "auto" calibrated) first,
-  streamed to ``out`` and interruptible (then ``AnswerInterrupted`` after
-  it). ``warm``: else compile ``decoder`` for this batch first
-  (``Decoder.warm_up``). Fills and returns ``runs``."""
+  is even, with AR when odd, so drift hits both alike), AR's first timed
+  call preceded by its untimed compiling run (each repeat's time is its
+  ``Generation``'s own wall time). ``out``: the method's first repeat is
+  the answer: warmed up (compiled, "auto" calibrated) first, streamed to
+  ``out`` and interruptible (then no repeat follows), so the user sees it
+  before AR compiles. ``warm``: else compile ``decoder`` for this batch
+  first (``Decoder.warm_up``). Fills and returns ``runs``."""
   runs = runs or TimedRuns(method, answer=out is not None)
   ar = ar or Decoder(decoder.models()[0], "ar", tokenizer=decoder.tokenizer)
   if warm and out is None:   # compilation (and "auto"'s calibration) must not land in a timed call
@@ -532,9 +533,14 @@ def time_runs(decoder: Decoder, prompts: Sequence[str], *, method: str, repeats:
       runs.ar_untimed = decode_texts(ar, prompts, warmup=True, **kw)
     runs.gens["ar"].append(decode_texts(ar, prompts, warmup=False, **kw))
   try:
-    # the reported times are each Generation's own wall time: the untimed AR run inside
-    # call_ar is not counted
-    interleaved_times({method: call_method, "ar": call_ar}, repeats, warmup=0)
+    if out is None:        # all compilation before the timed rounds
+      runs.ar_untimed = decode_texts(ar, prompts, warmup=True, **kw)
+      interleaved_times({method: call_method, "ar": call_ar}, repeats, warmup=0)
+    else:                  # round 0 by hand: the answer first, then AR's compiling run
+      call_method()
+      call_ar()
+      if repeats > 1:      # rounds 1..: AR first in odd rounds, as interleaved_times rotates
+        interleaved_times({"ar": call_ar, method: call_method}, repeats - 1, warmup=0)
   except AnswerInterrupted:
     pass
   return runs
