@@ -7,13 +7,16 @@ median tokens/s (new tokens per call over the median wall time: at T > 0
 the two emit different samples, which end at EOS at other lengths, so
 walls alone are not comparable; at T = 0 the outputs are the same and the
 ratio is that of the walls). The blocks and the speedup line come from the
-same numbers, so they cannot disagree.
+same numbers, so they cannot disagree. With ``run``'s answer
+(``time_runs(out=...)``) the method's first timed repeat is the answer.
 
 Beside the measurement, what Theorem 3.8 (``decode.theory``) predicts from
-the measured acceptance (tau) and the measured cost of a round relative to
-an AR step (both from the timed repeats' decoding phase), and one line
-naming the term that decides the result on this machine (``verdict_line``).
-Per prompt category its own speedup (JSONL prompt files).
+figures the blocks print: tau / (G c + 1) with tau = tokens / target calls
+and G from the method's block, r = G c + 1 = the two blocks' median seconds
+per round, c = (r - 1) / G (n/a below ``MIN_DRAFTED_PER_ROUND``), and one
+line naming the term that decides the result on this machine
+(``verdict_line``). Per prompt category its own speedup (JSONL prompt
+files).
 
 At T = 0 the two outputs must be equal up to the numeric contract
 (docs/speculative_sampling.md): where a row differs, the first differing
@@ -494,6 +497,7 @@ class TimedRuns:
   gens: dict = dataclasses.field(default_factory=dict)
   ar_untimed: object = None
   answer: bool = False
+  answer_auto: dict | None = None   # "auto"'s record right after the answer (Decoder.auto_record)
 
   def __post_init__(self):
     self.gens = self.gens or {"ar": [], self.method: []}
@@ -523,6 +527,7 @@ def time_runs(decoder: Decoder, prompts: Sequence[str], *, method: str, repeats:
     if out is not None and not runs.gens[method]:
       gen = decode_texts(decoder, prompts, warmup=True, out=out, interruptible=True, **kw)
       runs.gens[method].append(gen)
+      runs.answer_auto = decoder.auto_record()
       if gen.interrupted:
         raise AnswerInterrupted
     else:

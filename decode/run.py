@@ -10,8 +10,8 @@ comparisons and notices to ``err`` (stderr), and returns the report dict that
 "ar_stats": {...}, "speedup": float (tokens/s ratio), "speedup_per_repeat": [...],
 "wall_times_s": {"ar": [...], METHOD: [...]}, "new_tokens": {...},
 "tokens_per_s": {...}, "timed": {"ar": {...}, METHOD: {...}}, "prediction": {...},
-"greedy_check": {...} or None}``
-(the last nine with ``compare``: ``decode.compare.compare_with_ar``; ``timed``
+"greedy_check": {...} or None, "speedup_per_repeat_median": float, "answer_repeat": 0}``
+(the last eleven with ``compare``: ``decode.compare.compare_with_ar``; ``timed``
 holds each method's timed repeats as medians with min and max, the numbers
 the printed blocks and the speedup come from; ``ar_stats`` is AR's untimed
 run, not printed; ``greedy_check`` at T = 0: every row where the two greedy
@@ -395,6 +395,8 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
       workdir, method, decoder, batch_size=len(gen.tokens), max_new_tokens=max_new_tokens,
       sampling=sampling, num_samples=num_samples, seed=seed, chat=chat, stops=stops,
       checkpoint_step=step)
+  if runs is not None and runs.answer_auto is not None:
+    config["auto"] = runs.answer_auto     # as the answer used them, before later repeats learned
   report = {"config": config, "results": results, "stats": summary}
   if gen.interrupted:
     report["interrupted"] = True
