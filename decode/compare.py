@@ -247,8 +247,9 @@ def timed_summary(gens: Sequence) -> dict:
   new_tokens (per call, mean), tokens_per_s / ttft_s / itl_p50_s /
   itl_p90_s / wall_time_s / round_s / decode_tokens_per_s / prefill_share
   as {"median", "min", "max"} over the repeats, rounds (median batched
-  rounds of the decoding phase) and rounds_span (their median, min, max),
-  and ``pooled_acceptance``'s keys over all repeats (tau = tokens /
+  rounds of the decoding phase), rounds_span (their median, min, max) and
+  rounds_mean (printed: with one row new_tokens / rounds_mean = tau), and
+  ``pooled_acceptance``'s keys over all repeats (tau = tokens /
   target_calls, the block's printed tau).
 
   tokens_per_s's median is the new tokens per call over the median wall
@@ -274,7 +275,8 @@ def timed_summary(gens: Sequence) -> dict:
           "prefill_share": _span(g.prefill_time_s / g.wall_time_s if g.wall_time_s > 0 else None
                                  for g in gens),
           "rounds": float(np.median([_rounds(g) for g in gens])),
-          "rounds_span": _span(_rounds(g) for g in gens), **pooled_acceptance(gens)}
+          "rounds_span": _span(_rounds(g) for g in gens),
+          "rounds_mean": float(np.mean([_rounds(g) for g in gens])), **pooled_acceptance(gens)}
 
 
 # c = (round / AR step - 1) / G is printed only where the timed rounds drafted
@@ -429,10 +431,10 @@ def format_timed(name: str, t: dict) -> str:
            f"  throughput {span(t['tokens_per_s'], unit=' tok/s')}  wall {ms(t['wall_time_s'])}  "
            f"new tokens {t['new_tokens']:.0f} per call",
            f"  TTFT {ms(t['ttft_s'])}  ITL p50 {ms(t['itl_p50_s'])}  p90 {ms(t['itl_p90_s'])}"]
-  rounds = t.get("rounds_span") or {"median": t["rounds"], "min": t["rounds"],
-                                    "max": t["rounds"]}
-  lines.append(f"  decoding phase: {span(t['round_s'], 1e3, '.3f', ' ms')} per round, "
-               f"{span(rounds, fmt='.0f')} rounds per call")
+  lo, hi = (t["rounds_span"]["min"], t["rounds_span"]["max"]) if "rounds_span" in t else (0, 0)
+  rounds = (f"{t['rounds_mean']:.1f} rounds per call (mean; {lo:.0f}-{hi:.0f})"
+            if "rounds_mean" in t and n != 1 else f"{t['rounds']:.0f} rounds per call")
+  lines.append(f"  decoding phase: {span(t['round_s'], 1e3, '.3f', ' ms')} per round, {rounds}")
   if t.get("form", "ar") != "ar" or t["mean_draft_tokens"]:
     alphas = ", ".join("n/a" if a is None else f"{a:.3f}"
                        for a in t["acceptance_rate_per_position"])
