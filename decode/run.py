@@ -381,7 +381,8 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   summary = stats_lib.summarize(gen)
   if len(gen.tokens) > 1:
     results_lib.write_rows(out, results, chat)
-  compared = compare and method != "ar" and not gen.interrupted
+  # with no timed block to follow (Ctrl-C after the answer) its block keeps its own timing
+  compared = compare and method != "ar" and not gen.interrupted and not compare_stopped
   timing_note = (f"this answer is {method}'s first timed repeat (its text handed on as decoded); "
                  "see the blocks below")
   err.write(stats_lib.format_summary(f"{method}, the answer above" if compared else method,

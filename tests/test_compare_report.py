@@ -343,3 +343,27 @@ def test_c_is_not_printed_from_too_few_drafts():
   enough = compare_lib.predict_speedup(tau=2.0, alphas=None, mean_draft_tokens=0.25,
                                        round_s=1.1e-3, ar_step_s=1e-3, form="auto")
   assert enough["cost_ratio"] == pytest.approx(0.4)
+
+
+def test_ctrl_c_after_the_answer_keeps_it_and_its_statistics(workdir, monkeypatch):
+  """The answer is the method's first timed repeat: a Ctrl-C in AR's run
+  that follows it stops --compare but keeps the answer, its statistics and
+  the report (marked interrupted, no speedup)."""
+  real = compare_lib.decode_texts
+
+  def decode(dec, *a, **k):
+    if dec.method == "ar":
+      raise KeyboardInterrupt
+    return real(dec, *a, **k)
+  monkeypatch.setattr(compare_lib, "decode_texts", decode)
+  out, err = io.StringIO(), io.StringIO()
+  report = run(workdir, ["abca"], method="mtp", num_draft_tokens=2, max_new_tokens=8,
+               sampling=SamplingParams(temperature=0.0), compare=True, repeats=2, out=out,
+               err=err)
+  (res,) = report["results"]
+  assert report["interrupted"] is True and "speedup" not in report
+  assert out.getvalue() == "abca" + res["text"] + "\n" and len(res["tokens"]) == 8
+  assert report["stats"]["num_tokens"] == 8 and "interrupted" not in report["stats"]
+  text = err.getvalue()
+  assert "[mtp] tokens 8" in text and "throughput" in text     # no timed block follows
+  assert "interrupted: --compare stopped; the results above are complete" in text
