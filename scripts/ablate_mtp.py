@@ -278,6 +278,7 @@ def main(argv=None):
     if getattr(args, k) is None:
       setattr(args, k, quick if args.quick else full)
   cli.quick_out(ap, args)
+  cli.check_output_path("out", args.out, "prefix")
   depths = _parse_list(ap, "depths", args.depths, int, 0, 16)
   lams = _parse_list(ap, "loss_weights", args.loss_weights, float, 0.0)
   if any(lam <= 0 for lam in lams):

@@ -585,6 +585,7 @@ def main(argv=None):
   ap.add_argument("--out", default="results/replay_schedule", help="output prefix")
   args = ap.parse_args(argv)
   cli.check_range(ap, args, per_category=1, max_new_tokens=1, draws=1)
+  cli.check_output_path("out", args.out, "prefix")
   params = SamplingParams(args.temperature, args.top_k, args.top_p)
   try:
     params.validate()

@@ -7,7 +7,8 @@ DeepSeek-V3 naming (``mtp.export``; mapping table in docs/export.md).
 ``--modules_out``: writes only its MTP modules and draft vocabulary as a
 small safetensors file (``mtp.export.modules``; docs/import.md), for
 ``python -m mtp.importers ... --mtp_modules FILE``. Parses flags and calls
-``mtp.export.run``; errors print one line and exit with status 2.
+``mtp.export.run``; errors (a full disk included) print one line and exit
+with status 2.
 """
 
 import os
@@ -44,6 +45,11 @@ def main(argv):
   if problem:
     print(f"error: {problem}", file=sys.stderr)
     return 2
+  from mtp import cli
+  if _MODULES_OUT.value is not None:
+    cli.check_output_path("modules_out", _MODULES_OUT.value)
+  else:
+    cli.check_output_path("out", _OUT.value, "dir")
   logging.set_verbosity(logging.ERROR)   # orbax warns about read-only managers
   from mtp.checkpoint import CheckpointError
   from mtp.export import WEIGHTS_FILE, ExportError
@@ -68,5 +74,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from mtp.cli import parse_flags_or_exit
-  app.run(main, flags_parser=parse_flags_or_exit)
+  from mtp.cli import main_guard, parse_flags_or_exit
+  main_guard(lambda _: app.run(main, flags_parser=parse_flags_or_exit))

@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
+  from mtp.cli import check_output_path
+  check_output_path("workdir", args.workdir, "dir")
   from mtp.config import ConfigError, parse_id_list
   from mtp.importers import ModelImportError
   from mtp.importers.attach import check_exclusive
@@ -78,4 +80,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from mtp.cli import main_guard
+  main_guard(main)
