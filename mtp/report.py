@@ -117,6 +117,18 @@ def write_report(out: str, meta: dict, results, markdown: str | None = None) -> 
     write_atomic(out + ".md", f"Command: {_code_span(meta['command'])}\n\n{markdown}")
 
 
+def save_figure(fig, path: str, **kwargs) -> str:
+  """``fig.savefig(path, **kwargs)`` (format from the extension, PNG by
+  default) written whole or not at all (``mtp.cli.write_atomic``). Returns
+  ``path``."""
+  import io
+
+  from mtp.cli import write_atomic
+  buf = io.BytesIO()
+  fig.savefig(buf, format=os.path.splitext(path)[1].lstrip(".").lower() or "png", **kwargs)
+  return write_atomic(path, buf.getvalue())
+
+
 def fmt(x, spec: str = ".2f") -> str:
   """``format(x, spec)``, or "-" when ``x`` is None (a table cell that does not apply)."""
   return "-" if x is None else format(x, spec)

@@ -193,7 +193,7 @@ def plot_train(ttable: list[dict], path: str) -> None:
   if ax2.get_legend_handles_labels()[0]:
     ax2.legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(path)
+  report.save_figure(fig, path)
   plt.close(fig)
 
 
@@ -228,7 +228,7 @@ def plot_decode(dtable: list[dict], path: str) -> None:
       ax.legend(fontsize=6)
   fig.suptitle("Decoding: mean accepted length (error bars: min/max over seeds)", fontsize=9)
   fig.tight_layout()
-  fig.savefig(path)
+  report.save_figure(fig, path)
   plt.close(fig)
 
 

@@ -597,7 +597,7 @@ def plot(results: dict, meta: dict, path: str) -> None:
       ax.legend(fontsize=7)
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path)
+  report.save_figure(fig, path)
   plt.close(fig)
 
 

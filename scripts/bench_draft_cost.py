@@ -63,7 +63,7 @@ def plot(rows: list[dict], path: str) -> None:
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path)
+  report.save_figure(fig, path)
   plt.close(fig)
 
 

@@ -353,7 +353,7 @@ def plot(rows: list[dict], path: str) -> None:
   axes[1].set(ylabel="speedup over AR", title="measured speedup (batch 1)")
   axes[0].legend(fontsize=6)
   fig.tight_layout()
-  fig.savefig(path)
+  report.save_figure(fig, path)
   plt.close(fig)
 
 

@@ -431,7 +431,7 @@ def plot_pvalues(path: str, correct: list[float], wrong: list[float]) -> None:
   # outside the axes: the points run along the diagonal and, for the wrong rule, up the left side
   ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  report.save_figure(fig, path, dpi=100)
   plt.close(fig)
 
 

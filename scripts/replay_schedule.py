@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import io
 import os
 from collections.abc import Sequence
 
@@ -487,7 +488,9 @@ def save_records(path: str, records: list[dict], sampling=(0.0, 0, 1.0)) -> None
   for i, r in enumerate(records):
     for field in ("prompt", "answer", "acc"):
       arrays[f"{field}_{i}"] = r[field]
-  np.savez_compressed(path, **arrays)
+  buf = io.BytesIO()
+  np.savez_compressed(buf, **arrays)
+  cli.write_atomic(path, buf.getvalue())
 
 
 def load_sampling(path: str) -> tuple[float, int, float]:

@@ -383,7 +383,7 @@ def plot_curves(path: str, alphas, curve_gs, curve_costs, measured) -> None:
     ax.set_xlabel("alpha_iid (from tau)")
     ax.legend(fontsize=6)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  report.save_figure(fig, path, dpi=100)
   plt.close(fig)
 
 
@@ -406,7 +406,7 @@ def plot_optimal_g(path: str, alphas, costs, g_max: int) -> None:
   ax.set_title(f"optimal G (1..{g_max}); grey: no G beats AR; contours: best speedup")
   fig.colorbar(mesh, ax=ax, ticks=range(1, g_max + 1), label="optimal G")
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  report.save_figure(fig, path, dpi=100)
   plt.close(fig)
 
 

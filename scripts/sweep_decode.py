@@ -113,7 +113,7 @@ def plot_temperature(rows: list[dict], path: str) -> None:
   axes[1].set(xlabel="temperature T", ylabel="speedup over AR", title="measured speedup (batch 1)")
   axes[0].legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(path)
+  report.save_figure(fig, path)
   plt.close(fig)
 
 
@@ -139,7 +139,7 @@ def plot_batch(rows: list[dict], path: str) -> None:
   axes[1].set(ylabel="tau", title="mean accepted length")
   axes[0].legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(path)
+  report.save_figure(fig, path)
   plt.close(fig)
 
 

@@ -259,6 +259,44 @@ def test_ctrl_c_ends_self_prompts_at_once_with_130_and_one_line(chat_workdir, tm
   assert os.listdir(tmp_path) == []                                 # nothing half-written
 
 
+# device_check's pytest child runs in a session of its own (a terminal's Ctrl-C does not
+# reach it): here it is a `sleep`, and a Ctrl-C arrives while device_check waits for it
+CHILD_RUNNER = textwrap.dedent("""
+  import os, signal, subprocess, sys, threading, types
+  signal.signal(signal.SIGINT, signal.default_int_handler)
+  from mtp import cli
+  from scripts import device_check as dc
+  real = subprocess.Popen
+  def popen(cmd, **kw):
+    p = real(["sleep", "600"], **kw)
+    open(sys.argv[1], "w").write(str(p.pid))
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    return p
+  subprocess.Popen = popen
+  ctx = types.SimpleNamespace(
+      quick=True, device={"platform": "cpu", "jax_platforms": "cpu"}, child=None,
+      args=types.SimpleNamespace(tests_s=600.0, test_workers=0, compile_cache=""),
+      budget=types.SimpleNamespace(elapsed=lambda: 0.0), out=sys.argv[2], write=lambda: None)
+  cli.main_guard(lambda argv: dc.tests_part(ctx, {}, 600.0))
+""")
+
+
+def test_ctrl_c_in_device_check_stops_its_pytest_child(tmp_path):
+  pid_file = tmp_path / "pid"
+  r = _run(["-c", CHILD_RUNNER, str(pid_file), str(tmp_path / "device")], timeout=120)
+  pid = int(pid_file.read_text())
+  try:
+    os.kill(pid, 0)
+    alive = True
+  except ProcessLookupError:
+    alive = False
+  finally:
+    with contextlib.suppress(ProcessLookupError):
+      os.kill(pid, signal.SIGKILL)
+  assert not alive, "the pytest child outlived device_check"
+  assert r.returncode == 130 and r.stderr.strip() == "interrupted (Ctrl-C): stopped", r.stderr
+
+
 # -- 4. one run per workdir ----------------------------------------------------------------------
 
 def test_workdir_lock_is_shared_within_a_process_and_exclusive_across(tmp_path):
