@@ -326,8 +326,19 @@ def check_output_path(flag: str, path: str, kind: str = "file") -> None:
     sys.exit(BAD_INPUT)
 
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
+def _umask() -> int:
+  """This process's umask, read without changing it where Linux tells it
+  (/proc/self/status; briefly setting it would race other threads)."""
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("Umask:"):
+          return int(line.split()[1], 8)
+  except (OSError, ValueError, IndexError):
+    pass
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
 
 
 def write_atomic(path: str, data: str | bytes) -> str:
@@ -352,7 +363,7 @@ def write_atomic(path: str, data: str | bytes) -> str:
     try:
       mode = os.stat(path).st_mode & 0o7777
     except OSError:
-      mode = 0o666 & ~_UMASK
+      mode = 0o666 & ~_umask()
     os.chmod(tmp, mode)
     os.replace(tmp, path)
   except BaseException as e:

@@ -166,6 +166,7 @@ def test_self_prompts_refuses_its_out_before_sampling(where, chat_workdir, tmp_p
                        "--max_rounds", "1", "--max_len", "4", "--batch_size", "2"])
   assert e.value.code == 2
   _one_error_line(capsys.readouterr().err, "--out=")                 # no "round 1" line first
+  assert not os.path.exists(out + ".tmp")                   # the 0-byte file the old code left
 
 
 def test_smollm_mtp_device_refuses_a_file_workdir_and_a_read_only_out(tmp_path, read_only_dir):
