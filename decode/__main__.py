@@ -117,8 +117,8 @@ def _write_json(report: dict) -> None:
   from mtp import report as report_lib
   report["meta"] = report_lib.provenance(
       command="python -m decode " + shlex.join(sys.argv[1:]))   # shell-quoted, retypable
-  with open(_JSON.value, "w") as f:
-    json.dump(report, f, indent=2)
+  from mtp.cli import write_atomic
+  write_atomic(_JSON.value, json.dumps(report, indent=2))
 
 
 def _main(argv):
@@ -128,6 +128,7 @@ def _main(argv):
   from decode.run import flag_notices, parse_num_draft_tokens, parse_stops, read_prompts, run
   from decode.speculative import DecodeError, NonFiniteLogitsError, SamplingParams
   from mtp.checkpoint import CheckpointError
+  from mtp.cli import output_path_problem
   try:
     num_draft_tokens = parse_num_draft_tokens(
         _G.value if _G.value is not None else default_num_draft_tokens(_METHOD.value, _TREE.value))
@@ -140,6 +141,8 @@ def _main(argv):
                         f"{os.path.dirname(os.path.abspath(_JSON.value))!r} does not exist")
     if _JSON.value and os.path.isdir(_JSON.value):
       raise DecodeError(f"--json={_JSON.value!r} is a directory: give a file path for the report")
+    if _JSON.value and (problem := output_path_problem(_JSON.value)):
+      raise DecodeError(f"--json={_JSON.value!r}: {problem}")
     prompts = ([_PROMPT.value] if _PROMPT.value is not None else [_CHAT.value]
                if _CHAT.value is not None else read_prompts(_PROMPT_FILE.value))
     jsonl = bool(prompts) and isinstance(prompts[0], dict)
@@ -169,5 +172,5 @@ def _main(argv):
 
 
 if __name__ == "__main__":
-  from mtp.cli import flags_parser
-  app.run(main, flags_parser=flags_parser(check_flags_early))
+  from mtp.cli import flags_parser, main_guard
+  main_guard(lambda _: app.run(main, flags_parser=flags_parser(check_flags_early)))

@@ -670,12 +670,16 @@ def main(argv=None):
   ap = parser()
   args = ap.parse_args(argv)
   if args.render:
+    cli.check_output_path("out", args.out, "prefix")
+    cli.check_output_path("plot", args.plot)
     meta, results = merge_runs(args.render.split(","), args.short_prompt)
     report.write_report(args.out, meta, results, markdown(results, meta))
     plot(results, meta, args.plot)
     print(f"wrote {args.out}.json, {args.out}.md and {args.plot} from {args.render}")
     return
   s = settings(ap, args)
+  cli.check_output_path("out", args.out, "prefix")
+  cli.check_output_path("plot", args.plot)
   try:
     results = run_cache_bench(s, log=lambda line: print(line, flush=True))
   except ValueError as e:

@@ -118,6 +118,7 @@ def main(argv=None):
   if args.quick:
     cli.apply_quick(ap, args, repeats=1, max_new_tokens=8)
   cli.check_range(ap, args, repeats=1, max_new_tokens=1)
+  cli.check_output_path("out", args.out, "prefix")
   layers = cli.parse_list(ap, "layers", args.layers, int, 1)
   gs = cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1, MAX_DRAFT_TOKENS)
   cfg = common.load_config(ap, args.config)

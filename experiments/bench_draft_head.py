@@ -126,6 +126,7 @@ def main(argv=None):
   vds = cli.parse_list(ap, "draft_vocab", args.draft_vocab, int, 1, args.vocab)
   tokens = cli.parse_list(ap, "tokens", args.tokens, int, 1, 64)
   cli.check_positive(ap, args, ["d_model", "vocab", "repeats"])
+  cli.check_output_path("out", args.out, "prefix")
   results = measure(args.d_model, args.vocab, vds, tokens, args.repeats)
   meta = report.provenance(command=common.command_line(__file__, argv), d_model=args.d_model,
                            vocab=args.vocab, repeats=args.repeats)
@@ -135,4 +136,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  cli.main_guard(main)

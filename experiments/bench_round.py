@@ -281,6 +281,7 @@ def main(argv=None):
   if args.quick:
     cli.apply_quick(ap, args, max_new_tokens=8, prompt_bytes=32, repeats=1)
   cli.check_range(ap, args, prompt_bytes=1, max_new_tokens=1, batch_size=1, repeats=1)
+  cli.check_output_path("out", args.out, "prefix")
   temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
   if args.workdir:
     cfg, model, step = loading.load_model(args.workdir)

@@ -250,6 +250,7 @@ def main(argv=None):
                     decode_repeats=1, max_new_tokens=8, temperatures="1", top_ps="0.9")
   cli.check_range(ap, args, per_category=1, answer_tokens=1, warp_repeats=0, decode_repeats=0,
                   max_new_tokens=1, num_draft_tokens=0)
+  cli.check_output_path("out", args.out, "prefix")
   temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0, lo_open=True)
   top_ps = cli.parse_list(ap, "top_ps", args.top_ps, float, 0.0, 1.0, lo_open=True)
   decode_top_ps = cli.parse_list(ap, "decode_top_ps", args.decode_top_ps, float, 0.0, 1.0,

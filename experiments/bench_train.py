@@ -35,6 +35,7 @@ def main(argv=None):
   if args.quick:
     cli.apply_quick(ap, args, repeats=1, steps=2)
   cli.check_range(ap, args, repeats=1, steps=1)
+  cli.check_output_path("out", args.out, "prefix")
   depths = cli.parse_list(ap, "depths", args.depths, int, 0, 16)
   base = common.load_config(ap, args.config)
   if args.quick:

@@ -47,8 +47,10 @@ def parse_with_defaults(ap: argparse.ArgumentParser, argv: list[str], defaults: 
 
 
 def save_figure(fig, path: str, **savefig_kw) -> None:
-  """Lays out ``fig``, writes it to ``path`` and closes it."""
+  """Lays out ``fig``, writes it to ``path`` atomically
+  (``mtp.report.save_figure``) and closes it."""
   import matplotlib.pyplot as plt       # the caller chose the backend (Agg)
+  from mtp import report
   fig.tight_layout()
-  fig.savefig(path, **savefig_kw)
+  report.save_figure(fig, path, **savefig_kw)
   plt.close(fig)

@@ -180,8 +180,7 @@ def _load_json(path: str) -> dict:
 
 def _dump_json(path: str, obj) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(obj, f, indent=2)
+  cli.write_atomic(path, json.dumps(obj, indent=2))
 
 
 def select_archs(args, ap, cfg, target, counts, prompt) -> tuple[dict, dict]:
@@ -480,6 +479,7 @@ def main(argv=None):
   ap = parser()
   args = ap.parse_args(argv)
   gs, temps = check_flags(ap, args)
+  cli.check_output_path("out", args.out, "prefix")
   cfg, target, step = loading.load_model(args.workdir)
   if cfg.mtp.depth < 1:
     ap.error(f"--workdir={args.workdir} holds a model with mtp.depth = 0: no MTP drafter to compare")

@@ -418,6 +418,7 @@ def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
   ap = parser()
   args = common.parse_with_defaults(ap, argv, DEFAULTS)
+  cli.check_output_path("out", args.out, "prefix")
   variants = cli.parse_list(ap, "variants", args.variants, str, choices=tuple(VARIANTS))
   seeds = cli.parse_list(ap, "seeds", args.seeds, int, 0)
   temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
@@ -480,8 +481,7 @@ def train_stage(cfg: Config, variant: str, seed: int, name: str, workdir: str, l
     with open(cost_path) as f:
       st["train_wall_s"] = json.load(f)["train_wall_s"]
   elif not res.get("interrupted"):
-    with open(cost_path, "w") as f:
-      json.dump({"train_wall_s": st["train_wall_s"], "step": res["step"]}, f)
+    cli.write_atomic(cost_path, json.dumps({"train_wall_s": st["train_wall_s"], "step": res["step"]}))
   return st
 
 

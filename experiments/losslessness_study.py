@@ -627,6 +627,7 @@ def main(argv=None):
     args.prompt = args.prompt or list(QUICK_PROMPTS)
     cli.apply_quick(ap, args, temperatures="0.7,1.0", num_samples=500, num_tokens=2)
     cli.apply_quick(ap, args, batch_size=args.num_samples)
+  cli.check_output_path("out", args.out, "prefix")
   args.temperatures = cli.parse_list(ap, "temperatures", args.temperatures or "0.7,1.0,1.3", float,
                                      0.0, 100.0, lo_open=True)
   if args.prompt_indices is not None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import io
 import os
 from collections.abc import Sequence
 
@@ -488,7 +489,9 @@ def save_records(path: str, records: list[dict], sampling=(0.0, 0, 1.0)) -> None
   for i, r in enumerate(records):
     for field in ("prompt", "answer", "acc"):
       arrays[f"{field}_{i}"] = r[field]
-  np.savez_compressed(path, **arrays)
+  buf = io.BytesIO()
+  np.savez_compressed(buf, **arrays)
+  cli.write_atomic(path, buf.getvalue())
 
 
 def load_sampling(path: str) -> tuple[float, int, float]:
@@ -586,6 +589,7 @@ def main(argv=None):
   ap.add_argument("--out", default="results/replay_schedule", help="output prefix")
   args = ap.parse_args(argv)
   cli.check_range(ap, args, per_category=1, max_new_tokens=1, draws=1)
+  cli.check_output_path("out", args.out, "prefix")
   params = SamplingParams(args.temperature, args.top_k, args.top_p)
   try:
     params.validate()

@@ -433,6 +433,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.quick:
     cli.apply_quick(ap, args, rounds=5000, alpha_step=0.2)
+  cli.check_output_path("out", args.out, "prefix")
   args.costs = cli.parse_list(ap, "costs", args.costs, float, 0.0)
   args.curve_costs = cli.parse_list(ap, "curve_costs", args.curve_costs, float, 0.0)
   if not 0 <= args.alpha_min < args.alpha_max <= 1:

@@ -252,6 +252,7 @@ def main(argv=None):
     cli.apply_quick(ap, args, temperatures="0,1", batch_sizes="1,2", repeats=1, max_new_tokens=8,
                     prompt_bytes=48, draft_cost_probe="batch")
   cli.check_positive(ap, args, ("prompt_bytes", "max_new_tokens", "repeats"))
+  cli.check_output_path("out", args.out, "prefix")
   temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
   top_ps = cli.parse_list(ap, "top_ps", args.top_ps, float, 0.0, 1.0, lo_open=True)
   batches = cli.parse_list(ap, "batch_sizes", args.batch_sizes, int, 1)

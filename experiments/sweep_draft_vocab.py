@@ -206,6 +206,7 @@ def main(argv=None):
   sizes = _sizes(ap, args.draft_vocab)
   temps = cli.parse_list(ap, "temperatures", args.temperatures, float, choices=(0.0, 1.0))
   cli.check_positive(ap, args, ["eval_batches", "batch_size", "repeats", "iters", "prompt_len"])
+  cli.check_output_path("out", args.out, "prefix")
   t0, log = time.perf_counter(), lambda m: print(m, flush=True)
   stage = vocab_sweep.load_stage(args.workdir, args.step, batch_size=args.batch_size,
                                  num_batches=args.eval_batches, data_dir=args.data_dir,

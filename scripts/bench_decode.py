@@ -170,6 +170,7 @@ def parse_args(argv=None):
     cli.apply_quick(ap, args, batch_sizes="1", temperatures="0,1", repeats=1, max_new_tokens=8,
                     prompt_bytes=64)
   cli.check_range(ap, args, prompt_bytes=1, max_new_tokens=1, repeats=1, num_prompts=0)
+  cli.check_output_path("out", args.out, "prefix")
   batch_sizes = cli.parse_list(ap, "batch_sizes", args.batch_sizes, int, 1)
   temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
   forms = cli.parse_list(ap, "forms", args.forms, str, choices=("while", "stream"))

@@ -55,17 +55,16 @@ def parse(argv):
 
 def write_jsonl(path: str, rows) -> None:
   """Atomically writes ``rows`` (dicts) as JSON lines."""
-  tmp = f"{path}.tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    for r in rows:
-      f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  from mtp.cli import write_atomic
+  write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def main(argv=None) -> int:
   args = parse(argv)
+  from mtp import cli
+  cli.check_output_path("out_dir", args.out_dir, "dir")
+  if args.prompts_out:
+    cli.check_output_path("prompts_out", args.prompts_out)
   from mtp.data import corpora, sharegpt
   from mtp.data.chat import heldout_chat_prompts, prompt_text
   try:
@@ -125,4 +124,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from mtp import cli
+  cli.main_guard(main)

@@ -229,6 +229,12 @@ def main(argv=None) -> int:
     for skip_dir, argv_ in steps:
       print(shell_line(skip_dir, argv_))
     return 0
+  from mtp import cli
+  # before any step: a given output path that cannot be written fails now (the steps run in REPO)
+  for flag, kind in (("workdir", "dir"), ("modules_out", "file"), ("bench_out", "prefix"),
+                     ("data_dir", "dir")):
+    if getattr(args, flag):
+      cli.check_output_path(flag, os.path.join(REPO, getattr(args, flag)), kind)
   gguf = None
   for skip_dir, argv_ in steps:
     if skip_dir is not None and os.path.isdir(os.path.join(REPO, skip_dir, "checkpoints")):
@@ -246,4 +252,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from mtp import cli
+  cli.main_guard(main)

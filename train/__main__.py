@@ -45,6 +45,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
+  from mtp.cli import check_output_path
+  check_output_path("workdir", _WORKDIR.value, "dir")
   from mtp.checkpoint import CheckpointError
   from mtp.config import ConfigError, from_dict
   from mtp.data import DataError
@@ -83,5 +85,5 @@ if __name__ == "__main__":
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  from mtp.cli import flags_parser
-  app.run(main, flags_parser=flags_parser(check_flags_early))
+  from mtp.cli import flags_parser, main_guard
+  main_guard(lambda _: app.run(main, flags_parser=flags_parser(check_flags_early)))

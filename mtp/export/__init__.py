@@ -361,9 +361,8 @@ def tokenizer_files(tokenizer=None) -> dict[str, dict[str, Any]]:
 
 
 def _write_json(path: str, obj: Any) -> None:
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(obj, f, indent=2, ensure_ascii=False)
-    f.write("\n")
+  from mtp.cli import write_atomic
+  write_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
 def is_exported(path: str) -> bool:
@@ -447,11 +446,12 @@ def write_export(model, cfg: Config, out: str, *, step: int = 0, overwrite: bool
   out = check_out(out, overwrite)
   tokenizer = check_tokenizer(cfg, tokenizer)
   tensors = hf_state_dict(model, cfg)
-  from safetensors.numpy import save_file
+  from safetensors.numpy import save
+  from mtp.cli import write_atomic
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out))
   old = None
   try:
-    save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
+    write_atomic(os.path.join(tmp, WEIGHTS_FILE), save(tensors, metadata={"format": "pt"}))
     _write_json(os.path.join(tmp, CONFIG_FILE), _hf_config(cfg, step, tokenizer))
     _write_json(os.path.join(tmp, GENERATION_CONFIG_FILE), _generation_config(cfg, tokenizer))
     for name, obj in tokenizer_files(tokenizer).items():

@@ -7,7 +7,8 @@ DeepSeek-V3 naming (``mtp.export``; mapping table in docs/export.md).
 ``--modules_out``: writes only its MTP modules and draft vocabulary as a
 small safetensors file (``mtp.export.modules``; docs/import.md), for
 ``python -m mtp.importers ... --mtp_modules FILE``. Parses flags and calls
-``mtp.exporting``; errors print one line and exit with status 2.
+``mtp.exporting``; errors (a full disk included) print one line and exit
+with status 2.
 """
 
 import contextlib
@@ -55,6 +56,11 @@ def make_parents(path: str) -> list[str]:
 
 def main(argv):
   del argv   # flags only (mtp.cli.flags_parser)
+  from mtp import cli
+  if _MODULES_OUT.value is not None:
+    cli.check_output_path("modules_out", _MODULES_OUT.value)
+  else:
+    cli.check_output_path("out", _OUT.value, "dir")
   logging.set_verbosity(logging.ERROR)   # orbax warns about read-only managers
   from mtp.checkpoint import CheckpointError
   from mtp.export import WEIGHTS_FILE, ExportError
@@ -89,5 +95,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from mtp.cli import flags_parser
-  app.run(main, flags_parser=flags_parser(check_flags_early))
+  from mtp.cli import flags_parser, main_guard
+  main_guard(lambda _: app.run(main, flags_parser=flags_parser(check_flags_early)))

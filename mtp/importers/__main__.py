@@ -64,6 +64,8 @@ def main(argv=None) -> int:
   ap = _parser()
   args = ap.parse_args(argv)
   check_flags_early(ap, args)
+  from mtp.cli import check_output_path
+  check_output_path("workdir", args.workdir, "dir")
   from mtp.config import ConfigError, parse_id_list
   from mtp.importers import ModelImportError
   from mtp.importers.attach import check_exclusive
@@ -93,4 +95,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from mtp.cli import main_guard
+  main_guard(main)
