@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 
 def parse(argv):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+  from mtp.cli import OneLineParser
+  ap = OneLineParser(description=__doc__.split("\n\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--workdir", required=True, help="target with MTP modules")
   ap.add_argument("--prompt_file", action="append", default=None,
@@ -52,8 +52,9 @@ def parse(argv):
     ap.error(f"--temperatures={a.temperatures}: each must be >= 0")
   if any(not 1 <= g <= 8 for g in a.num_draft_tokens):
     ap.error(f"--num_draft_tokens={a.num_draft_tokens}: each must be in [1, 8]")
-  if a.out and not os.path.isdir(os.path.dirname(os.path.abspath(a.out))):
-    ap.error(f"--out: folder of {a.out} does not exist")
+  if a.out:
+    from mtp.cli import check_output_path
+    check_output_path("out", a.out)
   return a
 
 
@@ -145,14 +146,11 @@ def main(argv=None) -> int:
            "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
            "batch_size": args.batch_size, "seed": args.seed, "rows": rows, "pooled": by_t,
            "wall_s": round(time.perf_counter() - t0, 1)}
-    tmp = args.out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      json.dump(doc, f, indent=1)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, args.out)
+    from mtp.cli import write_atomic
+    write_atomic(args.out, json.dumps(doc, indent=1) + "\n")
   return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from mtp.cli import main_guard
+  main_guard(main)
