@@ -117,7 +117,7 @@ def _write_json(report: dict) -> None:
   from mtp import report as report_lib
   report["meta"] = report_lib.provenance(
       command="python -m decode " + shlex.join(sys.argv[1:]))   # shell-quoted, retypable
-  from mtp.cli import write_atomic
+  from mtp.files import write_atomic
   write_atomic(_JSON.value, json.dumps(report, indent=2))
 
 

@@ -452,7 +452,7 @@ class BPETokenizer:
             "special_tokens": list(self.special_tokens), "chat_template": self.chat_template}
 
   def save_model_file(self, path: str) -> None:
-    from mtp.cli import write_atomic
+    from mtp.files import write_atomic
     write_atomic(path, self._tok.to_str(pretty=True))
 
   def tokenizers_json(self) -> dict[str, Any]:

@@ -110,7 +110,7 @@ def write_report(out: str, meta: dict, results, markdown: str | None = None) -> 
   """
   if markdown is not None and not meta.get("command"):
     raise ValueError("write_report: meta['command'] (report.command_line) is required with markdown")
-  from mtp.cli import write_atomic
+  from mtp.files import write_atomic
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   write_atomic(out + ".json", json.dumps({"meta": meta, "results": results}, indent=2))
   if markdown is not None:
@@ -123,7 +123,7 @@ def save_figure(fig, path: str, **kwargs) -> str:
   ``path``."""
   import io
 
-  from mtp.cli import write_atomic
+  from mtp.files import write_atomic
   buf = io.BytesIO()
   fig.savefig(buf, format=os.path.splitext(path)[1].lstrip(".").lower() or "png", **kwargs)
   return write_atomic(path, buf.getvalue())

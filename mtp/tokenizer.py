@@ -183,7 +183,7 @@ def save_tokenizer(tokenizer, workdir: str) -> str:
   meta = tokenizer.to_dict()
   if meta["kind"] != "byte":
     tokenizer.save_model_file(os.path.join(folder, HF_TOKENIZER_FILE))
-  from mtp.cli import write_atomic
+  from mtp.files import write_atomic
   write_atomic(os.path.join(folder, META_FILE), json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
   return folder
 

@@ -146,7 +146,7 @@ def main(argv=None) -> int:
            "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
            "batch_size": args.batch_size, "seed": args.seed, "rows": rows, "pooled": by_t,
            "wall_s": round(time.perf_counter() - t0, 1)}
-    from mtp.cli import write_atomic
+    from mtp.files import write_atomic
     write_atomic(args.out, json.dumps(doc, indent=1) + "\n")
   return 0
 

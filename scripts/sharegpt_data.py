@@ -55,7 +55,7 @@ def parse(argv):
 
 def write_jsonl(path: str, rows) -> None:
   """Atomically writes ``rows`` (dicts) as JSON lines."""
-  from mtp.cli import write_atomic
+  from mtp.files import write_atomic
   write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 

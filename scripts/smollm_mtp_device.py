@@ -327,7 +327,7 @@ def read_state(workdir: str) -> dict | None:
 
 def write_state(workdir: str, state: dict) -> None:
   """Writes the state atomically (``mtp.cli.write_atomic``)."""
-  from mtp.cli import write_atomic
+  from mtp.files import write_atomic
   os.makedirs(workdir, exist_ok=True)
   write_atomic(os.path.join(workdir, STATE_FILE), json.dumps(state, indent=1))
 

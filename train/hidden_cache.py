@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from mtp import checkpoint as ckpt_lib
-from mtp.cli import write_atomic
+from mtp.files import write_atomic
 
 CACHE_DIR = "hidden_cache"
 META_FILE = "meta.json"

@@ -332,7 +332,7 @@ def write_atomic(path: str, text: str) -> None:
   """Writes ``text`` to ``path`` through a temporary file and a rename: a
   failed write (a full disk) leaves the old file whole, and no temporary
   file behind (``mtp.cli.write_atomic``)."""
-  from mtp.cli import write_atomic as write
+  from mtp.files import write_atomic as write
   write(path, text)
 
 

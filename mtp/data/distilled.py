@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from mtp.cli import write_atomic
+from mtp.files import write_atomic
 from mtp.data.corpora import SELF_DISTILLED_VERSION, DataError
 
 

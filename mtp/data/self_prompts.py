@@ -248,7 +248,7 @@ def write_prompt_jsonl(path: str, prompts: Sequence[Mapping[str, str]]) -> None:
   """Writes prompts (``{"category", "prompt"[, "system"]}``) one JSON object
   per line, UTF-8, in the format ``chat.read_prompt_jsonl`` reads (written
   whole or not at all: ``mtp.cli.write_atomic``)."""
-  from mtp.cli import write_atomic
+  from mtp.files import write_atomic
   write_atomic(path, "".join(json.dumps({k: p[k] for k in chat_lib.HELDOUT_FIELDS if k in p},
                                         ensure_ascii=False) + "\n" for p in prompts))
 

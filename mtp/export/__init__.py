@@ -361,7 +361,7 @@ def tokenizer_files(tokenizer=None) -> dict[str, dict[str, Any]]:
 
 
 def _write_json(path: str, obj: Any) -> None:
-  from mtp.cli import write_atomic
+  from mtp.files import write_atomic
   write_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
@@ -447,7 +447,7 @@ def write_export(model, cfg: Config, out: str, *, step: int = 0, overwrite: bool
   tokenizer = check_tokenizer(cfg, tokenizer)
   tensors = hf_state_dict(model, cfg)
   from safetensors.numpy import save
-  from mtp.cli import write_atomic
+  from mtp.files import write_atomic
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out))
   old = None
   try:

@@ -173,7 +173,7 @@ def write_raw(out: str, tensors: Mapping[str, np.ndarray], meta: Mapping[str, An
   tests that need odd files. Returns ``out``. Raises OSError (a full disk:
   ENOSPC, naming ``out``)."""
   from safetensors.flax import save
-  from mtp.cli import write_atomic
+  from mtp.files import write_atomic
   meta = dict(meta)
   meta["tensors"] = {n: {"dtype": np.asarray(a).dtype.name, "shape": list(np.shape(a)),
                          "crc32": zlib.crc32(np.ascontiguousarray(a).tobytes()) & 0xFFFFFFFF}
