@@ -56,13 +56,18 @@ drafts g = 1 (the cheapest draft) and folds its outcome with the weight
 0.55 at 0.5), so text that turns predictable (a repeated line, a list,
 code) is drafted again; the interval doubles after every probe that leaves
 the choice at AR (up to ``max_probe_interval``) and resets when drafting
-wins. Worst case (every probe rejected) the probes cost
+wins. No probe where no g could pay even if every draft were accepted
+((g + 1) cost(0) <= cost(g) for all g: a shallow target whose module
+costs about what it saves). Worst case (every probe rejected) the probes cost
 
     probe_rounds (cost(1) / cost(0) - 1) / (probe_interval rounds_per_choice)
 
 AR steps per AR round (defaults, cost(1) = 1.3 cost(0): 2 x 0.3 / 64 = 0.9 %,
-falling to 2 x 0.3 / 512 = 0.12 % after the interval's doublings; the
-module's catch-up over the AR stretch comes on top).
+falling to 2 x 0.3 / 512 = 0.12 % after the interval's doublings), plus
+the modules' catch-up over the AR stretch before a probe drafts (FLOP-bound
+on a CPU: ~1.7-2.6 ms for 64 positions on the demo model at B = 4, 3-4 %
+of the AR steps it follows; a per-position cost that spacing the probes
+does not lower).
 
 Lossless whatever the schedule: the choice is a function of the state left
 by earlier rounds only (estimates, counters, costs), never of the current
@@ -238,7 +243,9 @@ class AutoSchedule:
     tokens = self.expected_tokens(alpha)                                 # [B, G+1]
     value = jnp.sum(tokens * active[:, None], axis=0) / sched["costs"]
     best = jnp.argmax(value).astype(jnp.int32)
-    probe = (best == 0) & (sched["probe_wait"] >= sched["probe_interval"])
+    g_all = jnp.arange(1, sched["costs"].shape[0], dtype=jnp.float32)
+    could_pay = jnp.any((g_all + 1) * sched["costs"][0] > sched["costs"][1:])   # at alpha = 1
+    probe = (best == 0) & (sched["probe_wait"] >= sched["probe_interval"]) & could_pay
     wait = jnp.where(best == 0, jnp.where(probe, 0, sched["probe_wait"] + 1), 0)
     g = jnp.where(probe, 1, best)
     interval = jnp.where(best > 0, self.probe_interval,

@@ -43,7 +43,7 @@ def test_choice_maximises_expected_tokens_per_second():
 def test_probe_after_ar_segments_with_doubling_interval():
   s = AutoSchedule(2, prior=0.1, probe_interval=2, max_probe_interval=4, rounds_per_choice=16,
                    probe_rounds=3)
-  st = s.init_state(1, [1.0, 2.0, 3.0])
+  st = s.init_state(1, [1.0, 1.9, 2.8])     # G = 1 would pay at alpha > 0.9
   active = jnp.asarray([True])
   chosen, lengths = [], []
   for _ in range(16):
@@ -177,3 +177,16 @@ def test_probes_notice_text_that_turns_easy_at_a_bounded_cost():
   # the first probe drafts within the current probe interval, and drafting then stays on
   assert first <= (int(st["probe_interval"]) + 1) * s.rounds_per_choice
   assert all(easy[first:]), easy[first:first + 40]
+
+
+def test_no_probe_where_drafting_cannot_pay_even_at_full_acceptance():
+  """A G = 1 round that costs 2.2 AR steps emits at most 2 tokens (the
+  demo model at B = 4 on a CPU): no draft length can pay whatever the
+  text, so a schedule that stopped drafting never probes (each probe would
+  cost the module's catch-up besides). At cheaper drafts the probes
+  return."""
+  s = AutoSchedule(2, prior=0.1)
+  gs, _ = _drive(s, s.init_state(1, [1.0, 2.2, 3.4]), 400, lambda g: g)
+  assert set(gs) == {0}
+  gs, _ = _drive(s, s.init_state(1, [1.0, 1.6, 2.2]), 400, lambda g: g)
+  assert any(gs)
