@@ -65,9 +65,9 @@ costs about what it saves). Worst case (every probe rejected) the probes cost
 AR steps per AR round (defaults, cost(1) = 1.3 cost(0): 2 x 0.3 / 64 = 0.9 %,
 falling to 2 x 0.3 / 512 = 0.12 % after the interval's doublings), plus
 the modules' catch-up over the AR stretch before a probe drafts (FLOP-bound
-on a CPU: ~1.7-2.6 ms for 64 positions on the demo model at B = 4, 3-4 %
-of the AR steps it follows; a per-position cost that spacing the probes
-does not lower).
+on a CPU, a per-position cost that spacing the probes does not lower:
+64 positions cost ~0.15 AR steps on SmolLM2-135M at B = 1, 0.2 % of the
+AR steps they follow, but 2.4-3.5 on the demo model at B = 4, 4-5 %).
 
 Lossless whatever the schedule: the choice is a function of the state left
 by earlier rounds only (estimates, counters, costs), never of the current
