@@ -77,9 +77,6 @@ _JSON = flags.DEFINE_string("json", None, "Write the report (tokens, text, stats
 flags.mark_flag_as_required("workdir")
 EXIT_INTERRUPTED = 130     # 128 + SIGINT, as a shell reports a process Ctrl-C ended
 DRAFT_MODEL_DEFAULT_G = 2  # --num_draft_tokens of --method draft when not given
-HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")
-
-
 def default_num_draft_tokens(method: str, tree: str | None) -> int | str:
   """--num_draft_tokens when the flag is not given: "auto" for --method mtp
   (never slower than AR by design: it drafts only where the measured costs
@@ -89,25 +86,16 @@ def default_num_draft_tokens(method: str, tree: str | None) -> int | str:
   return "auto" if method == "mtp" and tree is None else DRAFT_MODEL_DEFAULT_G
 
 
-def asks_for_help(argv) -> bool:
-  """Whether the command line has one of absl's help flags (--help, -?,
-  --helpshort, --helpfull, --helpxml)."""
-  return any(a.lstrip("-").split("=", 1)[0] in HELP_FLAGS for a in argv[1:]
-             if a.startswith("-"))
-
-
-def help_exits_zero(parse):
-  """``parse`` (an absl ``flags_parser``), except that a help flag exits
-  with status 0: absl prints the help and exits 1, which a shell, make or a
-  CI step reads as a failure of a request that succeeded."""
-  def parse_flags(argv):
-    try:
-      return parse(argv)
-    except SystemExit as e:
-      if e.code == 1 and asks_for_help(argv):
-        sys.exit(0)
-      raise
-  return parse_flags
+def check_flags_early() -> None:
+  """The flag ranges, before jax or a model loads (``decode.limits``).
+  Raises DecodeError, one line naming the flag and its range."""
+  from decode import limits
+  limits.parse_num_draft_tokens(
+      _G.value if _G.value is not None else default_num_draft_tokens(_METHOD.value, _TREE.value))
+  limits.check_counts(max_new_tokens=_MAX_NEW.value, num_samples=_NUM_SAMPLES.value,
+                      seed=_SEED.value, repeats=_REPEATS.value, max_draft_tokens=_G_MAX.value)
+  limits.check_sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
+  limits.check_overrides(_DTYPE.value, _ATTENTION.value)
 
 
 def main(argv):
@@ -129,8 +117,8 @@ def _write_json(report: dict) -> None:
   from mtp import report as report_lib
   report["meta"] = report_lib.provenance(
       command="python -m decode " + shlex.join(sys.argv[1:]))   # shell-quoted, retypable
-  with open(_JSON.value, "w") as f:
-    json.dump(report, f, indent=2)
+  from mtp.files import write_atomic
+  write_atomic(_JSON.value, json.dumps(report, indent=2))
 
 
 def _main(argv):
@@ -140,6 +128,7 @@ def _main(argv):
   from decode.run import flag_notices, parse_num_draft_tokens, parse_stops, read_prompts, run
   from decode.speculative import DecodeError, NonFiniteLogitsError, SamplingParams
   from mtp.checkpoint import CheckpointError
+  from mtp.cli import output_path_problem
   try:
     num_draft_tokens = parse_num_draft_tokens(
         _G.value if _G.value is not None else default_num_draft_tokens(_METHOD.value, _TREE.value))
@@ -152,6 +141,8 @@ def _main(argv):
                         f"{os.path.dirname(os.path.abspath(_JSON.value))!r} does not exist")
     if _JSON.value and os.path.isdir(_JSON.value):
       raise DecodeError(f"--json={_JSON.value!r} is a directory: give a file path for the report")
+    if _JSON.value and (problem := output_path_problem(_JSON.value)):
+      raise DecodeError(f"--json={_JSON.value!r}: {problem}")
     prompts = ([_PROMPT.value] if _PROMPT.value is not None else [_CHAT.value]
                if _CHAT.value is not None else read_prompts(_PROMPT_FILE.value))
     jsonl = bool(prompts) and isinstance(prompts[0], dict)
@@ -181,5 +172,5 @@ def _main(argv):
 
 
 if __name__ == "__main__":
-  from mtp.cli import parse_flags_or_exit
-  app.run(main, flags_parser=help_exits_zero(parse_flags_or_exit))
+  from mtp.cli import flags_parser, main_guard
+  main_guard(lambda _: app.run(main, flags_parser=flags_parser(check_flags_early)))

@@ -7,13 +7,16 @@ median tokens/s (new tokens per call over the median wall time: at T > 0
 the two emit different samples, which end at EOS at other lengths, so
 walls alone are not comparable; at T = 0 the outputs are the same and the
 ratio is that of the walls). The blocks and the speedup line come from the
-same numbers, so they cannot disagree.
+same numbers, so they cannot disagree. With ``run``'s answer
+(``time_runs(out=...)``) the method's first timed repeat is the answer.
 
 Beside the measurement, what Theorem 3.8 (``decode.theory``) predicts from
-the measured acceptance (tau) and the measured cost of a round relative to
-an AR step (both from the timed repeats' decoding phase), and one line
-naming the term that decides the result on this machine (``verdict_line``).
-Per prompt category its own speedup (JSONL prompt files).
+figures the blocks print: tau / (G c + 1) with tau = tokens / target calls
+and G from the method's block, r = G c + 1 = the two blocks' median seconds
+per round, c = (r - 1) / G (n/a below ``MIN_DRAFTED_PER_ROUND``), and one
+line naming the term that decides the result on this machine
+(``verdict_line``). Per prompt category its own speedup (JSONL prompt
+files).
 
 At T = 0 the two outputs must be equal up to the numeric contract
 (docs/speculative_sampling.md): where a row differs, the first differing
@@ -25,6 +28,7 @@ above it a bug.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import types
@@ -202,10 +206,15 @@ def _rounds(gen) -> int:
 def pooled_acceptance(gens: Sequence) -> dict:
   """tau, alpha_k and the mean drafted length G over all rounds of
   ``gens`` (the timed repeats of one method; ``decode.stats``'s
-  definitions): {"mean_accepted_length", "acceptance_rate_per_position",
-  "mean_draft_tokens" (G for a chain, the nodes per round for a tree, the
-  mean chosen G with "auto", 0 for AR), "emitted_per_round" (emitted
-  tokens per row-round: below tau where the budget or EOS cut rounds)}."""
+  definitions): {"mean_accepted_length" (mean a + 1 per round, a cut round
+  counted whole), "acceptance_rate_per_position", "mean_draft_tokens" (G
+  for a chain, the nodes per round for a tree, the mean chosen G with
+  "auto", 0 for AR; per target call), "tokens" (emitted, all rows and
+  gens), "target_calls" (rounds summed over rows), "drafted_tokens"
+  (mean_draft_tokens x target_calls), "tau" = tokens / target_calls, the
+  printed tau (a call emits its accepted drafts plus one token of its own,
+  cut at the budget, EOS or a stop; the prefill emits none), and its old
+  name "emitted_per_round"}."""
   hist = sum(np.asarray(g.accepted_histogram, np.int64).sum(0) for g in gens)
   calls = int(sum(int(np.sum(g.target_calls)) for g in gens))
   tokens = int(sum(len(t) for g in gens for t in g.tokens))
@@ -227,7 +236,9 @@ def pooled_acceptance(gens: Sequence) -> dict:
     mean_g = float(first.num_draft_tokens)
   return {"mean_accepted_length": verified / calls if calls else None,
           "acceptance_rate_per_position": alphas, "mean_draft_tokens": mean_g,
-          "emitted_per_round": tokens / calls if calls else None}
+          "emitted_per_round": tokens / calls if calls else None,
+          "tau": tokens / calls if calls else None, "tokens": tokens, "target_calls": calls,
+          "drafted_tokens": round(mean_g * calls)}
 
 
 def timed_summary(gens: Sequence) -> dict:
@@ -236,7 +247,10 @@ def timed_summary(gens: Sequence) -> dict:
   new_tokens (per call, mean), tokens_per_s / ttft_s / itl_p50_s /
   itl_p90_s / wall_time_s / round_s / decode_tokens_per_s / prefill_share
   as {"median", "min", "max"} over the repeats, rounds (median batched
-  rounds of the decoding phase), and ``pooled_acceptance``'s keys.
+  rounds of the decoding phase), rounds_span (their median, min, max) and
+  rounds_mean (printed: with one row new_tokens / rounds_mean = tau), and
+  ``pooled_acceptance``'s keys over all repeats (tau = tokens /
+  target_calls, the block's printed tau).
 
   tokens_per_s's median is the new tokens per call over the median wall
   time (the speedup's definition; the median of the repeats' rates when
@@ -260,49 +274,85 @@ def timed_summary(gens: Sequence) -> dict:
           "decode_tokens_per_s": _span(x["decode_tokens_per_s"] for x in s),
           "prefill_share": _span(g.prefill_time_s / g.wall_time_s if g.wall_time_s > 0 else None
                                  for g in gens),
-          "rounds": float(np.median([_rounds(g) for g in gens])), **pooled_acceptance(gens)}
+          "rounds": float(np.median([_rounds(g) for g in gens])),
+          "rounds_span": _span(_rounds(g) for g in gens),
+          "rounds_mean": float(np.mean([_rounds(g) for g in gens])), **pooled_acceptance(gens)}
+
+
+# c = (round / AR step - 1) / G is printed only where the timed rounds drafted
+# at least this many tokens per target call on average: below it a round's
+# timing noise (a few % of an AR step) divided by G swamps c (seen: c = 8.10
+# from 2 drafted tokens in 126 rounds)
+MIN_DRAFTED_PER_ROUND = 0.25
 
 
 def predict_speedup(*, tau: float, alphas: Sequence[float | None] | None,
                     mean_draft_tokens: float, round_s: float, ar_step_s: float,
-                    form: str = "chain") -> dict:
-  """Theorem 3.8's speedup from measured numbers: tau (tokens per target
-  call), the per-position acceptance ``alphas`` (a chain of fixed G), the
-  drafted tokens per round G (``mean_draft_tokens``: the mean with "auto",
-  the nodes with a tree), and c = (round_s / ar_step_s - 1) / G
-  (``theory.cost_ratio_from_round``). ``form``: "chain" (a fixed G:
-  ``theory.chain_speedup`` with the alphas), "auto" or "tree"
-  (``theory.speedup_from_tau``). Returns {"form", "tau", "draft_tokens",
-  "round_ar_steps", "cost_ratio" (None when nothing was drafted),
-  "predicted_speedup"}; with G = 0 (auto ran AR) the theorem's G = 0 case,
-  1."""
+                    form: str = "chain", drafted_tokens: int | None = None,
+                    rounds: int | None = None) -> dict:
+  """Theorem 3.8's speedup tau / (G c + 1) from measured numbers: tau
+  (tokens per target call, as printed), G (``mean_draft_tokens``: drafted
+  tokens per target call; the mean with "auto", the nodes with a tree),
+  round_s and ar_step_s (seconds per round of the method and per AR step),
+  whose ratio r = round_s / ar_step_s is G c + 1, so the prediction is
+  tau / r (``theory.speedup_from_tau``; ``alphas``: kept for callers, the
+  measured tau already holds them). c = (r - 1) / G
+  (``theory.cost_ratio_from_round``) is None where G <
+  ``MIN_DRAFTED_PER_ROUND`` (too few drafts to measure it; the prediction
+  still holds r). ``form``: "chain", "auto" or "tree" (printed names);
+  ``drafted_tokens`` / ``rounds``: totals behind G, for the printed n/a.
+
+  Returns {"form", "tau", "draft_tokens" (G), "round_ar_steps" (r),
+  "round_s", "ar_step_s", "cost_ratio" (c or None), "drafted_tokens",
+  "rounds", "predicted_speedup"}; with G = 0 (auto ran AR) the theorem's
+  G = 0 case, 1."""
+  del alphas                      # tau is measured: chain_tau(alphas) would count cut rounds whole
   r = float(round_s) / float(ar_step_s)
+  out = {"form": form, "tau": float(tau), "draft_tokens": float(mean_draft_tokens),
+         "round_ar_steps": r, "round_s": float(round_s), "ar_step_s": float(ar_step_s),
+         "drafted_tokens": drafted_tokens, "rounds": rounds}
   if mean_draft_tokens <= 0:
-    return {"form": form, "tau": float(tau), "draft_tokens": 0.0, "round_ar_steps": r,
-            "cost_ratio": None, "predicted_speedup": 1.0}
-  c = theory.cost_ratio_from_round(r, mean_draft_tokens)
-  if form == "chain" and alphas:
-    predicted = theory.chain_speedup([0.0 if a is None else a for a in alphas], c)
-  else:
-    predicted = theory.speedup_from_tau(tau, mean_draft_tokens, c)
-  return {"form": form, "tau": float(tau), "draft_tokens": float(mean_draft_tokens),
-          "round_ar_steps": r, "cost_ratio": c, "predicted_speedup": float(predicted)}
+    return {**out, "draft_tokens": 0.0, "cost_ratio": None, "predicted_speedup": 1.0}
+  c = (theory.cost_ratio_from_round(r, mean_draft_tokens)
+       if mean_draft_tokens >= MIN_DRAFTED_PER_ROUND else None)
+  predicted = (theory.speedup_from_tau(tau, mean_draft_tokens, c) if c is not None
+               else float(tau) / r)
+  return {**out, "cost_ratio": c, "predicted_speedup": float(predicted)}
+
+
+def _c_text(p: dict) -> str:
+  """c as printed: "c 0.455", or "c n/a (drafted N tokens in R rounds: ...)"."""
+  if p["cost_ratio"] is not None:
+    return f"c {p['cost_ratio']:.3f}"
+  drafted = ("" if p.get("drafted_tokens") is None else
+             f"drafted {p['drafted_tokens']} tokens in {p['rounds']} target calls: ")
+  return (f"c n/a ({drafted}under {MIN_DRAFTED_PER_ROUND} per call, too few drafts to "
+          "measure c)")
+
+
+def _g_text(g: float) -> str:
+  return f"{g:.0f}" if float(g).is_integer() else f"{g:.2f}"
 
 
 def prediction_line(p: dict) -> str:
-  """The printed prediction: Theorem 3.8's formula with the measured
-  numbers in it."""
-  if p["cost_ratio"] is None:
-    return ("predicted by Theorem 3.8: 1.00x (G = 0: the median repeat's rounds were plain AR "
+  """The printed prediction: Theorem 3.8's formula with every input in it,
+  each one a figure of the blocks above: tau and G from the method's block,
+  r = round / AR step from the two blocks' median seconds per round,
+  c = (r - 1) / G."""
+  if p["draft_tokens"] == 0:
+    return ("predicted by Theorem 3.8: 1.00x (G = 0: the timed rounds were plain AR "
             "steps)")
-  g = p["draft_tokens"]
-  what = {"chain": "G", "auto": "mean G drafted", "tree": "N nodes"}.get(p["form"], "G")
-  g_text = f"{g:.0f}" if float(g).is_integer() else f"{g:.2f}"
-  fn = "chain_speedup" if p["form"] == "chain" else "speedup_from_tau"
-  return (f"predicted by Theorem 3.8 (decode.theory.{fn}): {p['predicted_speedup']:.2f}x = "
-          f"tau {p['tau']:.3f} / ({what} {g_text} x c {p['cost_ratio']:.3f} + 1), c from a round "
-          f"of {p['round_ar_steps']:.2f} AR steps (decoding phase; the median of the "
-          "timed repeats' predictions)")
+  what = {"chain": "G", "auto": "mean G", "tree": "N nodes"}.get(p["form"], "G")
+  g_text = _g_text(p["draft_tokens"])
+  rounds = (f"r = round {p['round_s'] * 1e3:.3f} ms / AR step {p['ar_step_s'] * 1e3:.3f} ms "
+            f"= {p['round_ar_steps']:.3f}, the blocks' medians")
+  if p["cost_ratio"] is None:
+    return (f"predicted by Theorem 3.8 (decode.theory.speedup_from_tau): "
+            f"{p['predicted_speedup']:.2f}x = tau {p['tau']:.3f} / r, {rounds} "
+            f"(= {what} {g_text} x c + 1); {_c_text(p)}")
+  return (f"predicted by Theorem 3.8 (decode.theory.speedup_from_tau): "
+          f"{p['predicted_speedup']:.2f}x = tau {p['tau']:.3f} / ({what} {g_text} x "
+          f"c {p['cost_ratio']:.3f} + 1), c = (r - 1) / {what}, {rounds}")
 
 
 def verdict_line(p: dict, measured: float, lo: float, hi: float, *,
@@ -310,26 +360,30 @@ def verdict_line(p: dict, measured: float, lo: float, hi: float, *,
                  prefill_share: tuple[float, float] | None = None,
                  emitted_per_round: float | None = None, method: str = "mtp") -> str:
   """One line naming the term that decides the result on this machine:
-  whether tau exceeds the cost of a round in AR steps (drafting pays iff
-  tau > G c + 1), the prediction beside the measured speedup and its
+  whether tau exceeds the cost of a round in AR steps r = G c + 1 (drafting
+  pays iff tau > r; ``p``'s tau and r, the figures the prediction line
+  printed), the prediction beside the measured speedup and its
   per-repeat range [lo, hi], and where the prediction falls outside that
   range, the term it leaves out that accounts for more of the gap: rounds
   emitting fewer tokens than tau (``decode_speedup``, the measured
   decoding-phase speedup, against the prediction; ``emitted_per_round``:
-  tokens per row-round) or the prefill and per-call work (the whole call
+  tokens per row and batched round, below tau where rows wait for the
+  batch's slowest) or the prefill and per-call work (the whole call
   against the decoding phase; ``prefill_share``: (method, AR) prefill over
   wall). ``p``: ``predict_speedup``'s dict. Pure (tests inject numbers)."""
   pred = p["predicted_speedup"]
   measured_text = f"measured {measured:.2f}x ({lo:.2f}-{hi:.2f}x)"
-  if p["cost_ratio"] is None:
+  if p["draft_tokens"] == 0:
     head = (f"{method} ran plain AR steps (auto: drafting does not pay at the measured costs, "
             "this batch and budget)")
   else:
     tau, r, c = p["tau"], p["round_ar_steps"], p["cost_ratio"]
-    per = f"(c = {c:.2f} per {'drafted node' if p['form'] == 'tree' else 'draft token'})"
-    head = (f"tau {tau:.2f} over a round of {r:.2f} AR steps {per}: drafting pays here"
-            if tau > r else
-            f"tau {tau:.2f} but a round costs {r:.2f} AR steps {per}: drafting does not pay here")
+    per = (f"(c = {c:.3f} per {'drafted node' if p['form'] == 'tree' else 'draft token'})"
+           if c is not None else f"({_c_text(p)})")
+    head = (f"tau {tau:.3f} over a round of {r:.3f} AR steps {per}: drafting pays here"
+            if round(tau, 3) > round(r, 3) else      # as printed, so the line reads true
+            f"tau {tau:.3f} but a round costs {r:.3f} AR steps {per}: drafting does not pay "
+            "here")
   line = f"{head}; predicted {pred:.2f}x, {measured_text}"
   if lo - AGREEMENT_SLACK <= pred <= hi + AGREEMENT_SLACK:
     return line
@@ -347,19 +401,22 @@ def verdict_line(p: dict, measured: float, lo: float, hi: float, *,
     return (line + " the prefill and per-call work decide it, which the prediction leaves out "
             f"({share}{alone})")
   if pred > decode_speedup:
-    emitted = (f"{emitted_per_round:.2f} per row-round vs tau {p['tau']:.2f}: "
-               if emitted_per_round is not None else "")
-    return (line + f" rounds emit fewer tokens than tau ({emitted}the budget or EOS cuts the "
-            f"last rounds, a batch waits for its slowest row; {alone})")
+    if emitted_per_round is not None and emitted_per_round < p["tau"] - 0.005:
+      return (line + f" rounds emit fewer tokens than tau ({emitted_per_round:.2f} per "
+              f"row and batched round vs tau {p['tau']:.2f}: a batch waits for its slowest "
+              f"row; {alone})")
+    return (line + f" the decoding phase ran slower than its rounds predict ({alone}: a batch "
+            "waits for its slowest row, the repeats differ, or a busy machine)")
   return (line + f" the decoding phase ran faster than its rounds predict ({alone}: the "
           "repeats differ, a busy machine, or auto drafting in some repeats and not in others)")
 
 
 def format_timed(name: str, t: dict) -> str:
   """The ``--compare`` block of one method's timed repeats (``timed_summary``):
-  median (min-max) of tokens/s, wall, TTFT, ITL p50/p90, and the decoding
-  phase's seconds per round (with tau and the drafted length for a method
-  that drafts)."""
+  median (min-max) of tokens/s, wall, TTFT, ITL p50/p90, the decoding
+  phase's seconds per round and batched rounds per call, and for a method
+  that drafts tau = tokens / target calls over all repeats (both printed),
+  alpha_k and G, the drafted tokens per target call."""
   def span(s, scale=1.0, fmt=".1f", unit=""):
     if s["median"] is None:
       return "n/a"
@@ -374,14 +431,20 @@ def format_timed(name: str, t: dict) -> str:
            f"  throughput {span(t['tokens_per_s'], unit=' tok/s')}  wall {ms(t['wall_time_s'])}  "
            f"new tokens {t['new_tokens']:.0f} per call",
            f"  TTFT {ms(t['ttft_s'])}  ITL p50 {ms(t['itl_p50_s'])}  p90 {ms(t['itl_p90_s'])}"]
-  decoding = f"  decoding phase: {ms(t['round_s'])} per round, {t['rounds']:.0f} rounds"
-  if t["mean_draft_tokens"]:
+  lo, hi = (t["rounds_span"]["min"], t["rounds_span"]["max"]) if "rounds_span" in t else (0, 0)
+  rounds = (f"{t['rounds_mean']:.1f} rounds per call (mean; {lo:.0f}-{hi:.0f})"
+            if "rounds_mean" in t and n != 1 else f"{t['rounds']:.0f} rounds per call")
+  lines.append(f"  decoding phase: {span(t['round_s'], 1e3, '.3f', ' ms')} per round, {rounds}")
+  if t.get("form", "ar") != "ar" or t["mean_draft_tokens"]:
     alphas = ", ".join("n/a" if a is None else f"{a:.3f}"
                        for a in t["acceptance_rate_per_position"])
-    tau = t["mean_accepted_length"]
-    decoding += (f", tau {'n/a' if tau is None else format(tau, '.3f')} (alpha {alphas}), "
-                 f"{t['mean_draft_tokens']:.2f} drafted per round")
-  lines.append(decoding)
+    tau = t.get("tau", t["emitted_per_round"])
+    tau_text = ("n/a" if tau is None else
+                f"{tau:.3f} = {t['tokens']} tokens / {t['target_calls']} target calls")
+    what = "nodes" if t.get("form") == "tree" else "G"
+    lines.append(f"  tau {tau_text} over the {n} repeat{'s' if n != 1 else ''} (each call "
+                 f"emits its accepted drafts + 1), alpha {alphas}, {what} "
+                 f"{t['mean_draft_tokens']:.2f} drafted per call")
   return "\n".join(lines)
 
 
@@ -391,24 +454,125 @@ def _round_s(gen) -> float | None:
   return d / r if r and d > 0 else None
 
 
-def prediction_of(method_gens: Sequence, ar_gens: Sequence, form: str) -> dict | None:
+def prediction_of(method_gens: Sequence, ar_gens: Sequence, form: str) -> list[float]:
   """``predict_speedup`` per timed repeat, from that repeat's own tau,
   drafted length and round cost over the AR step timed beside it (with
   "auto" one repeat may draft and the next run AR; a burst of load hits
-  one repeat), and the median of them (the lower middle one for an even
-  count) with "predicted_per_repeat" added. None when no repeat has
-  decoding-phase times."""
+  one repeat): the predicted speedups, in repeat order (repeats without
+  decoding-phase times left out)."""
   preds = []
   for gm, ga in zip(method_gens, ar_gens):
     acc, rm, ra = pooled_acceptance([gm]), _round_s(gm), _round_s(ga)
-    if rm and ra and acc["mean_accepted_length"] is not None:
+    if rm and ra and acc["tau"] is not None:
       preds.append(predict_speedup(
-          tau=acc["mean_accepted_length"], alphas=acc["acceptance_rate_per_position"],
-          mean_draft_tokens=acc["mean_draft_tokens"], round_s=rm, ar_step_s=ra, form=form))
-  if not preds:
+          tau=acc["tau"], alphas=None, mean_draft_tokens=acc["mean_draft_tokens"],
+          round_s=rm, ar_step_s=ra, form=form)["predicted_speedup"])
+  return preds
+
+
+def block_prediction(m: dict, a: dict, form: str) -> dict | None:
+  """``predict_speedup`` from the two printed blocks (``timed_summary``'s
+  dicts of the method ``m`` and AR ``a``): tau, G and the drafted totals of
+  ``m``, r = m's median seconds per round / a's. None without
+  decoding-phase times."""
+  if not (m["round_s"]["median"] and a["round_s"]["median"]) or m["tau"] is None:
     return None
-  mid = sorted(preds, key=lambda p: p["predicted_speedup"])[(len(preds) - 1) // 2]
-  return {**mid, "predicted_per_repeat": [p["predicted_speedup"] for p in preds]}
+  return predict_speedup(tau=m["tau"], alphas=None, mean_draft_tokens=m["mean_draft_tokens"],
+                         round_s=m["round_s"]["median"], ar_step_s=a["round_s"]["median"],
+                         form=form, drafted_tokens=m["drafted_tokens"],
+                         rounds=m["target_calls"])
+
+
+class AnswerInterrupted(Exception):
+  """Ctrl-C ended the answer (the method's first timed repeat): no more
+  repeats run; ``TimedRuns.gens[method][0]`` holds it, marked interrupted."""
+
+
+@dataclasses.dataclass
+class TimedRuns:
+  """What ``time_runs`` decoded, filled in as it goes (so a Ctrl-C keeps
+  what was done). gens: {"ar": [...], method: [...]}, the timed
+  ``Generation`` of each repeat in order; ar_untimed: AR's run after its
+  compilation, not timed (the greedy reference); answer: the method's
+  first timed repeat is the reported answer (``run``), streamed."""
+  method: str
+  gens: dict = dataclasses.field(default_factory=dict)
+  ar_untimed: object = None
+  answer: bool = False
+  answer_auto: dict | None = None   # "auto"'s record right after the answer (Decoder.auto_record)
+
+  def __post_init__(self):
+    self.gens = self.gens or {"ar": [], self.method: []}
+
+
+def time_runs(decoder: Decoder, prompts: Sequence[str], *, method: str, repeats: int,
+              ar: Decoder | None = None, warm: bool = False, out: TextIO | None = None,
+              runs: TimedRuns | None = None, **kw) -> TimedRuns:
+  """``repeats`` interleaved ``decoder`` / AR runs of ``prompts``
+  (``decode_texts`` keywords ``kw``; round r starts with the method when r
+  is even, with AR when odd, so drift hits both alike), AR's first timed
+  call preceded by its untimed compiling run (each repeat's time is its
+  ``Generation``'s own wall time). ``out``: the method's first repeat is
+  the answer: warmed up (compiled, "auto" calibrated) first, streamed to
+  ``out`` and interruptible (then no repeat follows), so the user sees it
+  before AR compiles. ``warm``: else compile ``decoder`` for this batch
+  first (``Decoder.warm_up``). Fills and returns ``runs``."""
+  runs = runs or TimedRuns(method, answer=out is not None)
+  ar = ar or Decoder(decoder.models()[0], "ar", tokenizer=decoder.tokenizer)
+  if warm and out is None:   # compilation (and "auto"'s calibration) must not land in a timed call
+    encoded = [p for p in encode_prompts(prompts, decoder.tokenizer, kw.get("chat", False),
+                                         kw.get("systems")) for _ in range(kw["num_samples"])]
+    decoder.warm_up(encoded, kw["max_new_tokens"], kw["sampling"], kw["seed"],
+                    stops=kw.get("stops"))
+
+  def call_method():
+    if out is not None and not runs.gens[method]:
+      gen = decode_texts(decoder, prompts, warmup=True, out=out, interruptible=True, **kw)
+      runs.gens[method].append(gen)
+      runs.answer_auto = decoder.auto_record()
+      if gen.interrupted:
+        raise AnswerInterrupted
+    else:
+      runs.gens[method].append(decode_texts(decoder, prompts, warmup=False, **kw))
+
+  def call_ar():
+    if runs.ar_untimed is None:        # compiles AR; its wall time is not one of the repeats
+      runs.ar_untimed = decode_texts(ar, prompts, warmup=True, **kw)
+    runs.gens["ar"].append(decode_texts(ar, prompts, warmup=False, **kw))
+  try:
+    if out is None:        # all compilation before the timed rounds
+      runs.ar_untimed = decode_texts(ar, prompts, warmup=True, **kw)
+      interleaved_times({method: call_method, "ar": call_ar}, repeats, warmup=0)
+    else:                  # round 0 by hand: the answer first, then AR's compiling run
+      call_method()
+      call_ar()
+      if repeats > 1:      # rounds 1..: AR first in odd rounds, as interleaved_times rotates
+        interleaved_times({"ar": call_ar, method: call_method}, repeats - 1, warmup=0)
+  except AnswerInterrupted:
+    pass
+  return runs
+
+
+def speedup_line(method: str, rate: dict, ratios: Sequence[float], repeats: int,
+                 sampling: SamplingParams, new_tokens: dict, same: bool) -> str:
+  """The printed speedup: the ratio of the blocks' median tokens/s, the
+  per-repeat ratios' range and, where it prints otherwise, their median."""
+  speedup = rate[method] / rate["ar"]
+  med = float(np.median(ratios))
+  median_text = (f", median {med:.2f}x (the repeats disagree: a single repeat's ratio is "
+                 "noisy)" if f"{med:.2f}" != f"{speedup:.2f}" else "")
+  s = "s" if repeats != 1 else ""
+  return (f"speedup over AR: {speedup:.2f}x = {rate[method]:.1f} / {rate['ar']:.1f} tok/s, "
+          f"the median throughputs above ({repeats} interleaved repeat{s}, per repeat "
+          f"{min(ratios):.2f}x-{max(ratios):.2f}x{median_text}; same prompts and budget, after "
+          "compilation"
+          + ("; one repeat is noisy, see scripts/bench_decode.py" if repeats == 1 else "") + ")"
+          + (f" (T > 0: {method} and AR sample different texts, {method} "
+             f"{np.mean(new_tokens[method]):.0f} and AR {np.mean(new_tokens['ar']):.0f} new "
+             "tokens over all prompts; many prompts or scripts/bench_decode.py average that out)"
+             if sampling.temperature else
+             " (greedy outputs identical)" if same else
+             " (WARNING: greedy outputs differ; where and why below)"))
 
 
 def compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: str, repeats: int,
@@ -416,46 +580,42 @@ def compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: st
                     err: TextIO, stops: StopConditions | None = None, chat: bool = False,
                     systems: Sequence[str | None] | None = None,
                     ar: Decoder | None = None, warm: bool = False,
-                    check_greedy: bool = True) -> dict:
-  """``repeats`` interleaved AR / ``decoder`` runs of ``prompts`` (see
-  ``decode.run.run``; ``gen``: the reported generation, whose tokens greedy
-  AR must reproduce); writes the two timed blocks, the speedup line (the
-  ratio of the blocks' median tokens/s), the Theorem 3.8 prediction and
-  the verdict line to ``err``.
+                    check_greedy: bool = True, runs: TimedRuns | None = None) -> dict:
+  """``repeats`` interleaved AR / ``decoder`` runs of ``prompts``
+  (``time_runs``; ``runs``: those already made, e.g. with the answer as
+  the method's first repeat; see ``decode.run.run``; ``gen``: the reported
+  generation, whose tokens greedy AR must reproduce); writes the two timed
+  blocks, the speedup line (the ratio of the blocks' median tokens/s, with
+  the per-repeat ratios' range and median), the Theorem 3.8 prediction from
+  the blocks' printed figures and the verdict line to ``err``.
 
   Returns the report keys ar_stats (AR's untimed generation, the one that
   follows its compilation), speedup (tokens/s ratio), speedup_per_repeat,
-  repeats, wall_times_s (seconds per call), new_tokens (per call, all rows),
-  tokens_per_s (per decoder: the blocks' medians), timed ({"ar": ...,
-  METHOD: ...}: ``timed_summary`` of each) and prediction
-  (``predict_speedup``'s dict with "measured_speedup", "measured_min",
-  "measured_max" and "line", the verdict; None without timings) and
-  greedy_check (at T = 0 with ``check_greedy``: ``greedy_check``'s dict,
-  the first differing position of every row whose outputs differ and the
-  target's top-2 logit gap there against the numeric contract's bound,
-  each printed as one line; None at T > 0). ``ar``:
-  the AR decoder to time (default a new one; passing one reuses its
-  compilations). ``warm``: first compile ``decoder`` for this batch
+  speedup_per_repeat_median, repeats, wall_times_s (seconds per call),
+  new_tokens (per call, all rows), tokens_per_s (per decoder: the blocks'
+  medians), timed ({"ar": ..., METHOD: ...}: ``timed_summary`` of each),
+  answer_repeat (0 when the answer is the method's first timed repeat, else
+  None), prediction (``predict_speedup``'s dict from the blocks with
+  "predicted_per_repeat", "measured_speedup", "measured_min",
+  "measured_max", "measured_median" and "line", the verdict; None without
+  timings) and greedy_check (at T = 0 with ``check_greedy``:
+  ``greedy_check``'s dict, the first differing position of every row
+  whose outputs differ and the target's top-2 logit gap there against the
+  numeric contract's bound, each printed as one line; None at T > 0).
+  ``ar``: the AR decoder to time (default a new one; passing one reuses
+  its compilations). ``warm``: first compile ``decoder`` for this batch
   (``Decoder.warm_up``), when it has not decoded this batch shape yet."""
-  ar = ar or Decoder(decoder.models()[0], "ar", tokenizer=decoder.tokenizer)
   kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples, seed=seed,
             stops=stops, chat=chat, systems=systems)
-  if warm:                  # compilation (and "auto"'s calibration) must not land in a timed call
-    encoded = [p for p in encode_prompts(prompts, decoder.tokenizer, chat, systems)
-               for _ in range(num_samples)]
-    decoder.warm_up(encoded, max_new_tokens, sampling, seed, stops=stops)
-  ar_gen = decode_texts(ar, prompts, warmup=True, **kw)       # compiles AR; not timed below
-  gens = {"ar": [], method: []}
-
-  def timed(name, dec):       # keeps each call's Generation (its own wall time, tokens, stats)
-    def call():
-      gens[name].append(decode_texts(dec, prompts, warmup=False, **kw))
-    return call
-  # interleaved, the order alternating (ar, method / method, ar) so that drift hits both alike
-  interleaved_times({"ar": timed("ar", ar), method: timed(method, decoder)}, repeats, warmup=0)
+  if runs is None:
+    runs = time_runs(decoder, prompts, method=method, repeats=repeats, ar=ar, warm=warm, **kw)
+  gens, ar_gen = runs.gens, runs.ar_untimed
   times = {k: [float(g.wall_time_s) for g in v] for k, v in gens.items()}
   new_tokens = {k: [int(sum(len(t) for t in g.tokens)) for g in v] for k, v in gens.items()}
-  blocks = {k: timed_summary(v) for k, v in gens.items()}
+  form = ("tree" if decoder.tree is not None else
+          "auto" if decoder.schedule is not None else "chain")
+  blocks = {k: {**timed_summary(v), "form": form if k == method else "ar"}
+            for k, v in gens.items()}
   rate = {k: blocks[k]["tokens_per_s"]["median"] for k in blocks}
   ratios = [(nm / wm) / (na / wa) for na, wa, nm, wm in
             zip(new_tokens["ar"], times["ar"], new_tokens[method], times[method])]
@@ -467,27 +627,17 @@ def compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: st
     check = greedy_check(decoder.models()[0], encode_prompts(prompts, decoder.tokenizer, chat,
                                                              systems),
                          gen.tokens, ar_gen.tokens, num_samples=num_samples)
+  s = "s" if repeats != 1 else ""
+  answer = (f"; the answer above is {method}'s first" if runs.answer else "")
   err.write(f"--compare: AR and {method} timed in {repeats} interleaved "
-            f"repeat{'s' if repeats != 1 else ''} each, after compilation and one untimed run; "
+            f"repeat{s} each, after compilation and one untimed AR run{answer}; "
             "the blocks and the speedup below are those repeats\n")
   err.write(format_timed("ar", blocks["ar"]) + "\n" + format_timed(method, blocks[method]) + "\n")
-  err.write(f"speedup over AR: {speedup:.2f}x = {rate[method]:.1f} / {rate['ar']:.1f} tok/s, "
-            f"the median throughputs above ({repeats} interleaved "
-            f"repeat{'s' if repeats != 1 else ''}, per repeat "
-            f"{min(ratios):.2f}x-{max(ratios):.2f}x; same prompts and budget, after compilation"
-            + ("; one repeat is noisy, see scripts/bench_decode.py" if repeats == 1 else "") + ")"
-            + (f" (T > 0: {method} and AR sample different texts, {method} "
-               f"{np.mean(new_tokens[method]):.0f} and AR {np.mean(new_tokens['ar']):.0f} new "
-               "tokens over all prompts; many prompts or scripts/bench_decode.py average that out)"
-               if sampling.temperature else
-               " (greedy outputs identical)" if same else
-               " (WARNING: greedy outputs differ; where and why below)") + "\n")
+  err.write(speedup_line(method, rate, ratios, repeats, sampling, new_tokens, same) + "\n")
   if check is not None:
     for line in greedy_check_lines(check, method):
       err.write(("WARNING: " if "a bug" in line else "") + line + "\n")
-  form = ("tree" if decoder.tree is not None else
-          "auto" if decoder.schedule is not None else "chain")
-  pred = prediction_of(gens[method], gens["ar"], form)
+  pred = block_prediction(blocks[method], blocks["ar"], form)
   if pred is not None:
     m, a = blocks[method], blocks["ar"]
     decode_ratios = [stats_lib.summarize(gm)["decode_tokens_per_s"] /
@@ -498,18 +648,23 @@ def compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: st
     share = ((m["prefill_share"]["median"], a["prefill_share"]["median"])
              if m["prefill_share"]["median"] is not None
              and a["prefill_share"]["median"] is not None else None)
+    row_rounds = sum(_rounds(g) * len(g.tokens) for g in gens[method])
+    emitted = m["tokens"] / row_rounds if row_rounds else None
     line = verdict_line(pred, speedup, min(ratios), max(ratios),
                         decode_speedup=float(np.median(decode_ratios)) if decode_ratios else None,
-                        prefill_share=share, emitted_per_round=m["emitted_per_round"],
-                        method=method)
+                        prefill_share=share, emitted_per_round=emitted, method=method)
     err.write(prediction_line(pred) + "\n" + line + "\n")
-    pred = {**pred, "measured_speedup": speedup, "measured_min": min(ratios),
-            "measured_max": max(ratios), "line": line}
+    pred = {**pred, "predicted_per_repeat": prediction_of(gens[method], gens["ar"], form),
+            "measured_speedup": speedup, "measured_min": min(ratios),
+            "measured_max": max(ratios), "measured_median": float(np.median(ratios)),
+            "line": line}
   else:
     err.write("predicted by Theorem 3.8: n/a (no decoding-phase time to take costs from)\n")
   return {"ar_stats": ar_summary, "speedup": speedup, "speedup_per_repeat": ratios,
+          "speedup_per_repeat_median": float(np.median(ratios)),
           "repeats": repeats, "wall_times_s": times, "new_tokens": new_tokens,
-          "tokens_per_s": rate, "timed": blocks, "prediction": pred, "greedy_check": check}
+          "tokens_per_s": rate, "timed": blocks, "answer_repeat": 0 if runs.answer else None,
+          "prediction": pred, "greedy_check": check}
 
 
 def category_speedups(decoder: Decoder, gen, prompts: Sequence[str],

@@ -18,24 +18,17 @@ read straight from the buffer. q is what verification needs:
 Either way a non-finite entry of q at an emittable id means the drafter
 produced NaN/inf logits (``Decoder`` stops that row with an error).
 
-Drafters are stateless objects holding static settings; their state is a
-pytree (``init_state``) threaded through jitted functions. The interface a
-round uses (``decode.round``): ``init_state(model, batch, cache_len)``,
-``prefill(model, state, tokens, lengths, h0, prefill_len)``,
-``draft(model, state, tokens, n, key, params, g)`` (the draft length g is
-passed on every call: the ``Decoder`` owns it) and
-``after_verify(state, h0_block, n)``; ``model`` is the target for the MTP
-drafter and the draft model for ``DraftModelDrafter``. ``min_length``: the
-shortest committed length n a drafter drafts from; in a round where a row
-is shorter (a one-token prompt's first round, for the MTP modules) the row
-gets no draft and the round is an AR step for it (``decode.round``), so
-prompts of one token decode with every drafter. Both keep their
-KV caches consistent with what the model saw in training: a draft's
-distribution equals that of a cache-free forward over the committed tokens
-followed by the earlier drafts (tests/test_decode.py checks this).
+Drafters are stateless objects holding static settings (the ``Drafter``
+protocol below); their state is a pytree threaded through jitted
+functions. Both keep their KV caches consistent with what the model saw
+in training: a draft's distribution equals that of a cache-free forward
+over the committed tokens followed by the earlier drafts
+(tests/test_decode.py, tests/test_decode_equals_training.py).
 """
 
 from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +52,7 @@ def head_pick(target: Transformer, k: int, h, u, params: SamplingParams):
   still go to the lowest id, V' being sorted) and q is exactly the
   distribution the token was drawn from, so verification is unchanged; at
   T = 1 it saves the warp and sample over the full vocabulary
-  (scripts/bench_draft_head.py measures it)."""
+  (experiments/bench_draft_head.py measures it)."""
   if not target.draft_vocab_size:
     with jax.named_scope("head"):
       logits = target.mtp_head(k, h)[:, 0]
@@ -72,6 +65,34 @@ def head_pick(target: Transformer, k: int, h, u, params: SamplingParams):
     full = jnp.full((qc.shape[0], target.cfg.vocab_size), -jnp.inf if params.greedy else 0.0,
                     qc.dtype)
     return ids[d], full.at[:, ids].set(qc, indices_are_sorted=True, unique_indices=True)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+  """What a round needs of a drafter (``decode.round.propose``); ``model``
+  is the target for the MTP drafters, the draft model for
+  ``DraftModelDrafter``. Shapes: B rows, S buffer slots, G drafts, V ids.
+
+  min_length: the shortest committed length n drafted from; a shorter row
+    gets no draft and its round is an AR step.
+  init_state(model, batch, cache_len) -> state pytree.
+  prefill(model, state, tokens [B, S], lengths [B], h0 [B, P, D], prefill_len)
+    -> state after the prompt.
+  draft(model, state, tokens [B, S], n [B], key, params, g) -> (state,
+    tokens with d_1..d_g written at n..n+g-1, drafts [B, g] int32, q [B, g, V]
+    float32: warped draft probabilities, or logits when greedy).
+  after_verify(state, h0_block [B, g + 1, D], n [B]) -> state.
+  settings() -> hashable static settings (equal settings share programs).
+  """
+  min_length: int
+
+  def init_state(self, model: Transformer, batch: int, cache_len: int) -> Any: ...
+  def prefill(self, model: Transformer, state: Any, tokens: jax.Array, lengths: jax.Array,
+              h0: jax.Array, prefill_len: int) -> Any: ...
+  def draft(self, model: Transformer, state: Any, tokens: jax.Array, n: jax.Array, key: jax.Array,
+            params: SamplingParams, g: int) -> tuple[Any, jax.Array, jax.Array, jax.Array]: ...
+  def after_verify(self, state: Any, h0_block: jax.Array, n: jax.Array) -> Any: ...
+  def settings(self) -> Any: ...
 
 
 @struct.dataclass

@@ -35,7 +35,10 @@ from decode import loops
 from decode import mesh as decode_mesh
 from decode import round as round_lib
 from decode import tree as tree_lib
+from decode.drafters import Drafter
 from decode.sampling import SamplingParams
+from decode.schedule import AutoSchedule
+from decode.tree_spec import TreeSpec
 from decode.state import DecodeState
 
 CACHE_SIZE = 64      # distinct specs kept (each holds its executables per shape)
@@ -44,17 +47,15 @@ CACHE_SIZE = 64      # distinct specs kept (each holds its executables per shape
 @dataclasses.dataclass(frozen=True)
 class ProgramSpec:
   """Everything the traced decoding functions depend on besides their
-  arguments. ``draft_graphdef`` is None unless the method is "draft";
-  ``tree`` a ``TreeSpec`` or None; ``schedule`` an ``AutoSchedule`` or None;
-  ``g`` the draft length G (G_max with "auto", the depth with a tree)."""
-  target_graphdef: Any
-  draft_graphdef: Any
-  drafter: Any
-  g: int
-  tree: Any
-  schedule: Any
-  accept_rule: Callable
-  mesh: Any
+  arguments."""
+  target_graphdef: nnx.GraphDef
+  draft_graphdef: nnx.GraphDef | None   # None unless the method is "draft"
+  drafter: Drafter | None               # None for AR
+  g: int                                # G; G_max with "auto"; the depth m with a tree
+  tree: TreeSpec | None
+  schedule: AutoSchedule | None
+  accept_rule: Callable                 # decode.verify.accept or a test's rule
+  mesh: jax.sharding.Mesh | None
 
   def models(self, params, draft_params):
     """(target, draft model or None) merged from (traced) parameters."""

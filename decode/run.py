@@ -10,8 +10,8 @@ comparisons and notices to ``err`` (stderr), and returns the report dict that
 "ar_stats": {...}, "speedup": float (tokens/s ratio), "speedup_per_repeat": [...],
 "wall_times_s": {"ar": [...], METHOD: [...]}, "new_tokens": {...},
 "tokens_per_s": {...}, "timed": {"ar": {...}, METHOD: {...}}, "prediction": {...},
-"greedy_check": {...} or None}``
-(the last nine with ``compare``: ``decode.compare.compare_with_ar``; ``timed``
+"greedy_check": {...} or None, "speedup_per_repeat_median": float, "answer_repeat": 0}``
+(the last eleven with ``compare``: ``decode.compare.compare_with_ar``; ``timed``
 holds each method's timed repeats as medians with min and max, the numbers
 the printed blocks and the speedup come from; ``ar_stats`` is AR's untimed
 run, not printed; ``greedy_check`` at T = 0: every row where the two greedy
@@ -43,7 +43,10 @@ from decode import compare as compare_lib
 from decode import results as results_lib
 from decode import stats as stats_lib
 from decode.schedule import AutoSchedule
-from decode.speculative import MAX_DRAFT_TOKENS
+from decode import limits
+from decode.limits import (  # noqa: F401 (decode.run's API)
+    DTYPES, MAX_DRAFT_TOKENS, MAX_NEW_TOKENS, MAX_REPEATS, MAX_SAMPLES, MAX_SEED,
+    check_overrides, parse_num_draft_tokens)
 from decode.speculative import DecodeError, Decoder, SamplingParams, check_flags
 from decode.stops import StopConditions
 from decode.texts import (  # noqa: F401 (decode.run's API: python -m decode, tests)
@@ -52,24 +55,6 @@ from decode.texts import (  # noqa: F401 (decode.run's API: python -m decode, te
 from mtp import loading
 from mtp import tokenizer as tok
 from mtp.config import ConfigError
-
-
-def parse_num_draft_tokens(text) -> int | str:
-  """``--num_draft_tokens``: an integer in [1, ``MAX_DRAFT_TOKENS``] or
-  "auto". Raises DecodeError."""
-  if isinstance(text, int) and not isinstance(text, bool):
-    value = text
-  elif str(text).strip().lower() == "auto":
-    return "auto"
-  else:
-    try:
-      value = int(str(text).strip())
-    except ValueError:
-      value = None
-  if value is None or not 1 <= value <= MAX_DRAFT_TOKENS:
-    raise DecodeError(f"--num_draft_tokens={text!r} must be an integer in [1, {MAX_DRAFT_TOKENS}] "
-                      "or 'auto'")
-  return value
 
 
 def parse_stops(strings: Sequence[str], token_ids: Sequence[str]) -> StopConditions | None:
@@ -131,25 +116,12 @@ def out_of_memory_as_decode_error(num_prompts: int, num_samples: int, max_new_to
         "--num_samples, the number of prompts or --max_new_tokens") from None
 
 
-MAX_NEW_TOKENS = 2 ** 31 - 1
-MAX_SAMPLES = 65536
-MAX_REPEATS = 1000
-MAX_SEED = 2 ** 32 - 1
-
-
 def check_run_args(*, max_new_tokens, num_samples, seed, repeats, max_draft_tokens=None,
                    sampling: SamplingParams | None = None) -> None:
   """Range checks of every numeric setting of ``run``, made before anything
   is loaded. Raises DecodeError, one line naming the flag and its range."""
-  def integer(name, value, lo, hi):
-    if not (isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi):
-      raise DecodeError(f"--{name}={value!r} must be an integer in [{lo}, {hi}]")
-  integer("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS)
-  integer("num_samples", num_samples, 1, MAX_SAMPLES)
-  integer("seed", seed, 0, MAX_SEED)
-  integer("repeats", repeats, 1, MAX_REPEATS)
-  if max_draft_tokens is not None:
-    integer("max_draft_tokens", max_draft_tokens, 1, MAX_DRAFT_TOKENS)
+  limits.check_counts(max_new_tokens=max_new_tokens, num_samples=num_samples, seed=seed,
+                      repeats=repeats, max_draft_tokens=max_draft_tokens)
   if sampling is not None:
     sampling.validate()
 
@@ -180,21 +152,9 @@ def auto_kwargs(workdir: str, cfg, target, max_draft_tokens: int | None = None) 
   return {"max_draft_tokens": g_max, "schedule": auto_schedule(workdir, g_max)}
 
 
-DTYPES = ("float32", "bfloat16")   # --dtype
 # the model fields --dtype and --attention_impl set (mtp.loading.overridden_config)
 OVERRIDE_FLAGS = {"model.param_dtype": "--dtype", "model.dtype": "--dtype",
                   "model.attention_impl": "--attention_impl"}
-
-
-def check_overrides(dtype: str | None, attention_impl: str | None) -> None:
-  """``--dtype`` (None or one of ``DTYPES``) and ``--attention_impl`` (None or
-  a string; its allowed values are checked by ``mtp.config`` against the
-  checkpoint's config in ``model_overrides``). Raises DecodeError."""
-  if dtype is not None and dtype not in DTYPES:
-    raise DecodeError(f"--dtype={dtype!r} is not allowed: must be one of {', '.join(DTYPES)} "
-                      "(default: the checkpoint's model.dtype)")
-  if attention_impl is not None and not isinstance(attention_impl, str):
-    raise DecodeError(f"--attention_impl={attention_impl!r} must be a string")
 
 
 def model_overrides(cfg, *, dtype: str | None, attention_impl: str | None):
@@ -286,16 +246,19 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   the index in ``prompts``, recorded as ``prompt_index``). Statistics, the
   comparison and notices go to ``err`` (default stderr).
 
-  ``compare``: after the reported (streamed) generation, ``repeats``
-  interleaved pairs of AR and ``method`` runs of the same prompts, seed and
-  budget (order alternating, all after compilation, not streamed); a block
+  ``compare``: ``repeats`` interleaved pairs of ``method`` and AR runs of
+  the same prompts, seed and budget (order alternating, all after
+  compilation), the method's first being the reported (streamed)
+  generation, so the answer's statistics are those of a timed repeat
+  (``decode.compare.time_runs``); a block
   per method gives the timed repeats' median (min-max) tokens/s, wall,
   TTFT and ITL, the speedup is the ratio of the two median tokens/s (at
   T = 0 median AR wall time / median ``method`` wall time), with the
   per-repeat ratios as the spread, followed by Theorem 3.8's prediction
   from the measured tau and round cost and a line naming the term that
-  decides (``decode.compare``). The reported generation's own block then
-  leaves out its timing, which is not one of those repeats.
+  decides (``decode.compare``), each figure of it printed in the blocks.
+  The reported generation's own block then leaves out its timing, which
+  the blocks hold.
 
   ``tree`` ("3,2,1" or a tuple; method "mtp"): draft a token tree instead
   of a chain (``Decoder(tree=...)``); the statistics then give acceptance
@@ -358,17 +321,33 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
     stops.validate(decoder.target_cfg.vocab_size)
   if chat is None:
     chat = bool(decoder.tokenizer.chat_template)
+  kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples, seed=seed,
+            stops=stops, chat=chat)
+  runs, compare_stopped = None, False
   with out_of_memory_as_decode_error(len(prompts), num_samples, max_new_tokens):
-    gen = decode_texts(decoder, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                       num_samples=num_samples, seed=seed, out=out, stops=stops, chat=chat,
-                       systems=systems, interruptible=True)
+    if compare and method != "ar":       # the answer is the method's first timed repeat
+      runs = compare_lib.TimedRuns(method, answer=True)
+      try:
+        compare_lib.time_runs(decoder, prompts, method=method, repeats=repeats, out=out,
+                              runs=runs, systems=systems, **kw)
+      except KeyboardInterrupt:
+        if not runs.gens[method]:        # before the answer: as without --compare
+          raise
+        compare_stopped = True
+      gen = runs.gens[method][0]
+    else:
+      gen = decode_texts(decoder, prompts, out=out, systems=systems, interruptible=True, **kw)
   results = results_lib.result_rows(gen, prompts, categories, num_samples)
   summary = stats_lib.summarize(gen)
   if len(gen.tokens) > 1:
     results_lib.write_rows(out, results, chat)
-  compared = compare and method != "ar" and not gen.interrupted
+  # with no timed block to follow (Ctrl-C after the answer) its block keeps its own timing
+  compared = compare and method != "ar" and not gen.interrupted and not compare_stopped
+  timing_note = (f"this answer is {method}'s first timed repeat (its text handed on as decoded); "
+                 "see the blocks below")
   err.write(stats_lib.format_summary(f"{method}, the answer above" if compared else method,
-                                     summary, timing=not compared)
+                                     summary, timing=not compared,
+                                     timing_note=timing_note)
             + f"\n  seed {seed}  {results_lib.numerics_line(decoder)}\n")
   notice = results_lib.length_notice(gen.finish_reasons, max_new_tokens)
   if notice:
@@ -377,18 +356,21 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
       workdir, method, decoder, batch_size=len(gen.tokens), max_new_tokens=max_new_tokens,
       sampling=sampling, num_samples=num_samples, seed=seed, chat=chat, stops=stops,
       checkpoint_step=step)
+  if runs is not None and runs.answer_auto is not None:
+    config["auto"] = runs.answer_auto     # as the answer used them, before later repeats learned
   report = {"config": config, "results": results, "stats": summary}
   if gen.interrupted:
     report["interrupted"] = True
     err.write(f"interrupted: {summary['num_tokens']} tokens generated"
               + ("; --compare skipped" if compare and method != "ar" else "") + "\n")
-  kw = dict(method=method, repeats=repeats, max_new_tokens=max_new_tokens, sampling=sampling,
-            num_samples=num_samples, seed=seed, stops=stops, chat=chat)
+  kw = dict(method=method, repeats=repeats, **kw)
   speedups = None
   try:
+    if compare_stopped:
+      raise KeyboardInterrupt
     if compared:
       report.update(compare_lib.compare_with_ar(decoder, gen, prompts, err=err, systems=systems,
-                                                **kw))
+                                                runs=runs, **kw))
     if compared and categories:
       speedups = compare_lib.category_speedups(decoder, gen, prompts, categories,
                                                systems=systems, **kw)

@@ -17,14 +17,14 @@ Axis letters: B batch, G draft length, V vocabulary; computed in float32.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from decode import limits
 from decode.errors import DecodeError
+from decode.limits import MAX_TOP_K  # noqa: F401 (decode.sampling's API)
 
 __all__ = [
   "SamplingParams",
@@ -42,7 +42,6 @@ __all__ = [
 ]
 
 _NEG_INF = -jnp.inf
-MAX_TOP_K = 2 ** 31 - 1           # top_k is an int32 on the device
 
 
 def check_values(temperature, top_k, top_p) -> None:
@@ -54,21 +53,8 @@ def check_values(temperature, top_k, top_p) -> None:
   Raises:
     DecodeError (a ValueError), one line naming the flag and its range.
   """
-  def number(x):
-    if isinstance(x, (jax.Array, np.ndarray)):
-      return None                      # an array: checked where it was made
-    if isinstance(x, numbers.Real) and not isinstance(x, bool):
-      return x
-    return "bad"
-  t, k, p = number(temperature), number(top_k), number(top_p)
-  if t is not None and (t == "bad" or not (math.isfinite(t) and t >= 0)):
-    raise DecodeError(f"--temperature={temperature!r} must be a finite number >= 0 (0 = greedy)")
-  if k is not None and (k == "bad" or not (math.isfinite(k) and float(k).is_integer()
-                                          and 0 <= k <= MAX_TOP_K)):
-    raise DecodeError(f"--top_k={top_k!r} must be an integer in [0, {MAX_TOP_K}] "
-                      "(0 disables top-k)")
-  if p is not None and (p == "bad" or not 0.0 < p <= 1.0):
-    raise DecodeError(f"--top_p={top_p!r} must be in (0, 1] (1 disables top-p)")
+  limits.check_sampling(temperature, top_k, top_p,
+                        is_array=lambda x: isinstance(x, (jax.Array, np.ndarray)))
 
 
 @jax.tree_util.register_pytree_node_class

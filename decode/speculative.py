@@ -44,6 +44,7 @@ from decode import state as state_lib
 from decode import tree as tree_lib
 from decode.drafters import DraftModelDrafter, MTPDrafter
 from decode.errors import DecodeError, NonFiniteLogitsError  # noqa: F401 (the API's errors)
+from decode.limits import MAX_DRAFT_TOKENS
 from decode.sampling import SamplingParams
 from decode.schedule import AutoSchedule
 from decode.state import DecodeState, Generation
@@ -52,7 +53,6 @@ from mtp import tokenizer as tok
 from mtp.model import Transformer
 
 METHODS = ("ar", "mtp", "draft")
-MAX_DRAFT_TOKENS = 16        # G (fixed) and auto's G_max: a draft longer than this never pays
 WARMUP_TOKENS = 1            # tokens per row of ``Decoder.warm_up``
 
 

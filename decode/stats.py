@@ -4,8 +4,12 @@ theory these are compared with is ``decode.theory``.
 - mean accepted length tau: tokens per target verification call, the mean of
   a+1 over rounds (a = accepted drafts; AR has tau = 1). The budget or an EOS
   may cut a round's output short; tau still counts the round as a+1 verified
-  tokens, so it measures the drafter, not the budget (``num_tokens /
-  target_calls`` is the emitted-token rate, lower when rounds are cut).
+  tokens, so it measures the drafter, not the budget (JSON
+  ``mean_accepted_length``).
+- printed tau (``tokens_per_call``): num_tokens / target_calls, emitted
+  tokens per call; each call emits its accepted drafts plus one token of its
+  own (residual or bonus), cut at the budget or a stop; the prefill emits
+  none. What every printed block shows, so tokens / calls rebuilds it.
 - target_calls: verification calls summed over rows (a batch of B active rows
   in one round counts B); the number of batched forward passes is the
   maximum over rows.
@@ -51,7 +55,8 @@ def summarize(gen, rows: Sequence[int] | None = None) -> dict:
   """Statistics over ``rows`` (default: all) of a generation (a
   ``decode.state.Generation``). Keys:
   mean_accepted_length, acceptance_rate_per_position,
-  accepted_length_histogram, target_calls, num_tokens, ttft_s, itl_p50_s,
+  accepted_length_histogram, target_calls, num_tokens, tokens_per_call
+  (num_tokens / target_calls: the printed tau), ttft_s, itl_p50_s,
   itl_p90_s, tokens_per_s, wall_time_s, prefill_s, decode_tokens_per_s,
   tree (branching list or None) and nodes_per_round (N for a tree, G for
   a chain, 0 for AR, None with "auto"), and ``interrupted`` (True) only
@@ -74,6 +79,7 @@ def summarize(gen, rows: Sequence[int] | None = None) -> dict:
       "accepted_length_histogram": [int(x) for x in hist],
       "target_calls": calls,
       "num_tokens": num_tokens,
+      "tokens_per_call": num_tokens / calls if calls else None,
       "ttft_s": None, "itl_p50_s": None, "itl_p90_s": None,
       "tokens_per_s": num_tokens / gen.wall_time_s if gen.wall_time_s > 0 else None,
       "wall_time_s": gen.wall_time_s,
@@ -100,19 +106,29 @@ def summarize(gen, rows: Sequence[int] | None = None) -> dict:
   return out
 
 
-def format_summary(name: str, s: dict, timing: bool = True) -> str:
-  """Human-readable block for the CLI. ``timing`` False leaves out the
-  timing line (TTFT, ITL, throughput, wall) in favour of a line saying that
-  this run is not among ``--compare``'s timed repeats, whose blocks follow:
-  two throughputs of one method in one output would read as one
-  measurement."""
+def format_summary(name: str, s: dict, timing: bool = True,
+                   timing_note: str = "this answer's run is not one of --compare's timed "
+                                      "repeats; see their blocks") -> str:
+  """Human-readable block for the CLI; its tau is tokens / target calls
+  (``tokens_per_call``: a call emits its accepted drafts plus one token,
+  cut at the budget or a stop; the prefill emits none), with
+  ``mean_accepted_length`` beside it where a cut makes them differ.
+  ``timing``: False leaves out the timing line (TTFT, ITL, throughput,
+  wall) in favour of ``timing_note`` (``--compare``: its timed blocks
+  follow; two throughputs of one method in one output would read as one
+  measurement)."""
   num = lambda x, spec: "n/a" if x is None else format(x, spec)
   ms = lambda x: "n/a" if x is None else f"{x * 1e3:.2f} ms"
   alphas = ", ".join(f"alpha_{k}={num(a, '.3f')}" for k, a in
                      enumerate(s["acceptance_rate_per_position"], 1)) or "n/a (AR)"
   tree = s.get("tree")
+  tau = s.get("tokens_per_call")
+  whole = s["mean_accepted_length"]
   head = f"[{name}] tokens {s['num_tokens']}  target calls {s['target_calls']}  " \
-         f"tau {num(s['mean_accepted_length'], '.3f')}"
+         f"tau {num(tau, '.3f')} (tokens / target calls"
+  if tau is not None and whole is not None and f"{whole:.3f}" != f"{tau:.3f}":
+    head += f"; {whole:.3f} counting rounds the budget or a stop cut as whole"
+  head += ")"
   if tree:
     head += f"  tree {','.join(map(str, tree))}: {s['nodes_per_round']} nodes per round"
   if s.get("interrupted"):
@@ -128,7 +144,7 @@ def format_summary(name: str, s: dict, timing: bool = True) -> str:
        f"throughput {num(s['tokens_per_s'], '.1f')} tok/s  wall {s['wall_time_s']:.3f} s "
        f"(prefill {ms(s.get('prefill_s'))}, decoding {num(s.get('decode_tokens_per_s'), '.1f')} "
        "tok/s)" if timing else
-       "  timing: this answer's run is not one of --compare's timed repeats; see their blocks"),
+       f"  timing: {timing_note}"),
   ])
 
 

@@ -452,7 +452,8 @@ class BPETokenizer:
             "special_tokens": list(self.special_tokens), "chat_template": self.chat_template}
 
   def save_model_file(self, path: str) -> None:
-    self._tok.save(path)
+    from mtp.files import write_atomic
+    write_atomic(path, self._tok.to_str(pretty=True))
 
   def tokenizers_json(self) -> dict[str, Any]:
     """The ``tokenizers`` model as the JSON object ``save_model_file``

@@ -1,8 +1,11 @@
 """Command-line helpers shared by the scripts under scripts/: a help
 formatter, comma-list and range validation that fail like argparse (exit
 status 2, naming the flag), ``--quick`` defaults, the entry-point guard
-that prints input errors in one line, and the exit after an interrupted
-training run; and for the absl CLIs (``python -m train``, ``decode``,
+that prints input errors in one line (and ends a Ctrl-C, a closed pipe
+or a full disk in one line), ``check_output_path`` (an output flag checked
+before any work), ``write_atomic`` (every file the project writes, whole or
+not at all), and the exit after an interrupted training run; and for the
+absl CLIs (``python -m train``, ``decode``,
 ``mtp.export``) the flag parser that exits with the documented bad-input
 status 2 (absl's own exits 1). Report writing lives in ``mtp.report``.
 """
@@ -11,9 +14,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import math
 import os
 import sys
+import tempfile
+
+from mtp.files import write_atomic  # noqa: F401  (re-exported: the CLIs' one writer)
 
 DATA_DIR_HELP = ("TFDS data dir (default: $MTP_DATA_DIR if set, else "
                  "~/.cache/mtp/tensorflow_datasets)")
@@ -30,6 +37,16 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         and action.default not in (None, False, "", argparse.SUPPRESS)):
       text += " (default: %(default)s)"
     return text
+
+
+class OneLineParser(argparse.ArgumentParser):
+  """An ArgumentParser whose errors are one line ``error: ...`` on stderr
+  and exit status 2, without the usage block (``check_range``,
+  ``parse_list`` and the rest call ``ap.error`` and so fail in one line)."""
+
+  def error(self, message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(BAD_INPUT)
 
 
 def _fmt(v) -> str:
@@ -158,18 +175,157 @@ def input_errors() -> tuple:
   return (ConfigError, DataError, CheckpointError)
 
 
+EXIT_INTERRUPTED = 130     # 128 + SIGINT
+EXIT_BROKEN_PIPE = 141     # 128 + SIGPIPE: what a shell reports for a C tool whose reader left
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _flush_stdout() -> None:
+  """Flushes stdout; a reader that went away (``| head``) ends the process
+  quietly with ``EXIT_BROKEN_PIPE`` (stdout pointed at /dev/null first, so
+  the interpreter's own flush at exit does not complain)."""
+  try:
+    sys.stdout.flush()
+  except BrokenPipeError:
+    _exit_broken_pipe()
+  except (OSError, ValueError):        # a closed or odd stdout: nothing more to say
+    pass
+
+
+def _exit_broken_pipe():
+  try:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+  except (OSError, ValueError, AttributeError):
+    pass
+  os._exit(EXIT_BROKEN_PIPE)
+
+
+def exit_interrupted() -> None:
+  """Ctrl-C: one line on stderr and the end of the process with status 130,
+  at once (``os._exit``: no interpreter teardown, which with XLA's threads
+  running can crash; every file is written whole by ``write_atomic``, so
+  nothing half-written remains)."""
+  try:
+    print("interrupted (Ctrl-C): stopped", file=sys.stderr, flush=True)
+  except (OSError, ValueError):
+    pass
+  with contextlib.suppress(OSError, ValueError):
+    sys.stdout.flush()
+  os._exit(EXIT_INTERRUPTED)
+
+
+def _unraisable_hook(previous):
+  """A ``sys.unraisablehook`` that ends the process on a KeyboardInterrupt
+  Python would otherwise print as "Exception ignored in ..." and drop (a
+  Ctrl-C that lands in a gc callback, e.g. jax's ``_xla_gc_callback``, or in
+  a ``__del__``)."""
+  def hook(unraisable):
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+      exit_interrupted()
+    previous(unraisable)
+  hook.mtp_guard = True
+  return hook
+
+
+def no_space_error(e: BaseException) -> str | None:
+  """"no space left on device writing PATH" (or "disk quota exceeded ...")
+  when ``e`` or an exception it was raised from is an OSError ENOSPC /
+  EDQUOT (or a library's error that says "No space left on device"); else
+  None."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, OSError) and e.errno in NO_SPACE:
+      what = (e.strerror or os.strerror(e.errno)).lower()
+      return f"{what} writing {e.filename if e.filename is not None else '(unknown path)'}"
+    if not isinstance(e, OSError) and "no space left on device" in str(e).lower():
+      return f"no space left on device writing (unknown path: {type(e).__name__})"
+    e = e.__cause__ or e.__context__
+  return None
+
+
 def main_guard(main, argv=None, errors: tuple = ()):
   """Runs ``main(argv)`` as a script's entry point and exits: with ``main``'s
-  return value when it is an int (0 otherwise); with status 2 and one line
-  "error: ..." on stderr (no traceback) on an input error (``input_errors()``
-  and the types in ``errors``, e.g. ``(DecodeError,)``)."""
-  caught = input_errors() + tuple(errors)
+  return value when it is an int (0 otherwise; a ``SystemExit`` from
+  ``main``, e.g. absl's ``app.run``, passes through). One line on stderr
+  and no traceback for: an input error (``input_errors()`` and the types in
+  ``errors``, e.g. ``(DecodeError,)``): "error: ...", status 2; a full disk
+  or quota (OSError ENOSPC / EDQUOT, anywhere): "error: no space left on
+  device writing PATH", status 2; Ctrl-C (a KeyboardInterrupt that reaches
+  here or that Python would drop, ``exit_interrupted``): status 130. A
+  closed stdout (``| head``) ends quietly with status 141 (128 + SIGPIPE).
+  Nothing is imported before ``main`` runs (a CLI may set ``JAX_PLATFORMS``
+  first)."""
+  if not getattr(sys.unraisablehook, "mtp_guard", False):
+    sys.unraisablehook = _unraisable_hook(sys.unraisablehook)
   try:
-    rc = main(argv)
-  except caught as e:
-    print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-    sys.exit(2)
+    try:
+      rc = main(argv)
+    except SystemExit:
+      _flush_stdout()
+      raise
+    _flush_stdout()
+  except KeyboardInterrupt:
+    exit_interrupted()
+  except BrokenPipeError:
+    _exit_broken_pipe()
+  except Exception as e:
+    if isinstance(e, input_errors() + tuple(errors)):
+      print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+      sys.exit(BAD_INPUT)
+    msg = no_space_error(e)
+    if msg is None:
+      raise
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(BAD_INPUT)
   sys.exit(rc if isinstance(rc, int) else 0)
+
+
+def output_path_problem(path: str, kind: str = "file") -> str | None:
+  """Why ``path`` cannot be written (None: it can): ``kind="file"``: not a
+  directory, and its folder (or the nearest existing folder above, which
+  ``os.makedirs`` extends) a directory this process can create files in;
+  ``kind="dir"``: an existing directory or a creatable one, writable;
+  ``kind="prefix"``: a report prefix (``mtp.report.write_report`` writes
+  PATH.json and PATH.md), as the file PATH.json. Checked
+  by creating and removing a temporary file there (a read-only mount, a
+  full quota or missing permission all show)."""
+  if kind not in ("file", "dir", "prefix"):
+    raise ValueError(f"kind={kind!r} must be 'file', 'dir' or 'prefix'")
+  p = os.path.abspath(os.fspath(path))
+  if kind == "prefix":
+    p, kind = p + ".json", "file"
+  if os.path.lexists(p):
+    if kind == "dir" and not os.path.isdir(p):
+      return "exists and is not a directory"
+    if kind == "file" and os.path.isdir(p):
+      return "is a directory; give a file path"
+    folder = p if kind == "dir" else os.path.dirname(p)
+  else:
+    folder = os.path.dirname(p)
+  while not os.path.lexists(folder):
+    folder = os.path.dirname(folder)
+  if not os.path.isdir(folder):
+    return f"{folder!r} is not a directory"
+  try:
+    fd, probe = tempfile.mkstemp(dir=folder, prefix=".mtp_write_probe.")
+  except OSError as e:
+    return f"cannot create files in {folder!r} ({e.strerror or e})"
+  os.close(fd)
+  with contextlib.suppress(OSError):
+    os.remove(probe)
+  return None
+
+
+def check_output_path(flag: str, path: str, kind: str = "file") -> None:
+  """Exits with status 2 and one line "error: --FLAG=PATH: ..." unless
+  ``path`` can be written (``output_path_problem``); call it before any
+  heavy work, so a bad output flag does not cost a run."""
+  problem = output_path_problem(path, kind)
+  if problem is not None:
+    print(f"error: --{flag.lstrip('-')}={os.fspath(path)!r}: {problem}", file=sys.stderr)
+    sys.exit(BAD_INPUT)
 
 
 def exit_if_interrupted(result: dict, num_steps: int, what: str, workdir: str) -> None:
@@ -229,3 +385,56 @@ def parse_flags_or_exit(argv: list[str]) -> list[str]:
           "(quote a value that holds spaces, e.g. --prompt='def main(')", file=sys.stderr)
     sys.exit(BAD_INPUT)
   return rest
+
+
+HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")
+
+
+def asks_for_help(argv) -> bool:
+  """Whether the command line has one of absl's help flags (--help, -?,
+  --helpshort, --helpfull, --helpxml)."""
+  return any(a.lstrip("-").split("=", 1)[0] in HELP_FLAGS for a in argv[1:]
+             if a.startswith("-"))
+
+
+def help_exits_zero(parse):
+  """``parse`` (an absl ``flags_parser``), except that a help flag exits
+  with status 0: absl prints the help and exits 1, which a shell, make or a
+  CI step reads as a failure of a request that succeeded."""
+  def parse_flags(argv):
+    try:
+      return parse(argv)
+    except SystemExit as e:
+      if e.code == 1 and asks_for_help(argv):
+        sys.exit(0)
+      raise
+  return parse_flags
+
+
+def flags_parser(check=None):
+  """The absl ``flags_parser`` of the project's absl CLIs: as
+  ``parse_flags_or_exit`` but each error is one line; help exits 0; then
+  ``check()`` (the flag ranges, before jax or any model code loads): a
+  ValueError it raises is printed as ``error: ...``, exit status 2."""
+  def parse(argv):
+    from absl import flags
+    try:
+      rest = flags.FLAGS(argv)
+    except flags.Error as e:
+      print(f"error: {e} (--helpfull lists the flags)", file=sys.stderr)
+      sys.exit(BAD_INPUT)
+    except SystemExit as e:
+      if e.code == 1 and asks_for_help(argv):
+        sys.exit(0)
+      raise
+    try:
+      if len(rest) > 1:
+        raise ValueError(f"unexpected arguments {' '.join(map(repr, rest[1:]))}: these are flags "
+                         "only (quote a value that holds spaces, e.g. --prompt='def main(')")
+      if check is not None:
+        check()
+    except ValueError as e:
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(BAD_INPUT)
+    return rest
+  return parse

@@ -164,7 +164,7 @@ def with_draft_vocab_size(model, ids):
   or None for no V' (the MTP heads score every id). ``model`` may have a V'
   of another size or none; the weights of a head over a larger V' are the
   same shared W_out rows, so this is how to evaluate or time one set of
-  trained modules against several V' (scripts/sweep_draft_vocab.py).
+  trained modules against several V' (experiments/sweep_draft_vocab.py).
   Raises ValueError as ``check_ids``, or for ids with a model without MTP
   modules."""
   n = 0 if ids is None else len(np.asarray(ids))

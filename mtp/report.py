@@ -104,18 +104,29 @@ def _code_span(text: str) -> str:
 def write_report(out: str, meta: dict, results, markdown: str | None = None) -> None:
   """Writes ``out.json`` ({"meta", "results"}) and, if given, ``out.md``,
   whose first line is the command that produced it (``meta["command"]``,
-  from ``command_line``).
+  from ``command_line``); each whole or not at all (``mtp.cli.write_atomic``).
 
   Raises ValueError when ``markdown`` is given and ``meta`` has no command.
   """
   if markdown is not None and not meta.get("command"):
     raise ValueError("write_report: meta['command'] (report.command_line) is required with markdown")
+  from mtp.files import write_atomic
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  with open(out + ".json", "w") as f:
-    json.dump({"meta": meta, "results": results}, f, indent=2)
+  write_atomic(out + ".json", json.dumps({"meta": meta, "results": results}, indent=2))
   if markdown is not None:
-    with open(out + ".md", "w") as f:
-      f.write(f"Command: {_code_span(meta['command'])}\n\n{markdown}")
+    write_atomic(out + ".md", f"Command: {_code_span(meta['command'])}\n\n{markdown}")
+
+
+def save_figure(fig, path: str, **kwargs) -> str:
+  """``fig.savefig(path, **kwargs)`` (format from the extension, PNG by
+  default) written whole or not at all (``mtp.cli.write_atomic``). Returns
+  ``path``."""
+  import io
+
+  from mtp.files import write_atomic
+  buf = io.BytesIO()
+  fig.savefig(buf, format=os.path.splitext(path)[1].lstrip(".").lower() or "png", **kwargs)
+  return write_atomic(path, buf.getvalue())
 
 
 def fmt(x, spec: str = ".2f") -> str:

@@ -183,9 +183,8 @@ def save_tokenizer(tokenizer, workdir: str) -> str:
   meta = tokenizer.to_dict()
   if meta["kind"] != "byte":
     tokenizer.save_model_file(os.path.join(folder, HF_TOKENIZER_FILE))
-  with open(os.path.join(folder, META_FILE), "w", encoding="utf-8") as f:
-    json.dump(meta, f, indent=2, ensure_ascii=False)
-    f.write("\n")
+  from mtp.files import write_atomic
+  write_atomic(os.path.join(folder, META_FILE), json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
   return folder
 
 

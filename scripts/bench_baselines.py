@@ -53,6 +53,7 @@ def main(argv=None):
   if args.quick:
     cli.apply_quick(ap, args, categories="code", repeats=1, max_new_tokens=8)
   cli.check_range(ap, args, per_category=1, repeats=1, max_new_tokens=1, llamacpp_threads=1)
+  cli.check_output_path("out", args.out, "prefix")
   try:
     specs = baseline_decoders.parse_specs(args.baselines)
   except ValueError as e:

@@ -308,6 +308,7 @@ def main(argv=None):
     cli.apply_quick(ap, args, per_category=1, temperatures="0", num_draft_tokens="1",
                     max_new_tokens=8)
   cli.check_range(ap, args, per_category=1, max_new_tokens=1, llamacpp_threads=1)
+  cli.check_output_path("out", args.out, "prefix")
   if args.repeats is not None:
     cli.check_range(ap, args, repeats=1)
   try:

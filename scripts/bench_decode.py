@@ -39,14 +39,9 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
-
-from decode import run as run_lib
-from decode.speculative import MAX_DRAFT_TOKENS, DecodeError
-from mtp import loading
-from mtp import cli, report
-from mtp import data as data_lib
-from scripts import bench_lib
+from decode.errors import DecodeError
+from decode.limits import MAX_DRAFT_TOKENS
+from mtp import cli   # jax loads after the flags are checked (main)
 
 
 def auto_costs_note(row: dict, results: list[dict]) -> str:
@@ -74,6 +69,8 @@ def auto_costs_note(row: dict, results: list[dict]) -> str:
 
 
 def markdown(results, meta) -> str:
+  from mtp import report
+  from scripts import bench_lib
   lines = [f"Decode benchmark: {meta['workdir']} on {report.machine(meta)}, "
            f"JAX {meta['jax_version']}, commit {meta['commit']}, {meta['date']}; "
            f"{meta['max_new_tokens']} new tokens per prompt, prompts of ~{meta['prompt_bytes']} bytes "
@@ -136,7 +133,7 @@ def markdown(results, meta) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
+  ap = cli.OneLineParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="target checkpoint (its MTP modules draft when D >= 1)")
   ap.add_argument("--draft_workdir", default=None, help="separate draft-model checkpoint (optional)")
   ap.add_argument("--ar_only", action="store_true",
@@ -164,13 +161,16 @@ def parser() -> argparse.ArgumentParser:
   return ap
 
 
-def main(argv=None):
+def parse_args(argv=None):
+  """(parser, args, batch_sizes, temperatures, forms, G values given or None), the
+  flags checked (``ap.error``: one line, exit status 2); loads nothing."""
   ap = parser()
   args = ap.parse_args(argv)
   if args.quick:
     cli.apply_quick(ap, args, batch_sizes="1", temperatures="0,1", repeats=1, max_new_tokens=8,
                     prompt_bytes=64)
   cli.check_range(ap, args, prompt_bytes=1, max_new_tokens=1, repeats=1, num_prompts=0)
+  cli.check_output_path("out", args.out, "prefix")
   batch_sizes = cli.parse_list(ap, "batch_sizes", args.batch_sizes, int, 1)
   temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
   forms = cli.parse_list(ap, "forms", args.forms, str, choices=("while", "stream"))
@@ -183,6 +183,16 @@ def main(argv=None):
         ["auto"] if auto_given else [])
     if not gs_given:
       ap.error(f"--num_draft_tokens={args.num_draft_tokens!r}: give G >= 1 values and/or 'auto'")
+  return ap, args, batch_sizes, temps, forms, gs_given
+
+
+def main(argv=None):
+  ap, args, batch_sizes, temps, forms, gs_given = parse_args(argv)
+  import numpy as np
+  from decode import run as run_lib
+  from mtp import data as data_lib
+  from mtp import loading, report
+  from scripts import bench_lib
   cfg, target, step = loading.load_model(args.workdir)
   draft = loading.load_model(args.draft_workdir)[1] if args.draft_workdir else None
   try:
@@ -212,4 +222,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+  parse_args()   # bad flags refused before main_guard and main load jax
   cli.main_guard(main, errors=(DecodeError,))

@@ -321,6 +321,7 @@ def main(argv=None):
   if args.quick:
     cli.apply_quick(ap, args, batch_sizes="1", max_new_tokens=8, repeats=1)
   cli.check_range(ap, args, max_new_tokens=1, repeats=1)
+  cli.check_output_path("out", args.out, "prefix")
   batch_sizes = cli.parse_list(ap, "batch_sizes", args.batch_sizes, int, 1)
   path = args.hf_dir or args.gguf
   if path is None:

@@ -3,13 +3,14 @@ side, the bare target forward, the drafting step alone, the draft cost
 ratio c (measured and as a FLOP share), and the whole benchmarks built from
 them.
 
-Used by scripts/bench_decode.py, sweep_decode.py, compare_drafters.py,
-bench_draft_cost.py, ablate_mtp.py, distill_mtp.py, losslessness_study.py,
-bench_chat.py, bench_hf.py and sweep_draft_vocab.py. Every timing goes
-through ``mtp.timing.interleaved_times`` (compile first, then interleaved
+Used by scripts/bench_decode.py, bench_chat.py, bench_hf.py and
+device_check.py, and by the experiments (experiments/sweep_decode.py,
+compare_drafters.py, bench_draft_cost.py, ablate_mtp.py, distill_mtp.py,
+losslessness_study.py, sweep_draft_vocab.py), which keep the grids only
+they run beside their mains. Every timing goes through
+``mtp.timing.interleaved_times`` (compile first, then interleaved
 repeats, median). The drafting-step and FLOP probes use the decoder's
-public pieces (``Decoder.prefill``, ``Decoder.models``, its ``drafter``);
-``ArgmaxAcceptDecoder`` is a ``Decoder`` with a wrong ``accept_rule``.
+public pieces (``Decoder.prefill``, ``Decoder.models``, its ``drafter``).
 ``measure_point(..., baselines=)`` times decoders outside this project
 (``Baseline``: transformers, llama.cpp; ``scripts/baseline_decoders.py``)
 in the same interleaved rounds and compares their tokens with AR's.
@@ -17,15 +18,10 @@ in the same interleaved rounds and compares their tokens with AR's.
 Sections: the pieces (one target forward with a KV cache,
 ``bare_forward_s``; one drafting step alone, ``draft_time_s``; the drafting
 step's share of the round's FLOPs, ``draft_flop_share``: the inputs of c);
-cells side by side (``measure_point``, ``ar_vs_mtp``); a deliberately wrong
-decoder; whole benchmarks: the grid of scripts/bench_decode.py (settings as
-``DecodeBench``; AR, MTP chains, ``auto``, trees and a draft model, per
-batch size and temperature, with the bare target forward beside them), its
-tree-vs-chain comparison, the drafting-cost scan of
-scripts/bench_draft_cost.py (c against target depth on random-weight
-targets), the sweeps of scripts/sweep_decode.py, the cost-matched draft of
-scripts/compare_drafters.py and the parameter-swapping bench of
-scripts/distill_mtp.py.
+cells side by side (``measure_point``); the whole benchmark of
+scripts/bench_decode.py (settings as ``DecodeBench``; AR, MTP chains,
+``auto``, trees and a draft model, per batch size and temperature, with
+the bare target forward beside them) and its tree-vs-chain comparison.
 
 Terms (docs/design.md section 7): a *cell* is one decoder (method, G or
 tree) in one form ("while": one jitted while_loop; "stream": one jitted
@@ -37,22 +33,19 @@ et al. 2023, Theorem 3.8.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from decode import sampling, theory, verify
+from decode import sampling, theory
 from decode import stats as stats_lib
 from decode.speculative import Decoder, SamplingParams
 from decode.tree_spec import TreeSpec
-from mtp import config as config_lib
 from mtp import tokenizer as tok
-from mtp.model import build_model, init_layer_caches
+from mtp.model import init_layer_caches
 from mtp.timing import interleaved_times, spread, xla_flops
-from scripts.draft_models import draft_config, param_count
 
 
 # -- the pieces: the bare target forward, one drafting step, the drafting step's FLOP share --
@@ -460,64 +453,7 @@ def measure_point(decoders: dict, prompts: list[str], batch: int, max_new_tokens
   return rows
 
 
-def ar_vs_mtp(model, prompts: list[str], temperatures, max_new_tokens: int, repeats: int,
-              batch: int = 1) -> list[dict]:
-  """AR vs MTP speculative decoding with G = 1 and G = D of one model with
-  D >= 1 MTP modules, while_loop form, ``measure_point`` at every
-  temperature (``repeats`` interleaved decodes per method: prompt r mod
-  len(prompts), seed r). The drafting time behind c is probed once per G,
-  at the first temperature (the temperature is a runtime argument of the
-  same compiled step). Returns ``measure_point``'s rows, AR rows included."""
-  gs = sorted({1, model.mtp_depth})
-  decoders = {"ar": Decoder(model, "ar"), **{f"mtp_G{g}": Decoder(model, "mtp", g) for g in gs}}
-  draft_cache, rows = {}, []
-  for t in temperatures:
-    rows += measure_point(decoders, prompts, batch, max_new_tokens, SamplingParams(temperature=t),
-                          repeats, draft_cache=draft_cache)
-  return rows
-
-
-# -- a deliberately wrong decoder, for power checks (scripts/losslessness_study.py) ---------
-
-def argmax_accept(key, target_probs, draft_tokens):
-  """WRONG acceptance rule, for the power check: accept d_j while it equals
-  argmax p_{j-1}; the next token is sampled from p_a (the target row at the
-  first rejected position, or p_G as the bonus). Not lossless: it ignores q.
-
-  Args: key (jax.random key), target_probs [B, G+1, V] float, draft_tokens
-  [B, G] int. Returns (num_accepted [B] int32 in 0..G, next_token [B] int32).
-  """
-  p = jnp.asarray(target_probs, jnp.float32)
-  g = p.shape[1] - 1
-  best = jnp.argmax(p[:, :g], axis=-1).astype(jnp.int32)                 # [B, G]
-  match = draft_tokens.astype(jnp.int32) == best
-  a = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)      # [B]
-  p_row = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]         # [B, V]
-  return a.astype(jnp.int32), sampling.sample(key, p_row)
-
-
-def _argmax_rule(key, p, q, draft_tokens, params):
-  """``argmax_accept`` as a ``Decoder`` accept_rule (AR steps as the real rule)."""
-  if draft_tokens is None or params.greedy:
-    return verify.accept(key, p, q, draft_tokens, params)
-  return argmax_accept(key, p, draft_tokens)
-
-
-class ArgmaxAcceptDecoder(Decoder):
-  """A speculative ``Decoder`` whose round uses ``argmax_accept`` instead of
-  the rejection rule of Leviathan et al. 2023 (Algorithm 1): same drafting,
-  verification and commit, wrong acceptance. For power checks only."""
-
-  def __init__(self, target, method="mtp", num_draft_tokens=2, draft=None, mesh=None,
-               tokenizer=None):
-    if method == "ar":
-      raise ValueError("ArgmaxAcceptDecoder needs a speculative method (mtp or draft)")
-    super().__init__(target, method, num_draft_tokens, draft, mesh, accept_rule=_argmax_rule,
-                     tokenizer=tokenizer)
-
-
-# -- whole benchmarks: the grid of scripts/bench_decode.py, its tree-vs-chain comparison,
-#    the drafting-cost scan of scripts/bench_draft_cost.py --------------------------------
+# -- the whole benchmark of scripts/bench_decode.py and its tree-vs-chain comparison -------
 
 @dataclasses.dataclass
 class DecodeBench:
@@ -661,230 +597,3 @@ def tree_comparison(results: list[dict], bare_in_loop_by_batch: dict) -> list[di
                 "forward_ms_per_node": fwd, "speedup_tree": r["speedup_decode"],
                 "speedup_chain": chain["speedup_decode"]})
   return out
-
-
-DRAFT_COST_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    return 0\n"
-ALPHAS = (0.6, 0.8, 0.9)     # acceptance rates of draft_cost_vs_depth's ideal speedups
-
-
-def draft_cost_vs_depth(cfg: config_lib.Config, layers: int, gs: list[int], repeats: int, max_new: int,
-                        log=print) -> list[dict]:
-  """Rows {layers, num_draft_tokens, c, c_flops, overhead, draft_s, forward_s, ideal_speedup}
-  for a random target copy of ``cfg`` with ``layers`` layers and MTP depth
-  max(gs) (scripts/bench_draft_cost.py): c = ``draft_time_s`` / (G x one
-  in-loop ``bare_forward_s`` over 1 token), batch 1, T = 0, prompt
-  ``DRAFT_COST_PROMPT``; c_flops = ``draft_flop_share``; ideal_speedup
-  {alpha: Theorem 3.8} at ``ALPHAS``. ``log`` gets one line per G."""
-  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers),
-                            mtp=dataclasses.replace(cfg.mtp, depth=max(gs)))
-  target = build_model(config_lib.validate(cfg))
-  cache_len = 64 * -(-(len(DRAFT_COST_PROMPT) + 1 + max_new + 64) // 64)
-  fwd = bare_forward_s(target, 1, 1, cache_len, repeats, in_loop=True)
-  sp = SamplingParams(temperature=0.0)
-  rows = []
-  for g in gs:
-    dec = Decoder(target, "mtp", g)
-    draft_s = draft_time_s(dec, [DRAFT_COST_PROMPT], max_new, sp, repeats)
-    c = draft_s / (g * fwd)
-    c_flops = draft_flop_share(dec, [DRAFT_COST_PROMPT], max_new, sp)
-    rows.append({"layers": layers, "num_draft_tokens": g, "c": c, "c_flops": c_flops,
-                 "overhead": c / c_flops, "draft_s": draft_s, "forward_s": fwd,
-                 "ideal_speedup": {str(a): theory.ideal_speedup(a, g, c) for a in ALPHAS}})
-    log(f"L={layers:3d} G={g}: c {c:.3f}  c(FLOPs) {c_flops:.3f}  forward {fwd * 1e3:.3f} ms  "
-        f"draft {draft_s * 1e3:.3f} ms")
-  return rows
-
-
-# -- sweep_decode: one-axis sweeps around a base point --------------------------------------
-
-SWEEPS = ("temperature", "top_p", "batch", "domain")
-DOMAIN_KIND = {"python_stdlib": "code", "python_docs": "prose"}
-
-
-def sweep_points(base: dict, temperatures, top_ps, batch_sizes, batch_temperatures,
-                 domains) -> dict[str, list[dict]]:
-  """The settings of each sweep: {sweep name: [point, ...]}, each point a
-  dict with keys domain, temperature, top_p, batch_size; every point equals
-  ``base`` except on its sweep's axes (temperature sweep: T x domain; top_p:
-  p; batch: B x T in ``batch_temperatures``; domain: domain x T in {0, 1}).
-  Pure; points repeat across sweeps where the settings coincide."""
-  pt = lambda **kw: {**base, **kw}
-  return {
-      "temperature": [pt(domain=d, temperature=t) for d in domains for t in temperatures],
-      "top_p": [pt(top_p=p) for p in top_ps],
-      "batch": [pt(batch_size=b, temperature=t) for t in batch_temperatures for b in batch_sizes],
-      "domain": [pt(domain=d, temperature=t) for t in (0.0, 1.0) for d in domains],
-  }
-
-
-def point_key(p: dict) -> tuple:
-  """(domain, temperature, top_p, batch_size) of a sweep point: equal settings, equal key."""
-  return (p["domain"], float(p["temperature"]), float(p["top_p"]), int(p["batch_size"]))
-
-
-@dataclasses.dataclass
-class SweepDecode:
-  """The settings of one decode sweep (scripts/sweep_decode.py).
-
-  target: the MTP target (D >= 1); gs: draft lengths G of the MTP rows;
-  plan: ``sweep_points``' {sweep: [point]}; prompts: {domain: held-out
-  prompt texts}; forms; max_new_tokens per row; repeats: interleaved timed
-  repeats per point; draft_cost_probe: "point" (probe the drafting time at
-  every point) or "batch" (once per batch size, at its first point).
-  """
-  target: object
-  gs: list[int]
-  plan: dict[str, list[dict]]
-  prompts: dict[str, list[str]]
-  forms: list[str]
-  max_new_tokens: int
-  repeats: int
-  draft_cost_probe: str = "point"
-
-
-def run_sweep(s: SweepDecode, log=print) -> dict[str, list[dict]]:
-  """Measures every distinct point of ``s.plan`` once (``measure_point`` with
-  AR and MTP at each G; in order of batch size, then key) and returns
-  {sweep: rows}, each row ``measure_point``'s with its domain and sweep
-  name; a point shared by two sweeps has the same rows in both. ``log``
-  gets one line per point."""
-  unique = {point_key(p): p for pts in s.plan.values() for p in pts}
-  # One decoder per method: its jitted functions compile once per batch shape.
-  decoders = {"ar": Decoder(s.target, "ar"), **{f"mtp_G{g}": Decoder(s.target, "mtp", g) for g in s.gs}}
-  measured, draft_cache, flops_cache = {}, ({} if s.draft_cost_probe == "batch" else None), {}
-  for i, (key, p) in enumerate(sorted(unique.items(), key=lambda kv: (kv[0][3], kv[0]))):
-    sp = SamplingParams(temperature=p["temperature"], top_p=p["top_p"])
-    rows = measure_point(decoders, s.prompts[p["domain"]], p["batch_size"], s.max_new_tokens, sp,
-                         s.repeats, s.forms, draft_cache, flops_cache)
-    for r in rows:
-      r["domain"] = p["domain"]
-    measured[key] = rows
-    spec = " ".join(f"{r['label']} tau {r['tau']:.2f} x{r['speedup']:.2f}" for r in rows
-                    if r["method"] != "ar")
-    log(f"[{i + 1}/{len(unique)}] {p['domain']} T={p['temperature']:g} top_p={p['top_p']:g} "
-        f"B={p['batch_size']}: {spec}")
-  return {name: [dict(r, sweep=name) for p in pts for r in measured[point_key(p)]]
-          for name, pts in s.plan.items()}
-
-
-# -- compare_drafters: the cost-matched draft -------------------------------------------------
-
-def calibrate_cost_arch(target, target_cfg, candidates, prompt: str, max_new_tokens: int,
-                        num_draft_tokens: int, repeats: int) -> tuple[tuple[int, int], list]:
-  """The candidate (num_layers, d_model) whose drafting step is closest in
-  time (|log ratio|) to the MTP drafter's, i.e. whose cost ratio c is
-  closest to the MTP drafter's. Times: ``draft_time_s``
-  (median s per drafting step of G tokens, batch 1, T = 0) with
-  random-weight drafts (the time does not depend on the weights). Returns
-  (best, [{num_layers, d_model, params, draft_s, mtp_draft_s, time_ratio_to_mtp}])."""
-  sp = SamplingParams(temperature=0.0)
-  g = num_draft_tokens
-  mtp_s = draft_time_s(Decoder(target, "mtp", g), [prompt], max_new_tokens, sp, repeats)
-  rows = []
-  for layers, width in candidates:
-    dcfg = draft_config(target_cfg, layers, width)
-    s = draft_time_s(Decoder(target, "draft", g, build_model(dcfg)), [prompt], max_new_tokens, sp,
-                     repeats)
-    rows.append({"num_layers": layers, "d_model": width, "params": param_count(dcfg)["total"],
-                 "draft_s": s, "mtp_draft_s": mtp_s, "time_ratio_to_mtp": s / mtp_s})
-  best = min(rows, key=lambda r: abs(math.log(r["time_ratio_to_mtp"])))
-  return (best["num_layers"], best["d_model"]), rows
-
-
-def drafter_grid(target, drafts: dict, gs: list[int], temperatures: list[float], prompts: list[str],
-                 batch: int, max_new_tokens: int, repeats: int, probe_once: bool = False,
-                 log=print) -> list[dict]:
-  """AR, the target's MTP modules and every independent draft model
-  (``drafts``: {label: model}) at every G, side by side per temperature
-  (``measure_point``, while_loop form; the drafting time behind c probed at
-  every temperature, or once at the first with ``probe_once``). Returns
-  ``measure_point``'s rows with "drafter" ("ar", "mtp" or the draft's
-  label); ``log`` gets one line per speculative row."""
-  decoders = {"ar": Decoder(target, "ar")}
-  drafter_of = {"ar": "ar"}
-  for g in gs:
-    decoders[f"mtp_G{g}"] = Decoder(target, "mtp", g)
-    drafter_of[f"mtp_G{g}"] = "mtp"
-  for label, model in drafts.items():
-    for g in gs:
-      decoders[f"{label}_G{g}"] = Decoder(target, "draft", g, model)
-      drafter_of[f"{label}_G{g}"] = label
-  rows, draft_cache, flops_cache = [], ({} if probe_once else None), {}
-  for t in temperatures:
-    point = measure_point(decoders, prompts, batch, max_new_tokens, SamplingParams(temperature=t),
-                          repeats, ("while",), draft_cache, flops_cache)
-    for r in point:
-      r["drafter"] = drafter_of[r["label"]]
-      if r["method"] != "ar":
-        log(f"T={t:g} {r['label']:28s} tau {r['tau']:.2f}  c {r['draft_cost_ratio_c']:.2f}  "
-            f"speedup {r['speedup']:.2f}x")
-    rows += point
-  return rows
-
-
-# -- distill_mtp: one architecture, many parameter sets -----------------------------------
-
-class ParamSwapBench:
-  """Decoders for AR and MTP (G in ``gs``) compiled once for one
-  architecture (scripts/distill_mtp.py: a base and its distilled stages);
-  ``use(model)`` swaps in another model's parameters (same shapes: a stage
-  of the same base), so every model is measured by the same compiled
-  programs.
-
-  Args:
-    model: a model of the architecture (its parameters are used until ``use``).
-    gs: draft lengths G >= 1.
-  """
-
-  def __init__(self, model, gs: list[int]):
-    self.gs = list(gs)
-    self.decoders = {"ar": Decoder(model, "ar"), **{f"mtp_G{g}": Decoder(model, "mtp", g) for g in gs}}
-    self.draft_cache, self.flops_cache = {}, {}
-
-  def use(self, model) -> "ParamSwapBench":
-    params = nnx.state(model, nnx.Param)
-    for dec in self.decoders.values():
-      dec.target_params = params
-    return self
-
-  def acceptance(self, prompts: list[str], temperatures: list[float], max_new_tokens: int,
-                 seed: int = 0) -> list[dict]:
-    """MTP speculative decoding of all ``prompts`` as one batch per (G, T).
-
-    Returns rows {num_draft_tokens, temperature, tau (emitted tokens per
-    target call), alpha (acceptance rate per position k = 1..G, None where
-    no round reached k), histogram (rounds per accepted count),
-    target_calls, tokens}."""
-    enc = [tok.ByteTokenizer().encode(p, add_bos=True) for p in prompts]
-    rows = []
-    for g in self.gs:
-      for t in temperatures:
-        gen = self.decoders[f"mtp_G{g}"].generate(enc, max_new_tokens, SamplingParams(temperature=t),
-                                                  seed=seed)
-        hist = gen.accepted_histogram.sum(0)
-        calls = int(gen.target_calls.sum())
-        rows.append({"num_draft_tokens": g, "temperature": t,
-                     "tau": float((hist * (np.arange(len(hist)) + 1)).sum() / max(calls, 1)),
-                     "alpha": stats_lib.acceptance_rates(hist),
-                     "histogram": [int(x) for x in hist], "target_calls": calls,
-                     "tokens": int(sum(len(x) for x in gen.tokens))})
-    return rows
-
-  def speed(self, prompts: list[str], gs: list[int], temperatures: list[float],
-            max_new_tokens: int, repeats: int) -> list[dict]:
-    """Speedup of MTP (G in ``gs``) over AR of the same model, batch 1,
-    while_loop form (``measure_point``; the drafting cost c is
-    measured once per G and shared: same architecture); rows with label,
-    method, num_draft_tokens, temperature, speedup, tau, wall_s_median,
-    tokens_per_s, draft_cost_ratio_c."""
-    decoders = {k: d for k, d in self.decoders.items()
-                if k == "ar" or int(k.split("G")[1]) in gs}
-    rows = []
-    for t in temperatures:
-      for r in measure_point(decoders, prompts, 1, max_new_tokens, SamplingParams(temperature=t),
-                             max(repeats, 1) * len(prompts), draft_cache=self.draft_cache,
-                             flops_cache=self.flops_cache):
-        rows.append({k: r.get(k) for k in ("label", "method", "num_draft_tokens", "temperature",
-                                           "speedup", "tau", "wall_s_median", "tokens_per_s",
-                                           "draft_cost_ratio_c")})
-    return rows

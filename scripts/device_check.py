@@ -57,8 +57,10 @@ written to runs/quick/device_<kind> unless ``--out``.
 Exit status: 0 when no part failed (a pytest run cut at its time box is
 not a failure: the report says how many tests ran), 1 when a test failed,
 greedy decoding parted from AR at a gap above the contract's bound or a
-part raised, 2 for bad flags or a CPU-only machine without ``--quick`` /
-``--allow_cpu``, 124 when the watchdog ended the run.
+part raised, 2 for bad flags (one line), an output path (``--out``,
+``--workdir``) that cannot be written or a CPU-only machine without
+``--quick`` / ``--allow_cpu``, 124 when the watchdog ended the run, 130 on
+Ctrl-C (one line; the pytest child is stopped too).
 """
 
 from __future__ import annotations
@@ -516,6 +518,9 @@ def tests_part(ctx: Context, rec: dict, deadline: float) -> None:
     except subprocess.TimeoutExpired:
       _kill_group(ctx.child)
       rc = None
+    except BaseException:              # Ctrl-C: the child has a session of its own; stop it too
+      _kill_group(ctx.child)
+      raise
     finally:
       ctx.child = None
   with open(log_path, errors="replace") as f:
@@ -1052,7 +1057,7 @@ def markdown(meta: dict, results: dict) -> str:
 
 def parse_args(argv=None):
   from mtp import cli
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
+  ap = cli.OneLineParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--quick", action="store_true",
                   help="the dry run: toy sizes, on the CPU unless JAX_PLATFORMS is set; writes "
                        "under runs/quick/ unless --out")
@@ -1123,6 +1128,11 @@ def parse_args(argv=None):
                "[1, 16] or auto")
     gs.append(g)
   args.num_draft_tokens = list(dict.fromkeys(gs))
+  # before any work: an output path that cannot be written fails now, in one line
+  if args.out:
+    cli.check_output_path("out", args.out, "prefix")
+  if not args.quick and not os.path.isdir(os.path.join(args.workdir, "checkpoints")):
+    cli.check_output_path("workdir", args.workdir, "dir")      # imported there
   return ap, args
 
 
@@ -1155,6 +1165,7 @@ def main(argv=None) -> int:
     return 2
   out = args.out or (os.path.join(cli.QUICK_OUT_DIR, f"device_{device['slug']}") if args.quick
                      else os.path.join("results", f"device_{device['slug']}"))
+  cli.check_output_path("out", out, "prefix")
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   versions = {}
   for m in ("torch", "transformers"):
@@ -1191,4 +1202,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from mtp import cli
+  cli.main_guard(main)

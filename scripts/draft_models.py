@@ -1,9 +1,9 @@
 """Independent draft models sized against an MTP target (classic
-speculative decoding, Leviathan et al. 2023; scripts/compare_drafters.py):
+speculative decoding, Leviathan et al. 2023; experiments/compare_drafters.py):
 the target's config turned into a plain LM of given depth and width, its
 parameter count without allocating it, the param-matched architecture
 search and the candidates of the cost-matched one (whose drafting times
-``scripts.bench_lib.calibrate_cost_arch`` measures).
+``experiments.compare_drafters.calibrate_cost_arch`` measures).
 """
 
 from __future__ import annotations

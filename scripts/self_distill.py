@@ -545,6 +545,9 @@ def main(argv=None) -> int:
   chat.add_argument("--self_prompt_share", type=float, default=0.0,
                     help="share of the training prompts taken from --self_prompts, in [0, 1]")
   args = ap.parse_args(argv)
+  if args.out_dir or args.data_dir:
+    cli.check_output_path("out_dir" if args.out_dir else "data_dir", args.out_dir or args.data_dir,
+                          "dir")
   log = lambda s: print(s, file=sys.stderr, flush=True)
   if args.chat_prompts:
     try:
@@ -587,4 +590,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.main_guard(main)

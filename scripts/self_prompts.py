@@ -31,6 +31,7 @@ import numpy as np
 from decode.sampling import SamplingParams
 from decode.speculative import DecodeError, Decoder
 from mtp import checkpoint as ckpt_lib
+from mtp import cli
 from mtp import loading
 from mtp import report
 from mtp import tokenizer as tok
@@ -145,8 +146,7 @@ def make_self_prompts(workdir: str, out: str, num_prompts: int, settings: sp_lib
           "prefix_tokens": [int(i) for i in prefix], "sampling": dataclasses.asdict(settings),
           "filters": dataclasses.asdict(filters), **stats,
           "wall_s": time.perf_counter() - t0, **report.provenance()}
-  with open(f"{out}.meta.json", "w") as f:
-    json.dump(meta, f, indent=2)
+  cli.write_atomic(f"{out}.meta.json", json.dumps(meta, indent=2))
   return meta
 
 
@@ -172,6 +172,7 @@ def main(argv=None) -> int:
   ap.add_argument("--max_chars", type=int, default=f.max_chars, help="longest kept prompt (chars)")
   ap.add_argument("--min_words", type=int, default=f.min_words, help="fewest words of a kept prompt")
   args = ap.parse_args(argv)
+  cli.check_output_path("out", args.out)
   log = lambda s: print(s, file=sys.stderr, flush=True)
   try:
     settings = sp_lib.SampleSettings(
@@ -195,4 +196,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.main_guard(main)

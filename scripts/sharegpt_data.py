@@ -55,17 +55,16 @@ def parse(argv):
 
 def write_jsonl(path: str, rows) -> None:
   """Atomically writes ``rows`` (dicts) as JSON lines."""
-  tmp = f"{path}.tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    for r in rows:
-      f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  from mtp.files import write_atomic
+  write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def main(argv=None) -> int:
   args = parse(argv)
+  from mtp import cli
+  cli.check_output_path("out_dir", args.out_dir, "dir")
+  if args.prompts_out:
+    cli.check_output_path("prompts_out", args.prompts_out)
   from mtp.data import corpora, sharegpt
   from mtp.data.chat import heldout_chat_prompts, prompt_text
   try:
@@ -73,9 +72,11 @@ def main(argv=None) -> int:
   except corpora.DataError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  if args.prompts_out and not os.path.isdir(os.path.dirname(os.path.abspath(args.prompts_out))):
-    print(f"error: --prompts_out: folder of {args.prompts_out} does not exist", file=sys.stderr)
-    return 2
+  if args.prompts_out:
+    if os.path.isdir(args.prompts_out):
+      print(f"error: --prompts_out={args.prompts_out} is a folder; give a file path", file=sys.stderr)
+      return 2
+    os.makedirs(os.path.dirname(os.path.abspath(args.prompts_out)), exist_ok=True)
   try:
     convs, stats = sharegpt.read_conversations()
   except sharegpt.ShareGPTUnavailable as e:
@@ -123,4 +124,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from mtp import cli
+  cli.main_guard(main)

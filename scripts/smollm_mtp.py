@@ -180,6 +180,7 @@ def gguf_path() -> str:
 def parse_args(argv=None):
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.error = lambda message: ap.exit(2, f"error: {message} (--help lists the flags)\n")  # one line
   ap.add_argument("--depth", default="1", help="MTP modules attached (D >= 1; 2 or 3: separate "
                   "modules, three draft offsets either way)")
   ap.add_argument("--features", default="", help="comma list of backbone blocks whose outputs "
@@ -228,6 +229,12 @@ def main(argv=None) -> int:
     for skip_dir, argv_ in steps:
       print(shell_line(skip_dir, argv_))
     return 0
+  from mtp import cli
+  # before any step: a given output path that cannot be written fails now (the steps run in REPO)
+  for flag, kind in (("workdir", "dir"), ("modules_out", "file"), ("bench_out", "prefix"),
+                     ("data_dir", "dir")):
+    if getattr(args, flag):
+      cli.check_output_path(flag, os.path.join(REPO, getattr(args, flag)), kind)
   gguf = None
   for skip_dir, argv_ in steps:
     if skip_dir is not None and os.path.isdir(os.path.join(REPO, skip_dir, "checkpoints")):
@@ -245,4 +252,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from mtp import cli
+  cli.main_guard(main)

@@ -56,8 +56,10 @@ the budget may differ (each invocation honours its own).
 
 ``--quick``: tiny sizes for a CPU smoke run (CI, with a tiny imported target
 given as ``--base_workdir``); writes under runs/quick/ unless ``--out``.
-Exit status: 0 done, 2 bad flags or inputs (one line), 1 a modules file of
-16 MB or more, 128 + signal when a user's signal stopped training.
+Exit status: 0 done, 2 bad flags or inputs (one line: an output path that
+cannot be written is found before any work; a --workdir another run holds;
+a full disk), 1 a modules file of 16 MB or more, 128 + signal when a user's
+signal stopped training, 130 for a Ctrl-C at any other time (one line).
 """
 
 from __future__ import annotations
@@ -324,12 +326,10 @@ def read_state(workdir: str) -> dict | None:
 
 
 def write_state(workdir: str, state: dict) -> None:
-  """Writes the state atomically (temporary file, then rename)."""
+  """Writes the state atomically (``mtp.cli.write_atomic``)."""
+  from mtp.files import write_atomic
   os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, STATE_FILE)
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    json.dump(state, f, indent=1)
-  os.replace(path + ".tmp", path)
+  write_atomic(os.path.join(workdir, STATE_FILE), json.dumps(state, indent=1))
 
 
 # -- step 1: the target with new modules ---------------------------------------------------
@@ -659,7 +659,20 @@ def report_results(args, state: dict) -> dict:
 
 
 def run(args, argv) -> int:
-  """Steps 1-5 of the module docstring; returns the exit status."""
+  """Steps 1-5 of the module docstring under the lock of ``--workdir``
+  (``train.workdir.WorkdirLock``, the one training takes: one run per
+  workdir, so two runs never answer the same parts); returns the exit
+  status. Raises WorkdirBusyError when another run holds the workdir."""
+  from train.workdir import WorkdirLock
+  os.makedirs(args.workdir, exist_ok=True)
+  with contextlib.ExitStack() as stack:
+    lock = WorkdirLock(args.workdir)
+    lock.acquire(log=log)
+    stack.callback(lock.release)
+    return _run(args, argv)
+
+
+def _run(args, argv) -> int:
   import datetime
 
   import jax
@@ -730,7 +743,7 @@ def export(args, state: dict, argv) -> int:
   """The modules file of the stage's latest checkpoint (``mtp.export
   --modules_out``, bfloat16); returns 1 when it is 16 MB or more."""
   from mtp import report
-  from mtp.export.run import export_modules
+  from mtp.exporting import export_modules
   step = latest_step(args.workdir)
   m = state.get("modules") or {}
   if m.get("step") == step and os.path.isfile(args.modules_out):
@@ -749,11 +762,16 @@ def export(args, state: dict, argv) -> int:
 
 
 def main(argv=None) -> int:
+  from mtp import cli
   args = parse_args(argv)
+  # before any work: a bad output path fails now, not after the answers and the training
+  for flag, kind in (("out", "prefix"), ("workdir", "dir"), ("modules_out", "file"),
+                     ("data_dir", "dir"), ("init_workdir", "dir")):
+    if flag != "init_workdir" or not os.path.isdir(os.path.join(args.init_workdir, "checkpoints")):
+      cli.check_output_path(flag, getattr(args, flag), kind)   # a made init workdir is only read
   if args.quick:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from decode.speculative import DecodeError
-  from mtp import cli
   from mtp.export.modules import ModulesFileError
   from mtp.importers import ModelImportError
   from mtp.tokenizer_files import TokenizerError
@@ -767,4 +785,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from mtp import cli
+  cli.main_guard(main)

@@ -1,4 +1,4 @@
-"""scripts/ablate_mtp.py: the D x lambda x seed grid end to end on the --quick
+"""experiments/ablate_mtp.py: the D x lambda x seed grid end to end on the --quick
 model (tables, plots, reuse of finished cells, resume of a partial grid) and
 its pure pieces (grid, same-seed deltas, flag errors). No timing assertions."""
 
@@ -8,13 +8,13 @@ import os
 import pytest
 
 from tests.conftest import md_command
-from tests.test_scripts import _script
-from train import ablation
+from tests.test_scripts import _experiment
+from experiments import ablation
 
 
 @pytest.fixture(scope="module")
 def ablate():
-  return _script("ablate_mtp")
+  return _experiment("ablate_mtp")
 
 
 def _final(runs, name):
@@ -36,7 +36,7 @@ def test_quick_grid_resumes_and_reports(ablate, data_dir, tmp_path, capsys):
   assert "[cell 1/1] D0_s0: trained" in first and "already finished" not in first
   assert "(no D >= 1 cell)" in open(out1 + ".md").read()
   assert md_command(out1 + ".md") == " ".join(
-      ["python scripts/ablate_mtp.py", *common, "--depths", "0", "--out", out1])
+      ["python -m experiments.ablate_mtp", *common, "--depths", "0", "--out", out1])
   assert json.load(open(out1 + ".json"))["results"]["decode_table"] == []
   done = {n: (_final(runs, n), _ckpt_steps(runs, n)) for n in ("D0_s0",)}
   mtimes = {n: os.path.getmtime(os.path.join(runs, n, "final_metrics.json")) for n in done}

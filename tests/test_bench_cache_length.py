@@ -1,4 +1,4 @@
-"""scripts/bench_cache_length.py runs end to end in --quick mode and writes
+"""experiments/bench_cache_length.py runs end to end in --quick mode and writes
 well-formed output (timings are not asserted)."""
 
 import importlib
@@ -23,11 +23,11 @@ def test_bench_cache_length_quick(tmp_path):
   this test alone (tests/crash_rerun.py reran it)."""
   out, png = str(tmp_path / "bcl"), str(tmp_path / "bcl.png")
   argv = ["--quick", "--out", out, "--plot", png]
-  r = subprocess.run([sys.executable, "scripts/bench_cache_length.py", *argv], cwd=REPO,
+  r = subprocess.run([sys.executable, "-m", "experiments.bench_cache_length", *argv], cwd=REPO,
                      env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
                      timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
-  assert md_command(out + ".md") == "python scripts/bench_cache_length.py " + " ".join(argv)
+  assert md_command(out + ".md") == "python -m experiments.bench_cache_length " + " ".join(argv)
   report = json.load(open(out + ".json"))
   assert {"commit", "jax_version", "device_kind", "cpu_count", "date", "machine_note"} <= set(report["meta"])
   res = report["results"]
@@ -46,7 +46,7 @@ def test_bench_cache_length_quick(tmp_path):
   assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
   # --render rewrites the report (with the targets table) from the JSON alone
   out2 = str(tmp_path / "bcl2")
-  importlib.import_module("scripts.bench_cache_length").main(
+  importlib.import_module("experiments.bench_cache_length").main(
       ["--render", out + ".json", "--out", out2, "--plot", str(tmp_path / "bcl2.png")])
   md2 = open(out2 + ".md").read()
   assert md_command(out2 + ".md") == md_command(out + ".md")
@@ -62,7 +62,7 @@ def test_generation_on_a_bpe_workdir_runs_to_the_budget_with_the_same_tokens(tmp
   length, and dense and blockwise emit the same tokens."""
   import numpy as np
   import pytest
-  from scripts import bench_cache_length as bc
+  from experiments import bench_cache_length as bc
   from tests import tiny_bpe
   wd = tiny_bpe.import_tiny_workdir(str(tmp_path), mtp_depth=1)
   models, tk = bc.workdir_models(wd, bc.impl_variants(["dense", "blockwise"], [16]), 128)

@@ -1,4 +1,4 @@
-"""scripts/bench_top_p.py: the nucleus statistics it reports agree with the
+"""experiments/bench_top_p.py: the nucleus statistics it reports agree with the
 warp the decoder runs, on hand-checked and random rows."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from decode import sampling
-from scripts import bench_top_p
+from experiments import bench_top_p
 
 
 def test_nucleus_sizes_hand_example():

@@ -1,4 +1,4 @@
-"""scripts/compare_drafters.py: draft architecture choice, draft training and
+"""experiments/compare_drafters.py: draft architecture choice, draft training and
 reuse, and an end-to-end --quick comparison on the Markov model (timings are
 not asserted)."""
 
@@ -11,12 +11,12 @@ import pytest
 from mtp.model import count_params
 from scripts import draft_models
 from tests.conftest import md_command, tiny_config
-from tests.test_scripts import REPO, _script
+from tests.test_scripts import REPO, _experiment
 
 
 @pytest.fixture(scope="module")
 def cd():
-  return _script("compare_drafters")
+  return _experiment("compare_drafters")
 
 
 def test_tiny_config_param_matched_draft(cd):
@@ -73,7 +73,7 @@ def test_compare_quick_with_given_draft(cd, markov_workdir, trained_markov, data
       assert r["tau"] == pytest.approx(g + 1) and r["acceptance_rate_per_position"] == [1.0] * g
   md = open(out + ".md").read()
   assert md_command(out + ".md") == meta["command"] == " ".join([
-      "python scripts/compare_drafters.py", "--workdir", markov_workdir, "--draft_workdir",
+      "python -m experiments.compare_drafters", "--workdir", markov_workdir, "--draft_workdir",
       f"self={markov_workdir}", "--data_dir", data_dir, "--quick", "--out", out])
   assert "## Drafters" in md and "## Decoding" in md
   assert len([l for l in md.splitlines() if l.startswith("| 0 |") or l.startswith("| 1 |")]) == len(rows)

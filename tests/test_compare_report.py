@@ -58,18 +58,18 @@ def test_prediction_is_theorem_3_8_with_the_measured_cost():
 def test_verdict_when_drafting_does_not_pay():
   p = _pred(1.455, 1.48)
   line = compare_lib.verdict_line(p, 0.96, 0.93, 1.01, decode_speedup=0.98)
-  assert line == ("tau 1.46 but a round costs 1.48 AR steps (c = 0.48 per draft token): "
+  assert line == ("tau 1.455 but a round costs 1.480 AR steps (c = 0.480 per draft token): "
                   "drafting does not pay here; predicted 0.98x, measured 0.96x (0.93-1.01x)")
 
 
 def test_verdict_when_drafting_pays():
   p = _pred(2.4, 1.6, g=2, form="auto")
   line = compare_lib.verdict_line(p, 1.48, 1.40, 1.55, decode_speedup=1.5)
-  assert line.startswith("tau 2.40 over a round of 1.60 AR steps (c = 0.30 per draft token): "
+  assert line.startswith("tau 2.400 over a round of 1.600 AR steps (c = 0.300 per draft token): "
                          "drafting pays here; predicted 1.50x, measured 1.48x (1.40-1.55x)")
   assert "outside" not in line
   tree = compare_lib.verdict_line(_pred(2.4, 1.6, g=4, form="tree"), 1.5, 1.4, 1.6)
-  assert "(c = 0.15 per drafted node)" in tree
+  assert "(c = 0.150 per drafted node)" in tree
 
 
 def test_verdict_names_the_term_when_measured_and_predicted_disagree():
@@ -85,7 +85,7 @@ def test_verdict_names_the_term_when_measured_and_predicted_disagree():
   assert "mtp 35% of its wall, AR 20%; decoding phase alone 1.40x" in prefill
   cut = compare_lib.verdict_line(p, 1.05, 1.00, 1.10, decode_speedup=1.08,
                                  emitted_per_round=1.55)
-  assert "rounds emit fewer tokens than tau (1.55 per row-round vs tau 2.00" in cut
+  assert "rounds emit fewer tokens than tau (1.55 per row and batched round vs tau 2.00" in cut
   assert "prefill" not in cut
   faster = compare_lib.verdict_line(_pred(1.2, 1.3), 1.30, 1.25, 1.35, decode_speedup=1.32)
   assert "drafting does not pay here" in faster and "ran faster than its rounds predict" in faster
@@ -123,9 +123,9 @@ def test_compare_prints_timed_blocks_whose_medians_make_the_speedup(workdir):
     for key in ("tok/s", "wall", "ttft", "itl_p50", "itl_p90"):
       med, lo, hi = b[key]
       assert lo <= med <= hi, (key, b[key])
-  # the answer's own block shows no timing: it is not one of the repeats
+  # the answer's own block shows no timing: it is the first repeat, in the blocks
   answer = text[text.index("[mtp, the answer above]"):text.index("--compare:")]
-  assert "throughput" not in answer and "not one of --compare's timed repeats" in answer
+  assert "throughput" not in answer and "this answer is mtp's first timed repeat" in answer
   (line,) = [l for l in text.splitlines() if l.startswith("speedup over AR:")]
   m = re.match(r"speedup over AR: ([\d.]+)x = ([\d.]+) / ([\d.]+) tok/s, the median throughputs "
                r"above \(3 interleaved repeats, per repeat ([\d.]+)x-([\d.]+)x", line)
@@ -148,11 +148,11 @@ def test_compare_prints_timed_blocks_whose_medians_make_the_speedup(workdir):
   # the prediction and the verdict follow the speedup line
   lines = text.splitlines()
   i = lines.index(line)
-  assert lines[i + 1].startswith("predicted by Theorem 3.8 (decode.theory.chain_speedup): ")
+  assert lines[i + 1].startswith("predicted by Theorem 3.8 (decode.theory.speedup_from_tau): ")
   pred = report["prediction"]
   assert lines[i + 2] == pred["line"] and "drafting" in pred["line"]
   assert f"predicted {pred['predicted_speedup']:.2f}x, measured {speedup:.2f}x" in pred["line"]
-  assert pred["tau"] == pytest.approx(timed["mtp"]["mean_accepted_length"])   # T = 0: same runs
+  assert pred["tau"] == pytest.approx(timed["mtp"]["tokens"] / timed["mtp"]["target_calls"])
   assert len(pred["predicted_per_repeat"]) == 3 and pred["draft_tokens"] == 2
   assert "ar_stats" in report and "[ar] tokens" not in text      # AR's untimed run: JSON only
   # T = 0 and a correct rule: the greedy check finds nothing and prints no verdict line
@@ -190,3 +190,180 @@ def test_category_compare_compiles_nothing_while_timing(workdir, monkeypatch):
   assert set(report["per_category"]) == {"x", "y"}
   assert all(np.isfinite(v["speedup"]) for v in report["per_category"].values())
   assert compiles == []
+
+
+# -- every printed number rebuilt from the others and from the --json report ------
+
+NUM = r"(\d+(?:\.\d+)?)"
+
+
+def _one(pattern: str, text: str) -> tuple:
+  """The groups of the one line matching ``pattern`` (re.M), as strings."""
+  found = re.findall(pattern, text, re.M)
+  assert len(found) == 1, (pattern, text)
+  return found[0] if isinstance(found[0], tuple) else (found[0],)
+
+
+def _close(printed: float, exact: float, decimals: int) -> bool:
+  """``printed`` is ``exact`` shown with ``decimals`` decimals."""
+  return abs(printed - exact) <= 0.5 * 10 ** -decimals + 1e-9
+
+
+def _rebuild(report: dict, text: str, method: str = "mtp") -> None:
+  """Every ratio and derived number of --compare's printed report rebuilt
+  from the printed inputs beside it (to their printed rounding) and from
+  the JSON report (exactly)."""
+  report = json.loads(json.dumps(report))            # what --json writes
+  timed, n = report["timed"], report["repeats"]
+  # the answer IS the method's first timed repeat: its statistics are that run's
+  assert report["answer_repeat"] == 0
+  assert report["stats"]["wall_time_s"] == report["wall_times_s"][method][0]
+  assert report["stats"]["num_tokens"] == report["new_tokens"][method][0]
+  # the answer's block: tau = tokens / target calls
+  tokens, calls, tau = _one(rf"^\[{method}, the answer above\] tokens (\d+)  target calls (\d+)"
+                            rf"  tau {NUM} \(tokens / target calls", text)
+  assert int(tokens) == report["stats"]["num_tokens"] == len(report["results"][0]["tokens"])
+  assert int(calls) == report["stats"]["target_calls"]
+  assert _close(float(tau), int(tokens) / int(calls), 3)
+  # each block: throughput = new tokens / wall; the decoding phase; tau = tokens / calls
+  rounds = {}
+  for k in ("ar", method):
+    tps, wall, new = _one(rf"^\[{k}\] timed: .*\n  throughput {NUM} tok/s .*  wall {NUM} ms .*"
+                          rf"new tokens {NUM} per call", text)
+    t = timed[k]
+    assert float(new) == t["new_tokens"] == np.mean(report["new_tokens"][k])
+    assert _close(float(wall), 1e3 * np.median(report["wall_times_s"][k]), 2)
+    assert _close(float(tps), t["new_tokens"] / np.median(report["wall_times_s"][k]), 1)
+    rmed, rlo, rhi, rnd = _one(rf"^\[{k}\] timed: (?:.*\n){{3}}  decoding phase: {NUM} ms "
+                               rf"\({NUM}-{NUM}\) per round, {NUM} rounds per call \(mean", text)
+    assert _close(float(rmed), 1e3 * t["round_s"]["median"], 3)
+    assert float(rlo) <= float(rmed) <= float(rhi)
+    assert _close(float(rnd), t["rounds_mean"], 1)
+    assert t["rounds_mean"] * n == t["target_calls"]            # one row: a round is a call
+    rounds[k] = float(rmed)
+  tau, tokens, calls, g = map(float, _one(
+      rf"^\[{method}\] timed: (?:.*\n){{4}}  tau {NUM} = (\d+) tokens / (\d+) target calls over "
+      rf"the {n} repeats .* drafted per call", text)[:3] + _one(
+      rf"^  tau .* G {NUM} drafted per call", text))
+  t = timed[method]
+  assert tokens == t["tokens"] == sum(report["new_tokens"][method])
+  assert calls == t["target_calls"] and _close(tau, tokens / calls, 3)
+  per_round = float(new) / float(rnd)                         # new tokens per call / rounds
+  assert abs(tau - per_round) <= 0.0005 + per_round * 0.05 / float(rnd)
+  assert _close(g, t["mean_draft_tokens"], 2)
+  # the speedup: the ratio of the printed medians; the per-repeat ratios' range and median
+  line = _one(r"^(speedup over AR: .*)$", text)[0]
+  sp, num, den, lo, hi = map(float, re.match(
+      rf"speedup over AR: {NUM}x = {NUM} / {NUM} tok/s, the median throughputs above "
+      rf"\({n} interleaved repeats, per repeat {NUM}x-{NUM}x", line).groups())
+  assert (num, den) == (float(_one(rf"^\[{method}\] timed: .*\n  throughput {NUM}", text)[0]),
+                        float(_one(r"^\[ar\] timed: .*\n  throughput " + NUM, text)[0]))
+  assert _close(sp, report["speedup"], 2)
+  assert report["speedup"] == pytest.approx(t["tokens_per_s"]["median"]
+                                            / timed["ar"]["tokens_per_s"]["median"])
+  ratios = [(nm / wm) / (na / wa) for na, wa, nm, wm in zip(
+      report["new_tokens"]["ar"], report["wall_times_s"]["ar"], report["new_tokens"][method],
+      report["wall_times_s"][method])]
+  assert report["speedup_per_repeat"] == pytest.approx(ratios)
+  assert _close(lo, min(ratios), 2) and _close(hi, max(ratios), 2)
+  median = float(np.median(ratios))
+  assert report["speedup_per_repeat_median"] == pytest.approx(median)
+  if f"{median:.2f}" != f"{sp:.2f}":                  # printed beside it where they differ
+    assert f"median {median:.2f}x" in line
+  else:
+    assert ", median " not in line
+  # the prediction: only figures of the blocks, every input printed
+  pred = report["prediction"]
+  pline = _one(r"^(predicted by Theorem 3\.8.*)$", text)[0]
+  if pred["draft_tokens"] == 0:                       # auto ran plain AR steps: G = 0
+    assert pline.startswith("predicted by Theorem 3.8: 1.00x (G = 0") and tau == 1.0
+    assert pred["predicted_speedup"] == 1.0 and pred["cost_ratio"] is None
+    vline = _one(rf"^({method} ran plain AR steps.*)$", text)[0]
+    assert vline == pred["line"] and f"measured {sp:.2f}x ({lo:.2f}-{hi:.2f}x)" in vline
+    return
+  ptext, ptau = _one(rf"^predicted by Theorem 3\.8 \(decode\.theory\.speedup_from_tau\): "
+                     rf"{NUM}x = tau {NUM} /", text)
+  r_round, r_ar, r = map(float, re.search(rf"r = round {NUM} ms / AR step {NUM} ms = {NUM}, "
+                                          "the blocks' medians", pline).groups())
+  assert float(ptau) == tau and r_round == rounds[method] and r_ar == rounds["ar"]
+  assert abs(r - r_round / r_ar) <= 0.0005 + r * (0.0005 / r_round + 0.0005 / r_ar)
+  assert pred["round_ar_steps"] == pytest.approx(t["round_s"]["median"]
+                                                 / timed["ar"]["round_s"]["median"])
+  assert pred["tau"] == pytest.approx(t["tau"]) and pred["draft_tokens"] == t["mean_draft_tokens"]
+  c_match = re.search(r"x c (-?\d+\.\d+) \+ 1\), c = \(r - 1\) / ", pline)
+  if pred["draft_tokens"] >= compare_lib.MIN_DRAFTED_PER_ROUND:
+    c = float(c_match.group(1))
+    assert _close(c, (pred["round_ar_steps"] - 1) / pred["draft_tokens"], 3)
+    # c to its printed rounding, r's (0.0005) over G and G's (0.005) in (r - 1) / G
+    assert abs(c - (r - 1) / g) <= 0.0006 + 0.0005 / g + abs(r - 1) * 0.0051 / (g * g - 0.005 * g)
+    assert pred["cost_ratio"] == pytest.approx((pred["round_ar_steps"] - 1)
+                                               / pred["draft_tokens"])
+  else:                                               # too few drafts: c is not printed
+    assert c_match is None and "c n/a (drafted " in pline and pred["cost_ratio"] is None
+  assert pred["predicted_speedup"] == pytest.approx(pred["tau"] / pred["round_ar_steps"])
+  assert _close(float(ptext), pred["predicted_speedup"], 2)
+  assert abs(float(ptext) - tau / r) <= 0.005 + (tau / r) * (0.0005 / tau + 0.0005 / r)
+  # the verdict: the prediction's printed tau and r, the measured speedup and its range
+  vline = _one(r"^((?:tau|mtp ran) .*predicted .*)$", text)[0]
+  assert vline == pred["line"]
+  vtau, vr = _one(rf"^tau {NUM} (?:over a round of|but a round costs) {NUM} AR steps", text)
+  assert float(vtau) == tau and float(vr) == r
+  assert (f"predicted {ptext}x, measured {sp:.2f}x ({lo:.2f}-{hi:.2f}x)") in vline
+  assert ("drafting pays here" in vline) == (float(vtau) > float(vr))
+
+
+@pytest.mark.parametrize("num_draft_tokens", [2, "auto"])
+def test_compare_numbers_rebuild_from_the_printed_ones_and_the_json(workdir, num_draft_tokens):
+  """A real --compare (tiny model, a few seconds of decoding): the answer's
+  statistics are those of the method's first timed repeat; each block's tau
+  is its printed tokens / target calls; the speedup the ratio of the printed
+  median throughputs, with the per-repeat ratios' range and (where it
+  differs) median; the prediction tau / (G c + 1) from the blocks' printed
+  tau, G and median rounds; the verdict with the same figures."""
+  err = io.StringIO()
+  report = run(workdir, ["abca"], method="mtp", num_draft_tokens=num_draft_tokens,
+               max_new_tokens=23, sampling=SamplingParams(temperature=0.0), compare=True,
+               repeats=3, out=io.StringIO(), err=err)
+  _rebuild(report, err.getvalue())
+
+
+def test_c_is_not_printed_from_too_few_drafts():
+  """c = (r - 1) / G from a repeat that drafted 2 tokens in 126 calls is
+  noise over G: n/a, with the count, below MIN_DRAFTED_PER_ROUND; the
+  prediction is still tau / r."""
+  p = compare_lib.predict_speedup(tau=1.01, alphas=None, mean_draft_tokens=2 / 126,
+                                  round_s=1.13e-3, ar_step_s=1e-3, form="auto",
+                                  drafted_tokens=2, rounds=126)
+  assert p["cost_ratio"] is None and p["predicted_speedup"] == pytest.approx(1.01 / 1.13)
+  line = compare_lib.prediction_line(p)
+  assert "c n/a (drafted 2 tokens in 126 target calls: under 0.25 per call" in line
+  assert "0.89x = tau 1.010 / r, r = round 1.130 ms / AR step 1.000 ms = 1.130" in line
+  verdict = compare_lib.verdict_line(p, 0.9, 0.8, 1.0)
+  assert verdict.startswith("tau 1.010 but a round costs 1.130 AR steps (c n/a (drafted 2 ")
+  enough = compare_lib.predict_speedup(tau=2.0, alphas=None, mean_draft_tokens=0.25,
+                                       round_s=1.1e-3, ar_step_s=1e-3, form="auto")
+  assert enough["cost_ratio"] == pytest.approx(0.4)
+
+
+def test_ctrl_c_after_the_answer_keeps_it_and_its_statistics(workdir, monkeypatch):
+  """The answer is the method's first timed repeat: a Ctrl-C in AR's run
+  that follows it stops --compare but keeps the answer, its statistics and
+  the report (marked interrupted, no speedup)."""
+  real = compare_lib.decode_texts
+
+  def decode(dec, *a, **k):
+    if dec.method == "ar":
+      raise KeyboardInterrupt
+    return real(dec, *a, **k)
+  monkeypatch.setattr(compare_lib, "decode_texts", decode)
+  out, err = io.StringIO(), io.StringIO()
+  report = run(workdir, ["abca"], method="mtp", num_draft_tokens=2, max_new_tokens=8,
+               sampling=SamplingParams(temperature=0.0), compare=True, repeats=2, out=out,
+               err=err)
+  (res,) = report["results"]
+  assert report["interrupted"] is True and "speedup" not in report
+  assert out.getvalue() == "abca" + res["text"] + "\n" and len(res["tokens"]) == 8
+  assert report["stats"]["num_tokens"] == 8 and "interrupted" not in report["stats"]
+  text = err.getvalue()
+  assert "[mtp] tokens 8" in text and "throughput" in text     # no timed block follows
+  assert "interrupted: --compare stopped; the results above are complete" in text

@@ -367,7 +367,7 @@ def test_written_dataset_reads_like_any_other(tmp_path):
 
 @pytest.mark.slow
 def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
-  """scripts/distill_mtp.py --quick end to end from the Markov workdir: a
+  """experiments/distill_mtp.py --quick end to end from the Markov workdir: a
   self-distilled dataset (every document = a training-text prompt + sampled
   text), a data-only and a distilled stage with a recursive step, acceptance
   before and after, the report files; the dataset is reused for the same
@@ -375,8 +375,8 @@ def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
   from scripts import self_distill
   from mtp import data as data_lib
   from mtp.config import DataConfig
-  from tests.test_scripts import _script
-  script = _script("distill_mtp")
+  from tests.test_scripts import _experiment
+  script = _experiment("distill_mtp")
   runs, out = str(tmp_path / "runs"), str(tmp_path / "out")
   argv = ["--quick", "--workdir", markov_workdir, "--data_dir", data_dir, "--runs_dir", runs,
           "--out", out]
@@ -384,7 +384,7 @@ def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
   report = json.load(open(out + ".json"))
   meta, res = report["meta"], report["results"]
   assert {"commit", "date", "cpu_model", "command", "base_config", "budget"} <= set(meta)
-  assert open(out + ".md").read().startswith("Command: `python scripts/distill_mtp.py --quick")
+  assert open(out + ".md").read().startswith("Command: `python -m experiments.distill_mtp --quick")
   sd = res["self_distilled"]
   cfg = DataConfig(name=sd["path"].split(os.sep)[-2], data_dir=sd["data_dir"])
   docs = data_lib.load_documents(cfg, "train")
@@ -423,8 +423,8 @@ def test_distill_script_quick(markov_workdir, data_dir, tmp_path):
 def test_distill_script_tables():
   """Per-seed ratios to the base and to the data control of the same seed,
   spreads over seeds, and the target verdicts, on hand-made rows."""
-  from tests.test_scripts import _script
-  script = _script("distill_mtp")
+  from tests.test_scripts import _experiment
+  script = _experiment("distill_mtp")
   row = lambda g, t, tau, a1: {"num_draft_tokens": g, "temperature": t, "tau": tau,
                                "alpha": [a1] + [0.5] * (g - 1)}
   base = [row(2, 0.0, 2.0, 0.80), row(2, 1.0, 2.0, 0.70)]
@@ -447,22 +447,6 @@ def test_distill_script_tables():
   assert v["alpha1_t0"] == pytest.approx(0.91) and v["alpha1_t0_met"]
   assert v["alpha1_t1"] == pytest.approx(0.885) and v["alpha1_t1_met"]
   assert not v["tau_ratio_vs_base_t1_met"] and v["tau_ratio_vs_data_t1_met"]
-
-
-def test_decode_self_distill_shim_says_it_moved_and_runs_the_new_cli(tmp_path):
-  """``python -m decode.self_distill`` (users' muscle memory) prints one
-  line naming ``python -m scripts.self_distill`` on stderr, then runs it:
-  the exit status and messages are the new CLI's."""
-  import subprocess
-  import sys
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  r = subprocess.run([sys.executable, "-m", "decode.self_distill", "--workdir",
-                      str(tmp_path / "none"), "--out_name", "sd_shim"], cwd=repo,
-                     capture_output=True, text=True, timeout=300)
-  assert r.returncode == 2, r.stderr
-  assert r.stderr.splitlines()[0] == ("note: python -m decode.self_distill moved to "
-                                      "python -m scripts.self_distill")
-  assert "no checkpoint" in r.stderr and not (tmp_path / "sd_shim").exists()
 
 
 def test_self_distill_cli_rejects_bad_flags(markov_workdir, tmp_path, capsys, monkeypatch):

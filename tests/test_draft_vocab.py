@@ -339,11 +339,11 @@ def test_bench_draft_head_quick(tmp_path):
   import importlib
   import json
   out = str(tmp_path / "bdh")
-  importlib.import_module("scripts.bench_draft_head").main(
+  importlib.import_module("experiments.bench_draft_head").main(
       ["--d_model", "32", "--vocab", "300", "--draft_vocab", "64", "--tokens", "1",
        "--repeats", "1", "--out", out])
   results = json.load(open(out + ".json"))["results"]
   assert {(r["draft_vocab"], r["variant"]) for r in results} == {
       (v, k) for v in (300, 64) for k in ("logits", "argmax", "sample")}
   assert all(r["call_us"] > 0 and r["loop_us"] > 0 for r in results)
-  assert open(out + ".md").readline().startswith("Command: `python scripts/bench_draft_head.py")
+  assert open(out + ".md").readline().startswith("Command: `python -m experiments.bench_draft_head")

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 from mtp import checkpoint as ckpt_lib
 from mtp import loading
 from mtp import export as ex
-from mtp.export import run as export_run
+from mtp import exporting as export_run
 from mtp import tokenizer as tok
 from mtp.model import build_model
 from tests.conftest import tiny_config

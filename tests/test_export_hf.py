@@ -188,7 +188,7 @@ def bpe_export(tmp_path_factory):
   ``LlamaForCausalLM`` written by transformers with a small BPE tokenizer and
   a chat template, imported by ``mtp.importers.hf``, exported by
   ``python -m mtp.export``'s library."""
-  from mtp.export import run as export_run
+  from mtp import exporting as export_run
   from mtp.importers import hf as hi
   from tests import tiny_bpe
   root = tmp_path_factory.mktemp("bpe_export")

@@ -1,4 +1,4 @@
-"""scripts/losslessness_study.py: the statistics on synthetic samples, the
+"""experiments/losslessness_study.py: the statistics on synthetic samples, the
 deliberately wrong acceptance rule, and the --quick study end to end on the
 Markov model (the correct rule passes, the wrong rule is rejected)."""
 
@@ -11,16 +11,15 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from scripts import bench_lib
 from tests.conftest import md_command
-from tests.test_scripts import _script
+from tests.test_scripts import _experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def ls():
-  return _script("losslessness_study")
+  return _experiment("losslessness_study")
 
 
 # -- statistics (no model) -------------------------------------------------------------
@@ -74,12 +73,12 @@ def test_argmax_accept_rule(ls):
   v = 5
   p = jnp.asarray(np.tile(np.array([0.1, 0.6, 0.1, 0.1, 0.1], np.float32), (4000, 3, 1)))
   drafts = jnp.asarray(np.tile(np.array([1, 2], np.int32), (4000, 1)))    # d_1 = argmax, d_2 not
-  a, nxt = jax.jit(bench_lib.argmax_accept)(jax.random.key(0), p, drafts)
+  a, nxt = jax.jit(ls.argmax_accept)(jax.random.key(0), p, drafts)
   assert (np.asarray(a) == 1).all()
   freq = np.bincount(np.asarray(nxt), minlength=v) / 4000                  # sampled from p_1
   np.testing.assert_allclose(freq, [0.1, 0.6, 0.1, 0.1, 0.1], atol=0.03)
   all_ok = jnp.asarray(np.tile(np.array([1, 1], np.int32), (4000, 1)))
-  assert (np.asarray(bench_lib.argmax_accept(jax.random.key(1), p, all_ok)[0]) == 2).all()
+  assert (np.asarray(ls.argmax_accept(jax.random.key(1), p, all_ok)[0]) == 2).all()
 
 
 # -- end to end on the Markov model ------------------------------------------------------
@@ -119,7 +118,7 @@ def test_quick_report_structure(quick, markov_workdir):
     assert sum(acc["accepted_length_histogram"][1:]) > 0 and acc["tau"] > 1
   md = open(out + ".md").read()
   assert md_command(out + ".md") == " ".join(
-      ["python scripts/losslessness_study.py --workdir", markov_workdir, "--quick --out", out])
+      ["python -m experiments.losslessness_study --workdir", markov_workdir, "--quick --out", out])
   assert "Holm" in md and md.count("| wrong_argmax | first") == len(wrong)
   assert 5_000 < os.path.getsize(out + "_pvalues.png") < 150_000
 

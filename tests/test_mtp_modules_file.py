@@ -28,7 +28,7 @@ from mtp import export as export_lib
 from mtp import loading
 from mtp import tokenizer as tok
 from mtp.export import modules
-from mtp.export import run as export_run
+from mtp import exporting as export_run
 from mtp.importers import ModelImportError, params_from_hf_tensors
 from mtp.importers import __main__ as cli
 from mtp.importers import gguf as gi

@@ -1,4 +1,4 @@
-"""scripts/replay_schedule.py's replay: schedules replayed on recorded
+"""experiments/replay_schedule.py's replay: schedules replayed on recorded
 greedy answers give exactly the target calls and draft lengths of real
 decoding (the tiny Markov model, D = 2, drafts past D from module 2
 reused); at T > 0 the replay on AR-sampled answers has the law of real
@@ -10,7 +10,7 @@ import pytest
 
 from decode.schedule import AutoSchedule
 from decode.speculative import Decoder, SamplingParams
-from scripts import replay_schedule as rp
+from experiments import replay_schedule as rp
 from tests.conftest import random_prompts, with_noisy_mtp
 
 MAX_NEW = 40
@@ -146,7 +146,7 @@ def test_compare_averages_draws(recorded):
 
 @pytest.mark.slow
 def test_script_records_once_and_replays(tmp_path, capsys):
-  from scripts import replay_schedule as script
+  from experiments import replay_schedule as script
   from tests import tiny_bpe
   target = tiny_bpe.import_tiny_workdir(str(tmp_path), mtp_depth=1)
   out, rec = str(tmp_path / "replay"), str(tmp_path / "rec.npz")
@@ -192,7 +192,7 @@ def test_script_replays_sampled_answers(tmp_path, capsys):
   """--temperature 1: two sampled answers per prompt, probabilities in the
   records, a per-category table; records of another temperature are refused
   before anything is decoded."""
-  from scripts import replay_schedule as script
+  from experiments import replay_schedule as script
   from tests import tiny_bpe
   import json
   target = tiny_bpe.import_tiny_workdir(str(tmp_path), mtp_depth=1)
@@ -268,7 +268,7 @@ def test_plain_ar_step_prices_g0_and_the_fallback(recorded):
 
 
 def test_script_refuses_a_workdir_without_a_chat_template(markov_workdir, capsys):
-  from scripts import replay_schedule as script
+  from experiments import replay_schedule as script
   with pytest.raises(SystemExit) as e:
     script.main(["--workdir", markov_workdir, "--costs", "1,1.2,1.4", "--max_draft_tokens", "2"])
   assert e.value.code == 2

@@ -18,6 +18,11 @@ def _script(name):
   return importlib.import_module(f"scripts.{name}")
 
 
+def _experiment(name):
+  """experiments/NAME.py as the module ``experiments.NAME``."""
+  return importlib.import_module(f"experiments.{name}")
+
+
 @pytest.fixture(scope="module")
 def workdir(markov_workdir):
   return markov_workdir
@@ -62,8 +67,8 @@ def test_bench_train_quick(tmp_path):
   out = str(tmp_path / "bt")
   argv = ["--config", os.path.join(REPO, "configs/tiny.py"), "--quick", "--depths", "0,1",
           "--out", out]
-  _script("bench_train").main(argv)
-  assert md_command(out + ".md") == "python scripts/bench_train.py " + " ".join(argv)
+  _experiment("bench_train").main(argv)
+  assert md_command(out + ".md") == "python -m experiments.bench_train " + " ".join(argv)
   rows = json.load(open(out + ".json"))["results"]
   assert [r["depth"] for r in rows] == [0, 1]
   assert rows[0]["time_ratio"] == 1.0 and rows[1]["flop_ratio"] > 1.0
@@ -75,8 +80,8 @@ def test_bench_round_quick(workdir, data_dir, tmp_path):
   out = str(tmp_path / "br")
   argv = ["--workdir", workdir, "--quick", "--data_dir", data_dir, "--num_draft_tokens", "2",
           "--out", out]
-  _script("bench_round").main(argv)
-  assert md_command(out + ".md") == "python scripts/bench_round.py " + " ".join(argv)
+  _experiment("bench_round").main(argv)
+  assert md_command(out + ".md") == "python -m experiments.bench_round " + " ".join(argv)
   rows = json.load(open(out + ".json"))["results"]
   assert [(r["temperature"], r["num_draft_tokens"]) for r in rows] == [(0, 0), (0, 2), (1, 0), (1, 2)]
   for r in rows:
@@ -98,8 +103,8 @@ def test_bench_draft_cost_quick(tmp_path):
   out = str(tmp_path / "dc")
   argv = ["--config", os.path.join(REPO, "configs/tiny.py"), "--quick", "--layers", "1,4",
           "--out", out]
-  _script("bench_draft_cost").main(argv)
-  assert md_command(out + ".md") == "python scripts/bench_draft_cost.py " + " ".join(argv)
+  _experiment("bench_draft_cost").main(argv)
+  assert md_command(out + ".md") == "python -m experiments.bench_draft_cost " + " ".join(argv)
   rows = json.load(open(out + ".json"))["results"]
   assert [r["layers"] for r in rows] == [1, 4]
   # one module next to 1 layer costs more of a target step than next to 4 layers
@@ -209,7 +214,8 @@ def test_bench_bad_flags_fail_before_loading(name, flags, needle, capsys, tmp_pa
   model load would raise CheckpointError instead of exiting with status 2."""
   argv = (["--workdir", str(tmp_path / "nonexistent")] if name == "bench_decode" else []) + flags
   with pytest.raises(SystemExit) as e:
-    _script(name).main(argv + ["--out", str(tmp_path / "x")])
+    module = _script(name) if name == "bench_decode" else _experiment(name)
+    module.main(argv + ["--out", str(tmp_path / "x")])
   assert e.value.code == 2
   assert needle in capsys.readouterr().err
   assert not os.path.exists(tmp_path / "x.json")
@@ -242,16 +248,28 @@ def test_markdown_starts_with_the_quoted_command(tmp_path):
     report.write_report(str(tmp_path / "s"), {}, [], "# Title\n")
 
 
-def test_scripts_import_scripts_by_absolute_name_and_leave_sys_path_alone():
-  """A script runs both as ``python scripts/NAME.py`` (the package installed)
-  and as ``python -m scripts.NAME``: it imports another module of scripts/
-  only by its absolute name (``scripts.X``; a relative import fails under
-  the first form, a bare sibling name under the second) and never edits
-  sys.path. (No cycle among them: tests/test_import_graph.py.)"""
+def test_experiments_record_the_command_as_a_module():
+  """An experiment's OUT.md records ``python -m experiments.NAME ARG ...``,
+  which runs from the repository root whether or not the package is
+  installed; the arguments are quoted as ``report.command_line`` quotes."""
+  from experiments import common
+  path = os.path.join(REPO, "experiments", "bench_train.py")
+  assert common.command_line(path, []) == "python -m experiments.bench_train"
+  assert common.command_line(path, ["--out", "a b", "--quick"]) == \
+      "python -m experiments.bench_train --out 'a b' --quick"
+
+
+@pytest.mark.parametrize("room", ["scripts", "experiments"])
+def test_scripts_import_scripts_by_absolute_name_and_leave_sys_path_alone(room):
+  """A script (or experiment) runs both as ``python ROOM/NAME.py`` (the
+  package installed) and as ``python -m ROOM.NAME``: it imports another
+  module of its room only by its absolute name (``ROOM.X``; a relative
+  import fails under the first form, a bare sibling name under the second)
+  and never edits sys.path. (No cycle among them: tests/test_import_graph.py.)"""
   import ast
   import glob
-  siblings = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "scripts", "*.py"))}
-  for path in glob.glob(os.path.join(REPO, "scripts", "*.py")):
+  siblings = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, room, "*.py"))}
+  for path in glob.glob(os.path.join(REPO, room, "*.py")):
     src = open(path).read()
     assert "sys.path" not in src, path
     for node in ast.walk(ast.parse(src)):

@@ -1,4 +1,4 @@
-"""scripts/simulate_speedup.py: the Monte Carlo round process agrees with the
+"""experiments/simulate_speedup.py: the Monte Carlo round process agrees with the
 closed forms of Leviathan et al. 2023 (and would catch a wrong one), the
 optimal draft length, the DeepSeek-V3 numbers, and the CLI end to end."""
 
@@ -11,7 +11,7 @@ from scipy import stats
 
 from decode import theory
 from tests.conftest import md_command
-from tests.test_scripts import _script
+from tests.test_scripts import _experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "results", "bench_decode_tiny.json")
@@ -19,7 +19,7 @@ BENCH = os.path.join(REPO, "results", "bench_decode_tiny.json")
 
 @pytest.fixture(scope="module")
 def sim():
-  return _script("simulate_speedup")
+  return _experiment("simulate_speedup")
 
 
 CASES = [(a, g) for a in (0.3, 0.6, 0.9) for g in (1, 3, 8)]
@@ -110,7 +110,7 @@ def test_cli_quick_with_two_bench_files(sim, tmp_path):
   assert mc["cells"] == len(r["alphas"]) * 8 * len(r["costs"]) and mc["frac_within_3se"] > 0.9
   assert res["deepseek_v3"]["ends"][0]["alpha"] == 0.85
   md = open(out + ".md").read()
-  assert md_command(out + ".md") == f"python scripts/simulate_speedup.py --quick --bench {BENCH} " \
+  assert md_command(out + ".md") == f"python -m experiments.simulate_speedup --quick --bench {BENCH} " \
       f"--bench {BENCH} --out {out}"
   assert "DeepSeek-V3" in md and "does not reproduce 1.8x at c = 0" in md
   assert "0.0278" in md and "0.0556" in md               # the computed c range, not hard-coded

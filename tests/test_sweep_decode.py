@@ -1,4 +1,4 @@
-"""scripts/sweep_decode.py: sweep plan, end-to-end --quick run on the Markov
+"""experiments/sweep_decode.py: sweep plan, end-to-end --quick run on the Markov
 model, flag errors (timings are not asserted)."""
 
 import json
@@ -7,26 +7,25 @@ import os
 import pytest
 
 from tests.conftest import md_command
-from scripts import bench_lib
-from tests.test_scripts import _script
+from tests.test_scripts import _experiment
 
 
 @pytest.fixture(scope="module")
 def sweep():
-  return _script("sweep_decode")
+  return _experiment("sweep_decode")
 
 
 def test_sweep_points_move_one_axis_around_the_base(sweep):
   base = {"domain": "code", "temperature": 1.0, "top_p": 1.0, "batch_size": 1}
-  plan = bench_lib.sweep_points(base, [0.0, 0.7, 1.0], [1.0, 0.9], [1, 4], [0.0, 1.0], ["code", "prose"])
-  assert set(plan) == set(bench_lib.SWEEPS)
+  plan = sweep.sweep_points(base, [0.0, 0.7, 1.0], [1.0, 0.9], [1, 4], [0.0, 1.0], ["code", "prose"])
+  assert set(plan) == set(sweep.SWEEPS)
   assert len(plan["temperature"]) == 6 and len(plan["batch"]) == 4 and len(plan["top_p"]) == 2
   axes = {"temperature": {"temperature", "domain"}, "top_p": {"top_p"},
           "batch": {"batch_size", "temperature"}, "domain": {"domain", "temperature"}}
   for name, pts in plan.items():
     for p in pts:
       assert {k for k in base if p[k] != base[k]} <= axes[name], (name, p)
-  unique = {bench_lib.point_key(p) for pts in plan.values() for p in pts}
+  unique = {sweep.point_key(p) for pts in plan.values() for p in pts}
   # shared settings are measured once: 6 (T x domain) + top_p 0.9 + B=4 at T=0,1
   assert len(unique) == 6 + 1 + 2
 
@@ -39,7 +38,7 @@ def test_sweep_decode_quick(sweep, markov_workdir, data_dir, tmp_path):
   meta, sweeps = report["meta"], report["results"]
   assert {"commit", "jax_version", "device_kind", "cpu_count", "date", "config", "command"} <= set(meta)
   assert meta["num_draft_tokens"] == [2] and meta["base"]["temperature"] == 1.0
-  assert set(sweeps) == set(bench_lib.SWEEPS)
+  assert set(sweeps) == set(sweep.SWEEPS)
   domains = ["python_stdlib", "python_docs"]
   expected = {
       "temperature": {(d, t, 1.0, 1) for d in domains for t in (0.0, 1.0)},
@@ -69,9 +68,9 @@ def test_sweep_decode_quick(sweep, markov_workdir, data_dir, tmp_path):
   for r in sweeps["domain"]:
     assert r["wall_s_median"] == t_rows[key(r)]["wall_s_median"]
   md = open(out + ".md").read()
-  assert all(f"## {name}" in md for name in bench_lib.SWEEPS)
+  assert all(f"## {name}" in md for name in sweep.SWEEPS)
   assert md_command(out + ".md") == meta["command"] == " ".join([
-      "python scripts/sweep_decode.py --workdir", markov_workdir, "--data_dir", data_dir,
+      "python -m experiments.sweep_decode --workdir", markov_workdir, "--data_dir", data_dir,
       "--quick --out", out])
   table_rows = [l for l in md.splitlines() if l.startswith("| ") and not l.startswith("| domain")]
   assert len(table_rows) == sum(len(rows) for rows in sweeps.values())

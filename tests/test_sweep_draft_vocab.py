@@ -1,4 +1,4 @@
-"""scripts/sweep_draft_vocab.py (with train/vocab_sweep.py)
+"""experiments/sweep_draft_vocab.py (with experiments/vocab_sweep.py)
 on a tiny random BPE target with one MTP module and a token dataset with a
 loss_mask: the report's structure, nested V' sets, the mass outside V'
 never smaller for a smaller V', and tau from the per-step rates."""
@@ -10,10 +10,10 @@ import pytest
 
 from decode import theory
 from mtp import data
-from scripts import sweep_draft_vocab as script
+from experiments import sweep_draft_vocab as script
 from tests import tiny_bpe
 from tests.conftest import md_command
-from train import vocab_sweep
+from experiments import vocab_sweep
 
 SIZES = (8, 64)
 
@@ -46,7 +46,7 @@ def test_script_writes_a_well_formed_report(stage, tmp_path):
           "--batch_size", "2", "--recursive_steps", "2", "--temperatures", "0", "--repeats", "1",
           "--iters", "2", "--prompt_len", "16", "--out", out]
   assert script.main(argv) == 0
-  assert md_command(out + ".md") == "python scripts/sweep_draft_vocab.py " + " ".join(argv)
+  assert md_command(out + ".md") == "python -m experiments.sweep_draft_vocab " + " ".join(argv)
   res = json.load(open(out + ".json"))
   assert {"commit", "date", "device_kind", "wall_s", "settings"} <= set(res["meta"])
   acc = res["results"]["acceptance"]

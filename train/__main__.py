@@ -27,29 +27,26 @@ _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Call jax.distributed.initialize() even without the flags above "
     "(JAX auto-detects Cloud TPU, Slurm, Open MPI and Kubernetes jobs).")
 flags.mark_flags_as_required(["config", "workdir"])
-HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?")
 
 
-def help_exits_zero(parse):
-  """``parse`` (an absl ``flags_parser``), except that a help flag (--help,
-  -?, --helpshort, --helpfull, --helpxml) exits with status 0: absl prints
-  the help and exits 1, which a shell, make or a CI step reads as a failure
-  of a request that succeeded."""
-  def parse_flags(argv):
-    try:
-      return parse(argv)
-    except SystemExit as e:
-      if e.code == 1 and any(a.lstrip("-").split("=", 1)[0] in HELP_FLAGS for a in argv[1:]
-                             if a.startswith("-")):
-        sys.exit(0)
-      raise
-  return parse_flags
+def check_flags_early() -> None:
+  """The config against ``mtp.config``'s schema and the multi-host flags'
+  ranges, before jax loads. Raises ConfigError (a ValueError), one line."""
+  from mtp.config import ConfigError, from_dict
+  from_dict(_CONFIG.value)
+  n, i = _NUM_PROCESSES.value, _PROCESS_ID.value
+  if n is not None and n < 1:
+    raise ConfigError(f"--num_processes={n} must be >= 1")
+  if i is not None and not 0 <= i < (n if n is not None else i + 1):
+    raise ConfigError(f"--process_id={i} must be in [0, --num_processes={n})")
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
+  from mtp.cli import check_output_path
+  check_output_path("workdir", _WORKDIR.value, "dir")
   from mtp.checkpoint import CheckpointError
   from mtp.config import ConfigError, from_dict
   from mtp.data import DataError
@@ -88,5 +85,5 @@ if __name__ == "__main__":
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  from mtp.cli import parse_flags_or_exit
-  app.run(main, flags_parser=help_exits_zero(parse_flags_or_exit))
+  from mtp.cli import flags_parser, main_guard
+  main_guard(lambda _: app.run(main, flags_parser=flags_parser(check_flags_early)))

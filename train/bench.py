@@ -1,6 +1,7 @@
 """Training-step benchmarks as library functions: a synthetic batch, the
 compiled step's FLOPs and memory, and interleaved step timing across
-configs (scripts/bench_train.py, scripts/compare_drafters.py).
+configs (experiments/bench_train.py, experiments/compare_drafters.py,
+scripts/device_check.py).
 
 Timing goes through ``mtp.timing.interleaved_times``. The step is lowered
 through ``Trainer._step`` (the jitted train step), the only such call site

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -57,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from mtp import checkpoint as ckpt_lib
+from mtp.files import write_atomic
 
 CACHE_DIR = "hidden_cache"
 META_FILE = "meta.json"
@@ -251,8 +253,9 @@ def build(folder: str, rows: Mapping[str, np.ndarray], hidden_fn: Callable[[dict
 
   def save_progress():
     h0.flush()
-    np.save(done_path + ".tmp.npy", done)
-    os.replace(done_path + ".tmp.npy", done_path)
+    buf = io.BytesIO()
+    np.save(buf, done)
+    write_atomic(done_path, buf.getvalue())
 
   if not done.all():
     digests = row_digests(rows)

@@ -331,16 +331,9 @@ def truncate_metrics(path: str, step: int):
 def write_atomic(path: str, text: str) -> None:
   """Writes ``text`` to ``path`` through a temporary file and a rename: a
   failed write (a full disk) leaves the old file whole, and no temporary
-  file behind."""
-  tmp = path + ".tmp"
-  try:
-    with open(tmp, "w", encoding="utf-8") as f:
-      f.write(text)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+  file behind (``mtp.cli.write_atomic``)."""
+  from mtp.files import write_atomic as write
+  write(path, text)
 
 
 def append_line(f, line: str) -> None:
@@ -536,15 +529,15 @@ def finished_result(workdir: str, step: int) -> dict | None:
 
 
 def write_final_metrics(workdir: str, result: dict[str, Any]) -> None:
-  """Writes ``final_metrics.json`` atomically (temporary file + rename)."""
-  path = os.path.join(workdir, FINAL_METRICS_FILE)
-  with open(path + ".tmp", "w") as f:
-    json.dump(result, f, indent=2)
-  os.replace(path + ".tmp", path)
+  """Writes ``final_metrics.json`` atomically (``write_atomic``)."""
+  write_atomic(os.path.join(workdir, FINAL_METRICS_FILE), json.dumps(result, indent=2))
 
 
 class WorkdirBusyError(RuntimeError):
   """Another training run holds the workdir's lock (the message names it)."""
+
+
+_HELD: dict[str, list] = {}   # lock file (real path) -> [its open file, holders] in this process
 
 
 class WorkdirLock:
@@ -560,13 +553,17 @@ class WorkdirLock:
   one (a file system that does not honour flock). A file naming a process
   that is gone (killed, crashed: the OS dropped its flock) is stale: the
   lock is taken over and ``log`` gets one notice line. Usable as a context
-  manager.
+  manager. Within one process the lock is shared: a second ``WorkdirLock``
+  of the same workdir (``train.loop.train`` inside a command that already
+  holds it, e.g. scripts/smollm_mtp_device.py) acquires at once, and the
+  flock is dropped when the last holder releases.
   """
 
   def __init__(self, workdir: str):
     self.workdir = workdir
     self.path = os.path.join(workdir, LOCK_FILE)
     self._file = None
+    self._key = None
 
   @property
   def held(self) -> bool:
@@ -578,6 +575,12 @@ class WorkdirLock:
 
   def acquire(self, log: Callable[[str], None] | None = None) -> None:
     if self._file is not None:
+      return
+    key = os.path.realpath(self.path)
+    shared = _HELD.get(key)
+    if shared is not None:            # this process holds it already
+      shared[1] += 1
+      self._file, self._key = shared[0], key
       return
     f = open(self.path, "a+", encoding="utf-8")
     try:
@@ -612,12 +615,19 @@ class WorkdirLock:
     except BaseException:
       f.close()
       raise
-    self._file = f
+    self._file, self._key = f, key
+    _HELD[key] = [f, 1]
 
   def release(self) -> None:
     f, self._file = self._file, None
     if f is None:
       return
+    shared = _HELD.get(self._key)
+    if shared is not None and shared[0] is f:
+      shared[1] -= 1
+      if shared[1] > 0:
+        return
+      del _HELD[self._key]
     try:
       f.seek(0)
       f.truncate()

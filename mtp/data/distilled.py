@@ -8,11 +8,13 @@ writes.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 
 import numpy as np
 
+from mtp.files import write_atomic
 from mtp.data.corpora import SELF_DISTILLED_VERSION, DataError
 
 
@@ -51,8 +53,7 @@ def partial_run_dir(out_dir: str, out_name: str, workdir: str, recipe_json: dict
       log(f"resuming: {n} finished batches in {folder}")
   else:
     os.makedirs(folder, exist_ok=True)
-    with open(stamp, "w") as f:
-      json.dump(want, f)
+    write_atomic(stamp, json.dumps(want))
   return folder
 
 
@@ -65,10 +66,11 @@ def load_partial_batch(path: str, n: int) -> tuple[list[np.ndarray], np.ndarray]
 
 def save_partial_batch(path: str, answers: list[np.ndarray], calls: np.ndarray) -> None:
   """Saves a batch's answers and target calls to ``path`` (an ``.npz``),
-  atomically (written as ``path.tmp.npz``, then renamed)."""
-  tmp = path + ".tmp.npz"
-  np.savez(tmp, calls=calls, **{f"a{j}": a for j, a in enumerate(answers)})
-  os.replace(tmp, path)
+  atomically (``mtp.cli.write_atomic``: a temporary file of its own, so two
+  writers never share one)."""
+  buf = io.BytesIO()
+  np.savez(buf, calls=calls, **{f"a{j}": a for j, a in enumerate(answers)})
+  write_atomic(path, buf.getvalue())
 
 
 def chat_token_example(index: int, category: str, temperature: float, prompt: np.ndarray,

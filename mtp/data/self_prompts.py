@@ -247,13 +247,10 @@ class SampleSettings:
 def write_prompt_jsonl(path: str, prompts: Sequence[Mapping[str, str]]) -> None:
   """Writes prompts (``{"category", "prompt"[, "system"]}``) one JSON object
   per line, UTF-8, in the format ``chat.read_prompt_jsonl`` reads (written
-  to a temporary file and renamed, so a reader never sees half a file)."""
-  tmp = f"{path}.tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    for p in prompts:
-      f.write(json.dumps({k: p[k] for k in chat_lib.HELDOUT_FIELDS if k in p},
-                         ensure_ascii=False) + "\n")
-  os.replace(tmp, path)
+  whole or not at all: ``mtp.cli.write_atomic``)."""
+  from mtp.files import write_atomic
+  write_atomic(path, "".join(json.dumps({k: p[k] for k in chat_lib.HELDOUT_FIELDS if k in p},
+                                        ensure_ascii=False) + "\n" for p in prompts))
 
 
 def as_chat_prompt(p: Mapping[str, Any], source: str = SOURCE) -> dict:

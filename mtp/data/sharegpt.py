@@ -268,7 +268,6 @@ def conversation_example(tokenizer, conv: Conversation, seq_len: int
 
 
 def first_user_prompts(convs: Iterable[Conversation]) -> list[dict]:
-  """Prompt dicts (``mtp.data.chat`` layout: category, messages, source)
-  of each conversation's first user turn."""
-  return [{"category": "sharegpt", "messages": [{"role": "user", "content": c.turns[0]}],
-           "source": f"sharegpt/{c.id}"} for c in convs]
+  """Prompt dicts of each conversation's first user turn, in the prompt
+  file layout (``mtp.data.chat.read_prompt_jsonl``: category, prompt)."""
+  return [{"category": "sharegpt", "prompt": c.turns[0]} for c in convs]

@@ -2,7 +2,7 @@
 directory with the MTP modules under DeepSeek-V3 naming, and back.
 
 ``python -m mtp.export --workdir W --out DIR [--overwrite] [--step N]`` (CLI in
-``mtp/export/__main__.py``) calls ``mtp.export.run.export``, which loads the
+``mtp/export/__main__.py``) calls ``mtp.exporting.export``, which loads the
 checkpoint (``mtp.loading``) and calls ``write_export`` here. (``--modules_out
 FILE`` writes only the MTP modules and draft vocabulary instead:
 ``mtp.export.modules``.) This module is
@@ -39,7 +39,8 @@ directions. ``load_exported`` reads such a directory back into a
 ``Transformer`` with bitwise-identical parameters; ``mtp.loading.load_model``
 (and so ``python -m decode --workdir DIR``) accepts it in place of a workdir.
 Writing needs only numpy and ``safetensors``; torch and transformers are not
-imported here.
+imported here, jax and flax only inside the functions that use them (``python -m
+mtp.export`` checks its flags before jax loads).
 """
 
 from __future__ import annotations
@@ -52,9 +53,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import numpy as np
-from flax import nnx
 
 from mtp.bpe import bytes_to_unicode
 from mtp import config as config_lib
@@ -198,6 +197,8 @@ def hf_state_dict(model, cfg: Config) -> dict[str, np.ndarray]:
     ExportError: a setting Llama cannot express, or a parameter the table does
       not cover (names it).
   """
+  import jax
+  from flax import nnx
   check_exportable(cfg)
   flat = {tuple(p): np.asarray(jax.device_get(v[...]))
           for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
@@ -360,9 +361,8 @@ def tokenizer_files(tokenizer=None) -> dict[str, dict[str, Any]]:
 
 
 def _write_json(path: str, obj: Any) -> None:
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(obj, f, indent=2, ensure_ascii=False)
-    f.write("\n")
+  from mtp.files import write_atomic
+  write_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
 def is_exported(path: str) -> bool:
@@ -446,11 +446,12 @@ def write_export(model, cfg: Config, out: str, *, step: int = 0, overwrite: bool
   out = check_out(out, overwrite)
   tokenizer = check_tokenizer(cfg, tokenizer)
   tensors = hf_state_dict(model, cfg)
-  from safetensors.numpy import save_file
+  from safetensors.numpy import save
+  from mtp.files import write_atomic
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out))
   old = None
   try:
-    save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
+    write_atomic(os.path.join(tmp, WEIGHTS_FILE), save(tensors, metadata={"format": "pt"}))
     _write_json(os.path.join(tmp, CONFIG_FILE), _hf_config(cfg, step, tokenizer))
     _write_json(os.path.join(tmp, GENERATION_CONFIG_FILE), _generation_config(cfg, tokenizer))
     for name, obj in tokenizer_files(tokenizer).items():
@@ -550,6 +551,8 @@ def load_exported(path: str):
       DeepSeek-V3 copy of a shared tensor that differs from the original
       (names it).
   """
+  import jax
+  from flax import nnx
   from safetensors.numpy import load_file
   from mtp.model import build_model
   path = os.path.abspath(os.path.expanduser(path))

@@ -3,7 +3,7 @@ draft vocabulary) as one small safetensors file, attached again to a freshly
 imported target (``python -m mtp.importers ... --mtp_modules FILE``).
 
 Written by ``python -m mtp.export --workdir W --modules_out FILE.safetensors``
-(``mtp.export.run.export_modules`` loads the checkpoint and calls
+(``mtp.exporting.export_modules`` loads the checkpoint and calls
 ``write_modules_file``). This module is the format only: it imports neither
 ``mtp.checkpoint`` nor ``mtp.loading`` nor ``mtp.importers``.
 
@@ -40,7 +40,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -170,25 +169,17 @@ def check_modules_out(out: str, overwrite: bool) -> str:
 def write_raw(out: str, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> str:
   """Writes ``tensors`` with metadata ``meta`` (the ``mtp_modules`` object;
   its ``tensors`` entry is computed here: dtype, shape, CRC-32) to ``out``,
-  atomically (a temporary sibling renamed over it). For
-  ``write_modules_file``, and for tests that need odd files. Returns ``out``."""
-  from safetensors.flax import save_file
+  atomically (``mtp.cli.write_atomic``). For ``write_modules_file``, and for
+  tests that need odd files. Returns ``out``. Raises OSError (a full disk:
+  ENOSPC, naming ``out``)."""
+  from safetensors.flax import save
+  from mtp.files import write_atomic
   meta = dict(meta)
   meta["tensors"] = {n: {"dtype": np.asarray(a).dtype.name, "shape": list(np.shape(a)),
                          "crc32": zlib.crc32(np.ascontiguousarray(a).tobytes()) & 0xFFFFFFFF}
                      for n, a in sorted(tensors.items())}
   header = {"format": FORMAT, METADATA_KEY: json.dumps(meta, sort_keys=True)}
-  fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out) or ".")
-  os.close(fd)
-  try:
-    save_file({n: jnp.asarray(a) for n, a in tensors.items()}, tmp, metadata=header)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, out)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
-  return out
+  return write_atomic(out, save({n: jnp.asarray(a) for n, a in tensors.items()}, metadata=header))
 
 
 def write_modules_file(model, cfg: Config, out: str, *, step: int, dtype: str = "bfloat16",

@@ -17,10 +17,12 @@ import sys
 
 # New-module options (None = not given): --mtp_modules excludes them.
 _NEW_MODULE_DEFAULTS = {"mtp_depth": 0, "mtp_init": "random", "mtp_init_scale": 1.0, "seed": 0}
+MAX_MTP_DEPTH = 16   # mtp.config: mtp.depth in [0, 16]
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m mtp.importers", description=__doc__.split("\n\n")[1])
+  from mtp.cli import OneLineParser
+  p = OneLineParser(prog="python -m mtp.importers", description=__doc__.split("\n\n")[1])
   src = p.add_mutually_exclusive_group(required=True)
   src.add_argument("--gguf", help="a llama.cpp GGUF file (llama architecture)")
   src.add_argument("--hf", help="a Hugging Face LlamaForCausalLM / MistralForCausalLM directory")
@@ -47,8 +49,23 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
+def check_flags_early(ap: argparse.ArgumentParser, args) -> None:
+  """The ranges the importers check later, before jax loads: ``ap.error``
+  (one line naming the flag; exit status 2)."""
+  import math
+  if args.mtp_depth is not None and not 0 <= args.mtp_depth <= MAX_MTP_DEPTH:
+    ap.error(f"--mtp_depth={args.mtp_depth}: must be in [0, {MAX_MTP_DEPTH}] (mtp.depth)")
+  scale = args.mtp_init_scale
+  if scale is not None and not (math.isfinite(scale) and scale > 0):
+    ap.error(f"--mtp_init_scale={scale!r}: must be a finite number > 0")
+
+
 def main(argv=None) -> int:
-  args = _parser().parse_args(argv)
+  ap = _parser()
+  args = ap.parse_args(argv)
+  check_flags_early(ap, args)
+  from mtp.cli import check_output_path
+  check_output_path("workdir", args.workdir, "dir")
   from mtp.config import ConfigError, parse_id_list
   from mtp.importers import ModelImportError
   from mtp.importers.attach import check_exclusive
@@ -78,4 +95,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from mtp.cli import main_guard
+  main_guard(main)

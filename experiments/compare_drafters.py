@@ -1,6 +1,6 @@
 r"""MTP drafting vs independent small draft models, for one trained MTP target.
 
-    python scripts/compare_drafters.py --workdir runs/tiny --runs_dir runs/drafters \
+    python -m experiments.compare_drafters --workdir runs/tiny --runs_dir runs/drafters \
         --out results/compare_drafters [--draft_steps N] [--num_draft_tokens 1,2,3] \
         [--temperatures 0,1] [--repeats 10] [--max_new_tokens 128]
 
@@ -37,7 +37,7 @@ uses already-trained draft checkpoints instead (nothing is trained).
 Reported per drafter: extra parameters (MTP: the D modules; draft: the
 drafting model's backbone, embedding and head included), extra training
 cost (a train-step probe in this process, interleaved repeats, same
-approach as scripts/bench_train.py: MTP = step time with D / step time of
+approach as experiments/bench_train.py: MTP = step time with D / step time of
 the same target with D = 0, minus 1; draft = its own separate run, step
 time x steps / (D = 0 target step time x target steps); XLA FLOP ratios
 beside them), the training wall time and median step time of the draft
@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -71,12 +72,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from decode.speculative import MAX_DRAFT_TOKENS, DecodeError  # noqa: E402
+from decode.speculative import MAX_DRAFT_TOKENS, DecodeError, Decoder, SamplingParams  # noqa: E402
+from experiments import common  # noqa: E402
 from mtp import loading  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
-from mtp.model import count_params  # noqa: E402
-from scripts.bench_lib import calibrate_cost_arch, drafter_grid  # noqa: E402
+from mtp.model import build_model, count_params  # noqa: E402
+from scripts.bench_lib import draft_time_s, measure_point  # noqa: E402
 from scripts.draft_models import arch_name, cost_candidates, draft_config, param_count, param_matched_arch  # noqa: E402
 from train.bench import train_step_costs  # noqa: E402
 from train.loop import train  # noqa: E402
@@ -97,6 +99,61 @@ def parse_arch(ap: argparse.ArgumentParser, flag: str, text: str) -> tuple[int, 
     ap.error(f"--{flag}={text!r}: give 'auto' or LAYERSxD_MODEL with LAYERS >= 1 and D_MODEL >= 2 "
              "(e.g. 2x128)")
   return layers, width
+
+
+# -- the library: the cost-matched draft, the drafter grid ---------------------------------
+
+def calibrate_cost_arch(target, target_cfg, candidates, prompt: str, max_new_tokens: int,
+                        num_draft_tokens: int, repeats: int) -> tuple[tuple[int, int], list]:
+  """The candidate (num_layers, d_model) whose drafting step is closest in
+  time (|log ratio|) to the MTP drafter's, i.e. whose cost ratio c is
+  closest to the MTP drafter's. Times: ``draft_time_s``
+  (median s per drafting step of G tokens, batch 1, T = 0) with
+  random-weight drafts (the time does not depend on the weights). Returns
+  (best, [{num_layers, d_model, params, draft_s, mtp_draft_s, time_ratio_to_mtp}])."""
+  sp = SamplingParams(temperature=0.0)
+  g = num_draft_tokens
+  mtp_s = draft_time_s(Decoder(target, "mtp", g), [prompt], max_new_tokens, sp, repeats)
+  rows = []
+  for layers, width in candidates:
+    dcfg = draft_config(target_cfg, layers, width)
+    s = draft_time_s(Decoder(target, "draft", g, build_model(dcfg)), [prompt], max_new_tokens, sp,
+                     repeats)
+    rows.append({"num_layers": layers, "d_model": width, "params": param_count(dcfg)["total"],
+                 "draft_s": s, "mtp_draft_s": mtp_s, "time_ratio_to_mtp": s / mtp_s})
+  best = min(rows, key=lambda r: abs(math.log(r["time_ratio_to_mtp"])))
+  return (best["num_layers"], best["d_model"]), rows
+
+
+def drafter_grid(target, drafts: dict, gs: list[int], temperatures: list[float], prompts: list[str],
+                 batch: int, max_new_tokens: int, repeats: int, probe_once: bool = False,
+                 log=print) -> list[dict]:
+  """AR, the target's MTP modules and every independent draft model
+  (``drafts``: {label: model}) at every G, side by side per temperature
+  (``measure_point``, while_loop form; the drafting time behind c probed at
+  every temperature, or once at the first with ``probe_once``). Returns
+  ``measure_point``'s rows with "drafter" ("ar", "mtp" or the draft's
+  label); ``log`` gets one line per speculative row."""
+  decoders = {"ar": Decoder(target, "ar")}
+  drafter_of = {"ar": "ar"}
+  for g in gs:
+    decoders[f"mtp_G{g}"] = Decoder(target, "mtp", g)
+    drafter_of[f"mtp_G{g}"] = "mtp"
+  for label, model in drafts.items():
+    for g in gs:
+      decoders[f"{label}_G{g}"] = Decoder(target, "draft", g, model)
+      drafter_of[f"{label}_G{g}"] = label
+  rows, draft_cache, flops_cache = [], ({} if probe_once else None), {}
+  for t in temperatures:
+    point = measure_point(decoders, prompts, batch, max_new_tokens, SamplingParams(temperature=t),
+                          repeats, ("while",), draft_cache, flops_cache)
+    for r in point:
+      r["drafter"] = drafter_of[r["label"]]
+      if r["method"] != "ar":
+        log(f"T={t:g} {r['label']:28s} tau {r['tau']:.2f}  c {r['draft_cost_ratio_c']:.2f}  "
+            f"speedup {r['speedup']:.2f}x")
+    rows += point
+  return rows
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -123,8 +180,7 @@ def _load_json(path: str) -> dict:
 
 def _dump_json(path: str, obj) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(obj, f, indent=2)
+  cli.write_atomic(path, json.dumps(obj, indent=2))
 
 
 def select_archs(args, ap, cfg, target, counts, prompt) -> tuple[dict, dict]:
@@ -353,9 +409,7 @@ def plot(rows: list[dict], path: str) -> None:
   axes[1].axhline(1.0, color="gray", lw=0.8)
   axes[1].set(ylabel="speedup over AR", title="measured speedup (batch 1)")
   axes[0].legend(fontsize=6)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  common.save_figure(fig, path)
 
 
 # -- main ---------------------------------------------------------------------------------
@@ -425,6 +479,7 @@ def main(argv=None):
   ap = parser()
   args = ap.parse_args(argv)
   gs, temps = check_flags(ap, args)
+  cli.check_output_path("out", args.out, "prefix")
   cfg, target, step = loading.load_model(args.workdir)
   if cfg.mtp.depth < 1:
     ap.error(f"--workdir={args.workdir} holds a model with mtp.depth = 0: no MTP drafter to compare")
@@ -459,7 +514,7 @@ def main(argv=None):
                       probe_once=args.draft_cost_probe == "once", log=lambda s: print(s, flush=True))
 
   meta = report.provenance(
-      command=report.command_line(__file__, argv),
+      command=common.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(), runs_dir=args.runs_dir,
       target={"num_layers": cfg.model.num_layers, "d_model": cfg.model.d_model, "depth": cfg.mtp.depth,
               "params": counts, "dataset": dataset, "val_bpb": val_bpb(target_final),

@@ -2,7 +2,7 @@ r"""Top-p on a real target: nucleus sizes along its greedy answers, the warp
 with ``jax.lax.top_k`` candidates vs a full vocabulary sort, and what top-p
 costs a decoding step, side by side in one process.
 
-    python scripts/bench_top_p.py --workdir runs/smollm_demo [--per_category 1] \
+    python -m experiments.bench_top_p --workdir runs/smollm_demo [--per_category 1] \
         [--answer_tokens 64] [--temperatures 0.7,1] [--top_ps 0.8,0.9,0.95] \
         [--warp_shapes 1x2,1x4,32x2] [--warp_repeats 20] \
         [--decode_top_ps 1,0.9] [--num_draft_tokens 1] [--decode_repeats 6] \
@@ -23,6 +23,7 @@ import numpy as np
 
 from decode import sampling
 from decode.speculative import DecodeError, Decoder, SamplingParams
+from experiments import common
 from mtp import cli, loading, report
 from mtp import tokenizer as tok_lib
 from mtp.timing import interleaved_times, spread
@@ -249,6 +250,7 @@ def main(argv=None):
                     decode_repeats=1, max_new_tokens=8, temperatures="1", top_ps="0.9")
   cli.check_range(ap, args, per_category=1, answer_tokens=1, warp_repeats=0, decode_repeats=0,
                   max_new_tokens=1, num_draft_tokens=0)
+  cli.check_output_path("out", args.out, "prefix")
   temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0, lo_open=True)
   top_ps = cli.parse_list(ap, "top_ps", args.top_ps, float, 0.0, 1.0, lo_open=True)
   decode_top_ps = cli.parse_list(ap, "decode_top_ps", args.decode_top_ps, float, 0.0, 1.0,
@@ -288,7 +290,7 @@ def main(argv=None):
     result["decode"] = decode_times(
         model, tokenizer, prompts, args.max_new_tokens, args.decode_temperature, decode_top_ps,
         args.num_draft_tokens, args.decode_repeats, log=lambda m: print(m, flush=True))
-  meta = report.provenance(command=report.command_line(__file__, argv), workdir=args.workdir,
+  meta = report.provenance(command=common.command_line(__file__, argv), workdir=args.workdir,
                            settings=vars(args), load_average_before=load_before,
                            load_average=os.getloadavg(), logits_rows=int(logits.shape[0]))
   report.write_report(args.out, meta, result, markdown(result, meta))

@@ -2,7 +2,7 @@ r"""Losslessness study: speculative decoding samples from the same distribution
 as autoregressive (AR) sampling from the target, tested statistically, with a
 deliberately wrong acceptance rule as a power check.
 
-    python scripts/losslessness_study.py --workdir runs/tiny [--dataset python_stdlib] \
+    python -m experiments.losslessness_study --workdir runs/tiny [--dataset python_stdlib] \
         [--num_prompts 4 | --prompt_indices 3,6] [--prompt_bytes 48] [--plan_only] [--temperatures 0.7,1.0,1.3] [--top_ps 1.0,0.9] \
         [--num_draft_tokens 2] [--num_samples 4000] [--num_tokens 4] [--batch_size 1000] \
         [--out results/losslessness_study]
@@ -77,6 +77,7 @@ import dataclasses
 import math
 import time
 
+import jax.numpy as jnp
 import matplotlib
 
 matplotlib.use("Agg")
@@ -84,18 +85,58 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from scipy import stats as sps  # noqa: E402
 
+from decode import sampling, verify  # noqa: E402
 from decode.speculative import DecodeError, Decoder, SamplingParams  # noqa: E402
+from experiments import common  # noqa: E402
 from mtp import checkpoint as ckpt_lib  # noqa: E402
 from mtp import loading  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import tokenizer as tok  # noqa: E402
-from scripts.bench_lib import ArgmaxAcceptDecoder  # noqa: E402
 
 QUICK_PROMPTS = ("ace", "ef ")    # over the alphabet "abcdef " of tests/conftest.py's Markov source
 MIN_EXPECTED = 5.0
 POWER_SETTING = (1.0, 1.0)        # (temperature, top_p) of the wrong-rule check
 SEED_STRIDE = 100_003             # seeds of different methods / settings never collide
+
+
+# -- a deliberately wrong decoder, for the power check ---------------------------------
+
+def argmax_accept(key, target_probs, draft_tokens):
+  """WRONG acceptance rule, for the power check: accept d_j while it equals
+  argmax p_{j-1}; the next token is sampled from p_a (the target row at the
+  first rejected position, or p_G as the bonus). Not lossless: it ignores q.
+
+  Args: key (jax.random key), target_probs [B, G+1, V] float, draft_tokens
+  [B, G] int. Returns (num_accepted [B] int32 in 0..G, next_token [B] int32).
+  """
+  p = jnp.asarray(target_probs, jnp.float32)
+  g = p.shape[1] - 1
+  best = jnp.argmax(p[:, :g], axis=-1).astype(jnp.int32)                 # [B, G]
+  match = draft_tokens.astype(jnp.int32) == best
+  a = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)      # [B]
+  p_row = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]         # [B, V]
+  return a.astype(jnp.int32), sampling.sample(key, p_row)
+
+
+def _argmax_rule(key, p, q, draft_tokens, params):
+  """``argmax_accept`` as a ``Decoder`` accept_rule (AR steps as the real rule)."""
+  if draft_tokens is None or params.greedy:
+    return verify.accept(key, p, q, draft_tokens, params)
+  return argmax_accept(key, p, draft_tokens)
+
+
+class ArgmaxAcceptDecoder(Decoder):
+  """A speculative ``Decoder`` whose round uses ``argmax_accept`` instead of
+  the rejection rule of Leviathan et al. 2023 (Algorithm 1): same drafting,
+  verification and commit, wrong acceptance. For power checks only."""
+
+  def __init__(self, target, method="mtp", num_draft_tokens=2, draft=None, mesh=None,
+               tokenizer=None):
+    if method == "ar":
+      raise ValueError("ArgmaxAcceptDecoder needs a speculative method (mtp or draft)")
+    super().__init__(target, method, num_draft_tokens, draft, mesh, accept_rule=_argmax_rule,
+                     tokenizer=tokenizer)
 
 
 # -- sampling ------------------------------------------------------------------------
@@ -297,7 +338,6 @@ def planned_power(target, encoded: list, num_samples: int, alpha: float) -> list
   no such closed form and are not planned. Returns one dict per prompt:
   p_argmax, q_argmax, tv, noncentrality, dof, power."""
   import jax
-  import jax.numpy as jnp
   rows = []
   for enc in encoded:
     out = target(jnp.asarray(np.asarray(enc, np.int32)[None]))
@@ -430,9 +470,7 @@ def plot_pvalues(path: str, correct: list[float], wrong: list[float]) -> None:
   ax2.set_ylabel(f"-log10 observed p (clipped at {floor:g})")
   # outside the axes: the points run along the diagonal and, for the wrong rule, up the left side
   ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  common.save_figure(fig, path, dpi=100)
 
 
 # -- main ------------------------------------------------------------------------------
@@ -589,6 +627,7 @@ def main(argv=None):
     args.prompt = args.prompt or list(QUICK_PROMPTS)
     cli.apply_quick(ap, args, temperatures="0.7,1.0", num_samples=500, num_tokens=2)
     cli.apply_quick(ap, args, batch_size=args.num_samples)
+  cli.check_output_path("out", args.out, "prefix")
   args.temperatures = cli.parse_list(ap, "temperatures", args.temperatures or "0.7,1.0,1.3", float,
                                      0.0, 100.0, lo_open=True)
   if args.prompt_indices is not None:
@@ -641,7 +680,7 @@ def main(argv=None):
     return {"planned_power": plan}
 
   meta = report.provenance(
-      command=report.command_line(__file__, argv),
+      command=common.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(),
       prompt_source=("--prompt" if args.prompt else "held_out_prompts" if tokenizer is None
                      else "heldout_chat.jsonl"), dataset=args.dataset,

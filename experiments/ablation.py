@@ -1,9 +1,9 @@
-"""The MTP ablation grid (scripts/ablate_mtp.py): depth D x loss weight
+"""The MTP ablation grid (experiments/ablate_mtp.py): depth D x loss weight
 lambda x seed at a fixed backbone, its cells' configs and training, and the
 two result tables kept apart (docs/design.md section 7): (a) training
 benefit (validation loss and bits per byte vs D = 0 over the same seeds)
 and (b) decoding benefit (tau, alpha_k, speedup of each cell's MTP
-modules, aggregated over seeds from ``scripts.bench_lib.ar_vs_mtp`` rows).
+modules, aggregated over seeds from ``experiments.ablate_mtp.ar_vs_mtp`` rows).
 
 DeepSeek-V3 report, eq. 21-25: L = L_main + lambda / D * sum_k L^k.
 """
@@ -202,7 +202,7 @@ def decode_table(cells: list[dict]) -> list[dict]:
 
 @dataclasses.dataclass
 class Ablation:
-  """The settings of one ablation run (scripts/ablate_mtp.py).
+  """The settings of one ablation run (experiments/ablate_mtp.py).
 
   base: the config whose backbone every cell trains; depths, loss_weights,
   seeds: the grid axes; budget: ``cell_config``'s shared keywords

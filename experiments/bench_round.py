@@ -1,6 +1,6 @@
 r"""Round-cost breakdown: where the time of one decoding round goes.
 
-    python scripts/bench_round.py --workdir runs/reference [--num_draft_tokens 1,2,3] \
+    python -m experiments.bench_round --workdir runs/reference [--num_draft_tokens 1,2,3] \
         [--trees "3,2,1;2,2,1"] [--temperatures 0,1] [--batch_size 1] [--repeats 5] \
         [--out results/bench_round]
 
@@ -52,8 +52,8 @@ import numpy as np
 
 from decode import tree as tree_lib
 from decode.speculative import MAX_DRAFT_TOKENS, DecodeError, Decoder, SamplingParams
+from experiments import common
 from mtp import cli, loading, report
-from mtp import config as config_lib
 from mtp import data as data_lib
 from mtp import tokenizer as tok
 from mtp.model import build_model
@@ -281,14 +281,13 @@ def main(argv=None):
   if args.quick:
     cli.apply_quick(ap, args, max_new_tokens=8, prompt_bytes=32, repeats=1)
   cli.check_range(ap, args, prompt_bytes=1, max_new_tokens=1, batch_size=1, repeats=1)
+  cli.check_output_path("out", args.out, "prefix")
   temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
   if args.workdir:
     cfg, model, step = loading.load_model(args.workdir)
     name = f"{args.workdir} (step {step})"
   else:
-    if not os.path.isfile(args.config):
-      ap.error(f"--config={args.config!r}: no such file")
-    cfg = config_lib.load_config_file(args.config)
+    cfg = common.load_config(ap, args.config)
     model, step, name = build_model(cfg), None, f"{args.config} (random init)"
   depth = cfg.mtp.depth
   if depth < 1:
@@ -318,7 +317,7 @@ def main(argv=None):
                                             args.repeats, trace_root,
                                             log=lambda s: print(s, flush=True),
                                             tokenizer=tokenizer)
-  meta = report.provenance(command=report.command_line(__file__, argv), model=name, checkpoint_step=step, config=cfg.to_dict(),
+  meta = report.provenance(command=common.command_line(__file__, argv), model=name, checkpoint_step=step, config=cfg.to_dict(),
                            batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                            prompt_bytes=args.prompt_bytes, dataset=source,
                            prompt_tokens=[int(len(p)) for p in prompts],

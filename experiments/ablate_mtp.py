@@ -6,7 +6,7 @@ quiet CPU cores about 45 minutes: ~33 min of train steps (0.23 s/step at
 D = 0 to ~0.5 s at D = 4), ~5 min of per-cell compile/eval/checkpoint, ~4 min
 of decoding; proportionally longer on a shared machine:
 
-    python scripts/ablate_mtp.py --config configs/tiny.py --depths 0,1,2,3,4 \
+    python -m experiments.ablate_mtp --config configs/tiny.py --depths 0,1,2,3,4 \
         --loss_weights 0.1,0.3,1.0 --seeds 0,1 --num_steps 200 --batch_size 16 \
         --seq_len 128 --runs_dir runs/ablate --out results/ablate_mtp
 
@@ -34,7 +34,7 @@ Two results, kept apart (docs/design.md section 7):
     batch 1, on held-out prompts of the config's dataset (validation split),
     at temperatures 0 and 1: mean accepted length tau, acceptance rate alpha_k
     per position, speedup over AR (while_loop form), the measured drafting
-    cost ratio c; timed with scripts/bench_lib.py (``ar_vs_mtp``: run_cells /
+    cost ratio c; timed with ``ar_vs_mtp`` (scripts/bench_lib.py's run_cells /
     summarize_cell), aggregated over seeds.
 
 Writes OUT.json (meta: provenance, grid, budget, backbone and cell configs;
@@ -63,17 +63,18 @@ import time
 import jax
 import numpy as np
 
-from decode.speculative import DecodeError
+from decode.speculative import DecodeError, Decoder, SamplingParams
+from experiments import common
+from experiments.ablation import Ablation, decode_table, decoded_cells, quick_config, train_grid, train_table
 from mtp import loading
 from mtp import cli, report
 from mtp import config as config_lib
 from mtp import data as data_lib
 from mtp.config import ConfigError
 from mtp.timing import format_spread
-from scripts.bench_lib import ar_vs_mtp
-from train.ablation import Ablation, decode_table, decoded_cells, quick_config, train_grid, train_table
+from scripts.bench_lib import measure_point
 
-FULL_COMMAND = ("python scripts/ablate_mtp.py --config configs/tiny.py --depths 0,1,2,3,4 "
+FULL_COMMAND = ("python -m experiments.ablate_mtp --config configs/tiny.py --depths 0,1,2,3,4 "
                 "--loss_weights 0.1,0.3,1.0 --seeds 0,1 --num_steps 200 --batch_size 16 "
                 "--seq_len 128 --runs_dir runs/ablate --out results/ablate_mtp")
 
@@ -84,6 +85,25 @@ DEFAULTS = {
     "temperatures": ("0,1", "0,1"), "decode_prompts": (8, 1), "decode_tokens": (128, 8),
     "decode_repeats": (1, 1), "prompt_bytes": (120, 64),
 }
+
+
+# -- the decoding benefit: AR vs MTP of one trained cell ---------------------------
+
+def ar_vs_mtp(model, prompts: list[str], temperatures, max_new_tokens: int, repeats: int,
+              batch: int = 1) -> list[dict]:
+  """AR vs MTP speculative decoding with G = 1 and G = D of one model with
+  D >= 1 MTP modules, while_loop form, ``measure_point`` at every
+  temperature (``repeats`` interleaved decodes per method: prompt r mod
+  len(prompts), seed r). The drafting time behind c is probed once per G,
+  at the first temperature (the temperature is a runtime argument of the
+  same compiled step). Returns ``measure_point``'s rows, AR rows included."""
+  gs = sorted({1, model.mtp_depth})
+  decoders = {"ar": Decoder(model, "ar"), **{f"mtp_G{g}": Decoder(model, "mtp", g) for g in gs}}
+  draft_cache, rows = {}, []
+  for t in temperatures:
+    rows += measure_point(decoders, prompts, batch, max_new_tokens, SamplingParams(temperature=t),
+                          repeats, draft_cache=draft_cache)
+  return rows
 
 
 # -- report ----------------------------------------------------------------------
@@ -192,9 +212,7 @@ def plot_train(ttable: list[dict], path: str) -> None:
   ax2.set_title("paired difference (< 0: MTP training helps)", fontsize=9)
   if ax2.get_legend_handles_labels()[0]:
     ax2.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  common.save_figure(fig, path)
 
 
 def plot_decode(dtable: list[dict], path: str) -> None:
@@ -227,9 +245,7 @@ def plot_decode(dtable: list[dict], path: str) -> None:
       ax.set_ylim(bottom=1.0)          # tau >= 1 (the bonus / correction token)
       ax.legend(fontsize=6)
   fig.suptitle("Decoding: mean accepted length (error bars: min/max over seeds)", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  common.save_figure(fig, path)
 
 
 # -- main ------------------------------------------------------------------------
@@ -273,11 +289,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
   ap = parser()
-  args = ap.parse_args(argv)
-  for k, (full, quick) in DEFAULTS.items():
-    if getattr(args, k) is None:
-      setattr(args, k, quick if args.quick else full)
-  cli.quick_out(ap, args)
+  args = common.parse_with_defaults(ap, argv, DEFAULTS)
+  cli.check_output_path("out", args.out, "prefix")
   depths = _parse_list(ap, "depths", args.depths, int, 0, 16)
   lams = _parse_list(ap, "loss_weights", args.loss_weights, float, 0.0)
   if any(lam <= 0 for lam in lams):
@@ -350,7 +363,7 @@ def _run(args, argv, ab: Ablation, cache_dir: str | None):
   t_decode = time.perf_counter() - t_start - t_train
 
   ttable, dtable = train_table(cells), decode_table(cells)
-  cmd = report.command_line(__file__, argv)
+  cmd = common.command_line(__file__, argv)
   meta = report.provenance(
       command=cmd, full_command=FULL_COMMAND, quick=args.quick,
       config_file="--quick test model" if args.quick else args.config, dataset=base.data.name,

@@ -20,9 +20,9 @@ all along the data's path (teacher forcing: step k sees the true tokens
 before it, not its own drafts). The backbone runs once per batch; each V'
 reruns only the heads and the modules on its output (``forward_from_hidden``).
 
-Lives in ``train`` because it is the stage's evaluation (its loss sums, its
-data pipeline, its selection rule); the draft cost against V' is decoding's,
-measured by scripts/sweep_draft_vocab.py, which puts the two together.
+The stage's evaluation (train's loss sums, data pipeline and selection
+rule), kept beside its only user, experiments/sweep_draft_vocab.py, which
+puts it together with the draft cost against V' (decoding's).
 """
 
 from __future__ import annotations

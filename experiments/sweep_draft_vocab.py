@@ -1,14 +1,14 @@
 r"""Acceptance alpha_k, tau, draft cost c and ideal speedup of one trained MTP
 stage against the size of its draft vocabulary V' (issue 22 item 3).
 
-    python scripts/sweep_draft_vocab.py --workdir runs/smollm_mtp \
+    python -m experiments.sweep_draft_vocab --workdir runs/smollm_mtp \
         [--draft_vocab 2048,4096,8192,16384,full] [--eval_batches 2] [--batch_size 2] \
         [--repeats 3] [--out results/sweep_draft_vocab_smollm]
 
 For each |V'| the modules' V' is set to that many most frequent answer ids
 of the stage's train split (``train.loop.select_draft_vocab``, the rule the
 stage itself used; ``full`` = no V'). Acceptance per draft step k = 1..D+R on
-the validation batches: ``train/vocab_sweep.py``; draft cost and speedup:
+the validation batches: ``experiments/vocab_sweep.py``; draft cost and speedup:
 this script.
 """
 
@@ -22,11 +22,11 @@ import jax
 
 from decode import theory
 from decode.speculative import DecodeError, Decoder, SamplingParams
+from experiments import common, vocab_sweep
 from mtp import cli, report
 from mtp import draft_vocab as draft_vocab_lib
 from mtp.timing import format_spread, interleaved_times, spread
 from scripts.bench_lib import bare_forward_loop, draft_loop, prefilled
-from train import vocab_sweep
 
 
 # -- the library: draft cost and ideal speedup against V' ----------------------------------
@@ -41,7 +41,7 @@ from train import vocab_sweep
 # over one token), all in one ``mtp.timing.interleaved_times`` call, so each
 # round's ratio c = draft step / (G x target step) pairs calls made close
 # together in time. ``speedup_rows`` turns per-step acceptance rates
-# alpha_1..alpha_G (from ``train.vocab_sweep``, passed in as plain rows) and c
+# alpha_1..alpha_G (from ``experiments.vocab_sweep``, passed in as plain rows) and c
 # into tau and Theorem 3.8's ideal speedup (``decode.theory.chain_tau`` /
 # ``chain_speedup``).
 
@@ -107,7 +107,7 @@ def speedup_rows(acceptance: list[dict], costs: dict, gs) -> list[dict]:
   speedup tau / (G c + 1) (``theory.chain_speedup``) at the median c, with
   the range from c's min / max.
 
-  acceptance: ``train.vocab_sweep.acceptance`` rows (draft_vocab, size,
+  acceptance: ``experiments.vocab_sweep.acceptance`` rows (draft_vocab, size,
   depths [{k, alpha_t0, alpha_t1, mass_outside}]); costs: ``draft_costs``
   (alpha_t0 pairs with its T = 0 cost, alpha_t1 with T = 1; a temperature
   it did not time is left out). Returns [{draft_vocab, size, temperature,
@@ -206,6 +206,7 @@ def main(argv=None):
   sizes = _sizes(ap, args.draft_vocab)
   temps = cli.parse_list(ap, "temperatures", args.temperatures, float, choices=(0.0, 1.0))
   cli.check_positive(ap, args, ["eval_batches", "batch_size", "repeats", "iters", "prompt_len"])
+  cli.check_output_path("out", args.out, "prefix")
   t0, log = time.perf_counter(), lambda m: print(m, flush=True)
   stage = vocab_sweep.load_stage(args.workdir, args.step, batch_size=args.batch_size,
                                  num_batches=args.eval_batches, data_dir=args.data_dir,
@@ -218,7 +219,7 @@ def main(argv=None):
   costs = draft_costs(models, stage.tokenizer, prompt, g, repeats=args.repeats,
                                   iters=args.iters, temperatures=temps)
   rows = speedup_rows(acc, costs, range(1, g + 1))
-  meta = report.provenance(command=report.command_line(__file__, argv), settings=vars(args),
+  meta = report.provenance(command=common.command_line(__file__, argv), settings=vars(args),
                            step=stage.step, seq_len=stage.cfg.train.seq_len,
                            positions=acc[0]["depths"][0]["positions"],
                            load_average=os.getloadavg(), wall_s=time.perf_counter() - t0)

@@ -1,7 +1,9 @@
 """Library side of ``python -m mtp.export``: load a checkpoint (``mtp.loading``)
 and the workdir's tokenizer (``mtp.tokenizer.load_tokenizer``), and write it
 as a Hugging Face directory (``mtp.export.write_export``), or write its MTP
-modules as a modules file (``export_modules``: ``mtp.export.modules``)."""
+modules as a modules file (``export_modules``: ``mtp.export.modules``).
+Outside the ``mtp.export`` package: ``mtp.loading`` imports that package,
+which imports no ``mtp.loading`` (no import circle)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ G = 0..G_max, the CLI's "auto" and variants of it would spend target calls
 and time on held-out chat prompts, in seconds instead of a benchmark's
 minutes.
 
-    python scripts/replay_schedule.py --workdir runs/smollm_demo [--per_category 2] \
+    python -m experiments.replay_schedule --workdir runs/smollm_demo [--per_category 2] \
         [--max_new_tokens 128] [--costs 1,1.22,1.43,1.63 [--ar_step 0.97]] \
         [--temperature 1 --top_p 1 --samples 4 --draws 8] \
         [--variants "slow:ema=0.05;probe:probe_interval=1"] [--answers OTHER_RECORDS.npz] \
@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import io
 import os
 from collections.abc import Sequence
 
@@ -47,6 +48,7 @@ import numpy as np
 from decode import run as run_lib
 from decode.schedule import AutoSchedule
 from decode.speculative import DecodeError, SamplingParams
+from experiments import common
 from mtp import cli, loading, report
 from mtp import data as data_lib
 from mtp import tokenizer as tok
@@ -487,7 +489,9 @@ def save_records(path: str, records: list[dict], sampling=(0.0, 0, 1.0)) -> None
   for i, r in enumerate(records):
     for field in ("prompt", "answer", "acc"):
       arrays[f"{field}_{i}"] = r[field]
-  np.savez_compressed(path, **arrays)
+  buf = io.BytesIO()
+  np.savez_compressed(buf, **arrays)
+  cli.write_atomic(path, buf.getvalue())
 
 
 def load_sampling(path: str) -> tuple[float, int, float]:
@@ -585,6 +589,7 @@ def main(argv=None):
   ap.add_argument("--out", default="results/replay_schedule", help="output prefix")
   args = ap.parse_args(argv)
   cli.check_range(ap, args, per_category=1, max_new_tokens=1, draws=1)
+  cli.check_output_path("out", args.out, "prefix")
   params = SamplingParams(args.temperature, args.top_k, args.top_p)
   try:
     params.validate()
@@ -665,7 +670,7 @@ def main(argv=None):
   rows = compare(records, costs, args.max_new_tokens, schedules, draws=args.draws,
                     seed=args.seed, ar_step_s=ar_step)
   labels = [f"G{g}" for g in range(g_max + 1)] + list(schedules)
-  meta = report.provenance(command=report.command_line(__file__, argv),
+  meta = report.provenance(command=common.command_line(__file__, argv),
                            model=f"{args.workdir} (step {step})", checkpoint_step=step,
                            max_new_tokens=args.max_new_tokens, costs=costs, ar_step=ar_step,
                            relative_costs=[c / ar_step for c in costs],

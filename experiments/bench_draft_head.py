@@ -2,7 +2,7 @@ r"""The MTP draft head over a reduced draft vocabulary V', side by side with
 the full-vocabulary head (issue 22 item 3; FastMTP's compressed draft
 vocabulary).
 
-    python scripts/bench_draft_head.py [--d_model 576] [--vocab 49152] \
+    python -m experiments.bench_draft_head [--d_model 576] [--vocab 49152] \
         [--draft_vocab 2048,4096,8192,16384] [--tokens 1,2,3,4] [--repeats 200] \
         [--out results/bench_draft_head]
 
@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from decode import drafters, sampling
+from experiments import common
 from mtp import cli, report
 from mtp import config as config_lib
 from mtp import draft_vocab
@@ -125,8 +126,9 @@ def main(argv=None):
   vds = cli.parse_list(ap, "draft_vocab", args.draft_vocab, int, 1, args.vocab)
   tokens = cli.parse_list(ap, "tokens", args.tokens, int, 1, 64)
   cli.check_positive(ap, args, ["d_model", "vocab", "repeats"])
+  cli.check_output_path("out", args.out, "prefix")
   results = measure(args.d_model, args.vocab, vds, tokens, args.repeats)
-  meta = report.provenance(command=report.command_line(__file__, argv), d_model=args.d_model,
+  meta = report.provenance(command=common.command_line(__file__, argv), d_model=args.d_model,
                            vocab=args.vocab, repeats=args.repeats)
   md = markdown(results, meta, args.vocab)
   report.write_report(args.out, meta, results, md)
@@ -134,4 +136,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  cli.main_guard(main)

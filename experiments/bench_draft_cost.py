@@ -1,7 +1,7 @@
 r"""Drafting cost ratio c against target depth: how the MTP drafter's cost
 per draft token compares with one target step as the target gets deeper.
 
-    python scripts/bench_draft_cost.py --config configs/tiny.py --layers 2,4,8,16 \
+    python -m experiments.bench_draft_cost --config configs/tiny.py --layers 2,4,8,16 \
         --num_draft_tokens 1,2 [--out results/bench_draft_cost]
 
 An MTP module is one transformer block (plus a projection and the shared
@@ -21,18 +21,56 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from decode.speculative import MAX_DRAFT_TOKENS, DecodeError  # noqa: E402
+from decode import theory  # noqa: E402
+from decode.speculative import MAX_DRAFT_TOKENS, DecodeError, Decoder, SamplingParams  # noqa: E402
+from experiments import common  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import config as config_lib  # noqa: E402
-from scripts.bench_lib import ALPHAS, draft_cost_vs_depth  # noqa: E402
+from mtp.model import build_model  # noqa: E402
+from scripts.bench_lib import bare_forward_s, draft_flop_share, draft_time_s  # noqa: E402
 
+
+# -- the library: c against target depth ------------------------------------------------
+
+DRAFT_COST_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    return 0\n"
+ALPHAS = (0.6, 0.8, 0.9)     # acceptance rates of draft_cost_vs_depth's ideal speedups
+
+
+def draft_cost_vs_depth(cfg: config_lib.Config, layers: int, gs: list[int], repeats: int, max_new: int,
+                        log=print) -> list[dict]:
+  """Rows {layers, num_draft_tokens, c, c_flops, overhead, draft_s, forward_s, ideal_speedup}
+  for a random target copy of ``cfg`` with ``layers`` layers and MTP depth
+  max(gs): c = ``draft_time_s`` / (G x one in-loop ``bare_forward_s`` over
+  1 token), batch 1, T = 0, prompt
+  ``DRAFT_COST_PROMPT``; c_flops = ``draft_flop_share``; ideal_speedup
+  {alpha: Theorem 3.8} at ``ALPHAS``. ``log`` gets one line per G."""
+  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers),
+                            mtp=dataclasses.replace(cfg.mtp, depth=max(gs)))
+  target = build_model(config_lib.validate(cfg))
+  cache_len = 64 * -(-(len(DRAFT_COST_PROMPT) + 1 + max_new + 64) // 64)
+  fwd = bare_forward_s(target, 1, 1, cache_len, repeats, in_loop=True)
+  sp = SamplingParams(temperature=0.0)
+  rows = []
+  for g in gs:
+    dec = Decoder(target, "mtp", g)
+    draft_s = draft_time_s(dec, [DRAFT_COST_PROMPT], max_new, sp, repeats)
+    c = draft_s / (g * fwd)
+    c_flops = draft_flop_share(dec, [DRAFT_COST_PROMPT], max_new, sp)
+    rows.append({"layers": layers, "num_draft_tokens": g, "c": c, "c_flops": c_flops,
+                 "overhead": c / c_flops, "draft_s": draft_s, "forward_s": fwd,
+                 "ideal_speedup": {str(a): theory.ideal_speedup(a, g, c) for a in ALPHAS}})
+    log(f"L={layers:3d} G={g}: c {c:.3f}  c(FLOPs) {c_flops:.3f}  forward {fwd * 1e3:.3f} ms  "
+        f"draft {draft_s * 1e3:.3f} ms")
+  return rows
+
+
+# -- report and main -------------------------------------------------------------------
 
 def markdown(rows: list[dict], meta: dict) -> str:
   lines = [f"Drafting cost ratio c vs target depth: random-init copies of {meta['config_file']} "
@@ -62,9 +100,7 @@ def plot(rows: list[dict], path: str) -> None:
   ax.set_ylabel("cost ratio c per draft token")
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  common.save_figure(fig, path)
 
 
 def main(argv=None):
@@ -82,14 +118,10 @@ def main(argv=None):
   if args.quick:
     cli.apply_quick(ap, args, repeats=1, max_new_tokens=8)
   cli.check_range(ap, args, repeats=1, max_new_tokens=1)
+  cli.check_output_path("out", args.out, "prefix")
   layers = cli.parse_list(ap, "layers", args.layers, int, 1)
   gs = cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1, MAX_DRAFT_TOKENS)
-  if not os.path.isfile(args.config):
-    ap.error(f"--config={args.config!r}: no such file")
-  try:
-    cfg = config_lib.load_config_file(args.config)
-  except config_lib.ConfigError as e:
-    ap.error(f"--config: {e}")
+  cfg = common.load_config(ap, args.config)
   if args.quick:
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=256))
@@ -98,7 +130,7 @@ def main(argv=None):
                                                          log=lambda s: print(s, flush=True))]
   meta = report.provenance(config_file=args.config, d_model=cfg.model.d_model, layers=layers,
                            num_draft_tokens=gs, repeats=args.repeats,
-                           command=report.command_line(__file__, argv))
+                           command=common.command_line(__file__, argv))
   report.write_report(args.out, meta, rows, markdown(rows, meta))
   plot(rows, args.out + ".png")
   print(f"wrote {args.out}.json, {args.out}.md and {args.out}.png")

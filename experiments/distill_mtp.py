@@ -2,9 +2,9 @@ r"""MTP modules distilled from the main head (issue 12): acceptance before and
 after a second training stage on a trained model, against a data-only
 stage of the same budget.
 
-    python scripts/distill_mtp.py --workdir runs/tiny --runs_dir runs/distill_tiny \
+    python -m experiments.distill_mtp --workdir runs/tiny --runs_dir runs/distill_tiny \
         --out results/distill_mtp_tiny
-    python scripts/distill_mtp.py --workdir runs/reference --runs_dir runs/distill_reference \
+    python -m experiments.distill_mtp --workdir runs/reference --runs_dir runs/distill_reference \
         --batch_size 8 --out results/distill_mtp_reference
 
 From the trained base workdir (never written to) the script
@@ -64,16 +64,20 @@ import sys
 import time
 
 import jax
+import numpy as np
 from flax import nnx
 
-from decode.speculative import DecodeError
+from decode import stats as stats_lib
+from decode.speculative import DecodeError, Decoder, SamplingParams
+from experiments import common
 from mtp import loading
 from mtp import cli, report
 from mtp import config as config_lib
 from mtp import data as data_lib
+from mtp import tokenizer as tok
 from mtp.config import Config, ConfigError
 from mtp.timing import format_spread, spread
-from scripts.bench_lib import ParamSwapBench
+from scripts.bench_lib import measure_point
 
 VARIANTS = {            # name: (distill weight: None = --distill_weight, data, recursive steps on)
     "data": (0.0, "corpus", False),
@@ -165,6 +169,73 @@ class Evaluator:
     from train import losses
     params = jax.device_put(params, self.trainer.param_shardings)
     return losses.summarize(self.trainer.eval_sums(params, self.batches))
+
+
+# -- one architecture, many parameter sets -----------------------------------------
+
+class ParamSwapBench:
+  """Decoders for AR and MTP (G in ``gs``) compiled once for one
+  architecture (a base and its distilled stages); ``use(model)`` swaps in
+  another model's parameters (same shapes: a stage of the same base), so
+  every model is measured by the same compiled programs.
+
+  Args:
+    model: a model of the architecture (its parameters are used until ``use``).
+    gs: draft lengths G >= 1.
+  """
+
+  def __init__(self, model, gs: list[int]):
+    self.gs = list(gs)
+    self.decoders = {"ar": Decoder(model, "ar"), **{f"mtp_G{g}": Decoder(model, "mtp", g) for g in gs}}
+    self.draft_cache, self.flops_cache = {}, {}
+
+  def use(self, model) -> "ParamSwapBench":
+    params = nnx.state(model, nnx.Param)
+    for dec in self.decoders.values():
+      dec.target_params = params
+    return self
+
+  def acceptance(self, prompts: list[str], temperatures: list[float], max_new_tokens: int,
+                 seed: int = 0) -> list[dict]:
+    """MTP speculative decoding of all ``prompts`` as one batch per (G, T).
+
+    Returns rows {num_draft_tokens, temperature, tau (emitted tokens per
+    target call), alpha (acceptance rate per position k = 1..G, None where
+    no round reached k), histogram (rounds per accepted count),
+    target_calls, tokens}."""
+    enc = [tok.ByteTokenizer().encode(p, add_bos=True) for p in prompts]
+    rows = []
+    for g in self.gs:
+      for t in temperatures:
+        gen = self.decoders[f"mtp_G{g}"].generate(enc, max_new_tokens, SamplingParams(temperature=t),
+                                                  seed=seed)
+        hist = gen.accepted_histogram.sum(0)
+        calls = int(gen.target_calls.sum())
+        rows.append({"num_draft_tokens": g, "temperature": t,
+                     "tau": float((hist * (np.arange(len(hist)) + 1)).sum() / max(calls, 1)),
+                     "alpha": stats_lib.acceptance_rates(hist),
+                     "histogram": [int(x) for x in hist], "target_calls": calls,
+                     "tokens": int(sum(len(x) for x in gen.tokens))})
+    return rows
+
+  def speed(self, prompts: list[str], gs: list[int], temperatures: list[float],
+            max_new_tokens: int, repeats: int) -> list[dict]:
+    """Speedup of MTP (G in ``gs``) over AR of the same model, batch 1,
+    while_loop form (``measure_point``; the drafting cost c is
+    measured once per G and shared: same architecture); rows with label,
+    method, num_draft_tokens, temperature, speedup, tau, wall_s_median,
+    tokens_per_s, draft_cost_ratio_c."""
+    decoders = {k: d for k, d in self.decoders.items()
+                if k == "ar" or int(k.split("G")[1]) in gs}
+    rows = []
+    for t in temperatures:
+      for r in measure_point(decoders, prompts, 1, max_new_tokens, SamplingParams(temperature=t),
+                             max(repeats, 1) * len(prompts), draft_cache=self.draft_cache,
+                             flops_cache=self.flops_cache):
+        rows.append({k: r.get(k) for k in ("label", "method", "num_draft_tokens", "temperature",
+                                           "speedup", "tau", "wall_s_median", "tokens_per_s",
+                                           "draft_cost_ratio_c")})
+    return rows
 
 
 # -- tables (pure) ---------------------------------------------------------------
@@ -346,11 +417,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
   ap = parser()
-  args = ap.parse_args(argv)
-  for k, (full, quick) in DEFAULTS.items():
-    if getattr(args, k) is None:
-      setattr(args, k, quick if args.quick else full)
-  cli.quick_out(ap, args)
+  args = common.parse_with_defaults(ap, argv, DEFAULTS)
+  cli.check_output_path("out", args.out, "prefix")
   variants = cli.parse_list(ap, "variants", args.variants, str, choices=tuple(VARIANTS))
   seeds = cli.parse_list(ap, "seeds", args.seeds, int, 0)
   temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
@@ -413,8 +481,7 @@ def train_stage(cfg: Config, variant: str, seed: int, name: str, workdir: str, l
     with open(cost_path) as f:
       st["train_wall_s"] = json.load(f)["train_wall_s"]
   elif not res.get("interrupted"):
-    with open(cost_path, "w") as f:
-      json.dump({"train_wall_s": st["train_wall_s"], "step": res["step"]}, f)
+    cli.write_atomic(cost_path, json.dumps({"train_wall_s": st["train_wall_s"], "step": res["step"]}))
   return st
 
 
@@ -506,7 +573,7 @@ def _run(args, argv, plan: Plan):
   results = {"self_distilled": sd_meta, "base_eval": base_eval, "base_acceptance": base_acc,
              "base_speed": base_speed, "stages": stages, "acceptance_table": table,
              "targets": targets(table, depth)}
-  cmd = report.command_line(__file__, argv)
+  cmd = common.command_line(__file__, argv)
   meta = report.provenance(
       command=cmd, quick=args.quick, base_workdir=args.workdir, base_step=base_step,
       base_config=base_cfg.to_dict(), base_params=sum(x.size for x in jax.tree.leaves(base_params)),

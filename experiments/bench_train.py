@@ -1,6 +1,6 @@
 r"""Training-step benchmark across MTP depths at a fixed backbone.
 
-    python scripts/bench_train.py --config configs/tiny.py [--depths 0,1,2,3,4] \
+    python -m experiments.bench_train --config configs/tiny.py [--depths 0,1,2,3,4] \
         [--repeats 5] [--steps 10] [--out results/bench_train]
 
 For each depth D: median seconds per jitted train step (after compilation,
@@ -15,10 +15,9 @@ version, device and date.
 from __future__ import annotations
 
 import argparse
-import os
 
+from experiments import common
 from mtp import cli, report
-from mtp import config as config_lib
 from train.bench import depth_sweep
 
 
@@ -36,16 +35,15 @@ def main(argv=None):
   if args.quick:
     cli.apply_quick(ap, args, repeats=1, steps=2)
   cli.check_range(ap, args, repeats=1, steps=1)
+  cli.check_output_path("out", args.out, "prefix")
   depths = cli.parse_list(ap, "depths", args.depths, int, 0, 16)
-  if not os.path.isfile(args.config):
-    ap.error(f"--config={args.config!r}: no such file")
-  base = config_lib.load_config_file(args.config)
+  base = common.load_config(ap, args.config)
   if args.quick:
     base = base.replace(model=dict(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
                                    head_dim=16, mlp_dim=64),
                         train=dict(batch_size=2, seq_len=16))
   rows = depth_sweep(base, depths, args.steps, args.repeats, log=lambda s: print(s, flush=True))
-  meta = report.provenance(command=report.command_line(__file__, argv),
+  meta = report.provenance(command=common.command_line(__file__, argv),
                            config_file=args.config, config=base.to_dict(), repeats=args.repeats,
                            steps_per_repeat=args.steps, quick=args.quick)
   commit = meta["commit"]

@@ -1,7 +1,7 @@
 r"""Speculative-decoding speedup theory: closed forms, a Monte Carlo check,
 the optimal draft length, measured points and the DeepSeek-V3 numbers.
 
-    python scripts/simulate_speedup.py [--bench results/bench_decode_tiny.json ...] \
+    python -m experiments.simulate_speedup [--bench results/bench_decode_tiny.json ...] \
         [--rounds 200000] [--g_max 8] [--costs 0,0.05,0.1,0.25,0.5,1] \
         [--out results/simulate_speedup]
 
@@ -48,8 +48,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from decode.theory import accepted_length_law, closed_form_speedup, closed_form_tau  # noqa: E402
+from decode.theory import closed_form_speedup, closed_form_tau  # noqa: E402
 from decode.speculative import DecodeError  # noqa: E402
+from experiments import common  # noqa: E402
 from mtp import cli, report  # noqa: E402
 
 DEFAULT_COSTS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -382,9 +383,7 @@ def plot_curves(path: str, alphas, curve_gs, curve_costs, measured) -> None:
     ax.set_title("measured: o while, ^ stream; x = formula at own c", fontsize=9)
     ax.set_xlabel("alpha_iid (from tau)")
     ax.legend(fontsize=6)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  common.save_figure(fig, path, dpi=100)
 
 
 def plot_optimal_g(path: str, alphas, costs, g_max: int) -> None:
@@ -405,9 +404,7 @@ def plot_optimal_g(path: str, alphas, costs, g_max: int) -> None:
   ax.set_ylabel("draft cost ratio c")
   ax.set_title(f"optimal G (1..{g_max}); grey: no G beats AR; contours: best speedup")
   fig.colorbar(mesh, ax=ax, ticks=range(1, g_max + 1), label="optimal G")
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  common.save_figure(fig, path, dpi=100)
 
 
 # -- main ----------------------------------------------------------------------------
@@ -436,6 +433,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.quick:
     cli.apply_quick(ap, args, rounds=5000, alpha_step=0.2)
+  cli.check_output_path("out", args.out, "prefix")
   args.costs = cli.parse_list(ap, "costs", args.costs, float, 0.0)
   args.curve_costs = cli.parse_list(ap, "curve_costs", args.curve_costs, float, 0.0)
   if not 0 <= args.alpha_min < args.alpha_max <= 1:
@@ -477,7 +475,7 @@ def main(argv=None):
                       "frac_within_3se": float(np.mean(np.asarray(zs_tau) <= 3)), "rows": mc_rows},
       "optimal": optimal, "measured": measured, "deepseek_v3": deepseek_v3_check(),
   }
-  meta = report.provenance(command=report.command_line(__file__, argv),
+  meta = report.provenance(command=common.command_line(__file__, argv),
                            **{k: v for k, v in vars(args).items()})
   report.write_report(args.out, meta, results, markdown(results, meta))
   fine = np.linspace(args.alpha_min, args.alpha_max, 61)

@@ -1,7 +1,7 @@
 r"""Where MTP acceptance collapses and where batching erases the gain:
 one-axis sweeps of speculative decoding around a base point.
 
-    python scripts/sweep_decode.py --workdir runs/tiny --out results/sweep_decode \
+    python -m experiments.sweep_decode --workdir runs/tiny --out results/sweep_decode \
         [--temperatures 0,0.3,0.7,1,1.3] [--top_ps 1,0.9] [--batch_sizes 1,4,16] \
         [--batch_temperatures 0,1] [--domains python_stdlib,python_docs] \
         [--num_draft_tokens D] [--repeats 10] [--max_new_tokens 128] [--prompt_bytes 256]
@@ -44,6 +44,7 @@ shared CPU cores, mostly compilation and the per-point drafting probe;
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 
@@ -52,12 +53,84 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from decode.speculative import MAX_DRAFT_TOKENS, DecodeError  # noqa: E402
+from decode.speculative import MAX_DRAFT_TOKENS, DecodeError, Decoder, SamplingParams  # noqa: E402
+from experiments import common  # noqa: E402
 from mtp import loading  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
-from scripts import bench_lib  # noqa: E402
-from scripts.bench_lib import DOMAIN_KIND, SweepDecode  # noqa: E402
+from scripts.bench_lib import measure_point  # noqa: E402
+
+# -- the library: one-axis sweeps around a base point -------------------------------------
+
+SWEEPS = ("temperature", "top_p", "batch", "domain")
+DOMAIN_KIND = {"python_stdlib": "code", "python_docs": "prose"}
+
+
+def sweep_points(base: dict, temperatures, top_ps, batch_sizes, batch_temperatures,
+                 domains) -> dict[str, list[dict]]:
+  """The settings of each sweep: {sweep name: [point, ...]}, each point a
+  dict with keys domain, temperature, top_p, batch_size; every point equals
+  ``base`` except on its sweep's axes (temperature sweep: T x domain; top_p:
+  p; batch: B x T in ``batch_temperatures``; domain: domain x T in {0, 1}).
+  Pure; points repeat across sweeps where the settings coincide."""
+  pt = lambda **kw: {**base, **kw}
+  return {
+      "temperature": [pt(domain=d, temperature=t) for d in domains for t in temperatures],
+      "top_p": [pt(top_p=p) for p in top_ps],
+      "batch": [pt(batch_size=b, temperature=t) for t in batch_temperatures for b in batch_sizes],
+      "domain": [pt(domain=d, temperature=t) for t in (0.0, 1.0) for d in domains],
+  }
+
+
+def point_key(p: dict) -> tuple:
+  """(domain, temperature, top_p, batch_size) of a sweep point: equal settings, equal key."""
+  return (p["domain"], float(p["temperature"]), float(p["top_p"]), int(p["batch_size"]))
+
+
+@dataclasses.dataclass
+class SweepDecode:
+  """The settings of one decode sweep.
+
+  target: the MTP target (D >= 1); gs: draft lengths G of the MTP rows;
+  plan: ``sweep_points``' {sweep: [point]}; prompts: {domain: held-out
+  prompt texts}; forms; max_new_tokens per row; repeats: interleaved timed
+  repeats per point; draft_cost_probe: "point" (probe the drafting time at
+  every point) or "batch" (once per batch size, at its first point).
+  """
+  target: object
+  gs: list[int]
+  plan: dict[str, list[dict]]
+  prompts: dict[str, list[str]]
+  forms: list[str]
+  max_new_tokens: int
+  repeats: int
+  draft_cost_probe: str = "point"
+
+
+def run_sweep(s: SweepDecode, log=print) -> dict[str, list[dict]]:
+  """Measures every distinct point of ``s.plan`` once (``measure_point`` with
+  AR and MTP at each G; in order of batch size, then key) and returns
+  {sweep: rows}, each row ``measure_point``'s with its domain and sweep
+  name; a point shared by two sweeps has the same rows in both. ``log``
+  gets one line per point."""
+  unique = {point_key(p): p for pts in s.plan.values() for p in pts}
+  # One decoder per method: its jitted functions compile once per batch shape.
+  decoders = {"ar": Decoder(s.target, "ar"), **{f"mtp_G{g}": Decoder(s.target, "mtp", g) for g in s.gs}}
+  measured, draft_cache, flops_cache = {}, ({} if s.draft_cost_probe == "batch" else None), {}
+  for i, (key, p) in enumerate(sorted(unique.items(), key=lambda kv: (kv[0][3], kv[0]))):
+    sp = SamplingParams(temperature=p["temperature"], top_p=p["top_p"])
+    rows = measure_point(decoders, s.prompts[p["domain"]], p["batch_size"], s.max_new_tokens, sp,
+                         s.repeats, s.forms, draft_cache, flops_cache)
+    for r in rows:
+      r["domain"] = p["domain"]
+    measured[key] = rows
+    spec = " ".join(f"{r['label']} tau {r['tau']:.2f} x{r['speedup']:.2f}" for r in rows
+                    if r["method"] != "ar")
+    log(f"[{i + 1}/{len(unique)}] {p['domain']} T={p['temperature']:g} top_p={p['top_p']:g} "
+        f"B={p['batch_size']}: {spec}")
+  return {name: [dict(r, sweep=name) for p in pts for r in measured[point_key(p)]]
+          for name, pts in s.plan.items()}
+
 
 # -- report ----------------------------------------------------------------------------
 
@@ -112,9 +185,7 @@ def plot_temperature(rows: list[dict], path: str) -> None:
   axes[1].axhline(1.0, color="gray", lw=0.8, ls="--")
   axes[1].set(xlabel="temperature T", ylabel="speedup over AR", title="measured speedup (batch 1)")
   axes[0].legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  common.save_figure(fig, path)
 
 
 def plot_batch(rows: list[dict], path: str) -> None:
@@ -138,9 +209,7 @@ def plot_batch(rows: list[dict], path: str) -> None:
   axes[0].set(ylabel="speedup over AR (same B)", title="measured speedup")
   axes[1].set(ylabel="tau", title="mean accepted length")
   axes[0].legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  common.save_figure(fig, path)
 
 
 # -- main --------------------------------------------------------------------------------
@@ -183,6 +252,7 @@ def main(argv=None):
     cli.apply_quick(ap, args, temperatures="0,1", batch_sizes="1,2", repeats=1, max_new_tokens=8,
                     prompt_bytes=48, draft_cost_probe="batch")
   cli.check_positive(ap, args, ("prompt_bytes", "max_new_tokens", "repeats"))
+  cli.check_output_path("out", args.out, "prefix")
   temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
   top_ps = cli.parse_list(ap, "top_ps", args.top_ps, float, 0.0, 1.0, lo_open=True)
   batches = cli.parse_list(ap, "batch_sizes", args.batch_sizes, int, 1)
@@ -204,17 +274,17 @@ def main(argv=None):
 
   base = {"domain": domains[0], "temperature": args.base_temperature, "top_p": 1.0,
           "batch_size": 1}
-  plan = bench_lib.sweep_points(base, temps, top_ps, batches, batch_temps, domains)
-  unique = {bench_lib.point_key(p): p for pts in plan.values() for p in pts}
+  plan = sweep_points(base, temps, top_ps, batches, batch_temps, domains)
+  unique = {point_key(p): p for pts in plan.values() for p in pts}
   num_prompts = max(p["batch_size"] for p in unique.values()) * args.repeats
   prompts = {d: data_lib.held_out_prompts(d, num_prompts, args.prompt_bytes, seed=args.seed,
                                           data_dir=args.data_dir) for d in domains}
   settings = SweepDecode(target=target, gs=gs, plan=plan, prompts=prompts, forms=forms,
                          max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                          draft_cost_probe=args.draft_cost_probe)
-  sweeps = bench_lib.run_sweep(settings, log=lambda s: print(s, flush=True))
+  sweeps = run_sweep(settings, log=lambda s: print(s, flush=True))
   meta = report.provenance(
-      command=report.command_line(__file__, argv),
+      command=common.command_line(__file__, argv),
       workdir=args.workdir, checkpoint_step=step, config=cfg.to_dict(), depth=depth,
       num_draft_tokens=gs, domains=domains, temperatures=temps, top_ps=top_ps, batch_sizes=batches,
       batch_temperatures=batch_temps, base=base, forms=forms, prompt_bytes=args.prompt_bytes,

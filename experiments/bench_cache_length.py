@@ -2,7 +2,7 @@ r"""Decoding cost against the KV cache's size and the tokens in it: the dense
 masked attention over every cache slot against the blockwise attention that
 reads only the blocks that can be visible (``model.attention_impl``, issue 24).
 
-    python scripts/bench_cache_length.py [--quick] [--out results/bench_cache_length]
+    python -m experiments.bench_cache_length [--quick] [--out results/bench_cache_length]
 
 (a) Step cost: one cached backbone step (``Transformer.backbone``, T = 1 and
     a T = 4 verify block) at position ~``--position`` with S cache slots, S in
@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from decode.speculative import Decoder, SamplingParams  # noqa: E402
+from experiments import common  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import config as config_lib  # noqa: E402
 from mtp import tokenizer as tok  # noqa: E402
@@ -226,7 +227,7 @@ def targets(results: dict, short_prompt: int) -> list[dict]:
 
 @dataclasses.dataclass
 class CacheBench:
-  """Settings of one study (scripts/bench_cache_length.py's flags).
+  """Settings of one study (experiments/bench_cache_length.py's flags).
 
   (a): step_shape (ModelConfig fields), impls, block_sizes, cache_slots,
   query_lengths (T), position, steps, repeats; skip_steps. (b): demo_cfg
@@ -595,10 +596,8 @@ def plot(results: dict, meta: dict, path: str) -> None:
       ax.set_title(f"{meta.get('demo_shape', meta['demo_config'])} (random init)", fontsize=9)
       ax.grid(alpha=0.3)
       ax.legend(fontsize=7)
-  fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path)
-  plt.close(fig)
+  common.save_figure(fig, path)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -650,12 +649,7 @@ def settings(ap: argparse.ArgumentParser, args) -> CacheBench:
     ap.error(f"--workdir={args.workdir!r}: no such directory")
   lists = lambda name, typ, lo=None, choices=None: cli.parse_list(
       ap, name, getattr(args, name), typ, lo, choices=choices)
-  if not os.path.isfile(args.config):
-    ap.error(f"--config={args.config!r}: no such file")
-  try:
-    cfg = config_lib.load_config_file(args.config)
-  except config_lib.ConfigError as e:
-    ap.error(f"--config: {e}")
+  cfg = common.load_config(ap, args.config)
   if args.quick:
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **QUICK_SHAPE))
   return CacheBench(
@@ -676,18 +670,22 @@ def main(argv=None):
   ap = parser()
   args = ap.parse_args(argv)
   if args.render:
+    cli.check_output_path("out", args.out, "prefix")
+    cli.check_output_path("plot", args.plot)
     meta, results = merge_runs(args.render.split(","), args.short_prompt)
     report.write_report(args.out, meta, results, markdown(results, meta))
     plot(results, meta, args.plot)
     print(f"wrote {args.out}.json, {args.out}.md and {args.plot} from {args.render}")
     return
   s = settings(ap, args)
+  cli.check_output_path("out", args.out, "prefix")
+  cli.check_output_path("plot", args.plot)
   try:
     results = run_cache_bench(s, log=lambda line: print(line, flush=True))
   except ValueError as e:
     ap.error(str(e))
   meta = report.provenance(
-      command=report.command_line(__file__, argv), step_shape=s.step_shape,
+      command=common.command_line(__file__, argv), step_shape=s.step_shape,
       step_shape_name="quick test shape" if args.quick else "SmolLM2-135M",
       impls=s.impls, block_sizes=s.block_sizes, position=s.position, steps=s.steps,
       repeats=s.repeats, demo_config=args.config, short_prompt=s.short_prompt,
