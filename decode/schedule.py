@@ -48,10 +48,26 @@ rate; with relax = 0.05 an AR segment of 16 rounds goes 1 - 0.95^16 = 56 %
 of the way back), and drafting resumes by itself once the estimate crosses
 the break-even again. Without it (relax = 0) a streak of misses early in an
 answer could keep the rest of it in AR (scripts/replay_schedule.py replays
-schedules on recorded answers to compare them). Besides, after
-``probe_interval`` AR segments one short segment drafts with the best
-g >= 1; the interval doubles after every probe that leaves the choice at AR
-(up to ``max_probe_interval``) and resets when drafting wins again.
+schedules on recorded answers to compare them). Where the prior itself is
+below the break-even relaxing cannot resume drafting, so after
+``probe_interval`` AR segments a probe segment of ``probe_rounds`` rounds
+drafts g = 1 (the cheapest draft) and folds its outcome with the weight
+``probe_ema`` (one fully accepted probe round takes an estimate of 0.1 to
+0.55 at 0.5), so text that turns predictable (a repeated line, a list,
+code) is drafted again; the interval doubles after every probe that leaves
+the choice at AR (up to ``max_probe_interval``) and resets when drafting
+wins. No probe where no g could pay even if every draft were accepted
+((g + 1) cost(0) <= cost(g) for all g: a shallow target whose module
+costs about what it saves). Worst case (every probe rejected) the probes cost
+
+    probe_rounds (cost(1) / cost(0) - 1) / (probe_interval rounds_per_choice)
+
+AR steps per AR round (defaults, cost(1) = 1.3 cost(0): 2 x 0.3 / 64 = 0.9 %,
+falling to 2 x 0.3 / 512 = 0.12 % after the interval's doublings), plus
+the modules' catch-up over the AR stretch before a probe drafts (FLOP-bound
+on a CPU, a per-position cost that spacing the probes does not lower:
+64 positions cost ~0.15 AR steps on SmolLM2-135M at B = 1, 0.2 % of the
+AR steps they follow, but 2.4-3.5 on the demo model at B = 4, 4-5 %).
 
 Lossless whatever the schedule: the choice is a function of the state left
 by earlier rounds only (estimates, counters, costs), never of the current
@@ -85,8 +101,10 @@ class AutoSchedule:
     ema: weight of the newest round in the estimates, in (0, 1].
     rounds_per_choice: rounds of one segment (one choice of g), >= 1.
     probe_rounds: rounds of the first segment and of probe segments, >= 1.
-    probe_interval: AR segments before a probe segment with g >= 1, >= 1.
+    probe_interval: AR segments before a probe segment (g = 1), >= 1.
     max_probe_interval: cap of the doubling interval.
+    probe_ema: weight of a probe round's outcome in the estimates, in (0, 1]
+      (at least ``ema`` is used).
     relax: fraction of the way back to the prior that a row's estimates move
       in each AR round (g = 0), in [0, 1); 0 = estimates frozen during AR.
   """
@@ -96,7 +114,8 @@ class AutoSchedule:
   rounds_per_choice: int = 16
   probe_rounds: int = 2
   probe_interval: int = 4
-  max_probe_interval: int = 256
+  max_probe_interval: int = 32
+  probe_ema: float = 0.5
   greedy_prior: float | tuple[float, ...] | None = None
   relax: float = 0.05
 
@@ -111,6 +130,8 @@ class AutoSchedule:
         raise ValueError(f"{name}={v!r} must be in (0, 1) (a number or a non-empty tuple of them)")
     if not 0 < self.ema <= 1:
       raise ValueError(f"ema={self.ema!r} must be in (0, 1]")
+    if not 0 < self.probe_ema <= 1:
+      raise ValueError(f"probe_ema={self.probe_ema!r} must be in (0, 1]")
     if not 0 <= self.relax < 1:
       raise ValueError(f"relax={self.relax!r} must be in [0, 1)")
     if not 1 <= self.probe_interval <= self.max_probe_interval:
@@ -133,8 +154,8 @@ class AutoSchedule:
     prior [B, G_max] float32 (where AR rounds relax them to; ``with_costs``
     sets both for the sampling mode), tested [B, G_max] bool (position ever
     tested in that row), costs [G_max+1] float32 seconds per round, round (choices made) /
-    probe_wait / probe_interval int32 scalars, force int32 (-1; >= 0 forces
-    that g)."""
+    probe_wait / probe_interval int32 scalars, probing bool scalar (the
+    current segment is a probe), force int32 (-1; >= 0 forces that g)."""
     g = self.max_draft_tokens
     costs = jnp.asarray(costs, jnp.float32)
     if costs.shape != (g + 1,):
@@ -143,7 +164,8 @@ class AutoSchedule:
     return {"alpha": prior, "prior": jnp.copy(prior),     # two buffers: the state is donated
             "tested": jnp.zeros((batch, g), bool), "costs": costs,
             "round": jnp.int32(0), "probe_wait": jnp.int32(0),
-            "probe_interval": jnp.int32(self.probe_interval), "force": jnp.int32(-1)}
+            "probe_interval": jnp.int32(self.probe_interval), "probing": jnp.bool_(False),
+            "force": jnp.int32(-1)}
 
   def expected_tokens(self, alpha) -> jax.Array:
     """[B, G_max+1] float32: E[tokens per round | g] per row from alpha [B, G_max]."""
@@ -221,10 +243,11 @@ class AutoSchedule:
     tokens = self.expected_tokens(alpha)                                 # [B, G+1]
     value = jnp.sum(tokens * active[:, None], axis=0) / sched["costs"]
     best = jnp.argmax(value).astype(jnp.int32)
-    best_draft = (jnp.argmax(value[1:]) + 1).astype(jnp.int32)
-    probe = (best == 0) & (sched["probe_wait"] >= sched["probe_interval"])
+    g_all = jnp.arange(1, sched["costs"].shape[0], dtype=jnp.float32)
+    could_pay = jnp.any((g_all + 1) * sched["costs"][0] > sched["costs"][1:])   # at alpha = 1
+    probe = (best == 0) & (sched["probe_wait"] >= sched["probe_interval"]) & could_pay
     wait = jnp.where(best == 0, jnp.where(probe, 0, sched["probe_wait"] + 1), 0)
-    g = jnp.where(probe, best_draft, best)
+    g = jnp.where(probe, 1, best)
     interval = jnp.where(best > 0, self.probe_interval,
                          jnp.where(probe, jnp.minimum(2 * sched["probe_interval"],
                                                       self.max_probe_interval),
@@ -233,12 +256,14 @@ class AutoSchedule:
     g = jnp.where(sched["force"] >= 0, sched["force"], g)
     return g, rounds.astype(jnp.int32), {
         **sched, "probe_wait": wait.astype(jnp.int32),
-        "probe_interval": interval.astype(jnp.int32), "round": sched["round"] + 1}
+        "probe_interval": interval.astype(jnp.int32), "probing": probe,
+        "round": sched["round"] + 1}
 
   def update(self, sched: dict, g: int, accepted, active) -> dict:
     """Folds a round with static draft length g into the estimates:
     position j = 1..g was tested in rows with accepted >= j-1 (and active),
-    and passed when accepted >= j. An AR round (g = 0) moves the estimates
+    and passed when accepted >= j, with weight ``ema`` (``probe_ema`` in a
+    probe segment, ``sched["probing"]``). An AR round (g = 0) moves the estimates
     of active rows ``relax`` of the way back to the prior (the state itself
     when relax = 0). accepted: [B] int32; active: [B] bool."""
     if g == 0:
@@ -252,7 +277,8 @@ class AutoSchedule:
     passed = (accepted[:, None] >= j).astype(jnp.float32)
     alpha = sched["alpha"]
     head = alpha[:, :g]
-    head = jnp.where(tested, head + self.ema * (passed - head), head)
+    w = jnp.where(sched.get("probing", False), max(self.ema, self.probe_ema), self.ema)
+    head = jnp.where(tested, head + w * (passed - head), head)
     return {**sched, "alpha": alpha.at[:, :g].set(head),
             "tested": sched["tested"].at[:, :g].set(sched["tested"][:, :g] | tested)}
 

@@ -301,7 +301,7 @@ class Decoder:
     after. Raises DecodeError for bad input (``prepare``, ``SamplingParams``),
     NonFiniteLogitsError when the target or drafter gave NaN/inf logits."""
     sp = sampling_params.validate()
-    started = calibrate.start(self, prompts, max_new_tokens, sp, seed, stops, "while")
+    started = self._start(prompts, max_new_tokens, sp, seed, stops, "while")
     if started is None:
       return self.calibration.fallback(self.plain_ar().generate(
           prompts, max_new_tokens, sampling_params, seed, stops), self.G)
@@ -355,6 +355,14 @@ class Decoder:
     return self._stream(prompts, max_new_tokens, sampling_params, seed, None, stops, None,
                         budget=WARMUP_TOKENS)
 
+  def _start(self, prompts, max_new_tokens, sp, seed, stops, form, budget=None):
+    """(state, prefill_len) from ``prepare``; "auto" alone goes through
+    ``calibrate.start`` (costs, or None for its plain AR fallback): a fixed
+    G or AR never calibrates."""
+    if self.schedule is None:
+      return self.prepare(prompts, max_new_tokens, seed, stops, budget)
+    return calibrate.start(self, prompts, max_new_tokens, sp, seed, stops, form, budget)
+
   def _loop(self, sp):
     """The jitted while_loop of rounds as a function of the state."""
     return lambda s: self.programs.generate(self.target_params, self.draft_params, s, sp)
@@ -364,8 +372,7 @@ class Decoder:
     """``stream``; with ``budget`` its warm-up (``warm_up``)."""
     sp = sampling_params.validate()
     warm = budget is not None
-    started = calibrate.start(self, prompts, max_new_tokens, sp, seed, stops, "stream",
-                              budget)
+    started = self._start(prompts, max_new_tokens, sp, seed, stops, "stream", budget)
     if started is None:
       return self.calibration.fallback(self.plain_ar()._stream(
           prompts, max_new_tokens, sampling_params, seed, on_tokens, stops, on_text,

@@ -43,7 +43,7 @@ def test_choice_maximises_expected_tokens_per_second():
 def test_probe_after_ar_segments_with_doubling_interval():
   s = AutoSchedule(2, prior=0.1, probe_interval=2, max_probe_interval=4, rounds_per_choice=16,
                    probe_rounds=3)
-  st = s.init_state(1, [1.0, 2.0, 3.0])
+  st = s.init_state(1, [1.0, 1.9, 2.8])     # G = 1 would pay at alpha > 0.9
   active = jnp.asarray([True])
   chosen, lengths = [], []
   for _ in range(16):
@@ -140,3 +140,53 @@ def test_cycling_schedule_and_bad_settings():
       AutoSchedule(**bad)
   with pytest.raises(ValueError, match="costs"):
     AutoSchedule(2).init_state(1, [1.0, 2.0])
+
+
+def _drive(s, st, n_rounds, accepted):
+  """Runs ``choose`` / ``update`` of schedule ``s`` for ``n_rounds`` rounds
+  of one row whose round at draft length g accepts ``accepted(g)`` drafts.
+  Returns (draft length per round, state)."""
+  active = jnp.asarray([True])
+  gs = []
+  while len(gs) < n_rounds:
+    g, rounds, st = s.choose(st, active)
+    for _ in range(min(int(rounds), n_rounds - len(gs))):
+      gs.append(int(g))
+      st = s.update(st, int(g), jnp.asarray([accepted(int(g))]), active)
+  return gs, st
+
+
+def test_probes_notice_text_that_turns_easy_at_a_bounded_cost():
+  """Issue 49 item 6. The prior (0.1) is below the break-even (G = 1 pays
+  above alpha 0.6 at these costs), so relaxing toward it never resumes
+  drafting: only probes can. After 300 rounds of hard text (every draft
+  rejected) the text turns easy (every draft accepted): the next probe
+  must re-enable drafting, and most of the easy stretch is drafted. On the
+  hard stretch the probes cost at most probe_rounds (cost(1) / cost(0) - 1)
+  / (probe_interval rounds_per_choice) AR steps per round (the module
+  docstring's bound)."""
+  costs = [1.0, 1.6, 1.7, 1.8]
+  s = AutoSchedule(3, prior=0.1)
+  hard, st = _drive(s, s.init_state(1, costs), 300, lambda g: 0)
+  extra = sum(costs[g] / costs[0] - 1 for g in hard)
+  bound = s.probe_rounds * (costs[1] / costs[0] - 1) / (s.probe_interval * s.rounds_per_choice)
+  assert 0 < extra / len(hard) <= bound, (extra / len(hard), bound)
+  assert set(hard) == {0, 1}                       # probes draft the cheapest draft, g = 1
+  easy, _ = _drive(s, st, 600, lambda g: g)
+  first = next(i for i, g in enumerate(easy) if g)
+  # the first probe drafts within the current probe interval, and drafting then stays on
+  assert first <= (int(st["probe_interval"]) + 1) * s.rounds_per_choice
+  assert all(easy[first:]), easy[first:first + 40]
+
+
+def test_no_probe_where_drafting_cannot_pay_even_at_full_acceptance():
+  """A G = 1 round that costs 2.2 AR steps emits at most 2 tokens (the
+  demo model at B = 4 on a CPU): no draft length can pay whatever the
+  text, so a schedule that stopped drafting never probes (each probe would
+  cost the module's catch-up besides). At cheaper drafts the probes
+  return."""
+  s = AutoSchedule(2, prior=0.1)
+  gs, _ = _drive(s, s.init_state(1, [1.0, 2.2, 3.4]), 400, lambda g: g)
+  assert set(gs) == {0}
+  gs, _ = _drive(s, s.init_state(1, [1.0, 1.6, 2.2]), 400, lambda g: g)
+  assert any(gs)

@@ -1,0 +1,58 @@
+"""Which path a generation takes: a fixed G (or AR) never enters "auto"'s
+calibration (issue 50)."""
+
+import numpy as np
+import pytest
+
+from decode import calibrate
+from decode.speculative import Decoder, SamplingParams
+from tests.conftest import random_prompts
+
+
+@pytest.mark.parametrize("kw", [dict(method="mtp", num_draft_tokens=3), dict(method="ar")])
+def test_fixed_g_never_enters_calibration(trained_markov, monkeypatch, kw):
+  _, model, _ = trained_markov
+  called = []
+  for name in ("start", "with_costs", "decoder_round_costs", "plain_ar_calibration"):
+    monkeypatch.setattr(calibrate, name, lambda *a, name=name, **k: called.append(name))
+  dec = Decoder(model, **kw)
+  prompts = random_prompts([5, 7])
+  sp = SamplingParams(0.0)
+  dec.warm_up(prompts, 8, sp)
+  gens = [dec.generate(prompts, 8, sp), dec.stream(prompts, 8, sp)]
+  assert called == []
+  assert all(len(t) == 8 for g in gens for t in g.tokens)
+  np.testing.assert_array_equal(gens[0].tokens, gens[1].tokens)
+
+
+def _compiled(dec, prompts, g):
+  """(flops, bytes copied) of ``dec``'s compiled round at draft length g
+  (None: its G)."""
+  import re
+  state, _ = dec.prepare(prompts, 16, 0)
+  c = dec.programs.round.lower(dec.target_params, dec.draft_params, state,
+                               SamplingParams(0.0).validate(), g).compile()
+  cost = c.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  copied = 0
+  for dtype, dims in re.findall(r"= ([a-z]+\d*)\[([\d,]*)\]\{[^}]*\} copy\(", c.as_text()):
+    copied += int(np.prod([int(d) for d in dims.split(",") if d])) * int(dtype[-2:] if dtype[-2:].isdigit() else 8) // 8
+  return cost["flops"], copied
+
+
+def test_a_non_drafting_round_does_the_ar_steps_work(trained_markov):
+  """Issue 51: an "auto" round at g = 0 is the plain AR step's program plus
+  the schedule's bookkeeping and the target's hidden state stored for the
+  modules: the same flops (the modules do not run) and no more bytes copied
+  than the AR step's and that [B, 1, D] block (no cache copied), while a
+  drafting round does more."""
+  _, model, _ = trained_markov
+  prompts = random_prompts([5, 7, 9, 3])
+  ar_flops, ar_copied = _compiled(Decoder(model, "ar"), prompts, None)
+  auto = Decoder(model, "mtp", num_draft_tokens="auto", max_draft_tokens=2)
+  flops0, copied0 = _compiled(auto, prompts, 0)
+  flops1, _ = _compiled(auto, prompts, 1)
+  assert flops0 == pytest.approx(ar_flops, rel=1e-3)
+  h0_block = len(prompts) * model.cfg.d_model * 4       # [B, 1, D] float32 stored for the modules
+  assert copied0 <= ar_copied + h0_block, (copied0, ar_copied)
+  assert flops1 > 1.2 * ar_flops
