@@ -42,13 +42,14 @@ from decode import mesh as decode_mesh
 from decode import programs as programs_lib
 from decode import state as state_lib
 from decode import tree as tree_lib
-from decode.drafters import DraftModelDrafter, MTPDrafter
+from decode.drafters import Drafter, DraftModelDrafter, MTPDrafter
 from decode.errors import DecodeError, NonFiniteLogitsError  # noqa: F401 (the API's errors)
 from decode.limits import MAX_DRAFT_TOKENS
 from decode.sampling import SamplingParams
 from decode.schedule import AutoSchedule
 from decode.state import DecodeState, Generation
 from decode.stops import StopConditions
+from decode.tree_spec import TreeSpec
 from mtp import tokenizer as tok
 from mtp.model import Transformer
 
@@ -88,9 +89,9 @@ class Method:
   fixed_costs: "auto"'s given round costs [G_max+1] float64 seconds, else None.
   """
   g: int
-  drafter: object = None
+  drafter: Drafter | None = None
   schedule: AutoSchedule | None = None
-  tree: object = None
+  tree: TreeSpec | None = None
   fixed_costs: np.ndarray | None = None
 
 

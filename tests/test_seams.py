@@ -20,3 +20,9 @@ def test_program_spec_fields_are_typed():
   hints = typing.get_type_hints(programs.ProgramSpec)
   for f in dataclasses.fields(programs.ProgramSpec):
     assert hints[f.name] is not typing.Any, f.name
+
+
+def test_method_names_its_drafter_and_tree_types():
+  from decode import speculative
+  hints = typing.get_type_hints(speculative.Method)
+  assert "Drafter" in str(hints["drafter"]) and "TreeSpec" in str(hints["tree"])
