@@ -45,6 +45,13 @@ CASES = [
     ("scripts/bench_decode.py", ["--workdir", NOWHERE, "--repeats", "0"], "--repeats"),
     ("scripts/bench_decode.py", ["--workdir", NOWHERE, "--num_draft_tokens", "17"],
      "--num_draft_tokens"),
+    ("scripts/bench_baselines.py", ["--workdir", NOWHERE, "--repeats", "0"], "--repeats"),
+    ("scripts/bench_baselines.py", ["--workdir", NOWHERE, "--num_draft_tokens", "99"],
+     "--num_draft_tokens"),
+    ("scripts/self_prompts.py", ["--workdir", NOWHERE, "--out", "x.jsonl", "--top_p", "0"],
+     "--top_p"),
+    ("scripts/self_prompts.py", ["--workdir", NOWHERE, "--out", "x.jsonl", "--batch_size", "0"],
+     "--batch_size"),
 ]
 
 
