@@ -52,6 +52,15 @@ CASES = [
      "--top_p"),
     ("scripts/self_prompts.py", ["--workdir", NOWHERE, "--out", "x.jsonl", "--batch_size", "0"],
      "--batch_size"),
+    ("scripts/self_distill.py", ["--workdir", NOWHERE, "--out_name", "x", "--num_docs", "0"],
+     "--num_docs"),
+    ("scripts/self_distill.py", ["--workdir", NOWHERE, "--out_name", "x", "--top_p=1.5"],
+     "--top_p"),
+    ("experiments/ablate_mtp.py", ["--depths", "0,17"], "--depths"),
+    ("experiments/ablate_mtp.py", ["--num_steps", "0"], "--num_steps"),
+    ("experiments/sweep_decode.py", ["--workdir", NOWHERE, "--top_ps", "0"], "--top_ps"),
+    ("experiments/sweep_decode.py", ["--workdir", NOWHERE, "--num_draft_tokens", "17"],
+     "--num_draft_tokens"),
 ]
 
 
