@@ -158,7 +158,8 @@ def refuse_bad_flags(argv=None, **bounds) -> None:
       continue
     lo, hi, lo_open = (tuple(b[1:]) + (None, False))[:3]
     if lo_open and not v > lo:
-      ap.error(f"--{name}={_fmt(v)}: must be in ({_fmt(lo)}, {_fmt(hi)}]")
+      ap.error(f"--{name}={_fmt(v)}: must be "
+               + (f"in ({_fmt(lo)}, {_fmt(hi)}]" if hi is not None else f"> {_fmt(lo)}"))
     check_range(ap, args, **{name: (lo, hi) if hi is not None else lo})
 
 
