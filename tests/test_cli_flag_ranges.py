@@ -61,6 +61,17 @@ CASES = [
     ("experiments/sweep_decode.py", ["--workdir", NOWHERE, "--top_ps", "0"], "--top_ps"),
     ("experiments/sweep_decode.py", ["--workdir", NOWHERE, "--num_draft_tokens", "17"],
      "--num_draft_tokens"),
+    ("experiments/distill_mtp.py", ["--workdir", NOWHERE, "--distill_weight", "0"],
+     "--distill_weight"),
+    ("experiments/compare_drafters.py", ["--workdir", NOWHERE, "--num_draft_tokens", "0"],
+     "--num_draft_tokens"),
+    ("experiments/bench_draft_cost.py", ["--layers", "0"], "--layers"),
+    ("experiments/sweep_draft_vocab.py", ["--workdir", NOWHERE, "--iters", "0"], "--iters"),
+    ("experiments/simulate_speedup.py", ["--g_max", "0"], "--g_max"),
+    ("experiments/replay_schedule.py", ["--workdir", NOWHERE, "--top_p", "0"], "--top_p"),
+    ("experiments/losslessness_study.py", ["--workdir", NOWHERE, "--num_tokens", "65"],
+     "--num_tokens"),
+    ("experiments/bench_round.py", ["--workdir", NOWHERE, "--repeats", "0"], "--repeats"),
 ]
 
 
