@@ -19,7 +19,6 @@ FLOPs), and the ideal speedup they imply at a few acceptance rates
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 from mtp import cli

@@ -37,7 +37,6 @@ apart (once per generation). Writes ``OUT.json`` (with provenance) and
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import gzip

@@ -34,7 +34,6 @@ prompts are the records', whatever ``--per_category`` says).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import io

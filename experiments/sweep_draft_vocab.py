@@ -14,7 +14,6 @@ this script.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 

@@ -24,11 +24,14 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mtp import cli
+
+if TYPE_CHECKING:                      # annotations only
+  from mtp.data import self_prompts as sp_lib
 
 # decode, mtp.data, mtp.loading and the rest load jax: imported inside the
 # functions, so a bad flag is refused before jax loads (issue 51)
