@@ -60,19 +60,28 @@ import os
 import sys
 import time
 
-import jax
-import numpy as np
+from mtp import cli
 
-from decode.speculative import DecodeError, Decoder, SamplingParams
-from experiments import common
-from experiments.ablation import Ablation, decode_table, decoded_cells, quick_config, train_grid, train_table
-from mtp import loading
-from mtp import cli, report
-from mtp import config as config_lib
-from mtp import data as data_lib
-from mtp.config import ConfigError
-from mtp.timing import format_spread
-from scripts.bench_lib import measure_point
+if __name__ == "__main__":     # a flag out of range: one line, before the imports below load jax
+  cli.refuse_bad_flags(depths=(list, int, 0, 16), loss_weights=(list, float, 0, None, True),
+                       seeds=(list, int, 0), temperatures=(list, float, 0), num_steps=(int, 1),
+                       batch_size=(int, 1), seq_len=(int, 2), eval_batches=(int, 1),
+                       decode_prompts=(int, 1), decode_tokens=(int, 1), decode_repeats=(int, 1),
+                       prompt_bytes=(int, 1))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from decode.speculative import DecodeError, Decoder, SamplingParams  # noqa: E402
+from experiments import common  # noqa: E402
+from experiments.ablation import Ablation, decode_table, decoded_cells, quick_config, train_grid, train_table  # noqa: E402
+from mtp import loading  # noqa: E402
+from mtp import report  # noqa: E402
+from mtp import config as config_lib  # noqa: E402
+from mtp import data as data_lib  # noqa: E402
+from mtp.config import ConfigError  # noqa: E402
+from mtp.timing import format_spread  # noqa: E402
+from scripts.bench_lib import measure_point  # noqa: E402
 
 FULL_COMMAND = ("python -m experiments.ablate_mtp --config configs/tiny.py --depths 0,1,2,3,4 "
                 "--loss_weights 0.1,0.3,1.0 --seeds 0,1 --num_steps 200 --batch_size 16 "
@@ -257,7 +266,7 @@ def _parse_list(ap, flag: str, text: str, typ, lo, hi=None) -> list:
 
 
 def parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
+  ap = cli.OneLineParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--config", default="configs/tiny.py",
                   help="config file; its model section is the backbone")
   ap.add_argument("--depths", help="MTP depths D, comma list in [0, 16] (default 0,1,2,3,4)")

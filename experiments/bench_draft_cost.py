@@ -19,10 +19,16 @@ FLOPs), and the ideal speedup they imply at a few acceptance rates
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
-import matplotlib
+from mtp import cli
+
+if __name__ == "__main__":     # a flag out of range: one line, before the imports below load jax
+  from decode.limits import MAX_DRAFT_TOKENS
+  cli.refuse_bad_flags(layers=(list, int, 1), num_draft_tokens=(list, int, 1, MAX_DRAFT_TOKENS),
+                       repeats=(int, 1), max_new_tokens=(int, 1))
+
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -30,7 +36,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from decode import theory  # noqa: E402
 from decode.speculative import MAX_DRAFT_TOKENS, DecodeError, Decoder, SamplingParams  # noqa: E402
 from experiments import common  # noqa: E402
-from mtp import cli, report  # noqa: E402
+from mtp import report  # noqa: E402
 from mtp import config as config_lib  # noqa: E402
 from mtp.model import build_model  # noqa: E402
 from scripts.bench_lib import bare_forward_s, draft_flop_share, draft_time_s  # noqa: E402
@@ -104,7 +110,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
+  ap = cli.OneLineParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--config", default="configs/tiny.py", help="config file (d_model, heads, MLP)")
   ap.add_argument("--layers", default="2,4,8,16", help="comma list of target depths L >= 1")
   ap.add_argument("--num_draft_tokens", default="1,2", help="comma list of G >= 1")

@@ -37,7 +37,6 @@ apart (once per generation). Writes ``OUT.json`` (with provenance) and
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import gzip
@@ -47,18 +46,26 @@ import os
 import re
 import tempfile
 
-import jax
-import numpy as np
+from mtp import cli
 
-from decode import tree as tree_lib
-from decode.speculative import MAX_DRAFT_TOKENS, DecodeError, Decoder, SamplingParams
-from experiments import common
-from mtp import cli, loading, report
-from mtp import data as data_lib
-from mtp import tokenizer as tok
-from mtp.model import build_model
-from mtp.timing import interleaved_times
-from scripts import bench_chat
+if __name__ == "__main__":     # a flag out of range: one line, before the imports below load jax
+  from decode.limits import MAX_DRAFT_TOKENS
+  cli.refuse_bad_flags(prompt_bytes=(int, 1), max_new_tokens=(int, 1), batch_size=(int, 1),
+                       repeats=(int, 1), temperatures=(list, float, 0),
+                       num_draft_tokens=(list, int, 1, MAX_DRAFT_TOKENS))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from decode import tree as tree_lib  # noqa: E402
+from decode.speculative import MAX_DRAFT_TOKENS, DecodeError, Decoder, SamplingParams  # noqa: E402
+from experiments import common  # noqa: E402
+from mtp import loading, report  # noqa: E402
+from mtp import data as data_lib  # noqa: E402
+from mtp import tokenizer as tok  # noqa: E402
+from mtp.model import build_model  # noqa: E402
+from mtp.timing import interleaved_times  # noqa: E402
+from scripts import bench_chat  # noqa: E402
 
 
 # -- the library: round-cost breakdown by named scope --------------------------------------
@@ -252,7 +259,7 @@ def markdown(results, meta) -> str:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
+  ap = cli.OneLineParser(description=__doc__, formatter_class=cli.HelpFormatter)
   src = ap.add_mutually_exclusive_group(required=True)
   src.add_argument("--workdir", help="trained checkpoint to decode with")
   src.add_argument("--config", help="config file: decode a randomly initialised model of it "

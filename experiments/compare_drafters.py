@@ -67,7 +67,16 @@ import os
 import sys
 import time
 
-import matplotlib
+from mtp import cli
+
+if __name__ == "__main__":     # a flag out of range: one line, before the imports below load jax
+  from decode.limits import MAX_DRAFT_TOKENS
+  cli.refuse_bad_flags(num_draft_tokens=(list, int, 1, MAX_DRAFT_TOKENS),
+                       temperatures=(list, float, 0), batch_size=(int, 1), prompt_bytes=(int, 1),
+                       max_new_tokens=(int, 1), repeats=(int, 1), calib_repeats=(int, 1),
+                       probe_steps=(int, 1), probe_repeats=(int, 1), draft_steps=(int, 0))
+
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -75,7 +84,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from decode.speculative import MAX_DRAFT_TOKENS, DecodeError, Decoder, SamplingParams  # noqa: E402
 from experiments import common  # noqa: E402
 from mtp import loading  # noqa: E402
-from mtp import cli, report  # noqa: E402
+from mtp import report  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
 from mtp.model import build_model, count_params  # noqa: E402
 from scripts.bench_lib import draft_time_s, measure_point  # noqa: E402
@@ -415,7 +424,7 @@ def plot(rows: list[dict], path: str) -> None:
 # -- main ---------------------------------------------------------------------------------
 
 def parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
+  ap = cli.OneLineParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained MTP target (mtp.depth >= 1)")
   ap.add_argument("--runs_dir", default="runs/drafters", help="where the draft runs live")
   ap.add_argument("--draft_workdir", action="append", default=[], metavar="[LABEL=]PATH",

@@ -63,21 +63,32 @@ import os
 import sys
 import time
 
-import jax
-import numpy as np
-from flax import nnx
+from mtp import cli
 
-from decode import stats as stats_lib
-from decode.speculative import DecodeError, Decoder, SamplingParams
-from experiments import common
-from mtp import loading
-from mtp import cli, report
-from mtp import config as config_lib
-from mtp import data as data_lib
-from mtp import tokenizer as tok
-from mtp.config import Config, ConfigError
-from mtp.timing import format_spread, spread
-from scripts.bench_lib import measure_point
+if __name__ == "__main__":     # a flag out of range: one line, before the imports below load jax
+  cli.refuse_bad_flags(seeds=(list, int, 0), temperatures=(list, float, 0), num_steps=(int, 1),
+                       batch_size=(int, 1), seq_len=(int, 0), warmup_steps=(int, 0),
+                       eval_batches=(int, 1), recursive_steps=(int, 1), sd_docs=(int, 1),
+                       sd_prompt_bytes=(int, 1), sd_max_new_tokens=(int, 1), sd_batch_size=(int, 1),
+                       prompts=(int, 1), prompt_bytes=(int, 1), max_new_tokens=(int, 1),
+                       speed_prompts=(int, 0), speed_repeats=(int, 1),
+                       distill_weight=(float, 0, 1, True))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from decode import stats as stats_lib  # noqa: E402
+from decode.speculative import DecodeError, Decoder, SamplingParams  # noqa: E402
+from experiments import common  # noqa: E402
+from mtp import loading  # noqa: E402
+from mtp import report  # noqa: E402
+from mtp import config as config_lib  # noqa: E402
+from mtp import data as data_lib  # noqa: E402
+from mtp import tokenizer as tok  # noqa: E402
+from mtp.config import Config, ConfigError  # noqa: E402
+from mtp.timing import format_spread, spread  # noqa: E402
+from scripts.bench_lib import measure_point  # noqa: E402
 
 VARIANTS = {            # name: (distill weight: None = --distill_weight, data, recursive steps on)
     "data": (0.0, "corpus", False),
@@ -380,7 +391,7 @@ def markdown(meta: dict, results: dict) -> str:
 # -- main ------------------------------------------------------------------------------
 
 def parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
+  ap = cli.OneLineParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained base workdir (read only)")
   ap.add_argument("--runs_dir", default="runs/distill", help="stage workdirs and the self-distilled data")
   ap.add_argument("--data_dir", default="", help=cli.DATA_DIR_HELP)

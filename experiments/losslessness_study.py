@@ -77,8 +77,16 @@ import dataclasses
 import math
 import time
 
-import jax.numpy as jnp
-import matplotlib
+from mtp import cli
+
+if __name__ == "__main__":     # a flag out of range: one line, before the imports below load jax
+  cli.refuse_bad_flags(temperatures=(list, float, 0, 100, True), prompt_indices=(list, int, 0, 999),
+                       top_ps=(list, float, 0, 1, True), num_samples=(int, 20, 10**7),
+                       num_tokens=(int, 1, 64), batch_size=(int, 1, 10**5), num_prompts=(int, 1, 1000),
+                       num_draft_tokens=(int, 0, 64), prompt_bytes=(int, 1, 10**5))
+
+import jax.numpy as jnp  # noqa: E402
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -91,7 +99,7 @@ from experiments import common  # noqa: E402
 from mtp import checkpoint as ckpt_lib  # noqa: E402
 from mtp import loading  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
-from mtp import cli, report  # noqa: E402
+from mtp import report  # noqa: E402
 from mtp import tokenizer as tok  # noqa: E402
 
 QUICK_PROMPTS = ("ace", "ef ")    # over the alphabet "abcdef " of tests/conftest.py's Markov source
@@ -589,7 +597,7 @@ def study_prompts(args, cfg):
 
 
 def parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
+  ap = cli.OneLineParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained checkpoint with MTP depth >= 1")
   ap.add_argument("--dataset", default="python_stdlib", help="held-out prompt dataset")
   ap.add_argument("--data_dir", default="", help=cli.DATA_DIR_HELP)

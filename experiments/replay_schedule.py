@@ -34,25 +34,30 @@ prompts are the records', whatever ``--per_category`` says).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import io
 import os
 from collections.abc import Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+from mtp import cli
 
-from decode import run as run_lib
-from decode.schedule import AutoSchedule
-from decode.speculative import DecodeError, SamplingParams
-from experiments import common
-from mtp import cli, loading, report
-from mtp import data as data_lib
-from mtp import tokenizer as tok
-from scripts.bench_chat import heldout_prompts
+if __name__ == "__main__":     # a flag out of range: one line, before the imports below load jax
+  cli.refuse_bad_flags(per_category=(int, 1), max_new_tokens=(int, 1), draws=(int, 1),
+                       temperature=(float, 0), top_k=(int, 0), top_p=(float, 0, 1, True))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from decode import run as run_lib  # noqa: E402
+from decode.schedule import AutoSchedule  # noqa: E402
+from decode.speculative import DecodeError, SamplingParams  # noqa: E402
+from experiments import common  # noqa: E402
+from mtp import loading, report  # noqa: E402
+from mtp import data as data_lib  # noqa: E402
+from mtp import tokenizer as tok  # noqa: E402
+from scripts.bench_chat import heldout_prompts  # noqa: E402
 
 
 # -- the library: replaying schedules on recorded answers ----------------------------------
@@ -556,7 +561,7 @@ def markdown(rows, labels, schedules, meta) -> str:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
+  ap = cli.OneLineParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="target with MTP modules (a chat tokenizer)")
   ap.add_argument("--chat_prompts", default=data_lib.HELDOUT_CHAT_PATH, help="chat prompt JSONL")
   ap.add_argument("--per_category", type=int, default=2, help="prompts per category, >= 1")

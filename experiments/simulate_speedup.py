@@ -49,7 +49,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from decode.theory import closed_form_speedup, closed_form_tau  # noqa: E402
-from decode.speculative import DecodeError  # noqa: E402
+from decode.errors import DecodeError  # noqa: E402
 from experiments import common  # noqa: E402
 from mtp import cli, report  # noqa: E402
 
@@ -410,7 +410,7 @@ def plot_optimal_g(path: str, alphas, costs, g_max: int) -> None:
 # -- main ----------------------------------------------------------------------------
 
 def parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
+  ap = cli.OneLineParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--bench", action="append", default=[],
                   help="bench_decode JSON report to overlay (repeatable)")
   ap.add_argument("--costs", default=",".join(f"{c:g}" for c in DEFAULT_COSTS),

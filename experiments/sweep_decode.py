@@ -48,7 +48,16 @@ import dataclasses
 import math
 import sys
 
-import matplotlib
+from mtp import cli
+
+if __name__ == "__main__":     # a flag out of range: one line, before the imports below load jax
+  from decode.limits import MAX_DRAFT_TOKENS
+  cli.refuse_bad_flags(temperatures=(list, float, 0), top_ps=(list, float, 0, 1, True),
+                       batch_sizes=(list, int, 1), batch_temperatures=(list, float, 0),
+                       base_temperature=(float, 0), num_draft_tokens=(list, int, 1, MAX_DRAFT_TOKENS),
+                       prompt_bytes=(int, 1), max_new_tokens=(int, 1), repeats=(int, 1))
+
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -56,7 +65,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from decode.speculative import MAX_DRAFT_TOKENS, DecodeError, Decoder, SamplingParams  # noqa: E402
 from experiments import common  # noqa: E402
 from mtp import loading  # noqa: E402
-from mtp import cli, report  # noqa: E402
+from mtp import report  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
 from scripts.bench_lib import measure_point  # noqa: E402
 
@@ -215,7 +224,7 @@ def plot_batch(rows: list[dict], path: str) -> None:
 # -- main --------------------------------------------------------------------------------
 
 def parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
+  ap = cli.OneLineParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained MTP target (mtp.depth >= 1)")
   ap.add_argument("--data_dir", default="", help=cli.DATA_DIR_HELP)
   ap.add_argument("--domains", default="python_stdlib,python_docs",

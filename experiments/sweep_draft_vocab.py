@@ -14,19 +14,24 @@ this script.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
-import jax
+from mtp import cli
 
-from decode import theory
-from decode.speculative import DecodeError, Decoder, SamplingParams
-from experiments import common, vocab_sweep
-from mtp import cli, report
-from mtp import draft_vocab as draft_vocab_lib
-from mtp.timing import format_spread, interleaved_times, spread
-from scripts.bench_lib import bare_forward_loop, draft_loop, prefilled
+if __name__ == "__main__":     # a flag out of range: one line, before the imports below load jax
+  cli.refuse_bad_flags(eval_batches=(int, 1), batch_size=(int, 1), repeats=(int, 1), iters=(int, 1),
+                       prompt_len=(int, 1), temperatures=(list, float, 0, 1))
+
+import jax  # noqa: E402
+
+from decode import theory  # noqa: E402
+from decode.speculative import DecodeError, Decoder, SamplingParams  # noqa: E402
+from experiments import common, vocab_sweep  # noqa: E402
+from mtp import report  # noqa: E402
+from mtp import draft_vocab as draft_vocab_lib  # noqa: E402
+from mtp.timing import format_spread, interleaved_times, spread  # noqa: E402
+from scripts.bench_lib import bare_forward_loop, draft_loop, prefilled  # noqa: E402
 
 
 # -- the library: draft cost and ideal speedup against V' ----------------------------------
@@ -186,7 +191,7 @@ def markdown(acc, costs, rows, meta) -> str:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
+  ap = cli.OneLineParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", default="runs/smollm_mtp", help="trained stage with MTP modules")
   ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   ap.add_argument("--draft_vocab", default="2048,4096,8192,16384,full",

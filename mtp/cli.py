@@ -134,6 +134,35 @@ def check_range(ap: argparse.ArgumentParser, args, **bounds) -> None:
       ap.error(f"--{name}={v}: must be {rng}")
 
 
+def refuse_bad_flags(argv=None, **bounds) -> None:
+  """For a script whose module imports jax (or a module that does) at its
+  top, called under ``if __name__ == "__main__":`` before those imports:
+  parses only the flags in ``bounds`` (other arguments are left to the
+  script's own parser, which still checks everything) and exits with status
+  2 and one line naming the flag when a given one is not of its type or out
+  of its range. ``NAME=(type, lo)`` (>= lo), ``NAME=(type, lo, hi)`` ([lo,
+  hi]; None: unbounded), ``NAME=(type, lo, hi, True)`` ((lo, hi]);
+  ``NAME=(list, type, lo[, hi[, True]])``: a comma list (``parse_list``). A
+  flag not given is not checked."""
+  ap = OneLineParser(add_help=False, allow_abbrev=False)
+  for name, b in bounds.items():
+    ap.add_argument(f"--{name}", type=str if b[0] is list else b[0], default=None)
+  args, _ = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
+  for name, b in bounds.items():
+    v = getattr(args, name)
+    if v is None:
+      continue
+    if b[0] is list:
+      lo, hi, lo_open = (tuple(b[2:]) + (None, None, False))[:3]
+      parse_list(ap, name, v, b[1], lo, hi, lo_open=lo_open)
+      continue
+    lo, hi, lo_open = (tuple(b[1:]) + (None, False))[:3]
+    if lo_open and not v > lo:
+      ap.error(f"--{name}={_fmt(v)}: must be "
+               + (f"in ({_fmt(lo)}, {_fmt(hi)}]" if hi is not None else f"> {_fmt(lo)}"))
+    check_range(ap, args, **{name: (lo, hi) if hi is not None else lo})
+
+
 def check_positive(ap: argparse.ArgumentParser, args, names) -> None:
   """``ap.error`` naming the flag unless every ``args.NAME`` is >= 1."""
   check_range(ap, args, **{name: 1 for name in names})

@@ -21,8 +21,6 @@ import shlex
 import subprocess
 import sys
 
-import jax
-
 # the checkout this package runs from (an editable install: the repository root)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,7 +60,9 @@ def provenance(**extra) -> dict:
   commit_at_write (only when the checkout changed since: a commit made while
   the script ran), jax_version, device_kind, device_count, cpu_count,
   cpu_model, platform, date (ISO), peak_rss_mb of this process so far, plus
-  ``extra``."""
+  ``extra``. (jax is imported here, not at the module's top: a CLI that
+  imports this module refuses a bad flag before jax loads.)"""
+  import jax
   now = git_commit()
   return {"commit": COMMIT_AT_START,
           **({"commit_at_write": now} if now != COMMIT_AT_START else {}),

@@ -21,25 +21,28 @@ Libraries: ``scripts/baseline_decoders.py`` (through ``scripts/bench_chat.py``).
 
 from __future__ import annotations
 
-import argparse
 import os
 
-from decode.speculative import MAX_DRAFT_TOKENS, DecodeError
+from decode.errors import DecodeError
+from decode.limits import MAX_DRAFT_TOKENS
 from mtp import cli, report
 from mtp.importers import smollm
-from scripts import baseline_decoders
-from scripts import bench_chat
+
+# mtp.data.chat.HELDOUT_CHAT_PATH, spelled out: importing mtp.data loads jax,
+# and the flags are checked before jax loads (issue 51)
+HELDOUT_CHAT_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                 "mtp", "data", "heldout_chat.jsonl")
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpFormatter)
+  ap = cli.OneLineParser(description=__doc__, formatter_class=cli.HelpFormatter)
   ap.add_argument("--workdir", required=True, help="target (with MTP modules for the MTP rows)")
   ap.add_argument("--baseline_model", default=None,
                   help="GGUF file or HF directory of the target's weights (default: SmolLM2's GGUF)")
   ap.add_argument("--baselines",
                   default="transformers,prompt_lookup:3,prompt_lookup:10,llamacpp,llamacpp:1",
                   help="comma list: transformers, prompt_lookup[:K], llamacpp[:THREADS]")
-  ap.add_argument("--prompt_file", default=bench_chat.chat_lib.HELDOUT_CHAT_PATH, help="chat JSONL")
+  ap.add_argument("--prompt_file", default=HELDOUT_CHAT_PATH, help="chat JSONL")
   ap.add_argument("--categories", default="code,question_answering,writing", help="comma list")
   ap.add_argument("--per_category", type=int, default=1, help="prompts per category, >= 1")
   ap.add_argument("--repeats", type=int, default=2, help="timed repeats per category, >= 1")
@@ -54,6 +57,10 @@ def main(argv=None):
     cli.apply_quick(ap, args, categories="code", repeats=1, max_new_tokens=8)
   cli.check_range(ap, args, per_category=1, repeats=1, max_new_tokens=1, llamacpp_threads=1)
   cli.check_output_path("out", args.out, "prefix")
+  gs = (cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1, MAX_DRAFT_TOKENS)
+        if args.num_draft_tokens else [])
+  from scripts import baseline_decoders      # jax: after the flags are checked
+  from scripts import bench_chat
   try:
     specs = baseline_decoders.parse_specs(args.baselines)
   except ValueError as e:
@@ -61,8 +68,6 @@ def main(argv=None):
   source = args.baseline_model or smollm.gguf_path()
   if source is None:
     ap.error(f"no --baseline_model and {smollm.PACKAGE} is not installed (make smollm)")
-  gs = (cli.parse_list(ap, "num_draft_tokens", args.num_draft_tokens, int, 1, MAX_DRAFT_TOKENS)
-        if args.num_draft_tokens else [])
   s = bench_chat.ChatBench(
       workdir=args.workdir, prompt_file=args.prompt_file, per_category=args.per_category,
       categories=tuple(cli.list_items(ap, "categories", args.categories)), temperatures=(0.0,),

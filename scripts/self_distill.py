@@ -86,16 +86,24 @@ import shutil
 import sys
 import time
 
-import numpy as np
-
-from decode.speculative import METHODS, DecodeError, Decoder, SamplingParams
-from mtp import checkpoint as ckpt_lib
 from mtp import cli
-from mtp import data as data_lib
-from mtp import loading
-from mtp import tokenizer as tok
-from mtp.config import DataConfig
-from mtp.data import self_prompts as self_prompts_lib
+
+if __name__ == "__main__":     # a flag out of range: one line, before the imports below load jax
+  cli.refuse_bad_flags(num_docs=(int, 1), prompt_bytes=(int, 1), max_new_tokens=(int, 1),
+                       temperature=(float, 0), top_k=(int, 0), top_p=(float, 0, 1, True),
+                       num_draft_tokens=(int, 0), batch_size=(int, 1), seed=(int, 0),
+                       chat_prompts=(int, 0), val_prompts=(int, 0), max_context_chars=(int, 200),
+                       self_prompt_share=(float, 0, 1))
+
+import numpy as np  # noqa: E402
+
+from decode.speculative import METHODS, DecodeError, Decoder, SamplingParams  # noqa: E402
+from mtp import checkpoint as ckpt_lib  # noqa: E402
+from mtp import data as data_lib  # noqa: E402
+from mtp import loading  # noqa: E402
+from mtp import tokenizer as tok  # noqa: E402
+from mtp.config import DataConfig  # noqa: E402
+from mtp.data import self_prompts as self_prompts_lib  # noqa: E402
 
 
 # -- text mode -----------------------------------------------------------------------------
@@ -506,7 +514,7 @@ def make_chat_dataset(workdir: str, out_name: str, recipe: ChatRecipe, *, data_d
 # -- command line --------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap = cli.OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--workdir", required=True, help="trained run directory (the model that samples)")
   ap.add_argument("--out_name", required=True, help="new TFDS dataset name (snake_case)")
   ap.add_argument("--data_dir", default="", help="TFDS data dir of the source corpus (default: the "

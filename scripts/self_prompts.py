@@ -24,20 +24,17 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from decode.sampling import SamplingParams
-from decode.speculative import DecodeError, Decoder
-from mtp import checkpoint as ckpt_lib
 from mtp import cli
-from mtp import loading
-from mtp import report
-from mtp import tokenizer as tok
-from mtp.data import chat as chat_lib
-from mtp.data import self_prompts as sp_lib
-from mtp.data.corpora import DataError
+
+if TYPE_CHECKING:                      # annotations only
+  from mtp.data import self_prompts as sp_lib
+
+# decode, mtp.data, mtp.loading and the rest load jax: imported inside the
+# functions, so a bad flag is refused before jax loads (issue 51)
 
 
 # -- sampling: the target writes user turns ---------------------------------------------------
@@ -48,6 +45,7 @@ def sample_user_turns(decoder, prefix: np.ndarray, settings: sp_lib.SampleSettin
   (``Decoder.sample``, seed a function of (settings.seed, round_index)), each
   cut at its end-of-turn id and decoded to text; None for a row that ended
   without one (``unfinished``)."""
+  from decode.sampling import SamplingParams
   sp = SamplingParams(settings.temperature, settings.top_k, settings.top_p)
   gen = decoder.sample(prefix, settings.batch_size, settings.max_len, sp,
                        seed=settings.seed * 1_000_003 + round_index)
@@ -61,8 +59,8 @@ def sample_user_turns(decoder, prefix: np.ndarray, settings: sp_lib.SampleSettin
   return out
 
 
-def generate_self_prompts(decoder, num_prompts: int, settings: sp_lib.SampleSettings = sp_lib.SampleSettings(),
-                          filters: sp_lib.FilterSettings = sp_lib.FilterSettings(), *,
+def generate_self_prompts(decoder, num_prompts: int, settings: sp_lib.SampleSettings | None = None,
+                          filters: sp_lib.FilterSettings | None = None, *,
                           heldout: Sequence[str] | None = None, log=None
                           ) -> tuple[list[dict], dict[str, Any]]:
   """Samples and filters user turns until ``num_prompts`` are kept or
@@ -73,7 +71,7 @@ def generate_self_prompts(decoder, num_prompts: int, settings: sp_lib.SampleSett
       tokenizer (its stop ids end a turn; method "ar" or "mtp", both sample
       the target's law exactly).
     num_prompts: >= 1 prompts wanted.
-    settings, filters: sampling and filter settings (validated).
+    settings, filters: sampling and filter settings (validated; None: the defaults).
     heldout: as ``mtp.data.self_prompts.filter_prompts`` (None = the package's held-out set).
   Returns:
     (prompts, stats): prompts ``[{"category": "self_written", "prompt":
@@ -83,6 +81,11 @@ def generate_self_prompts(decoder, num_prompts: int, settings: sp_lib.SampleSett
   Raises:
     DataError: bad settings, a tokenizer without a chat template.
   """
+  from mtp.data import chat as chat_lib
+  from mtp.data import self_prompts as sp_lib
+  from mtp.data.corpora import DataError
+  settings = settings if settings is not None else sp_lib.SampleSettings()
+  filters = filters if filters is not None else sp_lib.FilterSettings()
   if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
     raise DataError(f"num_prompts={num_prompts!r} must be an integer >= 1")
   settings.validate()
@@ -114,13 +117,19 @@ def generate_self_prompts(decoder, num_prompts: int, settings: sp_lib.SampleSett
 # -- the CLI's job -------------------------------------------------------------------------------
 
 def make_self_prompts(workdir: str, out: str, num_prompts: int, settings: sp_lib.SampleSettings,
-                      filters: sp_lib.FilterSettings = sp_lib.FilterSettings(), *,
+                      filters: sp_lib.FilterSettings | None = None, *,
                       method: str = "ar", log=None) -> dict:
   """Samples ``num_prompts`` self-written prompts from the model in
   ``workdir`` and writes them to ``out`` (JSONL) and ``out.meta.json``.
   Returns the metadata. Raises DataError (settings, no chat template, a
   prompt prefix plus ``max_len`` past the model's ``max_seq_len``),
   CheckpointError, DecodeError."""
+  from decode.speculative import Decoder
+  from mtp import loading, report
+  from mtp import tokenizer as tok
+  from mtp.data import self_prompts as sp_lib
+  from mtp.data.corpora import DataError
+  filters = filters if filters is not None else sp_lib.FilterSettings()
   settings.validate()
   filters.validate()
   if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
@@ -150,36 +159,63 @@ def make_self_prompts(workdir: str, out: str, num_prompts: int, settings: sp_lib
   return meta
 
 
+_INT_FLAGS = (("num_prompts", 1), ("max_len", 1), ("batch_size", 1), ("seed", 0),
+              ("max_rounds", 1), ("top_k", 0), ("min_chars", 1), ("max_chars", 1), ("min_words", 1))
+
+
+def flag_problem(args) -> str | None:
+  """The first flag given out of its range ("--top_p=0.0 must be in (0, 1]"),
+  or None: checked before jax loads (``SampleSettings.validate`` /
+  ``FilterSettings.validate`` check the whole settings again after)."""
+  for name, lo in _INT_FLAGS:
+    v = getattr(args, name)
+    if v is not None and v < lo:
+      return f"--{name}={v!r} must be an integer >= {lo}"
+  if args.temperature is not None and not args.temperature >= 0:
+    return f"--temperature={args.temperature!r} must be >= 0"
+  if args.top_p is not None and not 0 < args.top_p <= 1:
+    return f"--top_p={args.top_p!r} must be in (0, 1]"
+  return None
+
+
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m scripts.self_prompts", description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap = cli.OneLineParser(prog="python -m scripts.self_prompts", description=__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--workdir", required=True, help="the target's workdir (a chat-template tokenizer)")
   ap.add_argument("--out", required=True, help="JSONL prompt file to write")
   ap.add_argument("--num_prompts", type=int, default=512, help="prompts to keep")
-  d, f = sp_lib.SampleSettings(), sp_lib.FilterSettings()
-  ap.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature")
-  ap.add_argument("--top_p", type=float, default=d.top_p, help="top-p (1 = off)")
-  ap.add_argument("--top_k", type=int, default=d.top_k, help="top-k (0 = off)")
-  ap.add_argument("--max_len", type=int, default=d.max_len,
+  # defaults None: mtp.data.self_prompts' SampleSettings / FilterSettings (loaded after the check)
+  ap.add_argument("--temperature", type=float, default=None, help="sampling temperature")
+  ap.add_argument("--top_p", type=float, default=None, help="top-p (1 = off)")
+  ap.add_argument("--top_k", type=int, default=None, help="top-k (0 = off)")
+  ap.add_argument("--max_len", type=int, default=None,
                   help="longest user turn in tokens (one without an end-of-turn by then is dropped)")
-  ap.add_argument("--batch_size", type=int, default=d.batch_size, help="rows sampled together")
-  ap.add_argument("--max_rounds", type=int, default=d.max_rounds,
+  ap.add_argument("--batch_size", type=int, default=None, help="rows sampled together")
+  ap.add_argument("--max_rounds", type=int, default=None,
                   help="decoder calls at most (stops early once --num_prompts are kept)")
-  ap.add_argument("--seed", type=int, default=d.seed, help="sampling seed")
+  ap.add_argument("--seed", type=int, default=None, help="sampling seed")
   ap.add_argument("--method", default="ar", choices=("ar", "mtp"),
                   help="decoder (both sample the target exactly)")
-  ap.add_argument("--min_chars", type=int, default=f.min_chars, help="shortest kept prompt (chars)")
-  ap.add_argument("--max_chars", type=int, default=f.max_chars, help="longest kept prompt (chars)")
-  ap.add_argument("--min_words", type=int, default=f.min_words, help="fewest words of a kept prompt")
+  ap.add_argument("--min_chars", type=int, default=None, help="shortest kept prompt (chars)")
+  ap.add_argument("--max_chars", type=int, default=None, help="longest kept prompt (chars)")
+  ap.add_argument("--min_words", type=int, default=None, help="fewest words of a kept prompt")
   args = ap.parse_args(argv)
+  problem = flag_problem(args)
+  if problem:
+    print(f"error: {problem}", file=sys.stderr)
+    return 2
   cli.check_output_path("out", args.out)
   log = lambda s: print(s, file=sys.stderr, flush=True)
+  from decode.errors import DecodeError
+  from mtp import checkpoint as ckpt_lib
+  from mtp import tokenizer as tok
+  from mtp.data import self_prompts as sp_lib
+  from mtp.data.corpora import DataError
+  given = lambda cls: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                       if getattr(args, f.name, None) is not None}
   try:
-    settings = sp_lib.SampleSettings(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_len=args.max_len,
-        batch_size=args.batch_size, seed=args.seed, max_rounds=args.max_rounds)
-    filters = sp_lib.FilterSettings(min_chars=args.min_chars, max_chars=args.max_chars,
-                                    min_words=args.min_words)
+    settings = sp_lib.SampleSettings(**given(sp_lib.SampleSettings))
+    filters = sp_lib.FilterSettings(**given(sp_lib.FilterSettings))
     meta = make_self_prompts(args.workdir, args.out, args.num_prompts, settings, filters,
                              method=args.method, log=log)
   except (DataError, DecodeError, ckpt_lib.CheckpointError, tok.TokenizerError) as e:
