@@ -299,7 +299,6 @@ def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
   ap = parser()
   args = common.parse_with_defaults(ap, argv, DEFAULTS)
-  cli.check_output_path("out", args.out, "prefix")
   depths = _parse_list(ap, "depths", args.depths, int, 0, 16)
   lams = _parse_list(ap, "loss_weights", args.loss_weights, float, 0.0)
   if any(lam <= 0 for lam in lams):

@@ -37,12 +37,14 @@ def load_config(ap: argparse.ArgumentParser, path: str) -> config_lib.Config:
 def parse_with_defaults(ap: argparse.ArgumentParser, argv: list[str], defaults: dict) -> argparse.Namespace:
   """``ap.parse_args(argv)`` with every flag left at None set from
   ``defaults`` ({flag: (full, quick)}: the second under --quick), and
-  --quick's default --out moved under runs/quick/ (``mtp.cli.quick_out``)."""
+  --quick's default --out moved under runs/quick/ (``mtp.cli.quick_out``),
+  and --out checked as a report prefix before any work (exit 2, one line)."""
   args = ap.parse_args(argv)
   for k, (full, quick) in defaults.items():
     if getattr(args, k) is None:
       setattr(args, k, quick if args.quick else full)
   cli.quick_out(ap, args)
+  cli.check_output_path("out", args.out, "prefix")
   return args
 
 

@@ -429,7 +429,6 @@ def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
   ap = parser()
   args = common.parse_with_defaults(ap, argv, DEFAULTS)
-  cli.check_output_path("out", args.out, "prefix")
   variants = cli.parse_list(ap, "variants", args.variants, str, choices=tuple(VARIANTS))
   seeds = cli.parse_list(ap, "seeds", args.seeds, int, 0)
   temps = cli.parse_list(ap, "temperatures", args.temperatures, float, 0.0)
