@@ -142,7 +142,9 @@ def main(argv=None) -> int:
     print(f"{k} all: alpha_1 {v['alpha_1']:.3f} ({v['first_accepted']}/{v['rounds']})  "
           f"tau {v['tau']:.3f} ({v['tokens']}/{v['target_calls']})")
   if args.out:
-    doc = {"workdir": os.path.abspath(args.workdir), "prompt_files": args.prompt_file,
+    from mtp import report
+    doc = {"meta": report.provenance(command=report.command_line(__file__, argv)),
+           "workdir": os.path.abspath(args.workdir), "prompt_files": args.prompt_file,
            "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
            "batch_size": args.batch_size, "seed": args.seed, "rows": rows, "pooled": by_t,
            "wall_s": round(time.perf_counter() - t0, 1)}
