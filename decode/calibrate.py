@@ -356,7 +356,7 @@ class AutoCalibration:
   """What a ``Decoder`` with "auto" measured and decides with, per cost key
   (batch size, cache length, greedy, filtering, form): the costs are those
   of one compiled program shape, so each key is measured once
-  (``with_costs``), then moved by the generations it decides.
+  (``measured_costs``), then moved by the generations it decides.
 
   fixed: the ``auto_costs`` given to the decoder, [G_max+1] float64
     seconds per round, or None (measured).
@@ -366,7 +366,7 @@ class AutoCalibration:
   prefill_extra: {key: seconds the MTP modules add to the prefill}.
   key, ar_step_s, extra_prefill_s: the current generation's key (None for
     fixed costs, a key's first generation, or no calibration), plain AR
-    step and prefill charge, set by ``with_costs`` for ``drafting_pays``.
+    step and prefill charge, set by ``measured_costs`` for ``drafting_pays``.
   """
   fixed: np.ndarray | None = None
   costs: dict = dataclasses.field(default_factory=dict)
@@ -405,16 +405,15 @@ class AutoCalibration:
     self.key, self.ar_step_s, self.extra_prefill_s = None, None, 0.0
     return False
 
-  def drafting_pays(self, schedule, state, sp, max_new_tokens: int) -> bool:
-    """``AutoSchedule.drafting_pays`` at the costs ``with_costs`` put into
-    ``state``, the token budget, the batch size, the modules' prefill charge
-    and the plain AR step; True without "auto" (``schedule`` None)."""
-    import jax
+  def drafting_pays(self, schedule, costs, sp, max_new_tokens: int, batch: int) -> bool:
+    """``AutoSchedule.drafting_pays`` at the round costs ``costs`` [G_max+1]
+    (seconds, host side: from ``measured_costs``), the token budget,
+    ``batch`` rows, the modules' prefill charge and the plain AR step; True
+    without "auto" (``schedule`` None)."""
     if schedule is None:
       return True
-    costs = np.asarray(jax.device_get(state.auto.schedule["costs"]), np.float64)
-    return schedule.drafting_pays(costs, sp.greedy, max_new_tokens, self.extra_prefill_s,
-                                  batch=int(state.tokens.shape[0]), ar_step_s=self.ar_step_s)
+    return schedule.drafting_pays(np.asarray(costs, np.float64), sp.greedy, max_new_tokens,
+                                  self.extra_prefill_s, batch=batch, ar_step_s=self.ar_step_s)
 
   def learn(self, gen) -> None:
     """``learn_costs`` from a drafting generation ``gen``, for its key (a
@@ -453,57 +452,68 @@ def start(decoder, prompts, max_new_tokens: int, sp, seed: int, stops, form: str
   (``with_costs``), or None where "auto" runs the plain AR decoder instead:
   drafting cannot pay at any costs (``AutoCalibration.drafting_can_pay``,
   then nothing is measured) or does not pay at the measured ones
-  (``drafting_pays``). Without "auto": the prepared state."""
+  (``drafting_pays``), decided on the host before any state of the
+  drafting decoder is built (the fallback's only extra work is the
+  decision). Without "auto": the prepared state."""
   cal = decoder.calibration
+  if decoder.schedule is None:
+    return decoder.prepare(prompts, max_new_tokens, seed, stops, budget)
   if not cal.drafting_can_pay(decoder.schedule, sp, max_new_tokens, len(prompts)):
     return None
-  state, prefill_len = decoder.prepare(prompts, max_new_tokens, seed, stops, budget)
-  state = with_costs(decoder, state, sp, prompts, max_new_tokens, form=form, stops=stops)
-  if not cal.drafting_pays(decoder.schedule, state, sp, max_new_tokens):
+  costs = measured_costs(decoder, prompts, max_new_tokens, sp, form, stops)
+  if not cal.drafting_pays(decoder.schedule, costs, sp, max_new_tokens, len(prompts)):
     return None
-  return state, prefill_len
+  state, prefill_len = decoder.prepare(prompts, max_new_tokens, seed, stops, budget)
+  return with_costs(decoder, state, sp, costs), prefill_len
 
 
-def with_costs(decoder, state, sp, prompts, max_new_tokens: int, form: str = "while",
-               stops=None):
-  """"auto": ``state`` (a ``DecodeState`` from ``decoder.prepare``) with the
-  schedule's round costs [G_max+1] float32 seconds for this batch size,
+def measured_costs(decoder, prompts, max_new_tokens: int, sp, form: str = "while",
+                   stops=None) -> np.ndarray:
+  """"auto"'s round costs [G_max+1] float64 seconds for this batch size,
   cache length, sampling mode and form (``"while"`` or ``"stream"``), and
-  its estimates reset to the prior for this mode
+  ``decoder.calibration``'s key, AR step and prefill charge set for
+  ``drafting_pays``. A key's first call measures, on a probe batch of
+  ``prompts`` and ``stops`` (the generation's own shapes, so the programs it
+  compiles are the generation's), the round costs (``decoder_round_costs``),
+  the plain AR step (``plain_ar_calibration``) and the modules' prefill
+  charge (``extra_prefill_seconds``); later generations move them
+  (``learn_costs``, ``learn_ar_step``), the first one not, since it
+  compiles inside its timed decoding phase. Fixed ``auto_costs`` replace
+  all three (no prefill charge; the AR step is ``auto_costs[0]``)."""
+  cal = decoder.calibration
+  cal.key, cal.extra_prefill_s, cal.ar_step_s = None, 0.0, None
+  if cal.fixed is not None:
+    return np.asarray(cal.fixed, np.float64)
+  cache_len = decoder.cache_length(prompts, max_new_tokens)
+  key = (len(prompts), cache_len, sp.greedy, sp.filtering, form)
+  first = key not in cal.costs
+  if first:           # a probe batch of its own: the generation's state is prepared later
+    probe, prefill_len = decoder.prepare(prompts, max_new_tokens, 0, stops)
+    cal.costs[key], cal.call_s[key] = decoder_round_costs(
+        decoder, decoder.prefill(probe, prefill_len), sp, form)
+    ar = decoder.plain_ar()
+    probe, prefill_len = ar.prepare(prompts, max_new_tokens, 0, stops)
+    cal.plain[key] = plain_ar_calibration(ar, ar.prefill(probe, prefill_len), sp, form)
+    # both prefills ran at these shapes above: nothing left to compile there
+    cal.prefill_extra[key] = extra_prefill_seconds(decoder, prompts, max_new_tokens,
+                                                   stops=stops, warmup=0)
+  cal.extra_prefill_s = cal.prefill_extra.get(key, 0.0)
+  cal.ar_step_s = float(cal.plain[key].costs[0])
+  cal.key = None if first else key
+  return np.asarray(cal.costs[key], np.float64)
+
+
+def with_costs(decoder, state, sp, costs):
+  """"auto": ``state`` (a ``DecodeState`` from ``decoder.prepare``) with
+  the round costs ``costs`` [G_max+1] seconds (``measured_costs``) as
+  float32 and its estimates reset to the prior for this mode
   (``AutoSchedule.prior_alpha(sp.greedy)``); replicated on the decoder's
-  mesh. A key's first call measures, on a probe batch of ``prompts`` and
-  ``stops`` (the generation's own shapes, so the programs it compiles are
-  the generation's), the round costs (``decoder_round_costs``), the plain
-  AR step (``plain_ar_calibration``) and the modules' prefill charge
-  (``extra_prefill_seconds``) into ``decoder.calibration``; later
-  generations move them (``learn_costs``, ``learn_ar_step``), the first
-  one not, since it compiles inside its timed decoding phase. Fixed
-  ``auto_costs`` replace all three (no prefill charge; the AR step is
-  ``auto_costs[0]``). Without "auto" ``state`` is returned unchanged."""
+  mesh. Without "auto" ``state`` is returned unchanged."""
   if decoder.schedule is None:
     return state
   import jax
   import jax.numpy as jnp
   from decode import mesh as decode_mesh
-  cal = decoder.calibration
-  costs, cal.key, cal.extra_prefill_s = cal.fixed, None, 0.0
-  cal.ar_step_s = None
-  if costs is None:
-    key = (len(prompts), state.tokens.shape[1], sp.greedy, sp.filtering, form)
-    first = key not in cal.costs
-    if first:           # a probe batch of its own: ``state`` is prefilled (and donated) later
-      probe, prefill_len = decoder.prepare(prompts, max_new_tokens, 0, stops)
-      cal.costs[key], cal.call_s[key] = decoder_round_costs(
-          decoder, decoder.prefill(probe, prefill_len), sp, form)
-      ar = decoder.plain_ar()
-      probe, prefill_len = ar.prepare(prompts, max_new_tokens, 0, stops)
-      cal.plain[key] = plain_ar_calibration(ar, ar.prefill(probe, prefill_len), sp, form)
-      # both prefills ran at these shapes above: nothing left to compile there
-      cal.prefill_extra[key] = extra_prefill_seconds(decoder, prompts, max_new_tokens,
-                                                     stops=stops, warmup=0)
-    cal.extra_prefill_s = cal.prefill_extra.get(key, 0.0)
-    cal.ar_step_s = float(cal.plain[key].costs[0])
-    costs, cal.key = cal.costs[key], None if first else key
   costs = jnp.asarray(costs, jnp.float32)
   old_alpha = state.auto.schedule["alpha"]
   alpha = jnp.broadcast_to(decoder.schedule.prior_alpha(sp.greedy), old_alpha.shape)

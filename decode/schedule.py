@@ -79,6 +79,7 @@ speculative round with a fixed G and emits tokens with the target's law
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from statistics import NormalDist
 
@@ -299,6 +300,14 @@ def batch_rounds(alpha, budget: int, batch: int = 1) -> float:
   batch's loop runs until its slowest row is done, so drafting pays less at
   B > 1 than the mean tau says; AR (g = 0) needs exactly ``budget``.
   Returns float rounds."""
+  import numpy as np
+  return _batch_rounds(tuple(float(a) for a in np.asarray(alpha, np.float64).ravel()),
+                       int(budget), int(batch))
+
+
+@functools.lru_cache(maxsize=256)   # host side before every "auto" generation: the same prior each time
+def _batch_rounds(alpha: tuple, budget: int, batch: int) -> float:
+  """``batch_rounds`` on hashable arguments."""
   import numpy as np
   reach = np.cumprod(np.asarray(alpha, np.float64))        # P(A >= j), j = 1..g
   mu = 1.0 + reach.sum()

@@ -214,6 +214,7 @@ class Decoder:
     self.mesh = mesh
     self.calibration = calibrate.AutoCalibration(m.fixed_costs)    # "auto"'s costs (calibrate's)
     self._ar = None          # the plain AR decoder "auto" falls back to (``plain_ar``)
+    self._models = None      # (params, draft params, (target, draft) merged from them)
     self.target_params, self.draft_params = programs_lib.place_params(
         mesh, self.target_params, self.draft_params, target.cfg,
         None if draft is None else draft.cfg)
@@ -236,6 +237,11 @@ class Decoder:
   def models(self, params=None, draft_params=None) -> tuple[Transformer, Transformer | None]:
     """(target, draft model or None) merged from parameters (default: the
     decoder's own; traced ones inside jit)."""
+    if params is None and draft_params is None:     # merged once per parameters: a merge walks every module
+      p, dp = self.target_params, self.draft_params
+      if self._models is None or self._models[0] is not p or self._models[1] is not dp:
+        self._models = (p, dp, self.spec.models(p, dp))
+      return self._models[2]
     return self.spec.models(self.target_params if params is None else params,
                             self.draft_params if draft_params is None else draft_params)
 
@@ -273,10 +279,7 @@ class Decoder:
     stops = (stops or StopConditions()).validate(self.target_cfg.vocab_size)
     state_lib.check_prompts(prompts, max_new_tokens, self.target_cfg.max_seq_len, self.mesh,
                             self.target_cfg.vocab_size)
-    headroom = cache.headroom(
-        self.G, self.drafter.depth if isinstance(self.drafter, MTPDrafter) else 0,
-        self.drafter.scratch_slots if self.tree is not None else 0)
-    p_len, cache_len = cache.cache_length(max(len(p) for p in prompts), max_new_tokens, headroom)
+    p_len, cache_len = self._lengths(prompts, max_new_tokens)
     target, draft = self.models()
     b = len(prompts)
     dstate = (None if self.drafter is None else
@@ -290,6 +293,19 @@ class Decoder:
     if self.mesh is not None:
       state = decode_mesh.shard_state(self.mesh, state)
     return state, p_len - 1
+
+  def _lengths(self, prompts, max_new_tokens: int) -> tuple[int, int]:
+    """(padded prompt length, cache length) of ``prepare``'s state
+    (``decode.cache.cache_length`` with this decoder's headroom)."""
+    headroom = cache.headroom(
+        self.G, self.drafter.depth if isinstance(self.drafter, MTPDrafter) else 0,
+        self.drafter.scratch_slots if self.tree is not None else 0)
+    return cache.cache_length(max(len(p) for p in prompts), max_new_tokens, headroom)
+
+  def cache_length(self, prompts, max_new_tokens: int) -> int:
+    """Positions per row of the KV cache ``prepare`` allocates for
+    ``prompts`` and ``max_new_tokens`` (its state's ``tokens.shape[1]``)."""
+    return self._lengths(prompts, max_new_tokens)[1]
 
   def token_bytes(self, token_id: int) -> bytes:
     """The bytes one id stands for in the output (b"" for specials)."""

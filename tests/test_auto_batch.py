@@ -68,8 +68,7 @@ def _calibration_work(model, batch: int, form: str) -> Work:
   work.watch(dec, "auto")
   work.watch(dec.plain_ar(), "ar")
   prompts = random_prompts([5] * batch, seed=batch)
-  state, _ = dec.prepare(prompts, 64, 0)
-  calibrate.with_costs(dec, state, SamplingParams(1.0), prompts, 64, form=form)
+  calibrate.measured_costs(dec, prompts, 64, SamplingParams(1.0).validate(), form=form)
   return work
 
 

@@ -56,3 +56,31 @@ def test_a_non_drafting_round_does_the_ar_steps_work(trained_markov):
   h0_block = len(prompts) * model.cfg.d_model * 4       # [B, 1, D] float32 stored for the modules
   assert copied0 <= ar_copied + h0_block, (copied0, ar_copied)
   assert flops1 > 1.2 * ar_flops
+
+
+def test_the_fallback_builds_nothing_of_the_drafting_decoder(trained_markov, monkeypatch):
+  """Issue 51: where "auto" decides not to draft, the decision is made on
+  the host from its costs before any state of the drafting decoder is
+  built, and no call merges the models again (a merge walks every module):
+  the fallback's extra work over AR is the decision, and its tokens are
+  AR's."""
+  from decode import programs
+  _, model, _ = trained_markov
+  prompts = random_prompts([5, 7])
+  sp = SamplingParams(0.0)
+  auto = Decoder(model, "mtp", num_draft_tokens="auto", max_draft_tokens=2,
+                 auto_costs=[1.0, 1e3, 1e3])            # no draft length can pay
+  ar_gen = Decoder(model, "ar").generate(prompts, 8, sp)
+  auto.generate(prompts, 8, sp)                         # compiles; builds the plain AR decoder
+  prepared, merged = [], []
+  real_prepare, real_models = Decoder.prepare, programs.ProgramSpec.models
+  monkeypatch.setattr(Decoder, "prepare",
+                      lambda self, *a, **k: prepared.append(self.method) or real_prepare(self, *a, **k))
+  monkeypatch.setattr(programs.ProgramSpec, "models",
+                      lambda self, *a: merged.append(1) or real_models(self, *a))
+  gens = [auto.generate(prompts, 8, sp), auto.stream(prompts, 8, sp)]
+  assert prepared == ["ar", "ar"], prepared
+  assert merged == []
+  for gen in gens:
+    assert np.asarray(gen.draft_length_histogram)[:, 1:].sum() == 0
+    np.testing.assert_array_equal(gen.tokens, ar_gen.tokens)
