@@ -5,6 +5,7 @@ import importlib
 import json
 import os
 
+import numpy as np
 import pytest
 
 from tests.conftest import md_command
@@ -320,3 +321,28 @@ def test_quick_runs_never_overwrite_the_committed_reports():
   args = ap.parse_args([])
   cli.quick_out(ap, args)
   assert args.out == "results/simulate_speedup"
+
+
+def test_bench_auto_fallback_rebuilds_its_ratios(workdir, tmp_path):
+  """The fallback benchmark runs "auto" with costs that make every draft
+  lose (it asserts the fallback drafted nothing and matched AR's tokens),
+  and every printed ratio rebuilds from the walls in its JSON."""
+  prompts = tmp_path / "p.txt"
+  prompts.write_text("abc de\nfa b\n")
+  out = str(tmp_path / "fb")
+  argv = ["--workdir", workdir, "--prompt_file", str(prompts), "--batch_sizes", "1,2",
+          "--max_new_tokens", "4", "--repeats", "2", "--out", out]
+  _experiment("bench_auto_fallback").main(argv)
+  assert md_command(out + ".md") == "python -m experiments.bench_auto_fallback " + " ".join(argv)
+  rows = json.load(open(out + ".json"))["results"]["batches"]
+  assert [r["batch_size"] for r in rows] == [1, 2]
+  md = open(out + ".md").read()
+  for r in rows:
+    ar, fb, s = np.array(r["ar_s"]), np.array(r["fallback_s"]), r["speedup"]
+    np.testing.assert_allclose(s["per_repeat"], ar / fb)
+    assert s["median"] == pytest.approx(np.median(ar / fb))
+    assert (s["min"], s["max"]) == (pytest.approx((ar / fb).min()), pytest.approx((ar / fb).max()))
+    assert s["ratio_of_medians"] == pytest.approx(np.median(ar) / np.median(fb))
+    assert r["new_tokens"] == 4 * r["batch_size"]
+    assert f"| {r['batch_size']} | {r['new_tokens']} | {np.median(ar) * 1e3:.1f} ms |" in md
+    assert f"{s['median']:.3f}x ({s['min']:.3f}-{s['max']:.3f}x) | {s['ratio_of_medians']:.3f}x |" in md
