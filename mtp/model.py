@@ -1,86 +1,18 @@
 """Causal transformer backbone with D sequential MTP modules (Flax NNX).
-
-Backbone: token embedding E, L pre-norm blocks (RMSNorm -> causal multi-head
-attention with RoPE and optional GQA; RMSNorm -> SwiGLU MLP), final RMSNorm
-and output head W_out (tied to E or not). ``h^0_i`` is the last block's
-output at position i, before the final norm.
-
-MTP module k = 1..D (DeepSeek-V3 technical report, section 2.2, eq. 21-23):
+Backbone: embedding E, L pre-norm blocks (RMSNorm, RoPE attention with
+optional GQA; RMSNorm, SwiGLU), final RMSNorm, head W_out (tied to E or not);
+h^0_i is the last block's output. MTP module k = 1..D (DeepSeek-V3 report,
+section 2.2), sharing E and W_out, with its own output RMSNorm:
 
     h'^k_i = M_k [ RMSNorm(h^{k-1}_i) ; RMSNorm(E(t_{i+k})) ]     eq. 21
     h^k    = TRM_k(h'^k)                                          eq. 22
     P^k_{i+k+1} = softmax(W_out(RMSNorm_k(h^k_i)))               eq. 23
 
-E and W_out are shared with the main model. Each module has its own output
-RMSNorm (as in the released DeepSeek-V3 weights, ``shared_head.norm``), so
-module k's hidden states can differ in scale from the backbone's.
-
-Option beyond eq. 21 (``mtp.feature_layers``, after EAGLE-3, Li et al. 2025,
-which fuses low, middle and high target features): module 1 reads, in place
-of h^0, the draft input f = W_f [RMSNorm(h^{(l_1)}); ...; RMSNorm(h^{(l_m)}); h^0]
-over the outputs h^{(l)} of backbone blocks l_1 < ... < l_m (``FeatureFuse``,
-part of module 1, initialised to pass h^0 through: f = h^0). Modules k > 1
-and the recursive steps read h^{k-1} as in eq. 21.
-
-Shapes use the letters of docs/design.md: B batch, T query length, S key/cache
-length, D model width, N query heads, K kv heads, H head dim, V vocab,
-F MLP width.
-
-KV cache: every attention layer takes an optional ``LayerCache``
-``{"k": [B, S, K, H], "v": [B, S, K, H]}`` (activation dtype). Cache slot s
-holds position s. A call with ``positions`` [B, T] (contiguous per row:
-``positions[b] = o_b + arange(T)``) writes the new keys/values at slots
-``o_b .. o_b+T-1`` of each row (``dynamic_update_slice`` at per-row offsets,
-in place when the caller donates the cache) and attends to slots
-``s <= position``. Anything past a row's committed length is therefore
-invisible until it is overwritten: rolling back is choosing the next
-``positions``, never copying. Without a cache (training) attention is causal
-within a packed sequence and restricted to equal ``segment_ids``.
-
-Token trees (decode/tree.py) need two overrides of that rule, both optional
-(``None`` keeps the behaviour above exactly): ``write_offsets`` [B] int32
-writes the T new entries at slots ``write_offsets[b] + arange(T)`` while
-RoPE still uses ``positions`` (which then need not be contiguous: the nodes
-of a tree share positions), and ``mask`` [B, T, S] bool replaces the
-positional mask (query t sees slot s iff ``mask[b, t, s]``; every query must
-see at least one slot). The cache layout is unchanged.
-
-Reading the cache (``cached_attention``, chosen by ``model.attention_impl``):
-"blockwise" walks the cache in blocks of ``model.attention_block_size``
-slots up to the furthest slot any query of the call can see
-(``max(positions)``, or the last slot any ``mask`` row allows), with an
-online softmax across blocks (Milakov & Gimelshein 2018; FlashAttention, Dao
-et al. 2022; FlashDecoding's split over the keys), so a step's cost follows
-the filled length, not S. Its loop has a traced trip count: on an
-accelerator every iteration's predicate goes through the host, in every
-layer of every step. "dense" (``dense_attention``) attends over all S slots
-with the mask: no loop, static work (S is the static cache size decode
-allocates), bfloat16/float16 caches read as they are, scores and sums in
-float32. "cudnn" is the masked attention of ``jax.nn.dot_product_attention``
-through its cuDNN kernel (NVIDIA GPU, 16-bit). "auto" (default) picks when
-traced (``resolve_attention_impl`` for ``attention_backend()``):
-"blockwise" on the CPU (host and device are one there, and reading only the
-filled blocks measured fastest: docs/results/attention.md); "cudnn" on an
-NVIDIA GPU of compute capability >= 8.0 for a bfloat16/float16 model whose
-head dim cuDNN takes; "dense" everywhere else. All agree to float rounding
-wherever a query sees at least one slot (a query that sees none gets zeros
-from "blockwise" and "dense", the mean of all values from "cudnn").
-Training (no cache) is unaffected by the choice.
-
-Matmul precision (``model.matmul_precision``, ``matmul_precision``): every
-matmul of the forward carries it explicitly where it is built: each
-``nnx.Linear`` (``precision=``), the attention einsums of
-``blockwise_attention``, ``dense_attention`` and ``Attention.attend_chain``,
-the heads' ``jnp.dot`` (the tied head multiplies by E^T itself, as
-``nnx.Embed.attend`` would, because ``attend`` takes no precision).
-``jax.nn.dot_product_attention`` (training, "cudnn") takes no precision
-argument, so it is traced inside ``jax.default_matmul_precision``
-(``_dense_attention``), which sets the precision of its two einsums at
-trace time (cuDNN ignores it). Default "highest": float32 matmuls run in
-full float32 on GPU and TPU too (not TF32 or bfloat16 passes), so greedy
-float32 output does not depend on the cache size or the attention
-implementation beyond float32 rounding.
-"""
+``mtp.feature_layers`` (EAGLE-3) feeds module 1 a fusion of block outputs
+(``FeatureFuse``). KV cache ``LayerCache`` {"k", "v"}: [B, S, K, H], slot s
+holds position s; a call writes T entries from ``positions[:, 0]`` (or
+``write_offsets``), query t sees slots s <= position (or ``mask`` [B, T,
+S]): rolling back is choosing the next positions. Axes: docs/design.md 3."""
 
 from __future__ import annotations
 
@@ -135,7 +67,11 @@ def _dtype(name: str):
 def matmul_precision(cfg: ModelConfig) -> jax.lax.Precision | None:
   """The ``jax.lax.Precision`` of every matmul of a model of ``cfg``
   (``model.matmul_precision``): HIGHEST or HIGH, or None for "default"
-  (JAX's ``jax_default_matmul_precision`` decides, as an op given none)."""
+  (JAX's ``jax_default_matmul_precision`` decides, as an op given none).
+  Every matmul carries it explicitly (``nnx.Linear``, the attention einsums,
+  the heads; ``_dense_attention`` by context). The default "highest" keeps
+  float32 matmuls float32 on GPU/TPU, so greedy float32 output does not
+  depend on the cache size or attention implementation."""
   name = cfg.matmul_precision
   return None if name == "default" else jax.lax.Precision[name.upper()]
 
@@ -240,25 +176,19 @@ def resolve_attention_impl(impl: str, backend: str, dtype, head_dim: int | None 
 
 
 def dense_attention(q, keys, values, positions, mask=None, *, precision=jax.lax.Precision.HIGHEST):
-  """Attention of q over every slot of a KV cache, masked: no loop, the
-  same work for every filled length.
+  """Attention of q over every slot of a KV cache, masked: no loop.
 
   q: [B, T, N, H]; keys, values: [B, S, K, H] (the cache after this call's
-  write; N % K == 0, grouped-query attention: query head j reads KV head
-  j // (N / K), as ``jax.nn.dot_product_attention``); positions: [B, T]
+  write; GQA: query head j reads KV head j // (N / K)); positions: [B, T]
   int32; mask: [B, T, S] bool or None (default: query t sees slot s iff
   s <= positions[b, t]). Returns [B, T, N, H] in q's dtype.
 
       s_ts = (q_t . k_s) / sqrt(H)           (float32; -inf where not visible)
       y_t  = sum_s exp(s_ts - m_t) v_s / sum_s exp(s_ts - m_t),  m_t = max_s s_ts
 
-  Both einsums take the operands in their own dtype (the cache is cast to
-  q's dtype, the activation dtype it already holds) and accumulate in
-  float32 (``preferred_element_type``), so a bfloat16 cache is never copied
-  to float32; the probabilities enter the value product in the values'
-  dtype, the normaliser is applied after it in float32. Both at
-  ``precision`` (``matmul_precision``). A query that sees no slot gets
-  zeros (as ``blockwise_attention``).
+  Einsums in the operands' dtype (a bfloat16 cache is never copied to
+  float32), accumulated in float32, at ``precision``; the normaliser is
+  applied in float32. A query that sees no slot gets zeros.
   """
   b, t, n, h = q.shape
   s, kv = keys.shape[1], keys.shape[2]
@@ -284,25 +214,16 @@ def dense_attention(q, keys, values, positions, mask=None, *, precision=jax.lax.
 def blockwise_attention(q, keys, values, positions, mask=None, *, block_size: int = 128,
                         precision=jax.lax.Precision.HIGHEST):
   """Attention of q over a KV cache reading only the blocks that can be
-  visible, with an online softmax across blocks (Milakov & Gimelshein 2018,
-  "Online normalizer calculation for softmax"; FlashAttention, Dao et al.
-  2022, Algorithm 1; FlashDecoding splits the keys the same way).
+  visible, with an online softmax across blocks (Milakov & Gimelshein
+  2018; FlashAttention, Dao et al. 2022, Algorithm 1).
 
-  q: [B, T, N, H]; keys, values: [B, S, K, H] (the cache after this call's
-  write; N % K == 0, grouped-query attention as ``jax.nn.dot_product_attention``);
-  positions: [B, T] int32; mask: [B, T, S] bool or None (default: query t
-  sees slot s iff s <= positions[b, t]). Returns [B, T, N, H] in q's dtype.
-
-  Blocks of C = min(block_size, S) slots; the loop runs
-  ceil(limit / C) blocks (at least one), limit = ``_slot_limit`` (traced:
-  one compiled program serves every length). Block i reads slots
-  [i*C, i*C + C); the last block of an S that C does not divide is read
-  from S - C with its already-counted slots masked. Scores, running max,
-  normaliser and accumulator are float32; scaling 1/sqrt(H) as
-  ``jax.nn.dot_product_attention``; both einsums at ``precision``
-  (``matmul_precision``). A query that sees no slot gets zeros.
-  Forward only (a ``while_loop`` with a traced trip count): decoding, not
-  training.
+  Arguments and result as ``dense_attention``. Blocks of C = min(block_size,
+  S) slots; the loop runs ceil(``_slot_limit`` / C) >= 1 blocks (a traced
+  trip count: one program for every length). Block i reads slots [i*C,
+  i*C + C); a last block past S is read from S - C with its counted slots
+  masked. Scores, running max, normaliser and accumulator in float32;
+  einsums at ``precision``. A query that sees no slot gets zeros. Forward
+  only (a ``while_loop``): decoding, not training.
   """
   b, t, n, h = q.shape
   s, kv = keys.shape[1], keys.shape[2]
@@ -440,7 +361,7 @@ class Attention(nnx.Module):
     """x: [B, T, D]; positions: [B, T] int32; segment_ids: [B, T] int32 or
     None. With a cache, optionally ``write_offsets`` [B] int32 (slot of the
     first new entry; default ``positions[:, 0]``) and ``mask`` [B, T, S] bool
-    (default: slot s visible iff s <= position); see the module docstring.
+    (default: slot s visible iff s <= position): the module docstring's cache.
     Returns (y [B, T, D], updated cache or None)."""
     b, t, _ = x.shape
     q, k, v = self.project(x, positions)
@@ -579,15 +500,12 @@ class Transformer(nnx.Module):
     cfg: model config (``mtp.config.ModelConfig``).
     mtp_depth: D >= 0; D = 0 is a plain language model.
     rngs: ``nnx.Rngs`` for parameter initialisation.
-    draft_vocab_size: |V'| of a reduced draft vocabulary (``mtp.draft_vocab_size``;
-      0 = none, the default: the MTP heads score every id). With V' the model
-      holds ``draft_vocab`` (a ``DraftVocab`` [V'] int32, sorted ids) and
-      ``mtp_head`` scores only those ids (see there).
+    draft_vocab_size: |V'| (``mtp.draft_vocab_size``; 0 = none): the model
+      holds ``draft_vocab`` ([V'] int32, sorted) and ``mtp_head`` scores it.
     feature_layers: sorted 0-based block indices < L - 1 whose outputs feed
       module 1 with h^0 (``mtp.feature_layers``, ``FeatureFuse``); () = eq. 21.
-  Raises ValueError: mtp_depth < 0, draft_vocab_size outside [0, V],
-    draft_vocab_size > 0 with mtp_depth = 0, or feature_layers out of range,
-    unsorted or given with mtp_depth = 0.
+  Raises ValueError: mtp_depth < 0, draft_vocab_size outside [0, V], or
+    draft_vocab_size / feature_layers bad or given with mtp_depth = 0.
   """
 
   def __init__(self, cfg: ModelConfig, mtp_depth: int, *, rngs: nnx.Rngs,
@@ -775,37 +693,19 @@ class Transformer(nnx.Module):
 
   def mtp_recursive(self, tokens, positions, segment_ids, h_prev, h_last, steps: int,
                     compact: bool = False):
-    """Module D reused for the steps past D, as the decoder drafts G > D
-    tokens (``decode.drafters.MTPDrafter.draft``), computed for every chain
-    start i at once.
-
-    Chain from i: step 0 is module D's ordinary output h_0(i) = h^D_i; step
-    r = 1..R runs module D at position i+r on (h_{r-1}(i), t_{i+D+r}) and
-    predicts t_{i+D+r+1}:
+    """Module D reused for R steps past D (as the decoder drafts G > D),
+    for every chain start i at once; h_0(i) = h^D_i and for r = 1..R:
 
         h_r(i) = TRM_D(M_D[RMSNorm(h_{r-1}(i)); RMSNorm(E(t_{i+D+r}))])   at position i+r
-        logits_r(i) = W_out(RMSNorm_D(h_r(i)))
+        logits_r(i) = W_out(RMSNorm_D(h_r(i)))       predicts t_{i+D+r+1}
 
-    Attention context of step r at chain i, exactly as module D's KV cache
-    holds it in that draft round: module D's ordinary (teacher-forced) keys
-    and values at positions p <= i of the same document, plus the chain's own
-    entries of steps 1..r (the decoder writes them at positions i+1..i+r over
-    scratch slots). Teacher forcing uses the true tokens where the decoder
-    feeds its drafts d_{D+r-1}; they agree exactly when the earlier drafts
-    were accepted, the only case in which draft D+r is looked at.
-
-    Args:
-      tokens, positions: [B, T] int32; segment_ids: [B, T] int32 or None.
-      h_prev: [B, T, D] module D's hidden input in the ordinary pass (h^{D-1};
-        module 1's is ``draft_input``).
-      h_last: h^D [B, T, D] (module D's ordinary output).
-      steps: R >= 0.
-      compact: logits over V' only ([B, T, V'], ``mtp_head_compact``).
-    Returns:
-      tuple of R logits [B, T, V] float32; entry r-1 at chain i predicts
-      t_{i+D+r+1} (positions whose token inputs run past T read ``MTP_FILL_ID``;
-      the loss masks them).
-    Raises ValueError when D = 0.
+    Step r attends to module D's teacher-forced entries at p <= i (same
+    document) and the chain's steps 1..r, as module D's cache holds them in
+    a draft round (docs/design.md section 6). tokens, positions: [B, T]
+    int32; segment_ids [B, T] or None; h_prev: [B, T, D] module D's input
+    (h^{D-1}); h_last: h^D; compact: logits over V' (``mtp_head_compact``).
+    Returns R logits [B, T, V] float32 (inputs past T read ``MTP_FILL_ID``;
+    the loss masks them). Raises ValueError when D = 0.
     """
     d = self.mtp_depth
     if d < 1:
@@ -857,24 +757,17 @@ class Transformer(nnx.Module):
   def forward_from_hidden(self, tokens, positions, segment_ids, h0,
                           recursive_steps: int = 0, compact: bool = False,
                           lower=None) -> ModelOutput:
-    """``__call__`` from a precomputed backbone output, without running the
-    backbone: the frozen-backbone stage with cached hidden states
-    (``train.hidden_cache``; Medusa-1 and FastMTP train their heads on a
-    frozen target the same way).
+    """``__call__`` from a precomputed backbone output h0 [B, T, D] (the
+    last block's, before the final norm; cast to the activation dtype): the
+    frozen-backbone stage on cached hidden states (``train.hidden_cache``).
 
     tokens, positions: [B, T] int32; segment_ids: [B, T] int32 (0 = padding)
-    or None; h0: [B, T, D] the backbone's last block output (before the
-    final norm, what ``backbone`` returns; activation dtype, cast to it
-    here); recursive_steps: R >= 0 as in ``__call__``.
-    Returns the ``ModelOutput`` of ``__call__``: logits = head(final_norm(h0))
-    (the main head, the distillation teacher), the D + R module logits
-    (DeepSeek-V3 eq. 21-23, then ``mtp_recursive``) and hidden (h0, h^1..h^D).
-    ``compact=True`` (needs a draft vocabulary V'): every head over V' only
-    (``ModelOutput.compact_ids``); the same logits as the full form at the
-    V' ids. ``lower``: [B, T, m D] the ``feature_layers`` blocks' outputs
-    (``split_hidden``), required exactly when the model has feature layers.
-    Raises ValueError for compact without V', or ``lower`` missing or given
-    against ``feature_layers``.
+    or None; recursive_steps: R >= 0. Returns ``__call__``'s ``ModelOutput``
+    (main logits, the D + R module logits, hidden). ``compact=True`` (needs
+    V'): every head over V' only (``ModelOutput.compact_ids``). ``lower``:
+    [B, T, m D] the ``feature_layers`` outputs, required exactly when the
+    model has them. Raises ValueError for compact without V' or a missing
+    or unexpected ``lower``.
     """
     if compact and not self.draft_vocab_size:
       raise ValueError("forward_from_hidden(compact=True) needs mtp.draft_vocab_size > 0")

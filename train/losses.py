@@ -1,51 +1,17 @@
-"""Main + MTP cross-entropy with the right shifts and masks.
+"""Main + MTP cross-entropy with the right shifts and masks (DeepSeek-V3
+eq. 24-25), and distillation from the main head (docs/design.md section 9):
 
-DeepSeek-V3 technical report, eq. 24-25:
-
-    L = L_main + (lambda / D) * sum_{k=1..D} L^k
-
-The main head at position i predicts token i+1; MTP depth k at position i
-predicts token i+k+1 (its input already contains t_{i+k}). A target counts
-only when it exists (i + offset < T), is not padding, and lies in the same
-document as position i (equal, non-zero segment id): in packed sequences no
-target crosses a document boundary, for the main head or any depth. Each
-L^k is the mean over its own valid targets.
-
-Distillation from the main head (``mtp.distill_weight`` w,
-``mtp.distill_temperature`` tau): module k at i and the main head at i+k
-predict the same token t_{i+k+1}, so the main head is a teacher for it:
-
+    L = L_main + (lambda / D) * sum_{k=1..D+R} L^k
     L^k = (1 - w) * CE_k + w * tau^2 * KL( softmax(z^main_{i+k} / tau) || softmax(z^k_i / tau) )
 
-averaged over the same positions as CE_k (target in the same document), with
-a stop-gradient on the teacher (Hinton et al. 2015: the tau^2 keeps the
-gradient scale independent of tau). w = 0 is the data-only objective
-above. Steps past D (``mtp.recursive_steps``, module D reused) are depths
-D+1..D+R with the same rule and the same per-term weight lambda / D.
-Whatever w is, every depth also reports (sums) its KL to the teacher at
-tau = 1 (``kl``, nats) and its argmax agreement with the teacher
-(``agree``): the quantities that decide acceptance at T = 1 and T = 0.
-
-The acceptance objective (``mtp.distill_divergence``): for one draft
-position the probability that x ~ q is accepted against p is
-alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q) (Leviathan et al. 2023), so
-"tv" puts TV(p, q) = 0.5 * sum_x |p(x) - q(x)| in place of the KL above,
-and "mix" uses (1 - a) * KL + a * TV (a = ``mtp.tv_weight``): the KL's
-gradient grows where q misses p's mass (a strong signal far from the
-optimum), the TV's weighs each id by sign(q - p) only (bounded, and
-exactly what decoding measures). tau^2 and the averaging are as for the KL.
-
-A reduced draft vocabulary V' (``mtp.draft_vocab_size``, FastMTP's
-compressed draft vocabulary; the module logits are -inf outside V'): data
-targets outside V' leave the CE, and the teacher is the main head restricted
-to V' and renormalised (``restrict_teacher``), the exact minimiser of the
-forward KL over drafts supported on V'; the mass the full teacher puts
-outside V' is reported per depth (it bounds acceptance). The TV term is
-never restricted: with q = 0 outside V',
-TV(p, q) = 0.5 * (sum_{v in V'} |p(v) - q(v)| + p(outside V')), the exact
-full-vocabulary value, so 1 - TV stays the acceptance probability
-(``teacher_tv``; the compact form gets p(outside V') from the full
-teacher's normaliser, ``full_logsumexp``).
+The main head at i predicts t_{i+1}, depth k at i predicts t_{i+k+1}. A
+target counts iff it exists (i + offset < T), is not padding and is in
+position i's document (equal non-zero segment id); each L^k is the mean over
+its valid targets, the teacher under a stop-gradient. ``distill_divergence``
+"tv" puts TV(p, q) = 1 - alpha (Leviathan et al. 2023) in place of the KL,
+"mix" (1 - a) KL + a TV. With a draft vocabulary V' the CE drops targets
+outside V', the KL's teacher is the main head restricted to V' and
+renormalised, and the TV stays the full-vocabulary value (``teacher_tv``).
 """
 
 from __future__ import annotations
@@ -137,30 +103,17 @@ def teacher_tv(teacher_logits: jax.Array, student_logits: jax.Array,
   """Per-position total variation TV(p, q) = 0.5 * sum_v |p(v) - q(v)| [B, T]
   float32 of the teacher p = softmax(teacher / tau) (stop-gradient) and the
   draft q = softmax(student / tau), logits [B, T, V] (-inf where a
-  distribution is 0). At tau = 1 and the sampling temperature,
+  distribution is 0). 1 - TV(p, q) = sum_v min(p, q) = alpha, the
+  acceptance probability of one draft (Leviathan et al. 2023, Thm 3.5).
 
-      1 - TV(p, q) = sum_v min(p(v), q(v)) = alpha,
+  Compact form (logits [B, T, V'] over V' only): pass ``teacher_logsumexp``
+  [B, T] float32, the *full*-vocabulary logsumexp of teacher / tau; then
+  p(v) = exp(t_v / tau - lse) and, q being 0 outside V',
 
-  the probability that one draft x ~ q is accepted against p (Leviathan et
-  al. 2023, section 3.3 and Theorem 3.5), so minimising TV maximises the
-  acceptance of that draft position directly.
+      TV(p, q) = 0.5 * (sum_{v in V'} |p(v) - q(v)| + p(outside V')),
 
-  Reduced draft vocabulary V' (the draft q is 0 outside V'): with full
-  logits the module's -inf outside V' already makes this the exact
-  full-vocabulary TV. In the compact form (both logits [B, T, V'] over V'
-  only) pass ``teacher_logsumexp`` [B, T] float32 = logsumexp over the
-  *full* vocabulary of teacher / tau: then p(v) = exp(t_v / tau - lse) is
-  the full teacher's probability of each kept id, p(outside) = 1 - sum_{V'}
-  p(v), and since q(v) = 0 for v outside V',
-
-      TV(p, q) = 0.5 * (sum_{v in V'} |p(v) - q(v)| + sum_{v not in V'} p(v))
-               = 0.5 * (sum_{v in V'} |p(v) - q(v)| + p(outside)),
-
-  the same number the full form gives (not the TV against the teacher
-  restricted to V' and renormalised, which would overstate the acceptance
-  by ignoring the mass no draft on V' can match: alpha <= p(V')). The
-  outside term is constant in q: it changes the value, not the gradient.
-  Gradients are finite everywhere, including p == q (d|x|/dx = 0 at 0)."""
+  the full form's value (the outside term changes the value, not the
+  gradient). Gradients are finite everywhere, including p == q."""
   t = jax.lax.stop_gradient(teacher_logits.astype(jnp.float32)) / temperature
   if teacher_logsumexp is None:
     p = jax.nn.softmax(t, -1)
@@ -245,46 +198,19 @@ def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | No
              distill_temperature: float = 1.0, distill_divergence: str = "kl",
              tv_weight: float = 0.5, teacher_logsumexp: jax.Array | None = None,
              loss_mask: jax.Array | None = None, byte_level: bool = True):
-  """Training objective and per-head sums (module docstring: eq. 24-25 plus
-  distillation from the main head).
-
-  Args:
-    output: model output; ``output.mtp_logits`` holds D + R depths (R steps
-      of module D past D, ``Transformer.mtp_recursive``).
-    tokens: [B, T] int32; segment_ids: [B, T] int32 or None.
-    loss_weight: lambda >= 0.
-    depth: D, the lambda / D normaliser (default len(output.mtp_logits)).
-    distill_weight: w in [0, 1]; distill_temperature: tau > 0.
-    distill_divergence: "kl" (the module docstring's forward KL), "tv"
-      (``teacher_tv``, the total variation 1 - alpha, in place of the KL,
-      times tau^2 likewise) or "mix": (1 - a) * KL + a * TV with a =
-      ``tv_weight`` in [0, 1] (ignored otherwise).
-    teacher_logsumexp: [B, T] float32, ``full_logsumexp(main logits, tau)``
-      over the full vocabulary; needed exactly when the output is in the
-      compact form (``output.compact_ids``) and the divergence has a TV
-      part, so that the TV counts the teacher's mass outside V' (exact
-      full-vocabulary TV, ``teacher_tv``). Ignored otherwise.
-    loss_mask: [B, T] int or None: token j may be a target iff
-      loss_mask[b, j] == 1 (``shifted_targets``); None = every token.
-    byte_level: the byte tokenizer (PAD never a target, bits-per-byte sums);
-      False for a BPE tokenizer (validity from segment ids and loss_mask only).
-  Returns:
-    (loss scalar float32, sums) where sums["main"] and sums["mtp_k"]
-    (k = 1..D+R) are ``head_sums`` dicts; the mtp ones also hold ``kl``
-    (sum of KL to the main head at tau = 1, nats) and ``agree`` (positions
-    where the module's argmax equals the main head's).
-
-  With a reduced draft vocabulary V' (``output.draft_mask`` not None: the
-  module logits are -inf outside V'), CE targets outside V' are masked out,
-  the teacher is the main head restricted to V' and renormalised
-  (``restrict_teacher``: the minimiser of KL(p || q) over q on V'), ``kl``
-  and ``agree`` are against that restricted teacher, and the mtp sums also
-  hold ``positions``, ``outside`` and ``agree_full``
-  (``draft_vocab_sums``). Without V' nothing changes (bit for bit). The TV
-  term, unlike the KL, is always against the full teacher (the mass outside
-  V' counts as mass the draft cannot match), in all three forms.
-  Raises ValueError for an unknown divergence, or a compact output with a TV
-  part and no ``teacher_logsumexp``.
+  """The module docstring's objective and per-head sums. ``output.mtp_logits``
+  holds D + R depths; tokens, segment_ids (or None), loss_mask (target iff
+  == 1, or None): [B, T] int32; loss_weight lambda >= 0; depth D (default
+  len(mtp_logits)); distill_weight w in [0, 1]; distill_temperature tau > 0;
+  distill_divergence "kl", "tv" or "mix" (a = ``tv_weight``);
+  teacher_logsumexp: ``full_logsumexp`` of the main logits, needed for a
+  compact output with a TV part; byte_level: PAD is never a target and
+  bits-per-byte sums are kept (False for BPE).
+  Returns (loss scalar float32, sums): sums["main"], sums["mtp_k"] (k =
+  1..D+R) are ``head_sums`` dicts, the mtp ones with ``kl`` (nats, tau = 1)
+  and ``agree`` against the teacher (restricted to V' when the model has
+  one, plus ``draft_vocab_sums``). Raises ValueError for an unknown
+  divergence, or a compact TV without ``teacher_logsumexp``.
   """
   if distill_divergence not in ("kl", "tv", "mix"):
     raise ValueError(f"distill_divergence must be 'kl', 'tv' or 'mix', got {distill_divergence!r}")
@@ -346,23 +272,14 @@ def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | No
 
 
 def summarize(sums: dict[str, dict[str, jax.Array]]) -> dict[str, float]:
-  """Turns (possibly accumulated) head sums into metrics: ``{head}/loss``
-  (nats per token), ``{head}/accuracy`` (top-1), ``main/bits_per_byte`` (byte
-  tokenizer only: sums with ``byte_nll``) and,
-  for MTP depths, ``mtp_k/teacher_kl`` (mean KL to the main head at tau = 1,
-  nats) and ``mtp_k/teacher_agreement`` (fraction of positions whose argmax
-  equals the main head's). With a reduced draft vocabulary V' (sums from
-  ``draft_vocab_sums``) those two are against the teacher restricted to V'
-  and are also written as ``teacher_kl_restricted`` /
-  ``teacher_agreement_restricted``, and per depth come
-  ``teacher_mass_outside`` (mean mass of the full teacher outside V': alpha
-  <= 1 - it), ``teacher_agreement_full`` (argmax equal to the full
-  teacher's, the T = 0 acceptance) and ``targets_in_draft_vocab`` (the
-  fraction of data targets in V', the ones the CE ``loss`` / ``accuracy``
-  are over). Every MTP depth outside the compact training form also has
-  ``mtp_k/teacher_overlap``: the mean of sum_v min(p, q) against the full
-  teacher, a T = 1 draft's acceptance probability at that depth along the
-  data's path (``overlap_sum``)."""
+  """Head sums (possibly accumulated) as metrics: ``{head}/loss`` (nats per
+  token), ``{head}/accuracy`` (top-1), ``main/bits_per_byte`` (byte
+  tokenizer), ``mtp_k/teacher_kl`` (nats, tau = 1), ``mtp_k/teacher_agreement``
+  (argmax equal) and, outside the compact form, ``mtp_k/teacher_overlap``
+  (mean sum_v min(p, q): a T = 1 draft's acceptance). With V' the teacher
+  ones are against the restricted teacher (also as ``*_restricted``), plus
+  ``teacher_mass_outside`` (alpha <= 1 - it), ``teacher_agreement_full``
+  and ``targets_in_draft_vocab``."""
   out = {}
   for head, s in sums.items():
     count = max(float(s["count"]), 1.0)
