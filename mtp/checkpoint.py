@@ -1,38 +1,15 @@
-"""Orbax checkpoints of a workdir: parameters, optimizer state, step, the
-data iterator's state and the config that produced them.
+"""Orbax checkpoints of a training workdir: parameters, optimizer state,
+step, the data iterator's state and the config (``mtp.loading`` handles
+exported directories).
 
-Orbax only: this module reads and writes training workdirs and knows
-nothing of other model formats (``mtp.loading`` tells a workdir from an
-exported directory and loads either).
-
-Layout: ``WORKDIR/checkpoints/<step>/{state,data,config,checksums}``,
-written atomically by ``orbax.checkpoint.CheckpointManager`` (a checkpoint
-killed mid-write is never listed), keeping the last ``keep``.
-
-``checksums`` (a JSON item, ``<step>/checksums/metadata``) records, for
-every saved array (``params.<path>``, ``opt_state.<path>``), its dtype, shape
-and the CRC-32 of its bytes (C order). ``restore`` verifies every array it
-reads against it, so a file altered after the save (a flipped or
-overwritten byte that still decodes) is refused with one error naming the
-step and the array, for decoding, resuming and ``train.init_from`` alike. A
-checkpoint written before checksums were recorded loads with a one-line
-notice on stderr. Arrays not fully addressable by this process (multi-host
-shards) are neither recorded nor verified. Each checkpoint
-carries its own config, so decoding needs nothing but the workdir, and a
-resumed run is checked against it before anything is written.
-
-A save that fails for an OS reason (a full disk, no permission, a read-only
-file system) raises ``CheckpointWriteError``, one line naming the step, its
-path, the errno and the last complete step, after orbax's write threads
-have ended and its partial ``<step>.orbax-checkpoint-tmp`` folder is
-removed: the resume point stays the last complete step.
-
-Reading a workdir that a training run is writing (its ``train.lock``, see
-``training_run``): the loaders read the newest complete step
-(``Checkpointer.read_step``), passing over steps that rotation is removing
-or that are not whole yet, and a step removed while it is read is replaced
-by the newest complete one. Deleting a step directory is advised only when
-no training run is live.
+Layout ``WORKDIR/checkpoints/<step>/{state,data,config,checksums}``, written
+atomically by orbax, the last ``keep`` kept. ``checksums`` holds each saved
+array's dtype, shape and CRC-32; ``restore`` verifies every array it reads
+(a mismatch names step and array; a checkpoint without checksums loads with
+a notice; non-addressable shards are not checked). A save failing for an OS
+reason raises ``CheckpointWriteError`` after removing its partial folder.
+Readers of a workdir being trained read the newest complete step
+(``Checkpointer.read_step``).
 """
 
 from __future__ import annotations

@@ -1,42 +1,16 @@
 """The grain pipeline: packed training and evaluation batches, one epoch as
-packed rows (``epoch_rows``), and an iterator state that survives a JSON round
-trip (checkpoints).
+packed rows (``epoch_rows``), and an iterator state that survives JSON.
 
-Pipeline (grain): text documents are tokenized by the pipeline's tokenizer
-(argument ``tokenizer``; default ``mtp.tokenizer.ByteTokenizer``:
-``[BOS] + UTF-8 bytes + [EOS]``; a BPE tokenizer adds its BOS / EOS where it
-has them) and packed by concat-then-split
-(``grain.experimental.ConcatThenSplitIterDataset``) into rows of ``seq_len``
-tokens. Long documents continue into the next row(s) instead of being
-truncated. Per row, ``segment_ids`` number the document pieces 1, 2, ... (0 =
-padding) and ``positions`` count from 0 within each piece, restarting at 0 in
-every row, also for a piece that continues a document from the previous row
-(which then does not start with BOS). Padding (the tokenizer's pad id, 0 if
-it has none: ``PAD_ID`` for the byte tokenizer; segment 0, position 0) only
-occurs at the end of a finite stream (eval); training rows are always full
-(with ``data.packing = "concat"``, the default).
-Batches of a text dataset are ``dict(tokens, segment_ids, positions)`` of
-numpy int32 ``[B, seq_len]``.
-
-``data.packing = "first_fit"`` (token datasets only, e.g. chat examples whose
-answer must be trained with its prompt): whole examples are packed first-fit
-(``grain.experimental.FirstFitPackIterDataset``, ``FIRST_FIT_BINS`` open
-rows; training shuffles the finished rows, seeded) into rows that end in
-padding (segment 0, loss_mask 0); no example is split, and an example longer
-than a row keeps its last ``seq_len`` tokens. With concat-then-split, 36 % of
-the answer tokens of SmolLM2's self-distilled chat data (rows of 512) sat in
-a piece cut off from its prompt (docs/results.md 13.6).
-
-Token datasets (a ``tokens`` feature, e.g. ``scripts.self_distill
---chat_prompts``; ``mtp.data.write_token_dataset``): each example's ``tokens``
-(int32 [n]) are used as is (no tokenizer, no BOS/EOS added; every id must be
-below the tokenizer's vocab_size) and its ``loss_mask`` (int32 [n], all ones
-when the dataset has none) is packed alongside, so batches carry a fourth
-array ``loss_mask`` int32 ``[B, seq_len]`` (0 on padding). Contract with the
-trainer: ``loss_mask[b, j] = 1`` iff token j may be a training target; a head
-predicting offset o at position i counts iff the usual validity holds (same
-segment, in the row) and ``loss_mask[b, i + o] == 1``. A batch without the
-key means all ones.
+Text documents are tokenized (byte tokenizer: ``[BOS] + UTF-8 + [EOS]``)
+and packed concat-then-split into rows of ``seq_len``: long documents
+continue into the next row; ``segment_ids`` number the pieces 1, 2, ... (0 =
+padding), ``positions`` restart at 0 per piece and row. Padding (pad id,
+segment 0) occurs only at the end of a finite stream. ``data.packing =
+"first_fit"`` (token datasets) packs whole examples first-fit, padding the
+rows; an example longer than a row keeps its last ``seq_len`` tokens.
+Batches: ``tokens``, ``segment_ids``, ``positions`` int32 [B, seq_len], and
+for token datasets ``loss_mask`` (token j may be a target iff
+``loss_mask[b, j] == 1``; absent means all ones).
 """
 
 from __future__ import annotations
