@@ -1,24 +1,12 @@
 """A reduced draft vocabulary V' for the MTP heads: which ids, and setting them.
 
-FastMTP (Cai et al. 2025) drafts from a language-compressed vocabulary: the
-draft head scores only the few thousand ids that carry almost all of the
-training data's mass, which on a 49k-id target (SmolLM2-135M) removes most
-of a module's cost (its tied head is 2.6 ms of a 30 ms step). Decoding stays
-exact (Leviathan et al. 2023): the draft distribution q is 0 outside V', the
-acceptance test min(1, p(d) / q(d)) only ever sees drafts d in V', and the
-residual norm(max(p - q, 0)) carries all of p's mass outside V'; only the
-acceptance rate drops, by at most the target's mass outside V' (per
-position alpha = sum_v min(p, q) <= p(V')).
-
-Pure functions on numpy arrays (no model inside) plus the hooks that put V'
-on a model (``set_draft_vocab``) or into a parameter State
-(``with_draft_vocab``, e.g. a ``train.loop.TrainState.params``), or give
-a model's weights another |V'| (``with_draft_vocab_size``). The ids
-live in the model as ``mtp.model.DraftVocab`` [V'] int32 (its size is
-``mtp.draft_vocab_size``), so checkpoints, restore, resume and the decoder
-carry them with the parameters.
-
-Typical use (the stage that trains modules for a pretrained target):
+As FastMTP (Cai et al. 2025), the draft heads score only the ids that carry
+most of the training data's mass. Decoding stays exact: q = 0 outside V',
+min(1, p(d) / q(d)) only sees d in V', the residual carries p's mass outside
+V'; per position alpha = sum_v min(p, q) <= p(V'). Pure numpy functions plus
+hooks that put V' on a model (``set_draft_vocab``), into a parameter State
+(``with_draft_vocab``) or resize it (``with_draft_vocab_size``); the ids live
+in the model as ``mtp.model.DraftVocab`` [V'] int32, saved with it.
 
     counts = token_counts(rows, loss_mask)             # [V] int64 over the training rows
     ids = select(counts, cfg.mtp.draft_vocab_size, always=tokenizer.stop_ids)

@@ -1,19 +1,11 @@
 """The one loader: a trained model from whatever directory holds it.
 
-Two kinds of model directories exist (``kind``):
-
-- ``"workdir"``: a training run directory (``python -m train``; a GGUF or
-  other import writes one too), read with orbax through ``mtp.checkpoint``;
-  it holds several steps, the latest by default;
-- ``"exported"``: a Hugging Face directory written by ``python -m
-  mtp.export`` (``config.json`` + ``model.safetensors`` and no
-  ``checkpoints/``), read by ``mtp.export.load_exported``; one set of
-  weights, so no step can be chosen.
-
-Every reader (``python -m decode``, ``train.init_from``, ``python -m
-mtp.export``, the scripts, ``scripts.self_distill`` among them) goes through here, so a
-new kind of directory is taught once. Imports ``mtp.checkpoint`` and
-``mtp.export``; neither imports this module (no import circle).
+``kind``: ``"workdir"`` (a training or import run directory, orbax through
+``mtp.checkpoint``, several steps, the latest by default) or ``"exported"``
+(a ``python -m mtp.export`` Hugging Face directory, ``config.json`` +
+``model.safetensors``, one set of weights). Every reader (decode,
+``train.init_from``, export, the scripts) goes through here. Imports
+``mtp.checkpoint`` and ``mtp.export``; neither imports this module.
 """
 
 from __future__ import annotations

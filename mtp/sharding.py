@@ -1,28 +1,14 @@
-"""Device mesh, logical axis rules and shardings (FSDP + tensor parallelism).
+"""Device mesh, logical axis rules and shardings (FSDP + tensor parallelism;
+docs/scaling.md).
 
-The mesh has three named axes, ``("data", "fsdp", "tensor")``, sized from
-``MeshConfig`` (-1 = all remaining devices):
-
-- ``data``: pure data parallelism; parameters are replicated over it.
-- ``fsdp``: data parallelism with parameters (and Adam moments) sharded
-  over it along their model-width dimension ``embed`` (ZeRO-3 / FSDP,
-  Rajbhandari et al. 2020); XLA all-gathers a weight where it is used.
-- ``tensor``: Megatron-style tensor parallelism (Shoeybi et al. 2019):
-  attention heads, the MLP width and the vocabulary are split over it.
-
-Batches [B, ...] are split over ``data`` x ``fsdp``.
-
-Two short tables say how a parameter is laid out. ``PARAM_RULES`` gives each
-parameter (by its nnx path, e.g. ``blocks/0/attn/q_proj/kernel``) one
-logical name per dimension; ``LOGICAL_TO_MESH`` maps a logical name to a
-mesh axis (or None = replicated). The MTP modules share the backbone's rules
-(their paths end the same way). Optimizer state follows the parameters: a
-leaf whose path ends like a parameter's (Adam ``mu``/``nu``) gets that
-parameter's sharding, everything else (step counts) is replicated.
-
-A mesh axis that does not divide the dimension it shards is an error, never a
-silent fallback to replication: ``check_mesh`` names the config fields before
-anything is compiled, and ``param_shardings`` names the parameter otherwise.
+Mesh axes ``("data", "fsdp", "tensor")`` sized from ``MeshConfig`` (-1 =
+the rest): ``data`` replicates parameters, ``fsdp`` shards parameters and
+Adam moments along ``embed`` (ZeRO-3), ``tensor`` splits heads, MLP width
+and vocabulary (Megatron). Batches [B, ...] split over data x fsdp.
+``PARAM_RULES`` names each parameter's dimensions, ``LOGICAL_TO_MESH`` maps
+names to axes; optimizer leaves follow their parameter, others replicate.
+An axis that does not divide its dimension is an error (``check_mesh``,
+``param_shardings``), never a silent replication.
 """
 
 from __future__ import annotations

@@ -1,30 +1,15 @@
 """A training workdir's bookkeeping around the loop (``train.loop.train``):
 what may be resumed or started from, and the files a resumed run repairs.
+Every check runs before anything is written.
 
-Files of ``WORKDIR`` (besides ``checkpoints/``, ``mtp.checkpoint``):
-
-- ``config.json``: the config of the latest run (written atomically); a
-  resumed run with another config than its checkpoint was saved with keeps
-  that one as ``config.until_step<N>.json``. The checkpoint's own config
-  (``mtp.checkpoint``) is the reference, not config.json, which may have
-  been edited by hand: a resumed run says so when the two differ. A
-  config.json that is not valid JSON stops a resumed run before anything
-  is written;
-- ``metrics.jsonl``: one row per (step, split), each appended whole or not
-  at all (``append_line``); a resumed run first drops the rows after its
-  checkpoint (left by a run killed after it) and any line that is no
-  complete row (a write cut short, e.g. by a full disk), with a notice;
+- ``config.json``: the latest run's config (a resumed run with another one
+  keeps the old as ``config.until_step<N>.json``); the checkpoint's own
+  config is the reference;
+- ``metrics.jsonl``: one whole row per (step, split); a resumed run drops
+  rows after its checkpoint and incomplete lines, with a notice;
 - ``final_metrics.json``: written atomically after the final evaluation;
-  a run whose file is complete for its latest step has nothing left to do;
-- ``train.lock``: a workdir has one writer (``WorkdirLock``). ``python -m
-  train`` holds an exclusive ``fcntl.flock`` on it while it runs, with the
-  holder's host, process id and start time written inside; a second run
-  stops at once naming the holder. The OS releases the flock when its
-  process dies, so a killed run leaves only the metadata: the next run
-  finds it stale and takes over with a one-line notice. Decoding and export
-  only read a workdir and never take the lock.
-
-Every check here runs before anything is written.
+- ``train.lock``: the one writer's flock (``WorkdirLock``); decoding and
+  export never take it.
 """
 
 from __future__ import annotations

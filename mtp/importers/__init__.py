@@ -1,38 +1,16 @@
-"""Import a pretrained Llama-family model into a workdir.
+"""Import a pretrained Llama-family model into a workdir (docs/import.md).
 
-``python -m mtp.importers --gguf FILE --workdir DIR`` (``mtp.importers.gguf``)
-or ``--hf DIR`` (``mtp.importers.hf``: ``LlamaForCausalLM`` /
-``MistralForCausalLM`` safetensors) writes a workdir that
-``mtp.loading.load_model`` (and ``python -m decode --workdir DIR``,
-``train.init_from``) reads like a trained one:
-
-- ``checkpoints/0/``: an orbax checkpoint at step 0 (parameters; an empty
-  optimizer state; the config) written by ``mtp.checkpoint.Checkpointer``;
-- ``tokenizer/``: the BPE tokenizer (``mtp.tokenizer.save_tokenizer``);
-- ``import.json``: where the weights came from (file, format, tensor types).
-
-The model config says ``model.tokenizer = "bpe"``, ``model.num_tokens`` = the
-tokenizer's vocabulary and ``model.never_emitted`` (by default the PAD id when
-it is neither EOS nor a stop id, else nothing), so the head gives ids past the
-vocabulary and those specials probability exactly 0. With ``--mtp_depth D``
-the D MTP modules are new, for a second training stage; the backbone is the
-imported one. ``--mtp_init`` chooses how the modules start
-(``attach_init``): ``random`` (from ``--seed``) or ``last_block`` (a copy
-of the last backbone block with the projection passing the hidden state
-through); ``import.json`` records the choice. ``--mtp_modules FILE``
-attaches trained modules from an MTP modules file instead
-(``mtp.importers.attach``, format ``mtp.export.modules``): the file's mtp
-section, weights and draft vocabulary, checked against the target's
-architecture and backbone fingerprint, and its evaluation row written to
-``metrics.jsonl``.
-
-Everything is written into a temporary sibling folder renamed to the
-workdir at the end: a failure (a corrupt file, an unsupported feature) leaves
-nothing behind. Errors are ``ModelImportError``: one line naming the file and
-the field or tensor.
-
-The tensor names are Hugging Face Llama names; the table from them to our
-parameters is ``mtp.export.hf_name_map`` (shared with the exporter).
+``python -m mtp.importers --gguf FILE`` (``mtp.importers.gguf``) or ``--hf
+DIR`` (``mtp.importers.hf``) ``--workdir DIR`` writes what
+``mtp.loading.load_model`` reads like a trained workdir: ``checkpoints/0/``
+(parameters, empty optimizer state, config), ``tokenizer/`` (BPE) and
+``import.json`` (source file, format, tensor types). The config has
+``model.tokenizer = "bpe"``, ``model.num_tokens`` and ``model.never_emitted``.
+``--mtp_depth D`` adds new modules (``--mtp_init``: ``attach_init``);
+``--mtp_modules FILE`` attaches trained ones (``mtp.importers.attach``).
+Written into a temporary sibling renamed at the end: a failure leaves
+nothing. Errors are ``ModelImportError`` naming the file and field or tensor.
+Tensor names are Hugging Face Llama names (``mtp.export.hf_name_map``).
 """
 
 from __future__ import annotations

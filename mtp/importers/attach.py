@@ -1,20 +1,13 @@
 """Trained MTP modules from a modules file (``mtp.export.modules``) attached
 to an imported target (``python -m mtp.importers ... --mtp_modules FILE``).
 
-The importer reads the file before the slow part (``read``), builds the
-target's config with the file's ``mtp`` section (``attached_config``: depth,
-draft_vocab_size, recursive_steps, ...; refused when the architecture
-differs), checks the tensors against that model (``module_params``: names,
-shapes; float params cast to the target's ``param_dtype``, the draft
-vocabulary checked), builds the target with them
-(``mtp.importers.params_from_hf_tensors(mtp_params=...)``), and checks that
-its backbone is the one the modules were trained against (``check_target``:
-``mtp.export.modules.backbone_fingerprint``; ``allow_other_target`` turns
-the refusal into a note in ``import.json``). ``carried_rows`` is the
-source's evaluation row for the new workdir's ``metrics.jsonl``, at step 0
-(its checkpoint), so ``decode.calibrate.stage_prior`` finds it.
-
-Errors are ``ModelImportError`` naming the modules file and the field.
+``read`` (before the slow part), ``attached_config`` (the target's config
+with the file's ``mtp`` section; another architecture is refused),
+``module_params`` (names, shapes, dtype cast, draft vocabulary checked),
+``check_target`` (the backbone fingerprint; ``allow_other_target`` makes it
+a note in ``import.json``) and ``carried_rows`` (the source's evaluation row
+at step 0, for ``decode.calibrate.stage_prior``). Errors are
+``ModelImportError`` naming the modules file and the field.
 """
 
 from __future__ import annotations
