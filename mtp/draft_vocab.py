@@ -58,25 +58,12 @@ def token_counts(tokens, loss_mask=None, *, vocab_size: int) -> np.ndarray:
 
 
 def select(counts, size: int, always: Iterable[int] = (), allowed=None) -> np.ndarray:
-  """V': the ``size`` most frequent ids, always including ``always``.
-
-  Args:
-    counts: [V] non-negative counts (``token_counts``); ties are broken by
-      the lower id.
-    size: |V'|, 1 <= size <= the number of candidate ids.
-    always: ids that must be in V' whatever their count: the tokenizer's
-      stop ids (EOS, end-of-turn), so a draft can propose the end of an
-      answer.
-    allowed: optional [V] bool, the ids that may be chosen by frequency
-      (e.g. ``tokenizer.head_mask``: ids the head never emits are useless
-      in V'); ``always`` ids are taken even when not allowed.
-  Returns:
-    ids [size] int32, sorted ascending, unique.
-  Raises:
-    ValueError: size < 1, size larger than the number of candidates (the
-      allowed ids plus ``always``), more ``always`` ids than ``size``, or an
-      ``always`` id outside [0, V).
-  """
+  """V': the ``size`` most frequent ids of ``counts`` [V] (ties to the lower
+  id), always including ``always`` (stop ids, so a draft can end an answer),
+  choosing by frequency only ids ``allowed`` [V] bool permits (None: all).
+  Returns ids [size] int32, sorted, unique. Raises ValueError: size < 1 or
+  more than the candidates, more ``always`` ids than size, or an ``always``
+  id outside [0, V)."""
   counts = np.asarray(counts)
   v = counts.shape[0]
   must = np.unique(np.asarray(list(always), np.int64))

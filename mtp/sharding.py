@@ -237,23 +237,13 @@ def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
 def initialize_distributed(coordinator_address: str | None = None,
                            num_processes: int | None = None,
                            process_id: int | None = None, *, force: bool = False) -> bool:
-  """Starts ``jax.distributed`` for a multi-process (multi-host) run.
-
-  Call before anything else touches JAX. With any argument given, those
-  values are used (JAX auto-detects the rest). Without arguments it
-  initialises when ``force`` is set or the environment names a multi-process
-  job: ``JAX_COORDINATOR_ADDRESS`` (plus ``JAX_NUM_PROCESSES`` /
-  ``JAX_PROCESS_ID`` read here), a Slurm job with more than one task, or an
-  Open MPI job with more than one rank; JAX's own cluster detection
-  (``jax.distributed.initialize()`` without arguments: Cloud TPU, Slurm,
-  Open MPI, Kubernetes) then fills in the values. Otherwise it does nothing
-  (one process).
-
-  Returns True when ``jax.distributed`` was initialised. On CPU the
-  cross-process collectives use gloo (``jax_cpu_collectives_implementation``:
-  the default in jax 0.10, set here when unset). Raises ConfigError for an impossible
-  ``process_id`` / ``num_processes``.
-  """
+  """Starts ``jax.distributed`` for a multi-process run; call before anything
+  else touches JAX. Given arguments are used (JAX detects the rest); without
+  any it initialises only when ``force`` or the environment names a
+  multi-process job (``JAX_COORDINATOR_ADDRESS`` with ``JAX_NUM_PROCESSES`` /
+  ``JAX_PROCESS_ID``, Slurm or Open MPI with several tasks). Returns whether
+  it initialised. CPU collectives use gloo. Raises ConfigError for an
+  impossible process_id / num_processes."""
   env = os.environ
   if num_processes is None and env.get("JAX_NUM_PROCESSES"):
     num_processes = int(env["JAX_NUM_PROCESSES"])

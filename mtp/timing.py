@@ -26,30 +26,15 @@ STATS = ("n", "mean", "std", "min", "p10", "median", "p90", "max")
 
 def interleaved_times(fns: Mapping[str, Callable[[], object]], repeats: int, *,
                       warmup: int = 1) -> dict[str, np.ndarray]:
-  """Seconds per call of every function, timed in interleaved rounds.
+  """Seconds per call of every function in ``fns`` ({name: zero-argument
+  callable, which must block until its work is done}), timed in interleaved
+  rounds: ``warmup`` untimed calls each, then ``repeats`` rounds; round r
+  calls each once with ``time.perf_counter``, the order rotated to start at
+  function r mod len(fns) (A B, B A, ...: a drift hits none always first).
 
-  First every function is called ``warmup`` times (in the mapping's order;
-  compilation and first-call costs land there, untimed). Then ``repeats``
-  rounds: in round r every function is called once, timed with
-  ``time.perf_counter``, in the mapping's order rotated to start at
-  function ``r mod len(fns)`` (with two functions: A B, B A, A B, ...; a
-  slow drift then hits no function always first or always last). Each
-  function must block until its work is done: wrap JAX calls with
-  ``jax.block_until_ready``.
-
-  Args:
-    fns: {name: zero-argument callable}; its return value is ignored. A
-      function that must know which round it is in can count its own calls
-      (the warm-up calls come first, then one call per round).
-    repeats: timed rounds, >= 1.
-    warmup: untimed calls of each function before the rounds, >= 0.
-  Returns:
-    {name: float64 array [repeats]} of seconds; index r is round r, so
-    per-round ratios (``times["ar"] / times["mtp"]``) pair calls made close
-    together in time.
-  Raises:
-    ValueError: ``repeats`` < 1, ``warmup`` < 0, or no functions.
-  """
+  Returns {name: float64 [repeats]}; index r is round r, so per-round ratios
+  pair calls made close in time. Raises ValueError: repeats < 1, warmup < 0,
+  or no functions."""
   names = list(fns)
   if not names:
     raise ValueError("interleaved_times: no functions to time")
@@ -72,22 +57,11 @@ def interleaved_times(fns: Mapping[str, Callable[[], object]], repeats: int, *,
 
 def spread(values: Sequence[float] | np.ndarray, stats: Sequence[str] = STATS,
            prefix: str = "") -> dict:
-  """Summary statistics of a list of numbers (seconds, rates, per-seed metrics).
-
-  Args:
-    values: the numbers (any length, NaN not allowed to mean "missing":
-      leave missing values out).
-    stats: which statistics, from ``STATS``: n (count, int), mean, std
-      (population), min, p10, median, p90, max (floats; percentiles with
-      numpy's linear interpolation).
-    prefix: prepended to every key (``spread(t, ("median", "min", "max"),
-      "wall_s_")`` gives wall_s_median, wall_s_min, wall_s_max).
-  Returns:
-    {prefix + stat: value} in the order of ``stats``; every float stat is
-    None (n is 0) when ``values`` is empty.
-  Raises:
-    ValueError: a name not in ``STATS``.
-  """
+  """Summary statistics of ``values`` (no NaN for "missing": leave it out):
+  ``stats`` from ``STATS`` (n, mean, std (population), min, p10, median,
+  p90, max; numpy's linear percentiles), each key prefixed by ``prefix``.
+  Returns {prefix + stat: value} in ``stats`` order; floats are None when
+  ``values`` is empty. Raises ValueError: a name not in ``STATS``."""
   bad = [s for s in stats if s not in STATS]
   if bad:
     raise ValueError(f"spread: unknown statistic {bad[0]!r}; known: {', '.join(STATS)}")

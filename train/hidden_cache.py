@@ -343,26 +343,16 @@ def prepare(folder: str, source: Mapping[str, Any], rows_fn: Callable[[], Mappin
 
 
 class CacheIterator:
-  """Training batches drawn from a ``Cache``: epoch e visits the rows in the
-  order ``np.random.default_rng([seed, e]).permutation(N)``, ``N //
-  batch_size`` batches per epoch (the last N % batch_size rows of each
-  permutation are skipped; another order next epoch), forever.
-
-  ``next(it)``: this process's rows of the global batch (rows
-  [process_index * b, (process_index + 1) * b) of it, b = batch_size //
-  process_count) as ``dict(tokens, segment_ids, positions, loss_mask)``
-  int32 [b, T] and ``h0`` [b, T, D] (activation dtype).
-
-  State (``get_state`` / ``set_state``, bytes of a JSON object {"epoch",
-  "position", "fingerprint"}) goes into the checkpoint through grain's
-  checkpoint handler like the grain iterator's. ``set_state`` may come
-  before ``attach`` (a resumed run restores the checkpoint before it has
-  the backbone to check the cache against); ``attach`` then refuses a cache
-  whose fingerprint differs from the state's.
-
-  Raises HiddenCacheError: fewer rows than batch_size, a fingerprint
-  mismatch, ``next`` before ``attach``.
-  """
+  """Training batches from a ``Cache``, forever: epoch e visits the rows in
+  ``np.random.default_rng([seed, e]).permutation(N)`` order, N // batch_size
+  batches per epoch (the remainder skipped). ``next(it)``: this process's
+  rows of the global batch as ``dict(tokens, segment_ids, positions,
+  loss_mask)`` int32 [b, T] and ``h0`` [b, T, D], b = batch_size //
+  process_count. ``get_state``/``set_state`` (JSON bytes {"epoch",
+  "position", "fingerprint"}) go into the checkpoint; ``set_state`` may come
+  before ``attach``, which then refuses another fingerprint. Raises
+  HiddenCacheError: fewer rows than batch_size, a fingerprint mismatch,
+  ``next`` before ``attach``."""
 
   def __init__(self, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1):
     self.batch_size, self.seed = int(batch_size), int(seed)

@@ -526,23 +526,15 @@ _HELD: dict[str, list] = {}   # lock file (real path) -> [its open file, holders
 
 
 class WorkdirLock:
-  """The one-writer lock of a training workdir: ``WORKDIR/train.lock``.
-
-  ``acquire()`` takes an exclusive, non-blocking ``fcntl.flock`` on the file
-  and writes ``{"host", "pid", "started"}`` (UTC, ISO 8601) into it;
-  ``release()`` empties the file and drops the flock (the file stays: it is
-  never deleted, so two runs cannot end up locking two different files).
-
-  Raises WorkdirBusyError from ``acquire`` when another process holds the
-  flock, or when the file names a live process on this host other than this
-  one (a file system that does not honour flock). A file naming a process
-  that is gone (killed, crashed: the OS dropped its flock) is stale: the
-  lock is taken over and ``log`` gets one notice line. Usable as a context
-  manager. Within one process the lock is shared: a second ``WorkdirLock``
-  of the same workdir (``train.loop.train`` inside a command that already
-  holds it, e.g. scripts/smollm_mtp_device.py) acquires at once, and the
-  flock is dropped when the last holder releases.
-  """
+  """The one-writer lock of a training workdir, ``WORKDIR/train.lock``:
+  ``acquire()`` takes an exclusive non-blocking ``fcntl.flock`` and writes
+  {"host", "pid", "started"} (UTC ISO 8601); ``release()`` empties the file
+  (never deleted) and drops the flock. A file naming a dead process is stale
+  and taken over with one ``log`` line. Shared within a process: a second
+  lock of the same workdir acquires at once; the last release drops the
+  flock. A context manager. Raises WorkdirBusyError from ``acquire`` when
+  another process holds the flock or the file names another live process on
+  this host."""
 
   def __init__(self, workdir: str):
     self.workdir = workdir

@@ -274,26 +274,13 @@ def _one_prompt(corpus: _Corpus, category: str, rng, max_chars: int) -> tuple[st
 def chat_prompts(n: int, *, seed: int = 0, split: str = "train", data_dir: str = "",
                  categories: Sequence[str] = CATEGORIES,
                  max_context_chars: int = MAX_CONTEXT_CHARS) -> list[dict]:
-  """``n`` training chat prompts built from split ``split`` of the embedded
-  corpora (module docstring), categories in turn (prompt i has category
-  ``categories[i % len(categories)]``).
-
-  Args:
-    n: number of prompts (>= 0).
-    seed: int >= 0; prompt i depends only on (seed, split, i, categories).
-    split: corpus split ("train"; "validation" for a validation slice whose
-      documents are never trained on).
-    data_dir: TFDS data dir ("" = default; the corpora build there on first use).
-    categories: a non-empty subset of ``CATEGORIES`` (order matters).
-    max_context_chars: longest context cut from a document (>= 200).
-
-  Returns:
-    list of ``{"category", "messages": [{"role": "user", "content"}], "source"}``.
-
-  Raises:
-    DataError: a bad argument (naming it and its range), an unknown category,
-      or corpora that cannot be read.
-  """
+  """``n`` >= 0 training chat prompts from split ``split`` of the embedded
+  corpora (module docstring); prompt i has category ``categories[i %
+  len(categories)]`` and depends only on (seed, split, i, categories).
+  data_dir: TFDS data dir ("" = default); max_context_chars >= 200.
+  Returns ``[{"category", "messages": [{"role": "user", "content"}],
+  "source"}]``. Raises DataError: a bad argument (named with its range), an
+  unknown category, or unreadable corpora."""
   if not (isinstance(n, int) and n >= 0):
     raise DataError(f"n={n!r} must be an integer >= 0")
   if not (isinstance(seed, int) and seed >= 0):

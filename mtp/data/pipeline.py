@@ -212,34 +212,17 @@ def make_train_dataset(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: 
                        tokenizer=None) -> grain.IterDataset:
   """Infinite, shuffled, packed training batches for this process.
 
-  Documents of ``cfg.train_split`` are sharded by process (document
-  ``i`` goes to process ``i % process_count``, so processes read disjoint
-  data), globally shuffled with ``seed`` (a new order every epoch: grain folds
-  the epoch into the shuffle seed), tokenized, packed (module docstring) and
-  batched. With ``cfg.num_workers > 0`` the work runs in that many grain worker
-  processes (``mp_prefetch``), which changes the row order but stays
-  deterministic for a given ``num_workers``.
+  Documents of ``cfg.train_split`` go to process ``i % process_count``, are
+  shuffled with ``seed`` (mod 2**32; a new order every epoch), tokenized by
+  ``tokenizer`` (None: bytes; token datasets as is), packed (module
+  docstring) and batched; ``cfg.num_workers > 0`` uses grain worker processes
+  (another, still deterministic, row order). seq_len: T; batch_size: global
+  rows. Yields ``dict(tokens, segment_ids, positions[, loss_mask])`` numpy
+  int32 [B, T], B = batch_size // process_count; the iterator's
+  ``get_state()`` is JSON and ``set_state`` resumes the exact stream.
 
-  Args:
-    cfg: data config.
-    seq_len: tokens per row (T).
-    batch_size: global batch size (rows over all processes).
-    seed: shuffle seed (int >= 0; taken mod 2**32).
-    process_index, process_count: this JAX process and the number of them.
-    tokenizer: encodes text documents and gives the pad id (None = the byte
-      tokenizer); token datasets are read as is.
-
-  Returns:
-    ``grain.IterDataset``; ``iter(ds)`` yields ``dict(tokens, segment_ids,
-    positions)`` (plus ``loss_mask`` for a token dataset), numpy int32
-    ``[B, T]`` with ``B = batch_size // process_count``. The iterator is checkpointable: ``it.get_state()`` is a
-    JSON-serializable dict and ``it.set_state(state)`` resumes the exact
-    stream.
-
-  Raises:
-    DataError: as ``load_source``; batch_size not divisible by process_count;
-      fewer documents than processes; bad sizes.
-  """
+  Raises DataError: as ``load_source``; batch_size not divisible by
+  process_count; fewer documents than processes; bad sizes."""
   per_process = _check_sharding(batch_size, seq_len, process_index, process_count)
   src = load_source(cfg, cfg.train_split)
   if len(src) < process_count:
@@ -293,28 +276,13 @@ def make_eval_batches(cfg: DataConfig, *, seq_len: int, batch_size: int, num_bat
                       tokenizer=None) -> list[dict]:
   """The first ``num_batches`` packed batches of ``cfg.eval_split``, no shuffle.
 
-  Every process packs the same global stream (documents in stored order) and
-  takes rows ``[process_index * B, (process_index + 1) * B)`` of each global
-  batch. So all processes get the same number of batches (collectives stay in
-  step), their rows are disjoint, and the global eval set does not depend on
-  ``process_count``. If the split runs out, fewer batches come back and the
-  last one is padded with pad rows (segment 0, position 0, loss_mask 0).
-
-  Args:
-    cfg: data config.
-    seq_len: tokens per row (T).
-    batch_size: global batch size; num_batches: at most this many batches.
-    process_index, process_count: this JAX process and the number of them.
-    tokenizer: as ``make_train_dataset``.
-
-  Returns:
-    list of ``dict(tokens, segment_ids, positions)`` (plus ``loss_mask`` for
-    a token dataset), numpy int32 ``[B, T]``, ``B = batch_size //
-    process_count``.
-
-  Raises:
-    DataError: as ``load_source``; batch_size not divisible by process_count.
-  """
+  Every process packs the same global stream (stored order) and takes rows
+  [process_index * B, (process_index + 1) * B) of each global batch: equal
+  batch counts, disjoint rows, an eval set independent of process_count. A
+  short split gives fewer batches, the last padded (segment 0, position 0,
+  loss_mask 0). Returns a list of ``make_train_dataset``'s batches, int32
+  [B, T], B = batch_size // process_count. Raises DataError: as
+  ``load_source``; batch_size not divisible by process_count."""
   per_process = _check_sharding(batch_size, seq_len, process_index, process_count)
   if num_batches < 0:
     raise DataError(f"num_batches must be >= 0, got {num_batches}")
@@ -331,29 +299,15 @@ def make_eval_batches(cfg: DataConfig, *, seq_len: int, batch_size: int, num_bat
 
 def epoch_rows(cfg: DataConfig, *, seq_len: int, tokenizer=None, split: str | None = None
                ) -> dict[str, np.ndarray]:
-  """One full pass over ``split`` (default ``cfg.train_split``), packed into
-  rows exactly as the training pipeline packs them (module docstring), in
-  the source's stored order (no shuffle, no sharding, no repeat): every
-  document appears once, its pieces in consecutive rows; the last row is
-  padded (pad id, segment 0, position 0, loss_mask 0). With
-  ``cfg.packing = "first_fit"`` every example is whole in one row (its last
-  ``seq_len`` tokens if longer) and any row may end in padding.
+  """One pass over ``split`` (default ``cfg.train_split``) packed as training
+  packs it (module docstring), in stored order (no shuffle, sharding or
+  repeat); the last row (with first_fit, any row) is padded (pad id, segment
+  0, position 0, loss_mask 0). tokenizer as ``make_train_dataset``.
 
-  Args:
-    cfg: data config.
-    seq_len: tokens per row (T >= 1).
-    tokenizer: as ``make_train_dataset`` (None = the byte tokenizer).
-    split: the split to read (None = ``cfg.train_split``).
-
-  Returns:
-    ``dict(tokens, segment_ids, positions, loss_mask)``, numpy int32
-    ``[N, T]`` each (N = rows of one epoch; 0 for an empty split). For a
-    text dataset ``loss_mask`` is 1 on every real token (segment > 0); for a
-    token dataset it is the stored mask.
-
-  Raises:
-    DataError: as ``load_source``; seq_len < 1.
-  """
+  Returns ``dict(tokens, segment_ids, positions, loss_mask)`` int32 [N, T] (N
+  = 0 for an empty split); ``loss_mask`` is 1 on real tokens of a text
+  dataset, the stored mask of a token dataset. Raises DataError: as
+  ``load_source``; seq_len < 1."""
   if not (isinstance(seq_len, int) and seq_len >= 1):
     raise DataError(f"seq_len must be an integer >= 1, got {seq_len!r}")
   stacked, token_dataset = _epoch_stack(cfg, split or cfg.train_split, seq_len, tokenizer, None)

@@ -146,30 +146,15 @@ def params_from_hf_tensors(cfg, tensors: Mapping[str, np.ndarray], source: str, 
 
 def attach_init(leaves: dict, num_layers: int, depth: int, *, scale: float = 1.0) -> dict:
   """"last_block" initialisation of new MTP modules on an imported backbone:
-  each module k = 1..D starts as one more copy of the backbone's last block.
+  module k = 1..D starts as a copy of the last backbone block (``blocks/<L-1>``),
+  its projection M_k [2D -> D] is [s * I; 0] (h'^k = s * h^{k-1} / rms(h^{k-1});
+  the embedding enters once M_k learns to read it), hidden_norm and
+  embed_norm are ones, out_norm is the final norm (module k's head is the
+  main head). s = ``--mtp_init_scale`` (default 1; rms(h^0) is better). A
+  starting point for training, not a working drafter (docs/import.md).
 
-  - block (attention, MLP and their norms): the last backbone block's
-    weights (``blocks/<L-1>/...``);
-  - projection M_k [2D -> D] over [RMSNorm(h^{k-1}); RMSNorm(E(t_{i+k}))]
-    (DeepSeek-V3 eq. 21): [s * I; 0], so h'^k = s * h^{k-1} / rms(h^{k-1})
-    and the token embedding enters only once M_k learns to read it;
-  - hidden_norm and embed_norm: ones (as a random init has); out_norm: the
-    backbone's final norm weights, so module k's head is the main head
-    (head(final_norm(.))). At step 0 module 1 computes
-    head(final_norm(Block_L(s * h^0 / rms(h^0)))): the last block once more,
-    on h^0 rescaled to RMS s. With s = rms(h^0) that is Block_L(h^0).
-    Why ones and not the final norm's weights on the hidden branch: measured
-    on SmolLM2-135M-Instruct (256 tokens of json/decoder.py; rms(h^0) = 39):
-    KL(main || module 1) at step 0 is 25.0 nats with ones and s = 1, 9.5
-    with s = 39, against 44.4 (s = 1) and 10.7 (s = 18, the RMS ratio) with
-    the final norm's weights. Even the best is no closer to the teacher than
-    a uniform draft (~log V - H(p)): a copy of the last block is a starting
-    point for training, not a working drafter. ``--mtp_init_scale`` sets s
-    (default 1: data-free; rms(h^0) of the target is the better value).
-  leaves: {flat nnx path tuple: Param} of the whole model (changed copies
-  returned, other entries as given). Assumes the layout of
-  ``mtp.model.Transformer`` (``mtp/<k>/...``, ``blocks/<i>/...``).
-  """
+  leaves: {flat nnx path tuple: Param} of the whole model, in the layout of
+  ``mtp.model.Transformer``; returns changed copies, other entries as given."""
   out = dict(leaves)
   last = num_layers - 1
   for path, var in leaves.items():
