@@ -12,8 +12,7 @@ character as U+FFFD; ``StreamDecoder`` holds back incomplete UTF-8.
 Tokenizer interface (also ``mtp.bpe.BPETokenizer``): ``kind``, ``encode``,
 ``decode``, ``stream_decoder()``, ``bos_id``/``eos_id``/``pad_id``,
 ``stop_ids``, ``vocab_size``, ``emittable_mask(V)``, ``chat_template``,
-``apply_chat_template``. A workdir keeps it under ``tokenizer/``.
-"""
+``apply_chat_template``. A workdir keeps it under ``tokenizer/``."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ per interpreter (``interpreter_tag()``). Split: a document is in
 
 Files: ``corpora.py`` (builders), ``sources.py`` (data dir, splits),
 ``pipeline.py`` (grain), ``prompts.py``, ``chat.py`` (chat prompts),
-``distilled.py`` (self-distilled datasets).
-"""
+``distilled.py`` (self-distilled datasets)."""
 
 from mtp.data.corpora import (
     DATA_DIR_ENV, DEFAULT_DATA_DIR, EMBEDDED_DATASETS, SELF_DISTILLED_VERSION, TEXT_FILES,
