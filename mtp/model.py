@@ -701,7 +701,7 @@ class Transformer(nnx.Module):
 
     Step r attends to module D's teacher-forced entries at p <= i (same
     document) and the chain's steps 1..r, as module D's cache holds them in
-    a draft round (docs/design.md section 6). tokens, positions: [B, T]
+    a draft round (docs/design.md section 9). tokens, positions: [B, T]
     int32; segment_ids [B, T] or None; h_prev: [B, T, D] module D's input
     (h^{D-1}); h_last: h^D; compact: logits over V' (``mtp_head_compact``).
     Returns R logits [B, T, V] float32 (inputs past T read ``MTP_FILL_ID``;
