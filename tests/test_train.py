@@ -360,7 +360,7 @@ def test_signal_anywhere_then_rerun_ends_as_an_uninterrupted_run(uninterrupted, 
   res, _ = run(_cfg(data_dir, checkpoint=dict(keep=6)))             # 5: finishes
   assert (res.step, res.interrupted, res.signal) == (6, False, None)
   got, want = json.load(open(final)), json.load(open(os.path.join(full_dir, "final_metrics.json")))
-  assert got == res and got["step"] == want["step"] == 6
+  assert got == res.as_dict() and got["step"] == want["step"] == 6
   assert set(got["eval"]) == set(want["eval"])
   np.testing.assert_allclose([got["eval"][k] for k in sorted(want["eval"])],
                              [want["eval"][k] for k in sorted(want["eval"])], rtol=1e-6)
