@@ -379,7 +379,7 @@ def test_signal_anywhere_then_rerun_ends_as_an_uninterrupted_run(uninterrupted, 
                   jax.tree.leaves(nnx.state(model_b, nnx.Param))):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
   again, lines = run(_cfg(data_dir, checkpoint=dict(keep=6)))       # 6: nothing left to do
-  assert again == got and any("already finished" in l for l in lines)
+  assert again.as_dict() == got and any("already finished" in l for l in lines)
 
 
 def test_only_a_complete_final_result_counts_as_finished(tmp_path):
