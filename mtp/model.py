@@ -38,21 +38,13 @@ MTP_FILL_ID = 0
 
 @dataclasses.dataclass
 class ModelOutput:
-  """Result of ``Transformer.__call__``.
-
-  logits: [B, T, V] float32, main head; position i predicts token i+1.
-  mtp_logits: tuple of D arrays [B, T, V] float32; depth k at i predicts i+k+1.
-  hidden: tuple of D+1 arrays [B, T, D]: h^0 (backbone) then h^1..h^D.
-  draft_mask: [V] bool, ``Transformer.draft_mask()`` (head mask and V') when
-    the model has a reduced draft vocabulary V' (the MTP logits are -inf
-    outside it; ``train.losses.mtp_loss`` restricts its targets and the
-    teacher to it); None without one.
-  compact_ids: None, or [V'] int32 (sorted): every logits array (main head
-    and modules) is over V' only, [B, T, V'], entry j the logit of id
-    ``compact_ids[j]`` (``forward_from_hidden(..., compact=True)``: the
-    frozen stage's training step, where only the teacher restricted to V'
-    matters and the full-vocabulary logits would be most of the step).
-  """
+  """Result of ``Transformer.__call__``: ``logits`` [B, T, V] float32 (main
+  head; i predicts i+1); ``mtp_logits``: D (+R) arrays [B, T, V] float32
+  (depth k at i predicts i+k+1); ``hidden``: h^0..h^D [B, T, D];
+  ``draft_mask``: [V] bool (``Transformer.draft_mask()``) with a draft
+  vocabulary V', else None; ``compact_ids``: [V'] int32 sorted when every
+  logits array is over V' only ([B, T, V'], ``forward_from_hidden(...,
+  compact=True)``), else None."""
   logits: jax.Array
   mtp_logits: tuple[jax.Array, ...]
   hidden: tuple[jax.Array, ...]
@@ -65,23 +57,17 @@ def _dtype(name: str):
 
 
 def matmul_precision(cfg: ModelConfig) -> jax.lax.Precision | None:
-  """The ``jax.lax.Precision`` of every matmul of a model of ``cfg``
-  (``model.matmul_precision``): HIGHEST or HIGH, or None for "default"
-  (JAX's ``jax_default_matmul_precision`` decides, as an op given none).
-  Every matmul carries it explicitly (``nnx.Linear``, the attention einsums,
-  the heads; ``_dense_attention`` by context). The default "highest" keeps
-  float32 matmuls float32 on GPU/TPU, so greedy float32 output does not
-  depend on the cache size or attention implementation."""
+  """The ``jax.lax.Precision`` every matmul of the model carries
+  (``model.matmul_precision``): HIGHEST, HIGH, or None for JAX's default.
+  "highest" keeps float32 matmuls float32 on GPU/TPU, so greedy float32
+  output does not depend on the cache size or attention implementation."""
   name = cfg.matmul_precision
   return None if name == "default" else jax.lax.Precision[name.upper()]
 
 
 def _dense_attention(q, k, v, mask, precision, implementation=None):
-  """``jax.nn.dot_product_attention(q, k, v, mask=mask)`` with its einsums
-  at ``precision``: it has no precision argument, so it is traced inside
-  ``jax.default_matmul_precision`` (read when each einsum is traced; an
-  einsum with an explicit algorithm, as its bfloat16 score product, keeps
-  it). precision None: JAX's default, no context."""
+  """``jax.nn.dot_product_attention`` with its einsums at ``precision``
+  (traced inside ``jax.default_matmul_precision``; None: no context)."""
   if precision is None:
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
   with jax.default_matmul_precision(precision.name.lower()):
@@ -132,11 +118,9 @@ CUDNN_MAX_HEAD_DIM = 128    # cuDNN flash attention: H <= 128 and H % 8 == 0 (25
 
 
 def attention_backend() -> str:
-  """The platform ``resolve_attention_impl`` chooses for, read at trace
-  time: ``jax.default_backend()`` ("cpu", "tpu", ...), except that a GPU is
-  "cuda" when it is an NVIDIA GPU on which cuDNN's fused attention runs
-  (CUDA, compute capability >= 8.0: Ampere or later) and "gpu" otherwise
-  (ROCm, older NVIDIA GPUs)."""
+  """The platform name ``resolve_attention_impl`` takes, read when traced:
+  ``jax.default_backend()``, except a GPU is "cuda" when cuDNN's fused
+  attention runs on it (NVIDIA, compute capability >= 8.0), else "gpu"."""
   backend = jax.default_backend()
   if backend != "gpu":
     return backend
@@ -148,20 +132,13 @@ def attention_backend() -> str:
 
 
 def resolve_attention_impl(impl: str, backend: str, dtype, head_dim: int | None = None) -> str:
-  """The implementation ``cached_attention`` runs for ``model.attention_impl``
-  = ``impl`` on ``backend`` (``attention_backend()``'s names) with
-  activations of ``dtype`` (name or dtype) and head dim ``head_dim`` (None:
-  not checked). Pure, so the choice is testable without the hardware.
-
-  "blockwise", "dense" and "cudnn" are returned as they are. "auto":
-  "blockwise" on "cpu" (host and device are one, so its loop's traced trip
-  count moves nothing between them, and reading only the filled blocks
-  measured fastest);
-  otherwise no loop with a traced trip count: "cudnn" on "cuda" for a
-  bfloat16/float16 ``dtype`` with ``head_dim`` a multiple of 8 and at most
-  128 (where cuDNN has a kernel), "dense" everywhere else (TPU, other GPUs,
-  float32). Raises ValueError for another ``impl``.
-  """
+  """The implementation ``cached_attention`` runs for ``impl`` on ``backend``
+  (``attention_backend()``'s names), activation ``dtype`` and ``head_dim``
+  (None: unchecked); pure, so testable without the hardware. "auto":
+  "blockwise" on "cpu" (reading only the filled blocks measured fastest);
+  "cudnn" on "cuda" for bfloat16/float16 with head_dim % 8 == 0 and <= 128;
+  "dense" elsewhere. Others are returned as they are; an unknown ``impl``
+  raises ValueError."""
   if impl not in ATTENTION_IMPLS:
     raise ValueError(f"model.attention_impl={impl!r}: must be one of "
                      + ", ".join(repr(i) for i in ATTENTION_IMPLS))
@@ -176,20 +153,14 @@ def resolve_attention_impl(impl: str, backend: str, dtype, head_dim: int | None 
 
 
 def dense_attention(q, keys, values, positions, mask=None, *, precision=jax.lax.Precision.HIGHEST):
-  """Attention of q over every slot of a KV cache, masked: no loop.
-
-  q: [B, T, N, H]; keys, values: [B, S, K, H] (the cache after this call's
-  write; GQA: query head j reads KV head j // (N / K)); positions: [B, T]
-  int32; mask: [B, T, S] bool or None (default: query t sees slot s iff
-  s <= positions[b, t]). Returns [B, T, N, H] in q's dtype.
-
-      s_ts = (q_t . k_s) / sqrt(H)           (float32; -inf where not visible)
-      y_t  = sum_s exp(s_ts - m_t) v_s / sum_s exp(s_ts - m_t),  m_t = max_s s_ts
-
-  Einsums in the operands' dtype (a bfloat16 cache is never copied to
-  float32), accumulated in float32, at ``precision``; the normaliser is
-  applied in float32. A query that sees no slot gets zeros.
-  """
+  """Attention of q over every slot of a KV cache, masked: no loop. q: [B, T,
+  N, H]; keys, values: [B, S, K, H] (after this call's write; GQA: head j
+  reads KV head j // (N / K)); positions: [B, T] int32; mask: [B, T, S] bool
+  or None (query t sees slot s iff s <= positions[b, t]). Returns [B, T, N, H]
+  in q's dtype: s_ts = q_t . k_s / sqrt(H) (float32, -inf where not visible),
+  y_t = softmax_s(s_t) . v. Einsums in the operands' dtype (a bfloat16 cache
+  is never copied to float32), accumulated in float32, at ``precision``. A
+  query that sees no slot gets zeros."""
   b, t, n, h = q.shape
   s, kv = keys.shape[1], keys.shape[2]
   qg = q.reshape(b, t, kv, n // kv, h)
@@ -213,18 +184,12 @@ def dense_attention(q, keys, values, positions, mask=None, *, precision=jax.lax.
 
 def blockwise_attention(q, keys, values, positions, mask=None, *, block_size: int = 128,
                         precision=jax.lax.Precision.HIGHEST):
-  """Attention of q over a KV cache reading only the blocks that can be
-  visible, with an online softmax across blocks (Milakov & Gimelshein
-  2018; FlashAttention, Dao et al. 2022, Algorithm 1).
-
-  Arguments and result as ``dense_attention``. Blocks of C = min(block_size,
-  S) slots; the loop runs ceil(``_slot_limit`` / C) >= 1 blocks (a traced
-  trip count: one program for every length). Block i reads slots [i*C,
-  i*C + C); a last block past S is read from S - C with its counted slots
-  masked. Scores, running max, normaliser and accumulator in float32;
-  einsums at ``precision``. A query that sees no slot gets zeros. Forward
-  only (a ``while_loop``): decoding, not training.
-  """
+  """``dense_attention`` reading only the blocks that can be visible, with an
+  online softmax across blocks (Milakov & Gimelshein 2018; FlashAttention).
+  Blocks of C = min(block_size, S); ceil(``_slot_limit`` / C) >= 1 of them (a
+  traced trip count: one program for every length); a last block past S is
+  read from S - C with its counted slots masked. Float32 throughout; einsums
+  at ``precision``. Forward only (a ``while_loop``): decoding, not training."""
   b, t, n, h = q.shape
   s, kv = keys.shape[1], keys.shape[2]
   g = n // kv
@@ -272,20 +237,12 @@ def blockwise_attention(q, keys, values, positions, mask=None, *, block_size: in
 
 def cached_attention(q, keys, values, positions, mask=None, *, impl: str = "auto",
                      block_size: int = 128, precision=jax.lax.Precision.HIGHEST):
-  """Attention of the queries of a cached call over the whole cache.
-
-  q: [B, T, N, H]; keys, values: [B, S, K, H] (after this call's write);
-  positions: [B, T] int32; mask: [B, T, S] bool or None (default: slot s
-  visible to query t iff s <= positions[b, t]). impl (``model.attention_impl``):
-  "blockwise" (``blockwise_attention``: cost follows the visible length, a
-  loop with a traced trip count), "dense" (``dense_attention``: every slot,
-  masked, no loop), "cudnn" (``jax.nn.dot_product_attention``'s cuDNN
-  kernel, every slot; NVIDIA GPU, bfloat16/float16 only) or "auto"
-  (``resolve_attention_impl`` for ``attention_backend()``, q's dtype and
-  head dim, when traced). ``precision``: of every matmul
-  (``matmul_precision``; cuDNN ignores it). Returns [B, T, N, H] in q's
-  dtype. Raises ValueError for another impl.
-  """
+  """Attention of a cached call's queries over the whole cache. Arguments and
+  result as ``dense_attention``; ``impl``: "blockwise"
+  (``blockwise_attention``), "dense" (``dense_attention``), "cudnn"
+  (``jax.nn.dot_product_attention``'s cuDNN kernel, 16-bit) or "auto"
+  (``resolve_attention_impl``, when traced); ``precision`` of every matmul
+  (cuDNN ignores it). Raises ValueError for another impl."""
   backend = attention_backend() if impl == "auto" else None
   impl = resolve_attention_impl(impl, backend, q.dtype, q.shape[-1])
   if impl == "blockwise":
@@ -331,17 +288,12 @@ class Attention(nnx.Module):
     return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
 
   def attend_chain(self, q, ctx_k, ctx_v, ctx_mask, chain_k, chain_v):
-    """Attention of per-position chains (training of module D's steps past
-    D, ``Transformer.mtp_recursive``): query t attends to the context keys
-    ``ctx_k[s]`` where ``ctx_mask[b, 0, t, s]`` and to its own chain's keys
-    ``chain_k[j][t]`` (j = 0..C-1), always visible.
-
-    q: [B, T, N, H]; ctx_k, ctx_v: [B, S, K, H]; ctx_mask: [B, 1, T, S] bool;
-    chain_k, chain_v: lists of C arrays [B, T, K, H]. Returns [B, T, D]
-    (after the output projection). Same scaling (1/sqrt(H)) and softmax as
-    ``jax.nn.dot_product_attention``, computed in float32, einsums at the
-    model's ``matmul_precision``.
-    """
+    """Attention of per-position chains (``Transformer.mtp_recursive``): query
+    t sees context keys ``ctx_k[s]`` where ``ctx_mask[b, 0, t, s]`` and its own
+    chain's keys ``chain_k[j][t]``. q: [B, T, N, H]; ctx_k, ctx_v: [B, S, K,
+    H]; ctx_mask: [B, 1, T, S] bool; chain_k, chain_v: C arrays [B, T, K, H].
+    Returns [B, T, D] after the output projection; float32 softmax, einsums at
+    ``matmul_precision``."""
     b, t, n, h = q.shape
     kv = self.num_kv_heads
     qg = q.reshape(b, t, kv, n // kv, h).astype(jnp.float32) / math.sqrt(h)
@@ -417,32 +369,18 @@ class Block(nnx.Module):
 
 
 class DraftVocab(nnx.Param):
-  """The reduced draft vocabulary V' of a model: [V'] int32, sorted, unique
-  ids (``mtp.draft_vocab``; ``Transformer.draft_vocab`` when
-  ``mtp.draft_vocab_size`` > 0).
-
-  Why an ``nnx.Param`` subclass: every reader and writer of a model's state
-  in this project takes ``nnx.state(model, nnx.Param)`` / ``nnx.split(model,
-  nnx.Param)`` (orbax checkpoints with their checksums, ``mtp.loading``,
-  resume, ``train.init_from``, the decoder's jitted arguments, sharding), so
-  V' travels with the parameters everywhere without a second file or a
-  second filter. It is not trained: ``train.loop.split_trainable`` keeps it
-  out of the differentiated and optimized subset (an int32 leaf has no
-  gradient), and ``count_params`` does not count it. ``mtp.export`` refuses
-  a model with V' (the Hugging Face layout has no place for it).
-  """
+  """The draft vocabulary V' of a model: [V'] int32, sorted, unique ids. An
+  ``nnx.Param`` so that it travels with the parameters through every
+  ``nnx.state(model, nnx.Param)`` reader (checkpoints, loading, the decoder,
+  sharding); never trained (``train.loop.split_trainable``), not counted by
+  ``count_params``, refused by ``mtp.export``."""
 
 
 class FeatureFuse(nnx.Module):
-  """Module 1's draft input from m lower backbone layers and h^0
-  (``mtp.feature_layers``; EAGLE-3's feature fusion, Li et al. 2025):
-
-      f_i = W_f [RMSNorm_1(h^{(l_1)}_i); ...; RMSNorm_m(h^{(l_m)}_i); h^0_i]     [B, T, D]
-
-  W_f [(m+1) D, D] starts as [0; ...; 0; I] (f = h^0 exactly, the plain
-  module of eq. 21), so attaching it to a trained module changes nothing
-  until it is trained. No random numbers are drawn (adding it leaves the
-  other parameters' initialisation unchanged)."""
+  """Module 1's draft input from m lower layers and h^0 (``mtp.feature_layers``,
+  EAGLE-3): f_i = W_f [RMSNorm_1(h^{(l_1)}_i); ...; RMSNorm_m(h^{(l_m)}_i);
+  h^0_i] [B, T, D]. W_f [(m+1) D, D] starts as [0; ...; 0; I] (f = h^0), and
+  no random numbers are drawn, so attaching it changes nothing until trained."""
 
   def __init__(self, cfg: ModelConfig, num_lower: int):
     dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
@@ -464,11 +402,9 @@ class FeatureFuse(nnx.Module):
 
 
 class MTPModule(nnx.Module):
-  """One sequential MTP module (DeepSeek-V3 eq. 21-22): RMSNorm both inputs,
-  project the concatenation [2D -> D] with M_k, run one transformer block;
-  plus the module's own output RMSNorm applied before the shared head.
-  ``num_lower`` > 0 (module 1 only, ``mtp.feature_layers``): also holds the
-  ``FeatureFuse`` (``fuse``) that makes its hidden input."""
+  """One MTP module (eq. 21-22): RMSNorm both inputs, project [2D -> D] with
+  M_k, one transformer block, and its own output RMSNorm before the shared
+  head; module 1 with ``num_lower`` > 0 also holds the ``FeatureFuse``."""
 
   def __init__(self, cfg: ModelConfig, *, out_scale: float, rngs: nnx.Rngs, num_lower: int = 0):
     dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
@@ -494,19 +430,12 @@ class MTPModule(nnx.Module):
 
 
 class Transformer(nnx.Module):
-  """Backbone + ``mtp_depth`` sequential MTP modules sharing E and W_out.
-
-  Args:
-    cfg: model config (``mtp.config.ModelConfig``).
-    mtp_depth: D >= 0; D = 0 is a plain language model.
-    rngs: ``nnx.Rngs`` for parameter initialisation.
-    draft_vocab_size: |V'| (``mtp.draft_vocab_size``; 0 = none): the model
-      holds ``draft_vocab`` ([V'] int32, sorted) and ``mtp_head`` scores it.
-    feature_layers: sorted 0-based block indices < L - 1 whose outputs feed
-      module 1 with h^0 (``mtp.feature_layers``, ``FeatureFuse``); () = eq. 21.
-  Raises ValueError: mtp_depth < 0, draft_vocab_size outside [0, V], or
-    draft_vocab_size / feature_layers bad or given with mtp_depth = 0.
-  """
+  """Backbone + ``mtp_depth`` D >= 0 sequential MTP modules sharing E and
+  W_out (D = 0: a plain language model). ``draft_vocab_size``: |V'| (0 =
+  none; the model then holds ``draft_vocab``); ``feature_layers``: sorted
+  block indices < L - 1 feeding module 1 (``FeatureFuse``; () = eq. 21).
+  Raises ValueError: D < 0, draft_vocab_size outside [0, V], or
+  draft_vocab_size / feature_layers bad or given with D = 0."""
 
   def __init__(self, cfg: ModelConfig, mtp_depth: int, *, rngs: nnx.Rngs,
                draft_vocab_size: int = 0, feature_layers: tuple[int, ...] = ()):
@@ -556,19 +485,17 @@ class Transformer(nnx.Module):
 
   def backbone_features(self, tokens, positions, segment_ids=None,
                         cache: list[LayerCache] | None = None, write_offsets=None, mask=None):
-    """``backbone`` plus what the MTP drafter stores for module 1: returns
-    (h^0 [B, T, D], draft input [B, T, D], new caches or None). The draft
-    input is h^0 itself (the same array) unless ``feature_layers`` is set,
-    then ``FeatureFuse`` over the listed blocks' outputs and h^0."""
+    """``backbone`` plus module 1's draft input: (h^0 [B, T, D], draft input [B,
+    T, D], caches or None); the draft input is h^0 itself unless
+    ``feature_layers`` is set (then ``FeatureFuse``)."""
     h0, lower, new_cache = self._run_blocks(tokens, positions, segment_ids, cache, write_offsets,
                                             mask, collect=self.feature_layers)
     return h0, self.draft_input(h0, lower), new_cache
 
   def backbone_hidden(self, tokens, positions, segment_ids=None):
-    """What the frozen-backbone stage caches per token (``train.hidden_cache``):
-    [B, T, (m + 1) D] = [h^{(l_1)}; ...; h^{(l_m)}; h^0] over the m
-    ``feature_layers`` (h^0 alone, [B, T, D], without them); split again by
-    ``split_hidden``."""
+    """What ``train.hidden_cache`` stores per token: [B, T, (m + 1) D] = [h^{(l_1)};
+    ...; h^{(l_m)}; h^0] (h^0 alone without ``feature_layers``); ``split_hidden``
+    splits it."""
     h0, lower, _ = self._run_blocks(tokens, positions, segment_ids, None, None, None,
                                     collect=self.feature_layers)
     return h0 if lower is None else jnp.concatenate([lower, h0], -1)
@@ -603,11 +530,9 @@ class Transformer(nnx.Module):
     return x, (jnp.concatenate(lower, -1) if lower else None), new_cache
 
   def head(self, h, norm: nnx.RMSNorm | None = None) -> jax.Array:
-    """Output head: logits [B, T, V] float32 = W_out(norm(h)); ``norm``
-    defaults to the final norm. Ids that can never be a correct next token
-    (``tokenizer.head_mask(cfg)``: vocabulary padding and, for the byte
-    tokenizer, PAD, BOS and bytes no UTF-8 text contains) get -inf, so their probability is exactly 0 on every
-    path that samples from this head."""
+    """Logits [B, T, V] float32 = W_out(norm(h)) (``norm`` defaults to the final
+    norm); ids ``tokenizer.head_mask(cfg)`` forbids get -inf (probability 0 on
+    every sampling path)."""
     h = (norm or self.final_norm)(h)
     if self.cfg.tie_embeddings:     # nnx.Embed.attend (promote, then h @ E^T) with a precision
       h, w = self.embed.promote_dtype((h, self.embed.embedding[...]), dtype=self.embed.dtype)
@@ -629,19 +554,10 @@ class Transformer(nnx.Module):
 
   def mtp_head(self, k: int, h_k) -> jax.Array:
     """Logits [B, T, V] float32 of MTP depth k from h^k [B, T, D] (eq. 23).
-
-    With a reduced draft vocabulary V' (``draft_vocab_size`` > 0; FastMTP's
-    language-compressed draft vocabulary, Cai et al. 2025) only the V' rows
-    of W_out are multiplied (``mtp_head_compact``: one [.., D] x [D, V']
-    matmul, the saving) and scattered into a full-vocabulary vector that is
-    -inf outside V' (and at the head mask's ids), so the drafters, warping,
-    sampling and the acceptance rule need no change: the draft distribution
-    q is exactly 0 outside V'. Verification stays exact (Leviathan et al.
-    2023): a draft is always in V', min(1, p/q) is only ever evaluated
-    there, and the residual norm(max(p - q, 0)) carries all of p's mass
-    outside V', so the output law is the target's; only acceptance drops.
-    The main head (``head``) never changes.
-    """
+    With a draft vocabulary V' only its rows of W_out are multiplied
+    (``mtp_head_compact``) and scattered into a vector that is -inf outside V',
+    so q is exactly 0 there; verification stays exact (the residual carries
+    p's mass outside V'), only acceptance drops."""
     if not self.draft_vocab_size:
       return self.head(h_k, self.mtp[k - 1].out_norm)
     compact, ids = self.mtp_head_compact(k, h_k)
@@ -649,12 +565,9 @@ class Transformer(nnx.Module):
     return full.at[..., ids].set(compact, indices_are_sorted=True, unique_indices=True)
 
   def mtp_head_compact(self, k: int, h_k) -> tuple[jax.Array, jax.Array]:
-    """MTP depth k's logits over the draft vocabulary only: (logits [B, T, V']
-    float32, ids [V'] int32 sorted), logits[..., j] the full head's logit of
-    id ``ids[j]`` (-inf where ``tokenizer.head_mask`` forbids it). Gathers
-    the V' rows of the tied embedding (or columns of the untied head) and
-    runs one [.., D] x [D, V'] matmul. Raises ValueError without a draft
-    vocabulary (``draft_vocab_size`` = 0)."""
+    """Depth k's logits over V' only: (logits [B, T, V'] float32, ids [V']
+    int32 sorted), -inf where the head mask forbids; one [.., D] x [D, V']
+    matmul. Raises ValueError without a draft vocabulary."""
     if not self.draft_vocab_size:
       raise ValueError("mtp_head_compact needs a reduced draft vocabulary "
                        "(mtp.draft_vocab_size > 0)")
@@ -693,20 +606,16 @@ class Transformer(nnx.Module):
 
   def mtp_recursive(self, tokens, positions, segment_ids, h_prev, h_last, steps: int,
                     compact: bool = False):
-    """Module D reused for R steps past D (as the decoder drafts G > D),
-    for every chain start i at once; h_0(i) = h^D_i and for r = 1..R:
+    """Module D reused for R = ``steps`` >= 0 steps past D, for every chain
+    start i at once; h_0(i) = h^D_i and for r = 1..R:
 
         h_r(i) = TRM_D(M_D[RMSNorm(h_{r-1}(i)); RMSNorm(E(t_{i+D+r}))])   at position i+r
         logits_r(i) = W_out(RMSNorm_D(h_r(i)))       predicts t_{i+D+r+1}
 
-    Step r attends to module D's teacher-forced entries at p <= i (same
-    document) and the chain's steps 1..r, as module D's cache holds them in
-    a draft round (docs/design.md section 9). tokens, positions: [B, T]
-    int32; segment_ids [B, T] or None; h_prev: [B, T, D] module D's input
-    (h^{D-1}); h_last: h^D; compact: logits over V' (``mtp_head_compact``).
-    Returns R logits [B, T, V] float32 (inputs past T read ``MTP_FILL_ID``;
-    the loss masks them). Raises ValueError when D = 0.
-    """
+    attending as module D's cache does in a draft round (docs/design.md
+    section 9). h_prev: module D's input h^{D-1} [B, T, D]; h_last: h^D;
+    compact: logits over V'. Returns R logits [B, T, V] float32 (inputs past T
+    read ``MTP_FILL_ID``, masked by the loss). Raises ValueError when D = 0."""
     d = self.mtp_depth
     if d < 1:
       raise ValueError("mtp_recursive needs mtp_depth >= 1")
@@ -735,17 +644,11 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens, positions=None, segment_ids=None,
                recursive_steps: int = 0) -> ModelOutput:
-    """Cache-free forward over packed sequences.
-
-    tokens: [B, T] int32; positions: [B, T] int32 (defaults to arange(T));
-    segment_ids: [B, T] int32 document ids (0 = padding) or None;
-    recursive_steps: R >= 0 extra steps of module D (``mtp_recursive``),
-    appended to ``mtp_logits`` (D + R entries; entry k-1 at i predicts
-    t_{i+k+1}).
-    Module k at i reads t_{i+k}; the last k positions read ``MTP_FILL_ID``
-    (their targets do not exist and the loss masks them).
-    Equal to ``forward_from_hidden`` on the backbone's h^0 (same operations).
-    """
+    """Cache-free forward over packed sequences: tokens, positions (default
+    arange(T)): [B, T] int32; segment_ids: [B, T] int32 (0 = padding) or
+    None; recursive_steps: R >= 0 extra steps of module D appended to
+    ``mtp_logits``. Module k at i reads t_{i+k} (``MTP_FILL_ID`` past T).
+    Equals ``forward_from_hidden`` on the backbone's h^0."""
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -757,18 +660,12 @@ class Transformer(nnx.Module):
   def forward_from_hidden(self, tokens, positions, segment_ids, h0,
                           recursive_steps: int = 0, compact: bool = False,
                           lower=None) -> ModelOutput:
-    """``__call__`` from a precomputed backbone output h0 [B, T, D] (the
-    last block's, before the final norm; cast to the activation dtype): the
-    frozen-backbone stage on cached hidden states (``train.hidden_cache``).
-
-    tokens, positions: [B, T] int32; segment_ids: [B, T] int32 (0 = padding)
-    or None; recursive_steps: R >= 0. Returns ``__call__``'s ``ModelOutput``
-    (main logits, the D + R module logits, hidden). ``compact=True`` (needs
-    V'): every head over V' only (``ModelOutput.compact_ids``). ``lower``:
-    [B, T, m D] the ``feature_layers`` outputs, required exactly when the
-    model has them. Raises ValueError for compact without V' or a missing
-    or unexpected ``lower``.
-    """
+    """``__call__`` from a precomputed h0 [B, T, D] (the last block's output,
+    before the final norm; cast to the activation dtype): the frozen-backbone
+    stage (``train.hidden_cache``). Returns ``__call__``'s ``ModelOutput``;
+    ``compact=True`` (needs V'): every head over V' only; ``lower`` [B, T, m D]
+    is required exactly with ``feature_layers``. Raises ValueError for compact
+    without V' or a missing or unexpected ``lower``."""
     if compact and not self.draft_vocab_size:
       raise ValueError("forward_from_hidden(compact=True) needs mtp.draft_vocab_size > 0")
     if (lower is None) != (not self.feature_layers):
