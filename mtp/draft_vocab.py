@@ -26,21 +26,10 @@ from mtp.model import Transformer
 
 
 def token_counts(tokens, loss_mask=None, *, vocab_size: int) -> np.ndarray:
-  """How often each id occurs in training rows.
-
-  Args:
-    tokens: [N, T] integer ids (numpy or jax; any int dtype), all in
-      [0, vocab_size).
-    loss_mask: optional [N, T] (bool or 0/1): only positions where it is 1
-      are counted (e.g. the answer tokens of chat rows, the positions a
-      draft has to predict); None counts every position.
-    vocab_size: V, the length of the result.
-  Returns:
-    counts [V] int64.
-  Raises:
-    ValueError: shapes differ, tokens are not 2-D, or an id lies outside
-      [0, V) among the counted positions.
-  """
+  """counts [V] int64 of the ids in ``tokens`` [N, T] (any int dtype, in [0,
+  vocab_size)) at the positions where ``loss_mask`` [N, T] is 1 (None: all).
+  Raises ValueError: shapes differ, tokens not 2-D, or a counted id outside
+  [0, V)."""
   tokens = np.asarray(tokens)
   if tokens.ndim != 2:
     raise ValueError(f"tokens must be [N, T], got shape {tokens.shape}")
@@ -133,15 +122,10 @@ def with_draft_vocab(params: nnx.State, ids) -> nnx.State:
 
 
 def with_draft_vocab_size(model, ids):
-  """A model with the parameters of ``model`` (a ``mtp.model.Transformer``
-  with MTP modules; the arrays are shared, not copied) and the draft
-  vocabulary V' = ``ids`` of any size: [V'] ints (sorted, unique, in [0, V))
-  or None for no V' (the MTP heads score every id). ``model`` may have a V'
-  of another size or none; the weights of a head over a larger V' are the
-  same shared W_out rows, so this is how to evaluate or time one set of
-  trained modules against several V' (experiments/sweep_draft_vocab.py).
-  Raises ValueError as ``check_ids``, or for ids with a model without MTP
-  modules."""
+  """A model sharing ``model``'s parameters (a ``Transformer`` with MTP
+  modules) with draft vocabulary ``ids`` of any size ([V'] sorted, unique,
+  in [0, V)) or None (every id): to evaluate one set of modules against
+  several V'. Raises ValueError as ``check_ids``, or without MTP modules."""
   n = 0 if ids is None else len(np.asarray(ids))
   new = nnx.eval_shape(lambda: Transformer(model.cfg, model.mtp_depth, rngs=nnx.Rngs(params=0),
                                            draft_vocab_size=n,

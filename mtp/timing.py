@@ -26,15 +26,11 @@ STATS = ("n", "mean", "std", "min", "p10", "median", "p90", "max")
 
 def interleaved_times(fns: Mapping[str, Callable[[], object]], repeats: int, *,
                       warmup: int = 1) -> dict[str, np.ndarray]:
-  """Seconds per call of every function in ``fns`` ({name: zero-argument
-  callable, which must block until its work is done}), timed in interleaved
-  rounds: ``warmup`` untimed calls each, then ``repeats`` rounds; round r
-  calls each once with ``time.perf_counter``, the order rotated to start at
-  function r mod len(fns) (A B, B A, ...: a drift hits none always first).
-
-  Returns {name: float64 [repeats]}; index r is round r, so per-round ratios
-  pair calls made close in time. Raises ValueError: repeats < 1, warmup < 0,
-  or no functions."""
+  """Seconds per call of each zero-argument callable in ``fns`` (each must
+  block until done): ``warmup`` untimed calls each, then ``repeats`` rounds,
+  round r calling each once in the order rotated to start at r mod len(fns).
+  Returns {name: float64 [repeats]} (index r = round r, so per-round ratios
+  pair close calls). Raises ValueError: repeats < 1, warmup < 0, no functions."""
   names = list(fns)
   if not names:
     raise ValueError("interleaved_times: no functions to time")
@@ -77,14 +73,10 @@ def spread(values: Sequence[float] | np.ndarray, stats: Sequence[str] = STATS,
 
 def format_spread(s: dict, fmt: str = ".3f", scale: float = 1.0, signed: bool = False,
                   center: str | None = None) -> str:
-  """One ``spread`` as "center [min, max]" (e.g. "1.250 [1.100, 1.400]").
-
-  ``center``: the statistic shown first (default: "median" when ``s`` has
-  it, else "mean"); values are multiplied by ``scale`` (1e3: seconds shown
-  as ms) and formatted with ``fmt`` (with a sign when ``signed``). Only the
-  center is shown when ``s`` counts one value (n == 1) or has no min/max;
-  "-" when it is empty or missing.
-  """
+  """One ``spread`` as "center [min, max]" (e.g. "1.250 [1.100, 1.400]"):
+  ``center`` defaults to "median" (else "mean"), values times ``scale``,
+  formatted with ``fmt`` (signed with ``signed``); the center alone for n == 1
+  or without min/max; "-" when empty."""
   if center is None:
     center = "median" if "median" in s else "mean"
   if not s or s.get(center) is None:
