@@ -76,13 +76,9 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
 
 
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
-  """A ``Mesh`` over ``devices`` (default: all, of every process) with axes ``AXES``.
-
-  Devices are ordered by (process, id) before the row-major reshape, so each
-  process owns a contiguous block of the mesh: with ``tensor`` dividing the
-  local device count, every process feeds distinct batch rows (its own
-  data shard) and the tensor-parallel collectives stay inside one host.
-  """
+  """A ``Mesh`` over ``devices`` (default all) with axes ``AXES``, devices
+  ordered by (process, id) so each process owns a contiguous block (its own
+  batch rows; tensor-parallel collectives inside a host)."""
   devices = jax.devices() if devices is None else list(devices)
   devices = sorted(devices, key=lambda d: (d.process_index, d.id))
   shape = mesh_shape(cfg, len(devices))
@@ -120,16 +116,9 @@ def check_batch(global_batch: int, mesh: Mesh, field: str = "train.batch_size"):
 
 
 def check_mesh(model: ModelConfig, mesh: Mesh | Mapping[str, int]):
-  """Checks that the mesh axes divide the model dimensions they shard:
-  ``tensor`` must divide num_heads, num_kv_heads, mlp_dim and vocab_size;
-  ``fsdp`` must divide d_model.
-
-  Args:
-    model: model config.
-    mesh: a ``Mesh`` or a mapping axis name -> size.
-  Raises:
-    ConfigError naming every offending field and both numbers.
-  """
+  """Checks that ``tensor`` divides num_heads, num_kv_heads, mlp_dim and
+  vocab_size and ``fsdp`` divides d_model (``mesh``: a ``Mesh`` or {axis:
+  size}). Raises ConfigError naming every offending field and both numbers."""
   sizes = dict(mesh.shape) if isinstance(mesh, Mesh) else dict(mesh)
   t, f = sizes.get("tensor", 1), sizes.get("fsdp", 1)
   bad = [f"mesh.tensor={t} does not divide model.{name}={getattr(model, name)}"
@@ -180,14 +169,10 @@ def spec_for(mesh: Mesh, path: str, shape: tuple[int, ...], names) -> P:
 
 
 def param_shardings(mesh: Mesh, abstract_params):
-  """``NamedSharding`` per leaf of a parameter pytree (an ``nnx.State`` of
-  arrays or ``ShapeDtypeStruct``), from ``PARAM_RULES`` and
-  ``LOGICAL_TO_MESH``.
-
-  Raises:
-    ValueError: a parameter that no rule covers (add one to PARAM_RULES).
-    ConfigError: a mesh axis that does not divide the dimension it shards.
-  """
+  """``NamedSharding`` per leaf of a parameter pytree (arrays or
+  ``ShapeDtypeStruct``s) from ``PARAM_RULES`` and ``LOGICAL_TO_MESH``. Raises
+  ValueError for a parameter no rule covers, ConfigError for an axis that
+  does not divide its dimension."""
   def one(path, x):
     p = _path_str(path)
     names = logical_axes(p)

@@ -1,16 +1,11 @@
 """The one interleaved-repeats timer and the one spread / format helper.
 
-Every benchmark in this project (scripts/, ``python -m decode --compare``,
-the decoder's round-cost calibration) times several variants the same way:
-compile each once, then ``repeats`` rounds in which every variant runs
-once, so that machine noise (a burst of another process, a slow drift in
-clock speed) hits all variants alike, and report the median over rounds
-(docs/design.md section 7). ``interleaved_times`` is that loop;
-``spread`` summarizes any list of numbers (timings or per-seed metrics)
-and ``format_spread`` prints one summary as "center [min, max]".
-
-This module imports neither ``train`` nor ``decode``; JAX only for
-``xla_flops``.
+Every benchmark (scripts/, ``python -m decode --compare``, the round-cost
+calibration) times variants in ``repeats`` rounds that each run every
+variant once, so machine noise hits all alike, and reports the median
+(docs/design.md section 7): ``interleaved_times``; ``spread`` and
+``format_spread`` summarise numbers. Imports neither ``train`` nor
+``decode``; JAX only for ``xla_flops``.
 """
 
 from __future__ import annotations
