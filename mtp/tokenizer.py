@@ -35,11 +35,9 @@ NEVER_EMITTED_IDS = (PAD_ID, BOS_ID) + INVALID_UTF8_BYTES   # plus every id >= V
 
 
 def emittable_mask(vocab_size: int) -> np.ndarray:
-  """bool [vocab_size]: True for ids a model may emit (valid UTF-8 bytes and
-  EOS); False for ``NEVER_EMITTED_IDS`` and vocabulary padding (>= VOCAB_SIZE).
-
-  Raises ValueError if ``vocab_size < VOCAB_SIZE``.
-  """
+  """bool [vocab_size]: True for ids a model may emit (valid UTF-8 bytes, EOS),
+  False for ``NEVER_EMITTED_IDS`` and padding. Raises ValueError if
+  ``vocab_size < VOCAB_SIZE``."""
   if vocab_size < VOCAB_SIZE:
     raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {VOCAB_SIZE} ids")
   mask = np.arange(vocab_size) < VOCAB_SIZE
@@ -73,15 +71,8 @@ class ByteTokenizer:
     return {"kind": "byte"}
 
   def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> np.ndarray:
-    """Encodes ``text`` to int32 ids [T] (T = UTF-8 byte count + specials).
-
-    Raises:
-      TypeError: if ``text`` is not a ``str`` (bytes must be decoded by the
-        caller, who decides how to treat invalid UTF-8).
-      ValueError: if ``text`` holds a lone surrogate (U+D800..U+DFFF: no
-        UTF-8 form; Python makes them of undecodable command-line bytes),
-        naming its position.
-    """
+    """int32 ids [T] of ``text`` (T = UTF-8 bytes + specials). Raises TypeError
+    for a non-``str`` and ValueError naming the position of a lone surrogate."""
     if not isinstance(text, str):
       raise TypeError(f"ByteTokenizer.encode expects str, got {type(text).__name__}")
     try:
@@ -134,12 +125,9 @@ from mtp.tokenizer_files import (HF_TOKENIZER_FILE, META_FILE, TOKENIZER_DIR,  #
 
 
 def head_mask(model_cfg) -> np.ndarray:
-  """bool [model_cfg.vocab_size]: the ids the model's head may emit (others
-  get logit -inf in ``mtp.model.Transformer.head``).
-
-  ``model.tokenizer == "byte"``: ``emittable_mask`` (unchanged behaviour).
-  ``"bpe"``: ids < ``model.num_tokens`` except ``model.never_emitted``.
-  """
+  """bool [model_cfg.vocab_size]: the ids the head may emit (others get -inf):
+  ``emittable_mask`` for ``model.tokenizer == "byte"``; for "bpe", ids <
+  ``model.num_tokens`` except ``model.never_emitted``."""
   if model_cfg.tokenizer == "byte":
     return emittable_mask(model_cfg.vocab_size)
   mask = np.arange(model_cfg.vocab_size) < model_cfg.num_tokens
@@ -199,13 +187,9 @@ def _exported_meta(path: str):
 
 
 def load_tokenizer(workdir: str):
-  """The tokenizer saved in ``workdir`` (``save_tokenizer``); for an
-  ``mtp.export`` directory, the one its config.json's ``mtp.tokenizer`` entry
-  and ``tokenizer.json`` describe; the byte tokenizer when there is neither
-  (older workdirs, byte-tokenizer exports).
-
-  Raises TokenizerError for an unreadable or inconsistent tokenizer.
-  """
+  """The tokenizer saved in ``workdir`` (``save_tokenizer``), or an export's
+  (config.json's ``mtp`` entry and ``tokenizer.json``), else the byte
+  tokenizer. Raises TokenizerError for an unreadable or inconsistent one."""
   folder = os.path.join(workdir, TOKENIZER_DIR)
   meta_path = os.path.join(folder, META_FILE)
   if not os.path.isfile(meta_path):

@@ -52,13 +52,10 @@ def param_count(cfg: Config) -> int:
 
 
 def memory_floor_bytes(cfg: Config) -> dict[str, int]:
-  """A lower bound on the train step's memory, by term (bytes): ``params``,
-  the parameters in ``model.param_dtype`` (``param_count``); ``logits``, one
-  float32 logits tensor [train.batch_size, train.seq_len, model.vocab_size]
-  (the main head's logits are always materialised, for its loss or as the
-  modules' distillation teacher). Activations, gradients, the optimizer's
-  state and the other heads' logits come on top: the real step needs
-  several times more."""
+  """A lower bound on the train step's memory by term (bytes): ``params`` in
+  ``model.param_dtype`` and ``logits``, one float32 [batch_size, seq_len,
+  vocab_size] tensor (always materialised); activations, gradients and the
+  optimizer state come on top."""
   t = cfg.train
   per = 2 if cfg.model.param_dtype in ("bfloat16", "float16") else 4
   return {"params": param_count(cfg) * per,
@@ -78,26 +75,20 @@ def device_memory_bytes() -> tuple[int, str]:
 
 
 def process_share(cfg: Config, num_local: int, num_global: int) -> tuple[float, float]:
-  """The smallest fractions (params, logits) of the train step's parameters
-  and logits one process can hold, for ``num_local`` of ``num_global``
-  devices: parameters are split over at most ``mesh.fsdp x mesh.tensor``
-  devices (a process holds at least ``num_local`` of them, or all), the
-  logits over at most every device (batch and vocabulary). Lower bounds:
-  the real layout never holds less."""
+  """The smallest fractions (params, logits) one process of ``num_local`` of
+  ``num_global`` devices can hold: parameters split over at most fsdp x
+  tensor devices, logits over every device. Lower bounds."""
   split = max(1, cfg.mesh.fsdp) * max(1, cfg.mesh.tensor)
   return min(1.0, num_local / split), num_local / max(num_global, 1)
 
 
 def check_memory_floor(cfg: Config, available: tuple[int, str] | None = None,
                        devices: tuple[int, int] | None = None) -> None:
-  """Refuses a train step that cannot fit before anything is allocated or
-  written: raises ConfigError when this process's share
-  (``process_share``; ``devices`` = (local, global) device counts, default
-  JAX's) of ``memory_floor_bytes`` exceeds ``available`` (default
+  """Raises ConfigError, before anything is allocated or written, when this
+  process's share of ``memory_floor_bytes`` exceeds ``available`` (default
   ``device_memory_bytes()``), naming the model fields when the parameters
-  alone do not fit, else ``train.batch_size`` and the largest batch whose
-  floor fits. Passing is no promise: the floor leaves out activations,
-  gradients and the optimizer state."""
+  alone do not fit, else ``train.batch_size`` and the largest batch that
+  fits. Passing is no promise."""
   floor = memory_floor_bytes(cfg)
   p_share, l_share = process_share(cfg, *(devices or (jax.local_device_count(), jax.device_count())))
   params, logits = int(floor["params"] * p_share), int(floor["logits"] * l_share)
@@ -163,15 +154,10 @@ def resume_point(cfg: Config, workdir: str) -> tuple[int | None, Config | None]:
 
 
 def check_init_from(cfg: Config) -> int | None:
-  """Checks ``train.init_from`` (a trained workdir, or any directory
-  ``mtp.loading`` reads, whose parameters start this run) before anything is
-  written. Returns its latest checkpoint step, or None when ``init_from`` is
-  empty.
-
-  Raises:
-    CheckpointError: it has no checkpoint, or one from another architecture
-      (``config.architecture_mismatches``, listed in the message).
-  """
+  """The latest checkpoint step of ``train.init_from`` (any directory
+  ``mtp.loading`` reads), or None when empty; checked before anything is
+  written. Raises CheckpointError: no checkpoint, or another architecture
+  (the mismatches listed)."""
   src = cfg.train.init_from
   if not src:
     return None
@@ -381,15 +367,11 @@ def end_at_row_boundary(path: str) -> None:
 
 
 def resume_metrics(workdir: str, step: int, eval_due: Callable[[int], bool]):
-  """Repairs ``metrics.jsonl`` for a run resumed at checkpoint ``step``
-  (``truncate_metrics``) and reads back what the result reports.
-
-  Returns (last_train, last_eval, eval_step, eval_pending): the last logged
-  train metrics ({} if none); the evaluation logged at ``step`` ({} if
-  none, e.g. a run stopped after its final evaluation, before
-  final_metrics.json, has one) and ``step`` or None; whether that
-  evaluation is still due (``eval_due(step)`` and none was logged).
-  """
+  """Repairs ``metrics.jsonl`` for a run resumed at ``step``
+  (``truncate_metrics``) and returns (last_train, last_eval, eval_step,
+  eval_pending): the last train metrics ({} if none), the evaluation logged
+  at ``step`` ({} if none) and ``step`` or None, and whether that evaluation
+  is still due."""
   path = os.path.join(workdir, METRICS_FILE)
   truncate_metrics(path, step)
   rows = metric_rows(path)
@@ -420,13 +402,9 @@ def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 
 def read_config_file(workdir: str) -> dict | None:
-  """``workdir``'s config.json as a dict, or None when there is none.
-
-  Raises:
-    ConfigError: it is unreadable, not valid JSON or not a JSON object (one
-      line naming the file: fix or delete it; the checkpoints keep their
-      own config).
-  """
+  """``workdir``'s config.json as a dict, or None when there is none. Raises
+  ConfigError (one line naming the file) when it is unreadable, not JSON or
+  not an object."""
   path = os.path.join(workdir, CONFIG_FILE)
   if not os.path.exists(path):
     return None
@@ -457,14 +435,10 @@ def _plain(values) -> dict:
 
 def previous_config(recorded: dict | None, trained: Config | None,
                     step: int) -> tuple[dict | None, str]:
-  """The config a run resumed at checkpoint ``step`` continues from, and a
-  note ("" if none) for the resume line.
-
-  ``trained`` (the config the checkpoint was saved with, ``mtp.checkpoint``)
-  is the previous config when known; ``recorded`` (config.json) only
-  stands in for a checkpoint without one. When both are known and differ,
-  config.json was edited after the checkpoint (or written by a run that
-  saved none): the note says so, naming the fields (checkpoint -> file)."""
+  """(the config a run resumed at ``step`` continues from, a note or ""):
+  ``trained`` (the checkpoint's own config) when known, else ``recorded``
+  (config.json); when both differ the note names the fields (checkpoint ->
+  file)."""
   if trained is None:
     return (None if recorded is None else _plain(recorded)), ""
   saved = _plain(trained)
@@ -478,14 +452,10 @@ def previous_config(recorded: dict | None, trained: Config | None,
 
 def record_config(workdir: str, cfg: Config, resume_step: int | None,
                   trained: Config | None = None) -> str:
-  """Writes ``cfg`` as ``config.json`` (atomically). A run resumed at
-  ``resume_step`` whose previous config (``previous_config``: ``trained``,
-  the config that checkpoint was saved with, else config.json) differs
-  keeps that one as ``config.until_step<N>.json``; returns the notes for
-  the resume line (``"; config changed since the last run (...)..."``,
-  and whether config.json disagreed with the checkpoint), else "".
-
-  Raises ConfigError (``read_config_file``) before writing anything."""
+  """Writes ``cfg`` as ``config.json`` (atomically); a resumed run whose
+  previous config (``previous_config``) differs keeps it as
+  ``config.until_step<N>.json``. Returns the notes for the resume line, else
+  "". Raises ConfigError before writing anything."""
   note = ""
   if resume_step is not None:
     previous, note = previous_config(read_config_file(workdir), trained, resume_step)
