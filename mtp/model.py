@@ -1,18 +1,16 @@
-"""Causal transformer backbone with D sequential MTP modules (Flax NNX).
-Backbone: embedding E, L pre-norm blocks (RMSNorm, RoPE attention with
-optional GQA; RMSNorm, SwiGLU), final RMSNorm, head W_out (tied to E or not);
-h^0_i is the last block's output. MTP module k = 1..D (DeepSeek-V3 report,
-section 2.2), sharing E and W_out, with its own output RMSNorm:
+"""Causal transformer backbone with D sequential MTP modules (Flax NNX):
+pre-norm RoPE/GQA/SwiGLU blocks, head W_out (tied to E or not), h^0 the last
+block's output; MTP module k = 1..D (DeepSeek-V3, section 2.2) shares E and
+W_out and has its own output RMSNorm:
 
     h'^k_i = M_k [ RMSNorm(h^{k-1}_i) ; RMSNorm(E(t_{i+k})) ]     eq. 21
     h^k    = TRM_k(h'^k)                                          eq. 22
     P^k_{i+k+1} = softmax(W_out(RMSNorm_k(h^k_i)))               eq. 23
 
-``mtp.feature_layers`` (EAGLE-3) feeds module 1 a fusion of block outputs
-(``FeatureFuse``). KV cache ``LayerCache`` {"k", "v"}: [B, S, K, H], slot s
-holds position s; a call writes T entries from ``positions[:, 0]`` (or
-``write_offsets``), query t sees slots s <= position (or ``mask`` [B, T,
-S]): rolling back is choosing the next positions. Axes: docs/design.md 3."""
+KV cache ``LayerCache`` {"k", "v"}: [B, S, K, H], slot s holds position s;
+a call writes T entries from ``positions[:, 0]`` (or ``write_offsets``),
+query t sees slots s <= position (or ``mask`` [B, T, S]), so rolling back
+is choosing the next positions. Axes: docs/design.md section 3."""
 
 from __future__ import annotations
 
@@ -38,13 +36,11 @@ MTP_FILL_ID = 0
 
 @dataclasses.dataclass
 class ModelOutput:
-  """Result of ``Transformer.__call__``: ``logits`` [B, T, V] float32 (main
-  head; i predicts i+1); ``mtp_logits``: D (+R) arrays [B, T, V] float32
-  (depth k at i predicts i+k+1); ``hidden``: h^0..h^D [B, T, D];
-  ``draft_mask``: [V] bool (``Transformer.draft_mask()``) with a draft
-  vocabulary V', else None; ``compact_ids``: [V'] int32 sorted when every
-  logits array is over V' only ([B, T, V'], ``forward_from_hidden(...,
-  compact=True)``), else None."""
+  """Result of ``Transformer.__call__``: ``logits`` [B, T, V] float32 (i
+  predicts i+1), ``mtp_logits`` D (+R) arrays [B, T, V] (depth k at i
+  predicts i+k+1), ``hidden`` h^0..h^D [B, T, D], ``draft_mask`` [V] bool
+  with a draft vocabulary V' (else None), ``compact_ids`` [V'] int32 when
+  every logits array is over V' only (else None)."""
   logits: jax.Array
   mtp_logits: tuple[jax.Array, ...]
   hidden: tuple[jax.Array, ...]
@@ -133,12 +129,9 @@ def attention_backend() -> str:
 
 def resolve_attention_impl(impl: str, backend: str, dtype, head_dim: int | None = None) -> str:
   """The implementation ``cached_attention`` runs for ``impl`` on ``backend``
-  (``attention_backend()``'s names), activation ``dtype`` and ``head_dim``
-  (None: unchecked); pure, so testable without the hardware. "auto":
-  "blockwise" on "cpu" (reading only the filled blocks measured fastest);
-  "cudnn" on "cuda" for bfloat16/float16 with head_dim % 8 == 0 and <= 128;
-  "dense" elsewhere. Others are returned as they are; an unknown ``impl``
-  raises ValueError."""
+  with activation ``dtype`` and ``head_dim`` (None: unchecked), pure. "auto":
+  "blockwise" on "cpu"; "cudnn" on "cuda" for 16-bit dtypes with head_dim %
+  8 == 0 and <= 128; "dense" elsewhere. Raises ValueError for an unknown impl."""
   if impl not in ATTENTION_IMPLS:
     raise ValueError(f"model.attention_impl={impl!r}: must be one of "
                      + ", ".join(repr(i) for i in ATTENTION_IMPLS))
@@ -153,14 +146,12 @@ def resolve_attention_impl(impl: str, backend: str, dtype, head_dim: int | None 
 
 
 def dense_attention(q, keys, values, positions, mask=None, *, precision=jax.lax.Precision.HIGHEST):
-  """Attention of q over every slot of a KV cache, masked: no loop. q: [B, T,
-  N, H]; keys, values: [B, S, K, H] (after this call's write; GQA: head j
-  reads KV head j // (N / K)); positions: [B, T] int32; mask: [B, T, S] bool
-  or None (query t sees slot s iff s <= positions[b, t]). Returns [B, T, N, H]
-  in q's dtype: s_ts = q_t . k_s / sqrt(H) (float32, -inf where not visible),
-  y_t = softmax_s(s_t) . v. Einsums in the operands' dtype (a bfloat16 cache
-  is never copied to float32), accumulated in float32, at ``precision``. A
-  query that sees no slot gets zeros."""
+  """Attention of q [B, T, N, H] over every slot of keys, values [B, S, K, H]
+  (after this call's write; GQA: head j reads KV head j // (N / K)), masked
+  (query t sees slot s iff s <= positions[b, t], or ``mask`` [B, T, S]).
+  Returns [B, T, N, H] in q's dtype: softmax_s(q_t . k_s / sqrt(H)) . v,
+  float32 scores and sums, einsums at ``precision`` in the operands' dtype.
+  A query that sees no slot gets zeros."""
   b, t, n, h = q.shape
   s, kv = keys.shape[1], keys.shape[2]
   qg = q.reshape(b, t, kv, n // kv, h)
@@ -606,16 +597,14 @@ class Transformer(nnx.Module):
 
   def mtp_recursive(self, tokens, positions, segment_ids, h_prev, h_last, steps: int,
                     compact: bool = False):
-    """Module D reused for R = ``steps`` >= 0 steps past D, for every chain
-    start i at once; h_0(i) = h^D_i and for r = 1..R:
+    """Module D reused for R = ``steps`` steps past D, for every chain start i
+    at once (h_0(i) = h^D_i; docs/design.md section 9):
 
         h_r(i) = TRM_D(M_D[RMSNorm(h_{r-1}(i)); RMSNorm(E(t_{i+D+r}))])   at position i+r
-        logits_r(i) = W_out(RMSNorm_D(h_r(i)))       predicts t_{i+D+r+1}
 
-    attending as module D's cache does in a draft round (docs/design.md
-    section 9). h_prev: module D's input h^{D-1} [B, T, D]; h_last: h^D;
-    compact: logits over V'. Returns R logits [B, T, V] float32 (inputs past T
-    read ``MTP_FILL_ID``, masked by the loss). Raises ValueError when D = 0."""
+    logits_r(i) = W_out(RMSNorm_D(h_r(i))) predicts t_{i+D+r+1}. h_prev: h^{D-1}
+    [B, T, D]; h_last: h^D. Returns R logits [B, T, V] float32 (over V' with
+    ``compact``). Raises ValueError when D = 0."""
     d = self.mtp_depth
     if d < 1:
       raise ValueError("mtp_recursive needs mtp_depth >= 1")

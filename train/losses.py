@@ -86,15 +86,11 @@ def teacher_kl(teacher_logits: jax.Array, student_logits: jax.Array,
 
 def teacher_tv(teacher_logits: jax.Array, student_logits: jax.Array,
                temperature: float = 1.0, teacher_logsumexp: jax.Array | None = None) -> jax.Array:
-  """Per-position TV(p, q) = 0.5 sum_v |p(v) - q(v)| [B, T] float32 of p =
-  softmax(teacher / tau) (stop-gradient) and q = softmax(student / tau);
-  1 - TV = sum_v min(p, q) = alpha (Leviathan et al. 2023, Thm 3.5). Compact
-  form (logits over V' only): ``teacher_logsumexp`` [B, T] is the *full*
-  logsumexp of teacher / tau, p(v) = exp(t_v / tau - lse), and
-
-      TV(p, q) = 0.5 * (sum_{v in V'} |p(v) - q(v)| + p(outside V')),
-
-  the full form's value. Gradients are finite everywhere, including p == q."""
+  """Per-position TV(p, q) = 0.5 sum_v |p(v) - q(v)| [B, T] float32, p =
+  softmax(teacher / tau) (stop-gradient), q = softmax(student / tau); 1 - TV
+  = alpha (Leviathan et al. 2023). Compact form: ``teacher_logsumexp`` [B, T]
+  is the *full* logsumexp of teacher / tau, and TV = 0.5 (sum_{V'} |p - q| +
+  p(outside V')), the full value. Gradients are finite, also at p == q."""
   t = jax.lax.stop_gradient(teacher_logits.astype(jnp.float32)) / temperature
   if teacher_logsumexp is None:
     p = jax.nn.softmax(t, -1)
@@ -121,12 +117,10 @@ def restrict_teacher(teacher_logits: jax.Array, draft_mask: jax.Array) -> jax.Ar
 
 
 def draft_vocab_sums(logits, targets, mask, teacher_logits, draft_mask, byte_level: bool = True):
-  """(sums, restricted teacher logits [B, T, V]) of an MTP depth drafting from
-  V' (``draft_mask`` [V] bool); logits, teacher_logits [B, T, V] float32,
-  targets [B, T] int32, mask [B, T] bool. sums: ``head_sums`` over targets in
-  V' only, plus over every valid position ``positions`` (count),
-  ``outside`` (the full teacher's mass outside V': alpha <= 1 - it) and
-  ``agree_full`` (argmax equal to the full teacher's)."""
+  """(sums, restricted teacher logits [B, T, V]) of a depth drafting from V'
+  (``draft_mask`` [V] bool): ``head_sums`` over targets in V', plus over the
+  valid positions ``positions``, ``outside`` (full teacher mass outside V':
+  alpha <= 1 - it) and ``agree_full`` (argmax equal to the full teacher's)."""
   inside = draft_mask[jnp.clip(targets, 0, logits.shape[-1] - 1)]
   s = head_sums(logits, targets, mask & inside, byte_level)
   m = mask.astype(jnp.float32)
@@ -159,14 +153,12 @@ def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | No
              distill_temperature: float = 1.0, distill_divergence: str = "kl",
              tv_weight: float = 0.5, teacher_logsumexp: jax.Array | None = None,
              loss_mask: jax.Array | None = None, byte_level: bool = True):
-  """The module docstring's objective: (loss scalar float32, sums).
-  tokens, segment_ids, loss_mask: [B, T] int32 (the last two or None);
-  lambda = loss_weight >= 0; depth D (default len(mtp_logits), D + R
-  depths); w = distill_weight in [0, 1]; tau > 0; distill_divergence "kl",
-  "tv" or "mix" (a = ``tv_weight``); teacher_logsumexp (``full_logsumexp``)
-  for a compact output with a TV part; byte_level: PAD never a target,
-  bits-per-byte sums. sums["main"], sums["mtp_k"]: ``head_sums``, the mtp
-  ones with ``kl`` (nats, tau = 1) and ``agree`` (and ``draft_vocab_sums``
+  """The module docstring's objective: (loss scalar float32, sums). tokens,
+  segment_ids, loss_mask: [B, T] int32 (the last two or None); depth D
+  (default len(mtp_logits)); distill_divergence "kl", "tv" or "mix";
+  teacher_logsumexp needed for a compact output with a TV part; byte_level:
+  PAD never a target, bits-per-byte sums. sums: ``head_sums`` per head, the
+  mtp ones with ``kl`` (nats, tau = 1), ``agree`` (and ``draft_vocab_sums``
   with V'). Raises ValueError: unknown divergence; compact TV without
   ``teacher_logsumexp``."""
   if distill_divergence not in ("kl", "tv", "mix"):
