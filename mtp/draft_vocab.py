@@ -1,14 +1,9 @@
-"""A reduced draft vocabulary V' for the MTP heads: which ids, and setting them.
+"""A reduced draft vocabulary V' for the MTP heads (FastMTP): which ids, and
+setting them. Decoding stays exact (q = 0 outside V', the residual carries
+p's mass there); per position alpha <= p(V'). The ids live in the model as
+``mtp.model.DraftVocab`` [V'] int32, saved with the parameters.
 
-As FastMTP (Cai et al. 2025), the draft heads score only the ids that carry
-most of the training data's mass. Decoding stays exact: q = 0 outside V',
-min(1, p(d) / q(d)) only sees d in V', the residual carries p's mass outside
-V'; per position alpha = sum_v min(p, q) <= p(V'). Pure numpy functions plus
-hooks that put V' on a model (``set_draft_vocab``), into a parameter State
-(``with_draft_vocab``) or resize it (``with_draft_vocab_size``); the ids live
-in the model as ``mtp.model.DraftVocab`` [V'] int32, saved with it.
-
-    counts = token_counts(rows, loss_mask)             # [V] int64 over the training rows
+    counts = token_counts(rows, loss_mask, vocab_size=V)   # [V] int64
     ids = select(counts, cfg.mtp.draft_vocab_size, always=tokenizer.stop_ids)
     params = with_draft_vocab(state.params, ids)       # or set_draft_vocab(model, ids)
 """
