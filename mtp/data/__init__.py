@@ -10,9 +10,9 @@ Embedded corpora build on first use under a file lock, one builder config
 per interpreter (``interpreter_tag()``). Split: a document is in
 ``validation`` iff its salted name hash mod 10 000 < 500 (``split_for_name``).
 
-Files: ``corpora.py`` (builders), ``sources.py`` (data dir, splits),
-``pipeline.py`` (grain), ``prompts.py``, ``chat.py`` (chat prompts),
-``distilled.py`` (self-distilled datasets)."""
+Files: ``corpora.py`` (builders), ``sources.py``, ``pipeline.py`` (grain),
+``prompts.py``, ``chat.py`` / ``chat_general.py`` / ``self_prompts.py`` /
+``sharegpt.py`` (chat data), ``distilled.py`` (self-distilled datasets)."""
 
 from mtp.data.corpora import (
     DATA_DIR_ENV, DEFAULT_DATA_DIR, EMBEDDED_DATASETS, SELF_DISTILLED_VERSION, TEXT_FILES,
