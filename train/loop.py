@@ -417,10 +417,10 @@ class TrainResult:
   """What ``train`` returns; ``as_dict()`` is the layout of
   ``final_metrics.json``."""
   step: int                        # the global step the run stopped at
-  train: dict[str, float]          # the last logged train-metrics row ({} when none)
-  eval: dict[str, float]           # validation metrics computed at ``step`` ({} when none)
-  step_time_s: float | None        # median s/step after the first (compiling) log window
-  params: dict[str, int]           # parameter counts: total, backbone, mtp
+  train: dict[str, float] = dataclasses.field(default_factory=dict)   # last train-metrics row
+  eval: dict[str, float] = dataclasses.field(default_factory=dict)    # validation at ``step``
+  step_time_s: float | None = None  # median s/step after the first (compiling) log window
+  params: dict[str, int] = dataclasses.field(default_factory=dict)    # total, backbone, mtp
   interrupted: bool = False        # a signal or the deadline stopped it with work left
   signal: int | None = None        # that signal's number, else None
   deadline_reached: bool = False   # the deadline (not a signal) stopped it
@@ -430,8 +430,9 @@ class TrainResult:
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> TrainResult:
-    """From ``as_dict()``'s layout (a final_metrics.json); unknown keys are
-    ignored, missing optional ones take their defaults."""
+    """From ``as_dict()``'s layout (a final_metrics.json, also one written
+    before a field existed: missing fields take their defaults; unknown keys
+    are ignored)."""
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in d.items() if k in names})
 
