@@ -119,13 +119,13 @@ def train_cell(cfg: Config, workdir: str, log) -> dict:
     res = train(cfg, workdir, log=log)
   except DivergedError as e:
     return {"diverged": str(e), "reused": False, "train_wall_s": time.perf_counter() - t0}
-  ev = res.get("eval") or {}
-  return {"step": res["step"], "reused": finished, "interrupted": bool(res.get("interrupted")),
-          "signal": res.get("signal"), "train_wall_s": time.perf_counter() - t0,
+  ev = res.eval
+  return {"step": res.step, "reused": finished, "interrupted": res.interrupted,
+          "signal": res.signal, "train_wall_s": time.perf_counter() - t0,
           "val_loss": ev.get("main/loss"), "val_bpb": ev.get("main/bits_per_byte"),
           "val_accuracy": ev.get("main/accuracy"),
           "mtp_accuracy": [ev.get(f"mtp_{k}/accuracy") for k in range(1, cfg.mtp.depth + 1)],
-          "step_time_s": res.get("step_time_s"), "params": res.get("params")}
+          "step_time_s": res.step_time_s, "params": res.params}
 
 
 # -- tables (pure) -------------------------------------------------------------

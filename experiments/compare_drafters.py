@@ -259,7 +259,7 @@ def train_drafts(args, cfg, archs) -> list[dict]:
       walls[name] = walls.get(name, 0.0) + wall   # resumed runs add up their pieces
       _dump_json(walls_path, walls)
     # a SIGINT / SIGTERM makes train() checkpoint and return early: stop, do not report it as done
-    cli.exit_if_interrupted(res, dcfg.train.num_steps, f"training of the {role}-matched draft {name}",
+    cli.exit_if_interrupted(res.as_dict(), dcfg.train.num_steps, f"training of the {role}-matched draft {name}",
                             workdir)
     drafts[name] = {"label": name, "role": role, "workdir": workdir, "trained_now": not already,
                     "wall_s": walls.get(name)}

@@ -483,15 +483,15 @@ def train_stage(cfg: Config, variant: str, seed: int, name: str, workdir: str, l
   except DivergedError as e:
     st.update(diverged=str(e), train_wall_s=time.perf_counter() - t0)
     return st
-  cli.exit_if_interrupted(res, cfg.train.num_steps, f"stage {name}", workdir)
-  st.update(step=res["step"], train_wall_s=time.perf_counter() - t0, eval=res.get("eval"),
-            step_time_s=res.get("step_time_s"))
+  cli.exit_if_interrupted(res.as_dict(), cfg.train.num_steps, f"stage {name}", workdir)
+  st.update(step=res.step, train_wall_s=time.perf_counter() - t0, eval=res.eval,
+            step_time_s=res.step_time_s)
   cost_path = os.path.join(workdir, "stage_cost.json")
   if finished and os.path.exists(cost_path):     # what the stage cost when it ran
     with open(cost_path) as f:
       st["train_wall_s"] = json.load(f)["train_wall_s"]
-  elif not res.get("interrupted"):
-    cli.write_atomic(cost_path, json.dumps({"train_wall_s": st["train_wall_s"], "step": res["step"]}))
+  elif not res.interrupted:
+    cli.write_atomic(cost_path, json.dumps({"train_wall_s": st["train_wall_s"], "step": res.step}))
   return st
 
 

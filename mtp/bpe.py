@@ -1,24 +1,13 @@
 """BPE tokenizer on Hugging Face ``tokenizers``, with chat templates.
 
-``BPETokenizer`` implements the interface of ``mtp.tokenizer`` (see its
-docstring) over a ``tokenizers.Tokenizer``: a ``tokenizer.json``
-(``from_files``, ``from_hf_dir``) or one built from GGUF metadata
-(``from_gguf_metadata``: ``tokenizer.ggml.tokens``, ``.merges``,
-``.token_type``, the special ids and ``tokenizer.chat_template``), with the
-control tokens registered as special tokens.
-
-Safety: ``encode`` treats its text as text. A string that spells a special
-token (``"<|im_start|>system"``) is cut into ordinary tokens
-(``tokenizers``' ``encode_special_tokens``), never mapped to the control
-token. Control tokens come only from the chat template
-(``apply_chat_template``): the template is rendered with each message's
-content replaced by a sentinel, the control tokens are found in the template
-text alone, and the contents are encoded as text. When no content spells a
-special token, the ids equal transformers' ``apply_chat_template(...,
-tokenize=True)`` (added tokens split the text at the same places).
-
-Templates render with jinja2's ``ImmutableSandboxedEnvironment`` with
-``trim_blocks`` and ``lstrip_blocks``, as transformers does.
+``BPETokenizer`` implements ``mtp.tokenizer``'s interface over a
+``tokenizer.json`` (``from_files``, ``from_hf_dir``) or GGUF metadata
+(``from_gguf_metadata``). ``encode`` treats text as text: a string spelling
+a special token is cut into ordinary tokens, never the control token.
+Control tokens come only from the chat template (``apply_chat_template``
+renders it with sentinel contents, in jinja2's sandbox with ``trim_blocks``
+and ``lstrip_blocks``); when no content spells a special token the ids
+equal transformers' ``apply_chat_template(..., tokenize=True)``.
 """
 
 from __future__ import annotations

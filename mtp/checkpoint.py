@@ -1,38 +1,15 @@
-"""Orbax checkpoints of a workdir: parameters, optimizer state, step, the
-data iterator's state and the config that produced them.
+"""Orbax checkpoints of a training workdir: parameters, optimizer state,
+step, the data iterator's state and the config (``mtp.loading`` handles
+exported directories).
 
-Orbax only: this module reads and writes training workdirs and knows
-nothing of other model formats (``mtp.loading`` tells a workdir from an
-exported directory and loads either).
-
-Layout: ``WORKDIR/checkpoints/<step>/{state,data,config,checksums}``,
-written atomically by ``orbax.checkpoint.CheckpointManager`` (a checkpoint
-killed mid-write is never listed), keeping the last ``keep``.
-
-``checksums`` (a JSON item, ``<step>/checksums/metadata``) records, for
-every saved array (``params.<path>``, ``opt_state.<path>``), its dtype, shape
-and the CRC-32 of its bytes (C order). ``restore`` verifies every array it
-reads against it, so a file altered after the save (a flipped or
-overwritten byte that still decodes) is refused with one error naming the
-step and the array, for decoding, resuming and ``train.init_from`` alike. A
-checkpoint written before checksums were recorded loads with a one-line
-notice on stderr. Arrays not fully addressable by this process (multi-host
-shards) are neither recorded nor verified. Each checkpoint
-carries its own config, so decoding needs nothing but the workdir, and a
-resumed run is checked against it before anything is written.
-
-A save that fails for an OS reason (a full disk, no permission, a read-only
-file system) raises ``CheckpointWriteError``, one line naming the step, its
-path, the errno and the last complete step, after orbax's write threads
-have ended and its partial ``<step>.orbax-checkpoint-tmp`` folder is
-removed: the resume point stays the last complete step.
-
-Reading a workdir that a training run is writing (its ``train.lock``, see
-``training_run``): the loaders read the newest complete step
-(``Checkpointer.read_step``), passing over steps that rotation is removing
-or that are not whole yet, and a step removed while it is read is replaced
-by the newest complete one. Deleting a step directory is advised only when
-no training run is live.
+Layout ``WORKDIR/checkpoints/<step>/{state,data,config,checksums}``, written
+atomically by orbax, the last ``keep`` kept. ``checksums`` holds each saved
+array's dtype, shape and CRC-32; ``restore`` verifies every array it reads
+(a mismatch names step and array; a checkpoint without checksums loads with
+a notice; non-addressable shards are not checked). A save failing for an OS
+reason raises ``CheckpointWriteError`` after removing its partial folder.
+Readers of a workdir being trained read the newest complete step
+(``Checkpointer.read_step``).
 """
 
 from __future__ import annotations
@@ -94,20 +71,11 @@ _READ_RETRIES = 3
 
 
 def _run_sync_draining(coro):
-  """Orbax's ``asyncio_utils._run_sync_via_new_loop`` (a fresh event loop
-  per synchronous call, closed at the end), except that the tasks still
-  pending when ``coro`` ends are awaited (at most ``_DRAIN_TIMEOUT_S``,
-  then cancelled) before the loop closes.
-
-  Why: restoring a damaged checkpoint, the first failed tensorstore read
-  ends orbax's ``asyncio.gather`` while the other reads are still in
-  flight; orbax then closes the loop, and each read that completes later
-  calls ``loop.call_soon_threadsafe`` on the closed loop from a tensorstore
-  thread, printing ``RuntimeError: Event loop is closed`` tracebacks, for
-  seconds after the error was raised and handled. Waiting for those reads
-  first leaves nothing to call back. A save that fails on a full disk does
-  the same with its writes.
-  """
+  """Orbax's ``asyncio_utils._run_sync_via_new_loop``, except that tasks still
+  pending when ``coro`` ends are awaited (at most ``_DRAIN_TIMEOUT_S``, then
+  cancelled) before the loop closes: a failed read or write otherwise leaves
+  in-flight tensorstore callbacks that print "Event loop is closed"
+  tracebacks after the error was handled."""
   loop = asyncio.new_event_loop()
   try:
     asyncio.set_event_loop(loop)
@@ -145,11 +113,9 @@ def _pending_io_drained():
 
 
 def _join_orbax_threads(timeout: float = _DRAIN_TIMEOUT_S) -> None:
-  """Waits (at most ``timeout`` seconds in all) for orbax's background write
-  threads (``_SignalingThread``, one per item of a save). When one item's
-  write fails, orbax raises at once while the other items' threads go on
-  writing; one left running prints tracebacks later, or at interpreter
-  exit. A no-op with an orbax that has no such class."""
+  """Waits (at most ``timeout`` s in all) for orbax's background write threads,
+  which go on after one item's write failed and would print tracebacks
+  later. A no-op with an orbax without ``_SignalingThread``."""
   cls = getattr(_orbax_future, "_SignalingThread", None)
   if cls is None:
     return
@@ -221,12 +187,10 @@ def pid_alive(pid: int) -> bool:
 
 
 def training_run(workdir: str) -> str | None:
-  """The training run that may be writing ``workdir`` now, as "pid N" (or
-  "pid N on host H"), from ``WORKDIR/train.lock``: a process on this host
-  that is alive, or one on another host (which cannot be checked). None
-  when the file is missing, empty (released) or unreadable, or names this
-  process or a process of this host that is gone (a killed run). The file
-  is only read: a reader never takes the lock."""
+  """"pid N" (or "pid N on host H") of the training run that may be writing
+  ``workdir``, from ``train.lock`` (only read): a live process on this host or
+  one on another; None when the file is missing, empty or unreadable, or
+  names this process or a dead one."""
   try:
     with open(os.path.join(workdir, TRAIN_LOCK_FILE), encoding="utf-8") as f:
       text = f.read()
@@ -283,14 +247,11 @@ class Checkpointer:
     return list(self._manager.all_steps())
 
   def save(self, step: int, params, opt_state, data_iter, cfg: Config, *, force: bool = True):
-    """Writes checkpoint ``step`` (blocking) with the grain iterator's state
-    (one file per JAX process, ``<step>/data/process_{i}-of-{n}.json``;
-    skipped when ``data_iter`` is None, e.g. for synthetic data).
-
-    Raises CheckpointWriteError when the save fails for an OS reason
-    (``os_errno``: a full disk, no permission), once nothing of it is
-    running and its partial folder is removed (``_discard_partial``); the
-    last complete step stays the latest."""
+    """Writes checkpoint ``step`` (blocking) with the iterator state (one file
+    per process, ``<step>/data/process_{i}-of-{n}.json``; none when
+    ``data_iter`` is None). Raises CheckpointWriteError for an OS failure
+    (``os_errno``) once nothing of the save runs and its partial folder is
+    removed; the last complete step stays the latest."""
     state = {"params": params, "opt_state": opt_state}
     items = {"state": ocp.args.StandardSave(state),
              "config": ocp.args.JsonSave(cfg.to_dict()),
@@ -343,19 +304,11 @@ class Checkpointer:
       raise CheckpointError(f"checkpoint {self._path(step)} holds an invalid config: {e}") from e
 
   def restore(self, step: int | None, abstract_params, abstract_opt_state=None, data_iter=None):
-    """Restores (params, opt_state) of checkpoint ``step``, and sets
-    ``data_iter`` (a grain iterator) to the saved position.
-
-    ``abstract_*`` are pytrees of ``jax.ShapeDtypeStruct`` (with shardings
-    where wanted: arrays are restored directly into them, so a checkpoint
-    saved on one mesh restores onto any other mesh or a single device;
-    every process reads only the shards it holds). With
-    ``abstract_opt_state=None`` only the parameters are read (inference) and
-    opt_state comes back as None. ``data_iter=None`` skips the data state
-    (synthetic data).
-
-    Raises CheckpointError for a missing or unreadable checkpoint.
-    """
+    """(params, opt_state) of checkpoint ``step``, restored straight into the
+    ``abstract_*`` pytrees of ``ShapeDtypeStruct`` (with shardings: any mesh
+    or one device; each process reads its shards); ``abstract_opt_state=None``
+    reads parameters only (opt_state None). Sets ``data_iter`` to the saved
+    position (None: skipped). Raises CheckpointError (missing, unreadable)."""
     step = self.resolve_step(step)
     self._check_files(step, "state")
     try:
@@ -400,12 +353,10 @@ class Checkpointer:
     return step
 
   def read_step(self, step: int | None, read):
-    """``read(s)`` for checkpoint ``s`` = ``step``; with ``step`` None, for
-    the newest complete step (``newest_complete_step``), and when that step
-    is removed while it is read (a training run's checkpoint rotation), or
-    turns out incomplete while a training run is live, for the newest
-    complete step then, with a one-line notice on stderr (at most
-    ``_READ_RETRIES`` times). Errors of a pinned ``step`` propagate."""
+    """``read(s)`` for checkpoint ``s`` = ``step``, or (None) for the newest
+    complete step, retried (at most ``_READ_RETRIES`` times, with a notice)
+    when a live run's rotation removes it or it is incomplete. A pinned
+    ``step``'s errors propagate."""
     if step is not None:
       return read(self.resolve_step(step))
     failed = []
@@ -425,11 +376,8 @@ class Checkpointer:
 
   def newest_complete_step(self, skip=()) -> int:
     """The newest listed step not in ``skip``; while a training run may be
-    writing the workdir (``training_run``), the newer steps that are not
-    complete (``is_complete``: removed in part by its rotation, or not
-    whole yet) are passed over with a one-line notice on stderr. With no
-    live run the newest step is returned as it is (reading it names what
-    is missing). Raises CheckpointError when there is none."""
+    writing (``training_run``), newer incomplete steps are passed over with a
+    notice. Raises CheckpointError when there is none."""
     steps = [s for s in sorted(self.all_steps(), reverse=True) if s not in skip]
     if not steps:
       raise CheckpointError(f"no checkpoint found in {self.directory}")
@@ -570,15 +518,10 @@ def _nonfinite_counts(arrays):
 
 
 def _local_nonfinite_counts(leaves) -> np.ndarray:
-  """Per leaf, the non-finite entries this process holds: of a global array,
-  in its shards here (each shard once: replica 0 only); of a local array
-  (numpy, or a jax.Array all on this process's devices), in the whole of
-  it. int64 array of len(leaves).
-
-  Counted by one program per local device over that device's shards, with
-  no cross-process op: one global reduction per leaf is one collective
-  program per leaf, and a stream of them dispatched back to back can
-  deadlock two processes (docs/testing.md, "A hung worker")."""
+  """int64 [len(leaves)]: per leaf, the non-finite entries this process holds
+  (a global array's local shards, replica 0 only; a local array whole),
+  counted per local device with no cross-process op (one collective per
+  leaf can deadlock two processes: docs/testing.md, "A hung worker")."""
   counts = np.zeros(len(leaves), np.int64)
   per_device = {}      # device -> [(leaf index, shard data)]
   for i, x in enumerate(leaves):
@@ -602,15 +545,10 @@ def _is_global(x) -> bool:
 
 
 def check_finite(params, where: str) -> None:
-  """Raises CheckpointError naming the first parameter (dotted path) of
-  ``params`` (a pytree of arrays, sharded or not) that holds NaN or +-inf,
-  with the count of such entries; ``where`` names the checkpoint.
-
-  Each process counts what it holds (``_local_nonfinite_counts``). When a
-  leaf is a global array (shards on several processes), every process must
-  call this: one allgather of the counts (a single collective) gives each
-  the same totals (a global array's sum over processes, a local leaf's
-  largest count), so all raise together."""
+  """Raises CheckpointError naming checkpoint ``where``, the first parameter
+  (dotted path) of ``params`` holding NaN or +-inf and its count. With global
+  arrays every process must call it: one allgather of the local counts
+  gives all processes the same totals, so all raise together."""
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   arrays = [x for _, x in leaves]
   bad = _local_nonfinite_counts(arrays)

@@ -1,26 +1,9 @@
-"""A reduced draft vocabulary V' for the MTP heads: which ids, and setting them.
+"""A reduced draft vocabulary V' for the MTP heads (FastMTP): which ids, and
+setting them. Decoding stays exact (q = 0 outside V', the residual carries
+p's mass there); per position alpha <= p(V'). The ids live in the model as
+``mtp.model.DraftVocab`` [V'] int32, saved with the parameters.
 
-FastMTP (Cai et al. 2025) drafts from a language-compressed vocabulary: the
-draft head scores only the few thousand ids that carry almost all of the
-training data's mass, which on a 49k-id target (SmolLM2-135M) removes most
-of a module's cost (its tied head is 2.6 ms of a 30 ms step). Decoding stays
-exact (Leviathan et al. 2023): the draft distribution q is 0 outside V', the
-acceptance test min(1, p(d) / q(d)) only ever sees drafts d in V', and the
-residual norm(max(p - q, 0)) carries all of p's mass outside V'; only the
-acceptance rate drops, by at most the target's mass outside V' (per
-position alpha = sum_v min(p, q) <= p(V')).
-
-Pure functions on numpy arrays (no model inside) plus the hooks that put V'
-on a model (``set_draft_vocab``) or into a parameter State
-(``with_draft_vocab``, e.g. a ``train.loop.TrainState.params``), or give
-a model's weights another |V'| (``with_draft_vocab_size``). The ids
-live in the model as ``mtp.model.DraftVocab`` [V'] int32 (its size is
-``mtp.draft_vocab_size``), so checkpoints, restore, resume and the decoder
-carry them with the parameters.
-
-Typical use (the stage that trains modules for a pretrained target):
-
-    counts = token_counts(rows, loss_mask)             # [V] int64 over the training rows
+    counts = token_counts(rows, loss_mask, vocab_size=V)   # [V] int64
     ids = select(counts, cfg.mtp.draft_vocab_size, always=tokenizer.stop_ids)
     params = with_draft_vocab(state.params, ids)       # or set_draft_vocab(model, ids)
 """
@@ -38,21 +21,10 @@ from mtp.model import Transformer
 
 
 def token_counts(tokens, loss_mask=None, *, vocab_size: int) -> np.ndarray:
-  """How often each id occurs in training rows.
-
-  Args:
-    tokens: [N, T] integer ids (numpy or jax; any int dtype), all in
-      [0, vocab_size).
-    loss_mask: optional [N, T] (bool or 0/1): only positions where it is 1
-      are counted (e.g. the answer tokens of chat rows, the positions a
-      draft has to predict); None counts every position.
-    vocab_size: V, the length of the result.
-  Returns:
-    counts [V] int64.
-  Raises:
-    ValueError: shapes differ, tokens are not 2-D, or an id lies outside
-      [0, V) among the counted positions.
-  """
+  """counts [V] int64 of the ids in ``tokens`` [N, T] (any int dtype, in [0,
+  vocab_size)) at the positions where ``loss_mask`` [N, T] is 1 (None: all).
+  Raises ValueError: shapes differ, tokens not 2-D, or a counted id outside
+  [0, V)."""
   tokens = np.asarray(tokens)
   if tokens.ndim != 2:
     raise ValueError(f"tokens must be [N, T], got shape {tokens.shape}")
@@ -70,25 +42,12 @@ def token_counts(tokens, loss_mask=None, *, vocab_size: int) -> np.ndarray:
 
 
 def select(counts, size: int, always: Iterable[int] = (), allowed=None) -> np.ndarray:
-  """V': the ``size`` most frequent ids, always including ``always``.
-
-  Args:
-    counts: [V] non-negative counts (``token_counts``); ties are broken by
-      the lower id.
-    size: |V'|, 1 <= size <= the number of candidate ids.
-    always: ids that must be in V' whatever their count: the tokenizer's
-      stop ids (EOS, end-of-turn), so a draft can propose the end of an
-      answer.
-    allowed: optional [V] bool, the ids that may be chosen by frequency
-      (e.g. ``tokenizer.head_mask``: ids the head never emits are useless
-      in V'); ``always`` ids are taken even when not allowed.
-  Returns:
-    ids [size] int32, sorted ascending, unique.
-  Raises:
-    ValueError: size < 1, size larger than the number of candidates (the
-      allowed ids plus ``always``), more ``always`` ids than ``size``, or an
-      ``always`` id outside [0, V).
-  """
+  """V': the ``size`` most frequent ids of ``counts`` [V] (ties to the lower
+  id), always including ``always`` (stop ids, so a draft can end an answer),
+  choosing by frequency only ids ``allowed`` [V] bool permits (None: all).
+  Returns ids [size] int32, sorted, unique. Raises ValueError: size < 1 or
+  more than the candidates, more ``always`` ids than size, or an ``always``
+  id outside [0, V)."""
   counts = np.asarray(counts)
   v = counts.shape[0]
   must = np.unique(np.asarray(list(always), np.int64))
@@ -158,15 +117,10 @@ def with_draft_vocab(params: nnx.State, ids) -> nnx.State:
 
 
 def with_draft_vocab_size(model, ids):
-  """A model with the parameters of ``model`` (a ``mtp.model.Transformer``
-  with MTP modules; the arrays are shared, not copied) and the draft
-  vocabulary V' = ``ids`` of any size: [V'] ints (sorted, unique, in [0, V))
-  or None for no V' (the MTP heads score every id). ``model`` may have a V'
-  of another size or none; the weights of a head over a larger V' are the
-  same shared W_out rows, so this is how to evaluate or time one set of
-  trained modules against several V' (experiments/sweep_draft_vocab.py).
-  Raises ValueError as ``check_ids``, or for ids with a model without MTP
-  modules."""
+  """A model sharing ``model``'s parameters (a ``Transformer`` with MTP
+  modules) with draft vocabulary ``ids`` of any size ([V'] sorted, unique,
+  in [0, V)) or None (every id): to evaluate one set of modules against
+  several V'. Raises ValueError as ``check_ids``, or without MTP modules."""
   n = 0 if ids is None else len(np.asarray(ids))
   new = nnx.eval_shape(lambda: Transformer(model.cfg, model.mtp_depth, rngs=nnx.Rngs(params=0),
                                            draft_vocab_size=n,

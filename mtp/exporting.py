@@ -20,14 +20,10 @@ IMPORT_FILE = "import.json"             # mtp.importers.IMPORT_FILE
 
 
 def export(workdir: str, out: str, *, step: int | None = None, overwrite: bool = False) -> str:
-  """Exports checkpoint ``step`` (default: latest) of ``workdir`` to ``out``
-  (``python -m mtp.export``). Returns the absolute output path.
-
-  Raises:
-    mtp.checkpoint.CheckpointError: no readable checkpoint in ``workdir``.
-    mtp.export.ExportError: as ``mtp.export.write_export``, or an unreadable
-      tokenizer (``mtp.tokenizer.TokenizerError``, named with its file).
-  """
+  """Exports checkpoint ``step`` (default latest) of ``workdir`` to ``out``
+  (``python -m mtp.export``); returns the absolute path. Raises
+  CheckpointError (no readable checkpoint) or ExportError (as
+  ``write_export``, or an unreadable tokenizer)."""
   out_abs = export_lib.check_out(out, overwrite, source=workdir)   # fail before the (slow) restore
   try:
     tokenizer = tok.load_tokenizer(workdir)          # the byte tokenizer for byte models
@@ -81,18 +77,11 @@ def target_facts(workdir: str, cfg) -> dict:
 
 def export_modules(workdir: str, out: str, *, step: int | None = None, dtype: str = "bfloat16",
                    command: str | None = None, overwrite: bool = False) -> str:
-  """Writes the MTP modules (and draft vocabulary) of checkpoint ``step``
-  (default: latest) of ``workdir`` to the modules file ``out``
-  (``python -m mtp.export --modules_out``; format: ``mtp.export.modules``),
-  float params in ``dtype`` ("bfloat16" or "float32"), with the source's
-  last evaluation row at or before that step (``last_eval_row``) and the
-  provenance (commit, date, ``command``, workdir). Returns the absolute path.
-
-  Raises:
-    mtp.checkpoint.CheckpointError: no readable checkpoint in ``workdir``.
-    mtp.export.modules.ModulesFileError: ``out`` not writable, a bad
-      ``dtype``, a model without MTP modules.
-  """
+  """Writes the MTP modules and draft vocabulary of checkpoint ``step`` (default
+  latest) of ``workdir`` to the modules file ``out`` (``mtp.export.modules``),
+  floats in ``dtype`` ("bfloat16" or "float32"), with ``last_eval_row`` and
+  provenance; returns the absolute path. Raises CheckpointError, or
+  ModulesFileError (unwritable ``out``, bad dtype, no MTP modules)."""
   from mtp import report
   from mtp.export import modules
   out_abs = modules.check_modules_out(out, overwrite)   # fail before the (slow) restore

@@ -1,19 +1,11 @@
 """The one loader: a trained model from whatever directory holds it.
 
-Two kinds of model directories exist (``kind``):
-
-- ``"workdir"``: a training run directory (``python -m train``; a GGUF or
-  other import writes one too), read with orbax through ``mtp.checkpoint``;
-  it holds several steps, the latest by default;
-- ``"exported"``: a Hugging Face directory written by ``python -m
-  mtp.export`` (``config.json`` + ``model.safetensors`` and no
-  ``checkpoints/``), read by ``mtp.export.load_exported``; one set of
-  weights, so no step can be chosen.
-
-Every reader (``python -m decode``, ``train.init_from``, ``python -m
-mtp.export``, the scripts, ``scripts.self_distill`` among them) goes through here, so a
-new kind of directory is taught once. Imports ``mtp.checkpoint`` and
-``mtp.export``; neither imports this module (no import circle).
+``kind``: ``"workdir"`` (a training or import run directory, orbax through
+``mtp.checkpoint``, several steps, the latest by default) or ``"exported"``
+(a ``python -m mtp.export`` Hugging Face directory, ``config.json`` +
+``model.safetensors``, one set of weights). Every reader (decode,
+``train.init_from``, export, the scripts) goes through here. Imports
+``mtp.checkpoint`` and ``mtp.export``; neither imports this module.
 """
 
 from __future__ import annotations
@@ -54,12 +46,8 @@ def _exported(path: str, step: int | None):
 
 
 def load_config(path: str, step: int | None = None) -> tuple[Config, int]:
-  """(config, step) of checkpoint ``step`` (default: the latest) of a
-  workdir, or of an exported directory (its recorded step; ``step`` must be
-  None). Reads no parameters of a workdir.
-
-  Raises CheckpointError (no checkpoint, unreadable config, bad export).
-  """
+  """(config, step) of checkpoint ``step`` (default latest) of a workdir, or of
+  an export (``step`` None); reads no parameters. Raises CheckpointError."""
   if kind(path) == EXPORTED:
     if step is not None:
       _exported(path, step)
@@ -78,15 +66,10 @@ def load_config(path: str, step: int | None = None) -> tuple[Config, int]:
 
 
 def load_params(path: str, step: int | None, abstract_params):
-  """The parameters (an nnx State) of checkpoint ``step`` of ``path`` (a
-  workdir, or an exported directory with ``step`` None), placed like
-  ``abstract_params`` (a pytree of ``jax.ShapeDtypeStruct``, with shardings
-  where wanted: a workdir's arrays are restored straight into them).
-  Optimizer state, step and data position are not read.
-
-  Raises CheckpointError (missing, unreadable, non-finite or not matching
-  ``abstract_params``).
-  """
+  """The parameters (nnx State) of checkpoint ``step`` of ``path`` (an export:
+  ``step`` None), placed like ``abstract_params`` (``ShapeDtypeStruct``s,
+  with shardings where wanted). Raises CheckpointError (missing, unreadable,
+  non-finite or not matching)."""
   if kind(path) == EXPORTED:
     _, model, _ = _exported(path, step)
     params = nnx.state(model, nnx.Param)
@@ -104,18 +87,10 @@ def load_params(path: str, step: int | None, abstract_params):
 
 
 def load_model(path: str, step: int | None = None):
-  """Loads a trained model for inference from a training workdir (checkpoint
-  ``step``, default the latest) or from a directory written by ``python -m
-  mtp.export`` (``step`` must then be None).
-
-  Returns (config, model, step): ``model`` a ``mtp.model.Transformer`` with
-  its parameters as jax arrays on the first device. Raises CheckpointError when the
-  workdir has no readable checkpoint or the export cannot be read.
-
-  A workdir that a training run is writing (its ``train.lock``) loads its
-  newest complete step: see ``mtp.checkpoint.Checkpointer.read_step`` (so do
-  ``load_config`` and ``load_params``).
-  """
+  """(config, model, step) for inference from a workdir (checkpoint ``step``,
+  default the newest complete one, also while a run writes it) or a
+  ``python -m mtp.export`` directory (``step`` None); the parameters are jax
+  arrays on the first device. Raises CheckpointError."""
   if kind(path) == EXPORTED:
     return _exported(path, step)
   ckpt = ckpt_lib.Checkpointer(path, read_only=True)
@@ -142,13 +117,10 @@ def _read_model(ckpt, step: int):
 
 def overridden_config(cfg: Config, *, dtype: str | None = None,
                       attention_impl: str | None = None) -> Config:
-  """``cfg`` with the inference-time settings a reader may change without
-  touching the parameters' architecture: ``dtype`` sets ``model.dtype`` and
-  ``model.param_dtype`` (decode a float32-trained or imported model in
-  bfloat16), ``attention_impl`` sets ``model.attention_impl`` (a checkpoint
-  saved before "auto" existed stores "blockwise"). None keeps the saved
-  value. The result goes through ``mtp.config``'s validation, so a bad value
-  is the ConfigError line that names the field and its allowed values."""
+  """``cfg`` with the inference-time settings that leave the architecture alone:
+  ``dtype`` (``model.dtype`` and ``param_dtype``) and ``attention_impl``; None
+  keeps the saved value. Validated: a bad value raises ConfigError naming the
+  field."""
   changes = {}
   if dtype is not None:
     changes.update(dtype=dtype, param_dtype=dtype)
@@ -159,13 +131,9 @@ def overridden_config(cfg: Config, *, dtype: str | None = None,
 
 def override_model(cfg: Config, model, *, dtype: str | None = None,
                    attention_impl: str | None = None):
-  """(config, model) for ``overridden_config(cfg, ...)``: ``model`` rebuilt
-  for the new config (its modules read dtype and attention implementation
-  when built) with its floating parameters cast to the new
-  ``model.param_dtype`` once, here, so no decode step casts weights again;
-  integer parameters (a draft vocabulary's ids) are kept. Returns ``(cfg,
-  model)`` unchanged when nothing changes. Raises ConfigError (see
-  ``overridden_config``)."""
+  """(config, model) for ``overridden_config(cfg, ...)``: the model rebuilt with
+  floating parameters cast once to the new ``param_dtype`` (integer ones
+  kept); unchanged when nothing changes. Raises ConfigError."""
   new_cfg = overridden_config(cfg, dtype=dtype, attention_impl=attention_impl)
   if new_cfg == cfg:
     return cfg, model

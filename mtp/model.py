@@ -1,86 +1,16 @@
-"""Causal transformer backbone with D sequential MTP modules (Flax NNX).
-
-Backbone: token embedding E, L pre-norm blocks (RMSNorm -> causal multi-head
-attention with RoPE and optional GQA; RMSNorm -> SwiGLU MLP), final RMSNorm
-and output head W_out (tied to E or not). ``h^0_i`` is the last block's
-output at position i, before the final norm.
-
-MTP module k = 1..D (DeepSeek-V3 technical report, section 2.2, eq. 21-23):
+"""Causal transformer backbone with D sequential MTP modules (Flax NNX):
+pre-norm RoPE/GQA/SwiGLU blocks, head W_out (tied to E or not), h^0 the last
+block's output; MTP module k = 1..D (DeepSeek-V3, section 2.2) shares E and
+W_out and has its own output RMSNorm:
 
     h'^k_i = M_k [ RMSNorm(h^{k-1}_i) ; RMSNorm(E(t_{i+k})) ]     eq. 21
     h^k    = TRM_k(h'^k)                                          eq. 22
     P^k_{i+k+1} = softmax(W_out(RMSNorm_k(h^k_i)))               eq. 23
 
-E and W_out are shared with the main model. Each module has its own output
-RMSNorm (as in the released DeepSeek-V3 weights, ``shared_head.norm``), so
-module k's hidden states can differ in scale from the backbone's.
-
-Option beyond eq. 21 (``mtp.feature_layers``, after EAGLE-3, Li et al. 2025,
-which fuses low, middle and high target features): module 1 reads, in place
-of h^0, the draft input f = W_f [RMSNorm(h^{(l_1)}); ...; RMSNorm(h^{(l_m)}); h^0]
-over the outputs h^{(l)} of backbone blocks l_1 < ... < l_m (``FeatureFuse``,
-part of module 1, initialised to pass h^0 through: f = h^0). Modules k > 1
-and the recursive steps read h^{k-1} as in eq. 21.
-
-Shapes use the letters of docs/design.md: B batch, T query length, S key/cache
-length, D model width, N query heads, K kv heads, H head dim, V vocab,
-F MLP width.
-
-KV cache: every attention layer takes an optional ``LayerCache``
-``{"k": [B, S, K, H], "v": [B, S, K, H]}`` (activation dtype). Cache slot s
-holds position s. A call with ``positions`` [B, T] (contiguous per row:
-``positions[b] = o_b + arange(T)``) writes the new keys/values at slots
-``o_b .. o_b+T-1`` of each row (``dynamic_update_slice`` at per-row offsets,
-in place when the caller donates the cache) and attends to slots
-``s <= position``. Anything past a row's committed length is therefore
-invisible until it is overwritten: rolling back is choosing the next
-``positions``, never copying. Without a cache (training) attention is causal
-within a packed sequence and restricted to equal ``segment_ids``.
-
-Token trees (decode/tree.py) need two overrides of that rule, both optional
-(``None`` keeps the behaviour above exactly): ``write_offsets`` [B] int32
-writes the T new entries at slots ``write_offsets[b] + arange(T)`` while
-RoPE still uses ``positions`` (which then need not be contiguous: the nodes
-of a tree share positions), and ``mask`` [B, T, S] bool replaces the
-positional mask (query t sees slot s iff ``mask[b, t, s]``; every query must
-see at least one slot). The cache layout is unchanged.
-
-Reading the cache (``cached_attention``, chosen by ``model.attention_impl``):
-"blockwise" walks the cache in blocks of ``model.attention_block_size``
-slots up to the furthest slot any query of the call can see
-(``max(positions)``, or the last slot any ``mask`` row allows), with an
-online softmax across blocks (Milakov & Gimelshein 2018; FlashAttention, Dao
-et al. 2022; FlashDecoding's split over the keys), so a step's cost follows
-the filled length, not S. Its loop has a traced trip count: on an
-accelerator every iteration's predicate goes through the host, in every
-layer of every step. "dense" (``dense_attention``) attends over all S slots
-with the mask: no loop, static work (S is the static cache size decode
-allocates), bfloat16/float16 caches read as they are, scores and sums in
-float32. "cudnn" is the masked attention of ``jax.nn.dot_product_attention``
-through its cuDNN kernel (NVIDIA GPU, 16-bit). "auto" (default) picks when
-traced (``resolve_attention_impl`` for ``attention_backend()``):
-"blockwise" on the CPU (host and device are one there, and reading only the
-filled blocks measured fastest: docs/results/attention.md); "cudnn" on an
-NVIDIA GPU of compute capability >= 8.0 for a bfloat16/float16 model whose
-head dim cuDNN takes; "dense" everywhere else. All agree to float rounding
-wherever a query sees at least one slot (a query that sees none gets zeros
-from "blockwise" and "dense", the mean of all values from "cudnn").
-Training (no cache) is unaffected by the choice.
-
-Matmul precision (``model.matmul_precision``, ``matmul_precision``): every
-matmul of the forward carries it explicitly where it is built: each
-``nnx.Linear`` (``precision=``), the attention einsums of
-``blockwise_attention``, ``dense_attention`` and ``Attention.attend_chain``,
-the heads' ``jnp.dot`` (the tied head multiplies by E^T itself, as
-``nnx.Embed.attend`` would, because ``attend`` takes no precision).
-``jax.nn.dot_product_attention`` (training, "cudnn") takes no precision
-argument, so it is traced inside ``jax.default_matmul_precision``
-(``_dense_attention``), which sets the precision of its two einsums at
-trace time (cuDNN ignores it). Default "highest": float32 matmuls run in
-full float32 on GPU and TPU too (not TF32 or bfloat16 passes), so greedy
-float32 output does not depend on the cache size or the attention
-implementation beyond float32 rounding.
-"""
+KV cache ``LayerCache`` {"k", "v"}: [B, S, K, H], slot s holds position s;
+a call writes T entries from ``positions[:, 0]`` (or ``write_offsets``),
+query t sees slots s <= position (or ``mask`` [B, T, S]), so rolling back
+is choosing the next positions. Axes: docs/design.md section 3."""
 
 from __future__ import annotations
 
@@ -106,21 +36,11 @@ MTP_FILL_ID = 0
 
 @dataclasses.dataclass
 class ModelOutput:
-  """Result of ``Transformer.__call__``.
-
-  logits: [B, T, V] float32, main head; position i predicts token i+1.
-  mtp_logits: tuple of D arrays [B, T, V] float32; depth k at i predicts i+k+1.
-  hidden: tuple of D+1 arrays [B, T, D]: h^0 (backbone) then h^1..h^D.
-  draft_mask: [V] bool, ``Transformer.draft_mask()`` (head mask and V') when
-    the model has a reduced draft vocabulary V' (the MTP logits are -inf
-    outside it; ``train.losses.mtp_loss`` restricts its targets and the
-    teacher to it); None without one.
-  compact_ids: None, or [V'] int32 (sorted): every logits array (main head
-    and modules) is over V' only, [B, T, V'], entry j the logit of id
-    ``compact_ids[j]`` (``forward_from_hidden(..., compact=True)``: the
-    frozen stage's training step, where only the teacher restricted to V'
-    matters and the full-vocabulary logits would be most of the step).
-  """
+  """Result of ``Transformer.__call__``: ``logits`` [B, T, V] float32 (i
+  predicts i+1), ``mtp_logits`` D (+R) arrays [B, T, V] (depth k at i
+  predicts i+k+1), ``hidden`` h^0..h^D [B, T, D], ``draft_mask`` [V] bool
+  with a draft vocabulary V' (else None), ``compact_ids`` [V'] int32 when
+  every logits array is over V' only (else None)."""
   logits: jax.Array
   mtp_logits: tuple[jax.Array, ...]
   hidden: tuple[jax.Array, ...]
@@ -133,19 +53,17 @@ def _dtype(name: str):
 
 
 def matmul_precision(cfg: ModelConfig) -> jax.lax.Precision | None:
-  """The ``jax.lax.Precision`` of every matmul of a model of ``cfg``
-  (``model.matmul_precision``): HIGHEST or HIGH, or None for "default"
-  (JAX's ``jax_default_matmul_precision`` decides, as an op given none)."""
+  """The ``jax.lax.Precision`` every matmul of the model carries
+  (``model.matmul_precision``): HIGHEST, HIGH, or None for JAX's default.
+  "highest" keeps float32 matmuls float32 on GPU/TPU, so greedy float32
+  output does not depend on the cache size or attention implementation."""
   name = cfg.matmul_precision
   return None if name == "default" else jax.lax.Precision[name.upper()]
 
 
 def _dense_attention(q, k, v, mask, precision, implementation=None):
-  """``jax.nn.dot_product_attention(q, k, v, mask=mask)`` with its einsums
-  at ``precision``: it has no precision argument, so it is traced inside
-  ``jax.default_matmul_precision`` (read when each einsum is traced; an
-  einsum with an explicit algorithm, as its bfloat16 score product, keeps
-  it). precision None: JAX's default, no context."""
+  """``jax.nn.dot_product_attention`` with its einsums at ``precision``
+  (traced inside ``jax.default_matmul_precision``; None: no context)."""
   if precision is None:
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
   with jax.default_matmul_precision(precision.name.lower()):
@@ -196,11 +114,9 @@ CUDNN_MAX_HEAD_DIM = 128    # cuDNN flash attention: H <= 128 and H % 8 == 0 (25
 
 
 def attention_backend() -> str:
-  """The platform ``resolve_attention_impl`` chooses for, read at trace
-  time: ``jax.default_backend()`` ("cpu", "tpu", ...), except that a GPU is
-  "cuda" when it is an NVIDIA GPU on which cuDNN's fused attention runs
-  (CUDA, compute capability >= 8.0: Ampere or later) and "gpu" otherwise
-  (ROCm, older NVIDIA GPUs)."""
+  """The platform name ``resolve_attention_impl`` takes, read when traced:
+  ``jax.default_backend()``, except a GPU is "cuda" when cuDNN's fused
+  attention runs on it (NVIDIA, compute capability >= 8.0), else "gpu"."""
   backend = jax.default_backend()
   if backend != "gpu":
     return backend
@@ -212,20 +128,10 @@ def attention_backend() -> str:
 
 
 def resolve_attention_impl(impl: str, backend: str, dtype, head_dim: int | None = None) -> str:
-  """The implementation ``cached_attention`` runs for ``model.attention_impl``
-  = ``impl`` on ``backend`` (``attention_backend()``'s names) with
-  activations of ``dtype`` (name or dtype) and head dim ``head_dim`` (None:
-  not checked). Pure, so the choice is testable without the hardware.
-
-  "blockwise", "dense" and "cudnn" are returned as they are. "auto":
-  "blockwise" on "cpu" (host and device are one, so its loop's traced trip
-  count moves nothing between them, and reading only the filled blocks
-  measured fastest);
-  otherwise no loop with a traced trip count: "cudnn" on "cuda" for a
-  bfloat16/float16 ``dtype`` with ``head_dim`` a multiple of 8 and at most
-  128 (where cuDNN has a kernel), "dense" everywhere else (TPU, other GPUs,
-  float32). Raises ValueError for another ``impl``.
-  """
+  """The implementation ``cached_attention`` runs for ``impl`` on ``backend``
+  with activation ``dtype`` and ``head_dim`` (None: unchecked), pure. "auto":
+  "blockwise" on "cpu"; "cudnn" on "cuda" for 16-bit dtypes with head_dim %
+  8 == 0 and <= 128; "dense" elsewhere. Raises ValueError for an unknown impl."""
   if impl not in ATTENTION_IMPLS:
     raise ValueError(f"model.attention_impl={impl!r}: must be one of "
                      + ", ".join(repr(i) for i in ATTENTION_IMPLS))
@@ -240,26 +146,12 @@ def resolve_attention_impl(impl: str, backend: str, dtype, head_dim: int | None 
 
 
 def dense_attention(q, keys, values, positions, mask=None, *, precision=jax.lax.Precision.HIGHEST):
-  """Attention of q over every slot of a KV cache, masked: no loop, the
-  same work for every filled length.
-
-  q: [B, T, N, H]; keys, values: [B, S, K, H] (the cache after this call's
-  write; N % K == 0, grouped-query attention: query head j reads KV head
-  j // (N / K), as ``jax.nn.dot_product_attention``); positions: [B, T]
-  int32; mask: [B, T, S] bool or None (default: query t sees slot s iff
-  s <= positions[b, t]). Returns [B, T, N, H] in q's dtype.
-
-      s_ts = (q_t . k_s) / sqrt(H)           (float32; -inf where not visible)
-      y_t  = sum_s exp(s_ts - m_t) v_s / sum_s exp(s_ts - m_t),  m_t = max_s s_ts
-
-  Both einsums take the operands in their own dtype (the cache is cast to
-  q's dtype, the activation dtype it already holds) and accumulate in
-  float32 (``preferred_element_type``), so a bfloat16 cache is never copied
-  to float32; the probabilities enter the value product in the values'
-  dtype, the normaliser is applied after it in float32. Both at
-  ``precision`` (``matmul_precision``). A query that sees no slot gets
-  zeros (as ``blockwise_attention``).
-  """
+  """Attention of q [B, T, N, H] over every slot of keys, values [B, S, K, H]
+  (after this call's write; GQA: head j reads KV head j // (N / K)), masked
+  (query t sees slot s iff s <= positions[b, t], or ``mask`` [B, T, S]).
+  Returns [B, T, N, H] in q's dtype: softmax_s(q_t . k_s / sqrt(H)) . v,
+  float32 scores and sums, einsums at ``precision`` in the operands' dtype.
+  A query that sees no slot gets zeros."""
   b, t, n, h = q.shape
   s, kv = keys.shape[1], keys.shape[2]
   qg = q.reshape(b, t, kv, n // kv, h)
@@ -283,27 +175,12 @@ def dense_attention(q, keys, values, positions, mask=None, *, precision=jax.lax.
 
 def blockwise_attention(q, keys, values, positions, mask=None, *, block_size: int = 128,
                         precision=jax.lax.Precision.HIGHEST):
-  """Attention of q over a KV cache reading only the blocks that can be
-  visible, with an online softmax across blocks (Milakov & Gimelshein 2018,
-  "Online normalizer calculation for softmax"; FlashAttention, Dao et al.
-  2022, Algorithm 1; FlashDecoding splits the keys the same way).
-
-  q: [B, T, N, H]; keys, values: [B, S, K, H] (the cache after this call's
-  write; N % K == 0, grouped-query attention as ``jax.nn.dot_product_attention``);
-  positions: [B, T] int32; mask: [B, T, S] bool or None (default: query t
-  sees slot s iff s <= positions[b, t]). Returns [B, T, N, H] in q's dtype.
-
-  Blocks of C = min(block_size, S) slots; the loop runs
-  ceil(limit / C) blocks (at least one), limit = ``_slot_limit`` (traced:
-  one compiled program serves every length). Block i reads slots
-  [i*C, i*C + C); the last block of an S that C does not divide is read
-  from S - C with its already-counted slots masked. Scores, running max,
-  normaliser and accumulator are float32; scaling 1/sqrt(H) as
-  ``jax.nn.dot_product_attention``; both einsums at ``precision``
-  (``matmul_precision``). A query that sees no slot gets zeros.
-  Forward only (a ``while_loop`` with a traced trip count): decoding, not
-  training.
-  """
+  """``dense_attention`` reading only the blocks that can be visible, with an
+  online softmax across blocks (Milakov & Gimelshein 2018; FlashAttention).
+  Blocks of C = min(block_size, S); ceil(``_slot_limit`` / C) >= 1 of them (a
+  traced trip count: one program for every length); a last block past S is
+  read from S - C with its counted slots masked. Float32 throughout; einsums
+  at ``precision``. Forward only (a ``while_loop``): decoding, not training."""
   b, t, n, h = q.shape
   s, kv = keys.shape[1], keys.shape[2]
   g = n // kv
@@ -351,20 +228,12 @@ def blockwise_attention(q, keys, values, positions, mask=None, *, block_size: in
 
 def cached_attention(q, keys, values, positions, mask=None, *, impl: str = "auto",
                      block_size: int = 128, precision=jax.lax.Precision.HIGHEST):
-  """Attention of the queries of a cached call over the whole cache.
-
-  q: [B, T, N, H]; keys, values: [B, S, K, H] (after this call's write);
-  positions: [B, T] int32; mask: [B, T, S] bool or None (default: slot s
-  visible to query t iff s <= positions[b, t]). impl (``model.attention_impl``):
-  "blockwise" (``blockwise_attention``: cost follows the visible length, a
-  loop with a traced trip count), "dense" (``dense_attention``: every slot,
-  masked, no loop), "cudnn" (``jax.nn.dot_product_attention``'s cuDNN
-  kernel, every slot; NVIDIA GPU, bfloat16/float16 only) or "auto"
-  (``resolve_attention_impl`` for ``attention_backend()``, q's dtype and
-  head dim, when traced). ``precision``: of every matmul
-  (``matmul_precision``; cuDNN ignores it). Returns [B, T, N, H] in q's
-  dtype. Raises ValueError for another impl.
-  """
+  """Attention of a cached call's queries over the whole cache. Arguments and
+  result as ``dense_attention``; ``impl``: "blockwise"
+  (``blockwise_attention``), "dense" (``dense_attention``), "cudnn"
+  (``jax.nn.dot_product_attention``'s cuDNN kernel, 16-bit) or "auto"
+  (``resolve_attention_impl``, when traced); ``precision`` of every matmul
+  (cuDNN ignores it). Raises ValueError for another impl."""
   backend = attention_backend() if impl == "auto" else None
   impl = resolve_attention_impl(impl, backend, q.dtype, q.shape[-1])
   if impl == "blockwise":
@@ -410,17 +279,12 @@ class Attention(nnx.Module):
     return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
 
   def attend_chain(self, q, ctx_k, ctx_v, ctx_mask, chain_k, chain_v):
-    """Attention of per-position chains (training of module D's steps past
-    D, ``Transformer.mtp_recursive``): query t attends to the context keys
-    ``ctx_k[s]`` where ``ctx_mask[b, 0, t, s]`` and to its own chain's keys
-    ``chain_k[j][t]`` (j = 0..C-1), always visible.
-
-    q: [B, T, N, H]; ctx_k, ctx_v: [B, S, K, H]; ctx_mask: [B, 1, T, S] bool;
-    chain_k, chain_v: lists of C arrays [B, T, K, H]. Returns [B, T, D]
-    (after the output projection). Same scaling (1/sqrt(H)) and softmax as
-    ``jax.nn.dot_product_attention``, computed in float32, einsums at the
-    model's ``matmul_precision``.
-    """
+    """Attention of per-position chains (``Transformer.mtp_recursive``): query
+    t sees context keys ``ctx_k[s]`` where ``ctx_mask[b, 0, t, s]`` and its own
+    chain's keys ``chain_k[j][t]``. q: [B, T, N, H]; ctx_k, ctx_v: [B, S, K,
+    H]; ctx_mask: [B, 1, T, S] bool; chain_k, chain_v: C arrays [B, T, K, H].
+    Returns [B, T, D] after the output projection; float32 softmax, einsums at
+    ``matmul_precision``."""
     b, t, n, h = q.shape
     kv = self.num_kv_heads
     qg = q.reshape(b, t, kv, n // kv, h).astype(jnp.float32) / math.sqrt(h)
@@ -440,7 +304,7 @@ class Attention(nnx.Module):
     """x: [B, T, D]; positions: [B, T] int32; segment_ids: [B, T] int32 or
     None. With a cache, optionally ``write_offsets`` [B] int32 (slot of the
     first new entry; default ``positions[:, 0]``) and ``mask`` [B, T, S] bool
-    (default: slot s visible iff s <= position); see the module docstring.
+    (default: slot s visible iff s <= position): the module docstring's cache.
     Returns (y [B, T, D], updated cache or None)."""
     b, t, _ = x.shape
     q, k, v = self.project(x, positions)
@@ -496,32 +360,18 @@ class Block(nnx.Module):
 
 
 class DraftVocab(nnx.Param):
-  """The reduced draft vocabulary V' of a model: [V'] int32, sorted, unique
-  ids (``mtp.draft_vocab``; ``Transformer.draft_vocab`` when
-  ``mtp.draft_vocab_size`` > 0).
-
-  Why an ``nnx.Param`` subclass: every reader and writer of a model's state
-  in this project takes ``nnx.state(model, nnx.Param)`` / ``nnx.split(model,
-  nnx.Param)`` (orbax checkpoints with their checksums, ``mtp.loading``,
-  resume, ``train.init_from``, the decoder's jitted arguments, sharding), so
-  V' travels with the parameters everywhere without a second file or a
-  second filter. It is not trained: ``train.loop.split_trainable`` keeps it
-  out of the differentiated and optimized subset (an int32 leaf has no
-  gradient), and ``count_params`` does not count it. ``mtp.export`` refuses
-  a model with V' (the Hugging Face layout has no place for it).
-  """
+  """The draft vocabulary V' of a model: [V'] int32, sorted, unique ids. An
+  ``nnx.Param`` so that it travels with the parameters through every
+  ``nnx.state(model, nnx.Param)`` reader (checkpoints, loading, the decoder,
+  sharding); never trained (``train.loop.split_trainable``), not counted by
+  ``count_params``, refused by ``mtp.export``."""
 
 
 class FeatureFuse(nnx.Module):
-  """Module 1's draft input from m lower backbone layers and h^0
-  (``mtp.feature_layers``; EAGLE-3's feature fusion, Li et al. 2025):
-
-      f_i = W_f [RMSNorm_1(h^{(l_1)}_i); ...; RMSNorm_m(h^{(l_m)}_i); h^0_i]     [B, T, D]
-
-  W_f [(m+1) D, D] starts as [0; ...; 0; I] (f = h^0 exactly, the plain
-  module of eq. 21), so attaching it to a trained module changes nothing
-  until it is trained. No random numbers are drawn (adding it leaves the
-  other parameters' initialisation unchanged)."""
+  """Module 1's draft input from m lower layers and h^0 (``mtp.feature_layers``,
+  EAGLE-3): f_i = W_f [RMSNorm_1(h^{(l_1)}_i); ...; RMSNorm_m(h^{(l_m)}_i);
+  h^0_i] [B, T, D]. W_f [(m+1) D, D] starts as [0; ...; 0; I] (f = h^0), and
+  no random numbers are drawn, so attaching it changes nothing until trained."""
 
   def __init__(self, cfg: ModelConfig, num_lower: int):
     dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
@@ -543,11 +393,9 @@ class FeatureFuse(nnx.Module):
 
 
 class MTPModule(nnx.Module):
-  """One sequential MTP module (DeepSeek-V3 eq. 21-22): RMSNorm both inputs,
-  project the concatenation [2D -> D] with M_k, run one transformer block;
-  plus the module's own output RMSNorm applied before the shared head.
-  ``num_lower`` > 0 (module 1 only, ``mtp.feature_layers``): also holds the
-  ``FeatureFuse`` (``fuse``) that makes its hidden input."""
+  """One MTP module (eq. 21-22): RMSNorm both inputs, project [2D -> D] with
+  M_k, one transformer block, and its own output RMSNorm before the shared
+  head; module 1 with ``num_lower`` > 0 also holds the ``FeatureFuse``."""
 
   def __init__(self, cfg: ModelConfig, *, out_scale: float, rngs: nnx.Rngs, num_lower: int = 0):
     dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
@@ -573,22 +421,12 @@ class MTPModule(nnx.Module):
 
 
 class Transformer(nnx.Module):
-  """Backbone + ``mtp_depth`` sequential MTP modules sharing E and W_out.
-
-  Args:
-    cfg: model config (``mtp.config.ModelConfig``).
-    mtp_depth: D >= 0; D = 0 is a plain language model.
-    rngs: ``nnx.Rngs`` for parameter initialisation.
-    draft_vocab_size: |V'| of a reduced draft vocabulary (``mtp.draft_vocab_size``;
-      0 = none, the default: the MTP heads score every id). With V' the model
-      holds ``draft_vocab`` (a ``DraftVocab`` [V'] int32, sorted ids) and
-      ``mtp_head`` scores only those ids (see there).
-    feature_layers: sorted 0-based block indices < L - 1 whose outputs feed
-      module 1 with h^0 (``mtp.feature_layers``, ``FeatureFuse``); () = eq. 21.
-  Raises ValueError: mtp_depth < 0, draft_vocab_size outside [0, V],
-    draft_vocab_size > 0 with mtp_depth = 0, or feature_layers out of range,
-    unsorted or given with mtp_depth = 0.
-  """
+  """Backbone + ``mtp_depth`` D >= 0 sequential MTP modules sharing E and
+  W_out (D = 0: a plain language model). ``draft_vocab_size``: |V'| (0 =
+  none; the model then holds ``draft_vocab``); ``feature_layers``: sorted
+  block indices < L - 1 feeding module 1 (``FeatureFuse``; () = eq. 21).
+  Raises ValueError: D < 0, draft_vocab_size outside [0, V], or
+  draft_vocab_size / feature_layers bad or given with D = 0."""
 
   def __init__(self, cfg: ModelConfig, mtp_depth: int, *, rngs: nnx.Rngs,
                draft_vocab_size: int = 0, feature_layers: tuple[int, ...] = ()):
@@ -638,19 +476,17 @@ class Transformer(nnx.Module):
 
   def backbone_features(self, tokens, positions, segment_ids=None,
                         cache: list[LayerCache] | None = None, write_offsets=None, mask=None):
-    """``backbone`` plus what the MTP drafter stores for module 1: returns
-    (h^0 [B, T, D], draft input [B, T, D], new caches or None). The draft
-    input is h^0 itself (the same array) unless ``feature_layers`` is set,
-    then ``FeatureFuse`` over the listed blocks' outputs and h^0."""
+    """``backbone`` plus module 1's draft input: (h^0 [B, T, D], draft input [B,
+    T, D], caches or None); the draft input is h^0 itself unless
+    ``feature_layers`` is set (then ``FeatureFuse``)."""
     h0, lower, new_cache = self._run_blocks(tokens, positions, segment_ids, cache, write_offsets,
                                             mask, collect=self.feature_layers)
     return h0, self.draft_input(h0, lower), new_cache
 
   def backbone_hidden(self, tokens, positions, segment_ids=None):
-    """What the frozen-backbone stage caches per token (``train.hidden_cache``):
-    [B, T, (m + 1) D] = [h^{(l_1)}; ...; h^{(l_m)}; h^0] over the m
-    ``feature_layers`` (h^0 alone, [B, T, D], without them); split again by
-    ``split_hidden``."""
+    """What ``train.hidden_cache`` stores per token: [B, T, (m + 1) D] = [h^{(l_1)};
+    ...; h^{(l_m)}; h^0] (h^0 alone without ``feature_layers``); ``split_hidden``
+    splits it."""
     h0, lower, _ = self._run_blocks(tokens, positions, segment_ids, None, None, None,
                                     collect=self.feature_layers)
     return h0 if lower is None else jnp.concatenate([lower, h0], -1)
@@ -685,11 +521,9 @@ class Transformer(nnx.Module):
     return x, (jnp.concatenate(lower, -1) if lower else None), new_cache
 
   def head(self, h, norm: nnx.RMSNorm | None = None) -> jax.Array:
-    """Output head: logits [B, T, V] float32 = W_out(norm(h)); ``norm``
-    defaults to the final norm. Ids that can never be a correct next token
-    (``tokenizer.head_mask(cfg)``: vocabulary padding and, for the byte
-    tokenizer, PAD, BOS and bytes no UTF-8 text contains) get -inf, so their probability is exactly 0 on every
-    path that samples from this head."""
+    """Logits [B, T, V] float32 = W_out(norm(h)) (``norm`` defaults to the final
+    norm); ids ``tokenizer.head_mask(cfg)`` forbids get -inf (probability 0 on
+    every sampling path)."""
     h = (norm or self.final_norm)(h)
     if self.cfg.tie_embeddings:     # nnx.Embed.attend (promote, then h @ E^T) with a precision
       h, w = self.embed.promote_dtype((h, self.embed.embedding[...]), dtype=self.embed.dtype)
@@ -711,19 +545,10 @@ class Transformer(nnx.Module):
 
   def mtp_head(self, k: int, h_k) -> jax.Array:
     """Logits [B, T, V] float32 of MTP depth k from h^k [B, T, D] (eq. 23).
-
-    With a reduced draft vocabulary V' (``draft_vocab_size`` > 0; FastMTP's
-    language-compressed draft vocabulary, Cai et al. 2025) only the V' rows
-    of W_out are multiplied (``mtp_head_compact``: one [.., D] x [D, V']
-    matmul, the saving) and scattered into a full-vocabulary vector that is
-    -inf outside V' (and at the head mask's ids), so the drafters, warping,
-    sampling and the acceptance rule need no change: the draft distribution
-    q is exactly 0 outside V'. Verification stays exact (Leviathan et al.
-    2023): a draft is always in V', min(1, p/q) is only ever evaluated
-    there, and the residual norm(max(p - q, 0)) carries all of p's mass
-    outside V', so the output law is the target's; only acceptance drops.
-    The main head (``head``) never changes.
-    """
+    With a draft vocabulary V' only its rows of W_out are multiplied
+    (``mtp_head_compact``) and scattered into a vector that is -inf outside V',
+    so q is exactly 0 there; verification stays exact (the residual carries
+    p's mass outside V'), only acceptance drops."""
     if not self.draft_vocab_size:
       return self.head(h_k, self.mtp[k - 1].out_norm)
     compact, ids = self.mtp_head_compact(k, h_k)
@@ -731,12 +556,9 @@ class Transformer(nnx.Module):
     return full.at[..., ids].set(compact, indices_are_sorted=True, unique_indices=True)
 
   def mtp_head_compact(self, k: int, h_k) -> tuple[jax.Array, jax.Array]:
-    """MTP depth k's logits over the draft vocabulary only: (logits [B, T, V']
-    float32, ids [V'] int32 sorted), logits[..., j] the full head's logit of
-    id ``ids[j]`` (-inf where ``tokenizer.head_mask`` forbids it). Gathers
-    the V' rows of the tied embedding (or columns of the untied head) and
-    runs one [.., D] x [D, V'] matmul. Raises ValueError without a draft
-    vocabulary (``draft_vocab_size`` = 0)."""
+    """Depth k's logits over V' only: (logits [B, T, V'] float32, ids [V']
+    int32 sorted), -inf where the head mask forbids; one [.., D] x [D, V']
+    matmul. Raises ValueError without a draft vocabulary."""
     if not self.draft_vocab_size:
       raise ValueError("mtp_head_compact needs a reduced draft vocabulary "
                        "(mtp.draft_vocab_size > 0)")
@@ -775,38 +597,14 @@ class Transformer(nnx.Module):
 
   def mtp_recursive(self, tokens, positions, segment_ids, h_prev, h_last, steps: int,
                     compact: bool = False):
-    """Module D reused for the steps past D, as the decoder drafts G > D
-    tokens (``decode.drafters.MTPDrafter.draft``), computed for every chain
-    start i at once.
-
-    Chain from i: step 0 is module D's ordinary output h_0(i) = h^D_i; step
-    r = 1..R runs module D at position i+r on (h_{r-1}(i), t_{i+D+r}) and
-    predicts t_{i+D+r+1}:
+    """Module D reused for R = ``steps`` steps past D, for every chain start i
+    at once (h_0(i) = h^D_i; docs/design.md section 9):
 
         h_r(i) = TRM_D(M_D[RMSNorm(h_{r-1}(i)); RMSNorm(E(t_{i+D+r}))])   at position i+r
-        logits_r(i) = W_out(RMSNorm_D(h_r(i)))
 
-    Attention context of step r at chain i, exactly as module D's KV cache
-    holds it in that draft round: module D's ordinary (teacher-forced) keys
-    and values at positions p <= i of the same document, plus the chain's own
-    entries of steps 1..r (the decoder writes them at positions i+1..i+r over
-    scratch slots). Teacher forcing uses the true tokens where the decoder
-    feeds its drafts d_{D+r-1}; they agree exactly when the earlier drafts
-    were accepted, the only case in which draft D+r is looked at.
-
-    Args:
-      tokens, positions: [B, T] int32; segment_ids: [B, T] int32 or None.
-      h_prev: [B, T, D] module D's hidden input in the ordinary pass (h^{D-1};
-        module 1's is ``draft_input``).
-      h_last: h^D [B, T, D] (module D's ordinary output).
-      steps: R >= 0.
-      compact: logits over V' only ([B, T, V'], ``mtp_head_compact``).
-    Returns:
-      tuple of R logits [B, T, V] float32; entry r-1 at chain i predicts
-      t_{i+D+r+1} (positions whose token inputs run past T read ``MTP_FILL_ID``;
-      the loss masks them).
-    Raises ValueError when D = 0.
-    """
+    logits_r(i) = W_out(RMSNorm_D(h_r(i))) predicts t_{i+D+r+1}. h_prev: h^{D-1}
+    [B, T, D]; h_last: h^D. Returns R logits [B, T, V] float32 (over V' with
+    ``compact``). Raises ValueError when D = 0."""
     d = self.mtp_depth
     if d < 1:
       raise ValueError("mtp_recursive needs mtp_depth >= 1")
@@ -835,17 +633,11 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens, positions=None, segment_ids=None,
                recursive_steps: int = 0) -> ModelOutput:
-    """Cache-free forward over packed sequences.
-
-    tokens: [B, T] int32; positions: [B, T] int32 (defaults to arange(T));
-    segment_ids: [B, T] int32 document ids (0 = padding) or None;
-    recursive_steps: R >= 0 extra steps of module D (``mtp_recursive``),
-    appended to ``mtp_logits`` (D + R entries; entry k-1 at i predicts
-    t_{i+k+1}).
-    Module k at i reads t_{i+k}; the last k positions read ``MTP_FILL_ID``
-    (their targets do not exist and the loss masks them).
-    Equal to ``forward_from_hidden`` on the backbone's h^0 (same operations).
-    """
+    """Cache-free forward over packed sequences: tokens, positions (default
+    arange(T)): [B, T] int32; segment_ids: [B, T] int32 (0 = padding) or
+    None; recursive_steps: R >= 0 extra steps of module D appended to
+    ``mtp_logits``. Module k at i reads t_{i+k} (``MTP_FILL_ID`` past T).
+    Equals ``forward_from_hidden`` on the backbone's h^0."""
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -857,25 +649,12 @@ class Transformer(nnx.Module):
   def forward_from_hidden(self, tokens, positions, segment_ids, h0,
                           recursive_steps: int = 0, compact: bool = False,
                           lower=None) -> ModelOutput:
-    """``__call__`` from a precomputed backbone output, without running the
-    backbone: the frozen-backbone stage with cached hidden states
-    (``train.hidden_cache``; Medusa-1 and FastMTP train their heads on a
-    frozen target the same way).
-
-    tokens, positions: [B, T] int32; segment_ids: [B, T] int32 (0 = padding)
-    or None; h0: [B, T, D] the backbone's last block output (before the
-    final norm, what ``backbone`` returns; activation dtype, cast to it
-    here); recursive_steps: R >= 0 as in ``__call__``.
-    Returns the ``ModelOutput`` of ``__call__``: logits = head(final_norm(h0))
-    (the main head, the distillation teacher), the D + R module logits
-    (DeepSeek-V3 eq. 21-23, then ``mtp_recursive``) and hidden (h0, h^1..h^D).
-    ``compact=True`` (needs a draft vocabulary V'): every head over V' only
-    (``ModelOutput.compact_ids``); the same logits as the full form at the
-    V' ids. ``lower``: [B, T, m D] the ``feature_layers`` blocks' outputs
-    (``split_hidden``), required exactly when the model has feature layers.
-    Raises ValueError for compact without V', or ``lower`` missing or given
-    against ``feature_layers``.
-    """
+    """``__call__`` from a precomputed h0 [B, T, D] (the last block's output,
+    before the final norm; cast to the activation dtype): the frozen-backbone
+    stage (``train.hidden_cache``). Returns ``__call__``'s ``ModelOutput``;
+    ``compact=True`` (needs V'): every head over V' only; ``lower`` [B, T, m D]
+    is required exactly with ``feature_layers``. Raises ValueError for compact
+    without V' or a missing or unexpected ``lower``."""
     if compact and not self.draft_vocab_size:
       raise ValueError("forward_from_hidden(compact=True) needs mtp.draft_vocab_size > 0")
     if (lower is None) != (not self.feature_layers):

@@ -1,28 +1,14 @@
-"""Device mesh, logical axis rules and shardings (FSDP + tensor parallelism).
+"""Device mesh, logical axis rules and shardings (FSDP + tensor parallelism;
+docs/scaling.md).
 
-The mesh has three named axes, ``("data", "fsdp", "tensor")``, sized from
-``MeshConfig`` (-1 = all remaining devices):
-
-- ``data``: pure data parallelism; parameters are replicated over it.
-- ``fsdp``: data parallelism with parameters (and Adam moments) sharded
-  over it along their model-width dimension ``embed`` (ZeRO-3 / FSDP,
-  Rajbhandari et al. 2020); XLA all-gathers a weight where it is used.
-- ``tensor``: Megatron-style tensor parallelism (Shoeybi et al. 2019):
-  attention heads, the MLP width and the vocabulary are split over it.
-
-Batches [B, ...] are split over ``data`` x ``fsdp``.
-
-Two short tables say how a parameter is laid out. ``PARAM_RULES`` gives each
-parameter (by its nnx path, e.g. ``blocks/0/attn/q_proj/kernel``) one
-logical name per dimension; ``LOGICAL_TO_MESH`` maps a logical name to a
-mesh axis (or None = replicated). The MTP modules share the backbone's rules
-(their paths end the same way). Optimizer state follows the parameters: a
-leaf whose path ends like a parameter's (Adam ``mu``/``nu``) gets that
-parameter's sharding, everything else (step counts) is replicated.
-
-A mesh axis that does not divide the dimension it shards is an error, never a
-silent fallback to replication: ``check_mesh`` names the config fields before
-anything is compiled, and ``param_shardings`` names the parameter otherwise.
+Mesh axes ``("data", "fsdp", "tensor")`` sized from ``MeshConfig`` (-1 =
+the rest): ``data`` replicates parameters, ``fsdp`` shards parameters and
+Adam moments along ``embed`` (ZeRO-3), ``tensor`` splits heads, MLP width
+and vocabulary (Megatron). Batches [B, ...] split over data x fsdp.
+``PARAM_RULES`` names each parameter's dimensions, ``LOGICAL_TO_MESH`` maps
+names to axes; optimizer leaves follow their parameter, others replicate.
+An axis that does not divide its dimension is an error (``check_mesh``,
+``param_shardings``), never a silent replication.
 """
 
 from __future__ import annotations
@@ -90,13 +76,9 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
 
 
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
-  """A ``Mesh`` over ``devices`` (default: all, of every process) with axes ``AXES``.
-
-  Devices are ordered by (process, id) before the row-major reshape, so each
-  process owns a contiguous block of the mesh: with ``tensor`` dividing the
-  local device count, every process feeds distinct batch rows (its own
-  data shard) and the tensor-parallel collectives stay inside one host.
-  """
+  """A ``Mesh`` over ``devices`` (default all) with axes ``AXES``, devices
+  ordered by (process, id) so each process owns a contiguous block (its own
+  batch rows; tensor-parallel collectives inside a host)."""
   devices = jax.devices() if devices is None else list(devices)
   devices = sorted(devices, key=lambda d: (d.process_index, d.id))
   shape = mesh_shape(cfg, len(devices))
@@ -134,16 +116,9 @@ def check_batch(global_batch: int, mesh: Mesh, field: str = "train.batch_size"):
 
 
 def check_mesh(model: ModelConfig, mesh: Mesh | Mapping[str, int]):
-  """Checks that the mesh axes divide the model dimensions they shard:
-  ``tensor`` must divide num_heads, num_kv_heads, mlp_dim and vocab_size;
-  ``fsdp`` must divide d_model.
-
-  Args:
-    model: model config.
-    mesh: a ``Mesh`` or a mapping axis name -> size.
-  Raises:
-    ConfigError naming every offending field and both numbers.
-  """
+  """Checks that ``tensor`` divides num_heads, num_kv_heads, mlp_dim and
+  vocab_size and ``fsdp`` divides d_model (``mesh``: a ``Mesh`` or {axis:
+  size}). Raises ConfigError naming every offending field and both numbers."""
   sizes = dict(mesh.shape) if isinstance(mesh, Mesh) else dict(mesh)
   t, f = sizes.get("tensor", 1), sizes.get("fsdp", 1)
   bad = [f"mesh.tensor={t} does not divide model.{name}={getattr(model, name)}"
@@ -194,14 +169,10 @@ def spec_for(mesh: Mesh, path: str, shape: tuple[int, ...], names) -> P:
 
 
 def param_shardings(mesh: Mesh, abstract_params):
-  """``NamedSharding`` per leaf of a parameter pytree (an ``nnx.State`` of
-  arrays or ``ShapeDtypeStruct``), from ``PARAM_RULES`` and
-  ``LOGICAL_TO_MESH``.
-
-  Raises:
-    ValueError: a parameter that no rule covers (add one to PARAM_RULES).
-    ConfigError: a mesh axis that does not divide the dimension it shards.
-  """
+  """``NamedSharding`` per leaf of a parameter pytree (arrays or
+  ``ShapeDtypeStruct``s) from ``PARAM_RULES`` and ``LOGICAL_TO_MESH``. Raises
+  ValueError for a parameter no rule covers, ConfigError for an axis that
+  does not divide its dimension."""
   def one(path, x):
     p = _path_str(path)
     names = logical_axes(p)
@@ -251,23 +222,13 @@ def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
 def initialize_distributed(coordinator_address: str | None = None,
                            num_processes: int | None = None,
                            process_id: int | None = None, *, force: bool = False) -> bool:
-  """Starts ``jax.distributed`` for a multi-process (multi-host) run.
-
-  Call before anything else touches JAX. With any argument given, those
-  values are used (JAX auto-detects the rest). Without arguments it
-  initialises when ``force`` is set or the environment names a multi-process
-  job: ``JAX_COORDINATOR_ADDRESS`` (plus ``JAX_NUM_PROCESSES`` /
-  ``JAX_PROCESS_ID`` read here), a Slurm job with more than one task, or an
-  Open MPI job with more than one rank; JAX's own cluster detection
-  (``jax.distributed.initialize()`` without arguments: Cloud TPU, Slurm,
-  Open MPI, Kubernetes) then fills in the values. Otherwise it does nothing
-  (one process).
-
-  Returns True when ``jax.distributed`` was initialised. On CPU the
-  cross-process collectives use gloo (``jax_cpu_collectives_implementation``:
-  the default in jax 0.10, set here when unset). Raises ConfigError for an impossible
-  ``process_id`` / ``num_processes``.
-  """
+  """Starts ``jax.distributed`` for a multi-process run; call before anything
+  else touches JAX. Given arguments are used (JAX detects the rest); without
+  any it initialises only when ``force`` or the environment names a
+  multi-process job (``JAX_COORDINATOR_ADDRESS`` with ``JAX_NUM_PROCESSES`` /
+  ``JAX_PROCESS_ID``, Slurm or Open MPI with several tasks). Returns whether
+  it initialised. CPU collectives use gloo. Raises ConfigError for an
+  impossible process_id / num_processes."""
   env = os.environ
   if num_processes is None and env.get("JAX_NUM_PROCESSES"):
     num_processes = int(env["JAX_NUM_PROCESSES"])

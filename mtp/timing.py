@@ -1,16 +1,11 @@
 """The one interleaved-repeats timer and the one spread / format helper.
 
-Every benchmark in this project (scripts/, ``python -m decode --compare``,
-the decoder's round-cost calibration) times several variants the same way:
-compile each once, then ``repeats`` rounds in which every variant runs
-once, so that machine noise (a burst of another process, a slow drift in
-clock speed) hits all variants alike, and report the median over rounds
-(docs/design.md section 7). ``interleaved_times`` is that loop;
-``spread`` summarizes any list of numbers (timings or per-seed metrics)
-and ``format_spread`` prints one summary as "center [min, max]".
-
-This module imports neither ``train`` nor ``decode``; JAX only for
-``xla_flops``.
+Every benchmark (scripts/, ``python -m decode --compare``, the round-cost
+calibration) times variants in ``repeats`` rounds that each run every
+variant once, so machine noise hits all alike, and reports the median
+(docs/design.md section 7): ``interleaved_times``; ``spread`` and
+``format_spread`` summarise numbers. Imports neither ``train`` nor
+``decode``; JAX only for ``xla_flops``.
 """
 
 from __future__ import annotations
@@ -26,30 +21,11 @@ STATS = ("n", "mean", "std", "min", "p10", "median", "p90", "max")
 
 def interleaved_times(fns: Mapping[str, Callable[[], object]], repeats: int, *,
                       warmup: int = 1) -> dict[str, np.ndarray]:
-  """Seconds per call of every function, timed in interleaved rounds.
-
-  First every function is called ``warmup`` times (in the mapping's order;
-  compilation and first-call costs land there, untimed). Then ``repeats``
-  rounds: in round r every function is called once, timed with
-  ``time.perf_counter``, in the mapping's order rotated to start at
-  function ``r mod len(fns)`` (with two functions: A B, B A, A B, ...; a
-  slow drift then hits no function always first or always last). Each
-  function must block until its work is done: wrap JAX calls with
-  ``jax.block_until_ready``.
-
-  Args:
-    fns: {name: zero-argument callable}; its return value is ignored. A
-      function that must know which round it is in can count its own calls
-      (the warm-up calls come first, then one call per round).
-    repeats: timed rounds, >= 1.
-    warmup: untimed calls of each function before the rounds, >= 0.
-  Returns:
-    {name: float64 array [repeats]} of seconds; index r is round r, so
-    per-round ratios (``times["ar"] / times["mtp"]``) pair calls made close
-    together in time.
-  Raises:
-    ValueError: ``repeats`` < 1, ``warmup`` < 0, or no functions.
-  """
+  """Seconds per call of each zero-argument callable in ``fns`` (each must
+  block until done): ``warmup`` untimed calls each, then ``repeats`` rounds,
+  round r calling each once in the order rotated to start at r mod len(fns).
+  Returns {name: float64 [repeats]} (index r = round r, so per-round ratios
+  pair close calls). Raises ValueError: repeats < 1, warmup < 0, no functions."""
   names = list(fns)
   if not names:
     raise ValueError("interleaved_times: no functions to time")
@@ -72,22 +48,11 @@ def interleaved_times(fns: Mapping[str, Callable[[], object]], repeats: int, *,
 
 def spread(values: Sequence[float] | np.ndarray, stats: Sequence[str] = STATS,
            prefix: str = "") -> dict:
-  """Summary statistics of a list of numbers (seconds, rates, per-seed metrics).
-
-  Args:
-    values: the numbers (any length, NaN not allowed to mean "missing":
-      leave missing values out).
-    stats: which statistics, from ``STATS``: n (count, int), mean, std
-      (population), min, p10, median, p90, max (floats; percentiles with
-      numpy's linear interpolation).
-    prefix: prepended to every key (``spread(t, ("median", "min", "max"),
-      "wall_s_")`` gives wall_s_median, wall_s_min, wall_s_max).
-  Returns:
-    {prefix + stat: value} in the order of ``stats``; every float stat is
-    None (n is 0) when ``values`` is empty.
-  Raises:
-    ValueError: a name not in ``STATS``.
-  """
+  """Summary statistics of ``values`` (no NaN for "missing": leave it out):
+  ``stats`` from ``STATS`` (n, mean, std (population), min, p10, median,
+  p90, max; numpy's linear percentiles), each key prefixed by ``prefix``.
+  Returns {prefix + stat: value} in ``stats`` order; floats are None when
+  ``values`` is empty. Raises ValueError: a name not in ``STATS``."""
   bad = [s for s in stats if s not in STATS]
   if bad:
     raise ValueError(f"spread: unknown statistic {bad[0]!r}; known: {', '.join(STATS)}")
@@ -103,14 +68,10 @@ def spread(values: Sequence[float] | np.ndarray, stats: Sequence[str] = STATS,
 
 def format_spread(s: dict, fmt: str = ".3f", scale: float = 1.0, signed: bool = False,
                   center: str | None = None) -> str:
-  """One ``spread`` as "center [min, max]" (e.g. "1.250 [1.100, 1.400]").
-
-  ``center``: the statistic shown first (default: "median" when ``s`` has
-  it, else "mean"); values are multiplied by ``scale`` (1e3: seconds shown
-  as ms) and formatted with ``fmt`` (with a sign when ``signed``). Only the
-  center is shown when ``s`` counts one value (n == 1) or has no min/max;
-  "-" when it is empty or missing.
-  """
+  """One ``spread`` as "center [min, max]" (e.g. "1.250 [1.100, 1.400]"):
+  ``center`` defaults to "median" (else "mean"), values times ``scale``,
+  formatted with ``fmt`` (signed with ``signed``); the center alone for n == 1
+  or without min/max; "-" when empty."""
   if center is None:
     center = "median" if "median" in s else "mean"
   if not s or s.get(center) is None:

@@ -1,45 +1,18 @@
-"""Byte-level tokenizer: UTF-8 bytes plus three special tokens.
+"""Byte-level tokenizer: UTF-8 bytes 0..255, ``PAD_ID = 256``, ``BOS_ID =
+257``, ``EOS_ID = 258`` (``VOCAB_SIZE = 259``; models may pad the vocabulary).
 
-Ids 0..255 are the UTF-8 bytes, then ``PAD_ID = 256``, ``BOS_ID = 257`` and
-``EOS_ID = 258``; ``VOCAB_SIZE = 259`` real tokens. Models may use a larger
-(padded) vocabulary.
+``NEVER_EMITTED_IDS`` (``emittable_mask``) get probability exactly 0 on
+every decoding path (the head sets their logits to -inf): vocabulary
+padding, PAD (never a target), BOS (no target crosses a document) and the
+13 bytes no UTF-8 text contains (0xC0, 0xC1, 0xF5..0xFF; ``encode`` refuses
+lone surrogates). EOS stays emittable. Every str round-trips through
+``encode``/``decode``; ``decode`` drops special tokens and shows a split
+character as U+FFFD; ``StreamDecoder`` holds back incomplete UTF-8.
 
-Ids that can never be a correct next token (``NEVER_EMITTED_IDS``, and the
-boolean form ``emittable_mask``) get probability exactly 0 on every decoding
-path: the model's head sets their logits to -inf (``mtp.model``), so the
-target's p, every drafter's q, the residual and the bonus token never hold
-them at any temperature, top-k or top-p. They are, from the tokenizer and the
-training targets (``train.losses.shifted_targets``):
-
-- vocabulary padding, ids >= ``VOCAB_SIZE``: no text encodes to them;
-- ``PAD_ID``: padding is never a training target (the loss masks it);
-- ``BOS_ID``: every document starts with BOS and no target crosses a
-  document boundary, so BOS is never the token that follows a position;
-- the 13 bytes that no UTF-8 text contains (RFC 3629: 0xC0 and 0xC1, which
-  could only start overlong forms, and 0xF5..0xFF, beyond U+10FFFF):
-  ``encode`` only takes valid Unicode ``str`` (a lone surrogate, which has
-  no UTF-8 form, is refused), so every training byte sequence is valid UTF-8.
-
-EOS is a target (it ends every document) and stays emittable.
-
-Every Unicode string round-trips exactly through ``encode``/``decode``.
-``decode`` is lenient for display: special tokens are dropped and a split
-multi-byte character becomes U+FFFD instead of raising. ``StreamDecoder``
-emits text incrementally and holds back an incomplete UTF-8 sequence until
-its remaining bytes arrive.
-
-Tokenizer interface (``ByteTokenizer`` here, ``mtp.bpe.BPETokenizer`` for a
-Hugging Face ``tokenizers`` BPE): ``kind``, ``encode(text, add_bos=,
-add_eos=)``, ``decode(ids)``, ``stream_decoder()`` (``push(ids) -> str``,
-``flush() -> str``), ``bos_id``/``eos_id``/``pad_id``, ``stop_ids`` (the ids
-that end a generation), ``vocab_size`` (real tokens), ``emittable_mask(V)``,
-``chat_template`` (None for bytes) and ``apply_chat_template(messages)``.
-A workdir stores its tokenizer under ``tokenizer/`` (``save_tokenizer``;
-``load_tokenizer`` gives the byte tokenizer for a workdir without one, and
-reads an ``mtp.export`` directory's own).
-The head's never-emitted ids come from the model config (``head_mask``), so
-a model never needs its tokenizer files to mask its logits.
-"""
+Tokenizer interface (also ``mtp.bpe.BPETokenizer``): ``kind``, ``encode``,
+``decode``, ``stream_decoder()``, ``bos_id``/``eos_id``/``pad_id``,
+``stop_ids``, ``vocab_size``, ``emittable_mask(V)``, ``chat_template``,
+``apply_chat_template``. A workdir keeps it under ``tokenizer/``."""
 
 from __future__ import annotations
 
@@ -62,11 +35,9 @@ NEVER_EMITTED_IDS = (PAD_ID, BOS_ID) + INVALID_UTF8_BYTES   # plus every id >= V
 
 
 def emittable_mask(vocab_size: int) -> np.ndarray:
-  """bool [vocab_size]: True for ids a model may emit (valid UTF-8 bytes and
-  EOS); False for ``NEVER_EMITTED_IDS`` and vocabulary padding (>= VOCAB_SIZE).
-
-  Raises ValueError if ``vocab_size < VOCAB_SIZE``.
-  """
+  """bool [vocab_size]: True for ids a model may emit (valid UTF-8 bytes, EOS),
+  False for ``NEVER_EMITTED_IDS`` and padding. Raises ValueError if
+  ``vocab_size < VOCAB_SIZE``."""
   if vocab_size < VOCAB_SIZE:
     raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {VOCAB_SIZE} ids")
   mask = np.arange(vocab_size) < VOCAB_SIZE
@@ -100,15 +71,8 @@ class ByteTokenizer:
     return {"kind": "byte"}
 
   def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> np.ndarray:
-    """Encodes ``text`` to int32 ids [T] (T = UTF-8 byte count + specials).
-
-    Raises:
-      TypeError: if ``text`` is not a ``str`` (bytes must be decoded by the
-        caller, who decides how to treat invalid UTF-8).
-      ValueError: if ``text`` holds a lone surrogate (U+D800..U+DFFF: no
-        UTF-8 form; Python makes them of undecodable command-line bytes),
-        naming its position.
-    """
+    """int32 ids [T] of ``text`` (T = UTF-8 bytes + specials). Raises TypeError
+    for a non-``str`` and ValueError naming the position of a lone surrogate."""
     if not isinstance(text, str):
       raise TypeError(f"ByteTokenizer.encode expects str, got {type(text).__name__}")
     try:
@@ -161,12 +125,9 @@ from mtp.tokenizer_files import (HF_TOKENIZER_FILE, META_FILE, TOKENIZER_DIR,  #
 
 
 def head_mask(model_cfg) -> np.ndarray:
-  """bool [model_cfg.vocab_size]: the ids the model's head may emit (others
-  get logit -inf in ``mtp.model.Transformer.head``).
-
-  ``model.tokenizer == "byte"``: ``emittable_mask`` (unchanged behaviour).
-  ``"bpe"``: ids < ``model.num_tokens`` except ``model.never_emitted``.
-  """
+  """bool [model_cfg.vocab_size]: the ids the head may emit (others get -inf):
+  ``emittable_mask`` for ``model.tokenizer == "byte"``; for "bpe", ids <
+  ``model.num_tokens`` except ``model.never_emitted``."""
   if model_cfg.tokenizer == "byte":
     return emittable_mask(model_cfg.vocab_size)
   mask = np.arange(model_cfg.vocab_size) < model_cfg.num_tokens
@@ -226,13 +187,9 @@ def _exported_meta(path: str):
 
 
 def load_tokenizer(workdir: str):
-  """The tokenizer saved in ``workdir`` (``save_tokenizer``); for an
-  ``mtp.export`` directory, the one its config.json's ``mtp.tokenizer`` entry
-  and ``tokenizer.json`` describe; the byte tokenizer when there is neither
-  (older workdirs, byte-tokenizer exports).
-
-  Raises TokenizerError for an unreadable or inconsistent tokenizer.
-  """
+  """The tokenizer saved in ``workdir`` (``save_tokenizer``), or an export's
+  (config.json's ``mtp`` entry and ``tokenizer.json``), else the byte
+  tokenizer. Raises TokenizerError for an unreadable or inconsistent one."""
   folder = os.path.join(workdir, TOKENIZER_DIR)
   meta_path = os.path.join(folder, META_FILE)
   if not os.path.isfile(meta_path):

@@ -75,6 +75,10 @@ import math  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:   # imported for annotations only: JAX loads after START
+  from train.loop import TrainResult
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATE_FILE = "device_run.json"          # in --workdir: the plan and what finished
@@ -504,7 +508,7 @@ def latest_step(workdir: str) -> int:
 
 
 def run_train(cfg, workdir: str, stamps: dict, run: int, deadline: float | None,
-              stop_after: int | None) -> tuple[dict, bool]:
+              stop_after: int | None) -> tuple[TrainResult, bool]:
   """``train.loop.train(cfg, workdir)`` with step lines timed, the bar off
   and (``deadline``: seconds since START) the loop's own deadline: it stops
   at the first log step past it with a checkpoint, as a signal would.
@@ -514,7 +518,7 @@ def run_train(cfg, workdir: str, stamps: dict, run: int, deadline: float | None,
   with contextlib.redirect_stderr(_NoTTY(sys.stderr)):
     result = loop.train(cfg, workdir, log=StampLog(stamps, run), stop_after=stop_after,
                         deadline=at)
-  return result, bool(result.get("deadline_reached"))
+  return result, result.deadline_reached
 
 
 def train_phase(args, state: dict, data_names: list[str], deadline: float, run: int,
@@ -543,13 +547,13 @@ def train_phase(args, state: dict, data_names: list[str], deadline: float, run: 
       t0 = time.monotonic()
       result, _ = run_train(cfg, args.workdir, stamps, run, None, start + cal)
       wall = time.monotonic() - t0
-      if result.get("interrupted"):         # a user's signal: nothing planned, a re-run calibrates
-        cli.exit_if_interrupted(result, start + cal, "calibration", args.workdir)
-      step_s = result.get("step_time_s") or wall / max(result["step"] - start, 1)
-      overhead = max(wall - (result["step"] - start) * step_s, 0.0)
+      if result.interrupted:         # a user's signal: nothing planned, a re-run calibrates
+        cli.exit_if_interrupted(result.as_dict(), start + cal, "calibration", args.workdir)
+      step_s = result.step_time_s or wall / max(result.step - start, 1)
+      overhead = max(wall - (result.step - start) * step_s, 0.0)
       more = steps_for_budget(deadline - elapsed(), step_s, overhead)
-      t["num_steps"] = result["step"] + more
-      t["calibration"] = {"steps": result["step"] - start, "wall_s": round(wall, 2),
+      t["num_steps"] = result.step + more
+      t["calibration"] = {"steps": result.step - start, "wall_s": round(wall, 2),
                           "step_time_s": step_s, "overhead_s": round(overhead, 2),
                           "train_s_left": round(deadline - elapsed(), 2)}
       log(f"[train] calibration: {step_s * 1e3:.1f} ms/step, {overhead:.0f} s start-up: "
@@ -571,15 +575,15 @@ def train_phase(args, state: dict, data_names: list[str], deadline: float, run: 
   result, by_budget = run_train(cfg, args.workdir, stamps, run, deadline,
                                 args.stop_after_step or None)
   t["wall_s"] = round(t.get("wall_s", 0.0) + time.monotonic() - t0, 2)
-  t["step"], t["step_time_s"] = result["step"], result.get("step_time_s")
+  t["step"], t["step_time_s"] = result.step, result.step_time_s
   t["stopped_by_budget"] = by_budget
-  user_signal = result.get("interrupted") and not by_budget
+  user_signal = result.interrupted and not by_budget
   # a budget-stopped stage is evaluated and exported at its latest step, and a re-run
   # (another budget) trains on toward num_steps
-  t["done"] = result["step"] >= n
+  t["done"] = result.step >= n
   save()
   if user_signal:
-    cli.exit_if_interrupted(result, n, "training", args.workdir)
+    cli.exit_if_interrupted(result.as_dict(), n, "training", args.workdir)
   return t
 
 

@@ -304,7 +304,7 @@ def _stage_resumes_exactly(src, data_dir, tmp_path):
   assert any(f"initialised parameters from {src}" in line for line in logs)
   assert any("agree3=" in line and "kl3=" in line for line in logs)
   for k in (1, 2, 3):
-    assert {f"mtp_{k}/teacher_kl", f"mtp_{k}/teacher_agreement"} <= set(result["eval"])
+    assert {f"mtp_{k}/teacher_kl", f"mtp_{k}/teacher_agreement"} <= set(result.eval)
   _, src_model, _ = loading.load_model(src)
   _, new_model, step = loading.load_model(full)
   assert step == 6
@@ -317,12 +317,12 @@ def _stage_resumes_exactly(src, data_dir, tmp_path):
   assert moved > 0
   # killed after step 3 and resumed: same losses as the uninterrupted stage
   first = train(_stage_cfg(data_dir, src), part, stop_after=3)
-  assert first["step"] == 3
+  assert first.step == 3
   second = train(_stage_cfg(data_dir, src), part)
   want, got = _rows(full, "train"), _rows(part, "train")
   np.testing.assert_allclose([got[s]["loss"] for s in sorted(want)],
                              [want[s]["loss"] for s in sorted(want)], rtol=1e-6)
-  np.testing.assert_allclose(second["eval"]["mtp_3/teacher_kl"], result["eval"]["mtp_3/teacher_kl"],
+  np.testing.assert_allclose(second.eval["mtp_3/teacher_kl"], result.eval["mtp_3/teacher_kl"],
                              rtol=1e-6)
   # resuming with the backbone no longer frozen is refused (other optimizer state)
   with pytest.raises(ConfigError, match=r"train\.freeze_backbone: True != False"):

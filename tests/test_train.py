@@ -43,9 +43,9 @@ def uninterrupted(tmp_path_factory, data_dir):
 def test_learns_and_writes_workdir(uninterrupted):
   workdir, result = uninterrupted
   losses = _train_losses(workdir)
-  assert result["step"] == 6 and sorted(losses) == [2, 4, 6]
+  assert result.step == 6 and sorted(losses) == [2, 4, 6]
   assert losses[6] < losses[2]
-  assert {"main/loss", "main/bits_per_byte", "mtp_1/accuracy", "mtp_2/loss"} <= set(result["eval"])
+  assert {"main/loss", "main/bits_per_byte", "mtp_1/accuracy", "mtp_2/loss"} <= set(result.eval)
   for name in ("config.json", "metrics.jsonl", "final_metrics.json", "tensorboard"):
     assert os.path.exists(os.path.join(workdir, name)), name
   assert ckpt_lib.Checkpointer(workdir, read_only=True).all_steps() == [3, 6]
@@ -55,18 +55,18 @@ def test_killed_and_resumed_run_reproduces_losses(uninterrupted, tmp_path, data_
   workdir, _ = uninterrupted
   resumed = str(tmp_path / "resumed")
   first = train(_cfg(data_dir), resumed, stop_after=3)       # "killed" after step 3
-  assert first["step"] == 3 and not os.path.exists(os.path.join(resumed, "final_metrics.json"))
+  assert first.step == 3 and not os.path.exists(os.path.join(resumed, "final_metrics.json"))
   with open(os.path.join(resumed, "metrics.jsonl"), "a") as f:   # rows a killed run left behind
     f.write(json.dumps({"step": 5, "split": "train", "loss": -1.0}) + "\n")
   second = train(_cfg(data_dir), resumed)                    # same command again
-  assert second["step"] == 6
+  assert second.step == 6
   steps = [json.loads(l)["step"] for l in open(os.path.join(resumed, "metrics.jsonl"))]
   assert steps == sorted(steps) and len([s for s in steps if s == 4]) == 2   # train + eval, once
   want, got = _train_losses(workdir), _train_losses(resumed)
   assert set(want) <= set(got)       # the stopped run also logged its last step
   np.testing.assert_allclose([got[s] for s in sorted(want)], [want[s] for s in sorted(want)],
                              rtol=1e-6)
-  np.testing.assert_allclose(second["eval"]["main/loss"], _eval(workdir), rtol=1e-6)
+  np.testing.assert_allclose(second.eval["main/loss"], _eval(workdir), rtol=1e-6)
 
 
 def test_deadline_stops_at_a_log_step_with_a_checkpoint_and_resumes(uninterrupted, tmp_path,
@@ -75,13 +75,13 @@ def test_deadline_stops_at_a_log_step_with_a_checkpoint_and_resumes(uninterrupte
   run = str(tmp_path / "budget")
   lines = []
   first = train(_cfg(data_dir), run, deadline=0.0, log=lines.append)   # already past: first log step
-  assert (first["step"], first["interrupted"], first["signal"], first["deadline_reached"]) == \
+  assert (first.step, first.interrupted, first.signal, first.deadline_reached) == \
       (2, True, None, True)
   assert ckpt_lib.Checkpointer(run, read_only=True).all_steps() == [2]
   assert not os.path.exists(os.path.join(run, "final_metrics.json"))
   assert any(l.startswith("deadline reached: checkpoint saved at step 2") for l in lines)
   second = train(_cfg(data_dir), run, deadline=time.monotonic() + 3600)
-  assert (second["step"], second["interrupted"], second["deadline_reached"]) == (6, False, False)
+  assert (second.step, second.interrupted, second.deadline_reached) == (6, False, False)
   want, got = _train_losses(workdir), _train_losses(run)
   np.testing.assert_allclose([got[s] for s in sorted(want)], [want[s] for s in sorted(want)],
                              rtol=1e-6)
@@ -96,7 +96,7 @@ def test_rerunning_a_finished_run_changes_nothing(uninterrupted, data_dir):
   names = ("config.json", "metrics.jsonl", "final_metrics.json")
   before = {n: open(os.path.join(workdir, n), "rb").read() for n in names}
   again = train(_cfg(data_dir), workdir)
-  assert again["step"] == result["step"] and again["eval"] == json.loads(before["final_metrics.json"])["eval"]
+  assert again.step == result.step and again.eval == json.loads(before["final_metrics.json"])["eval"]
   assert before == {n: open(os.path.join(workdir, n), "rb").read() for n in names}
 
 
@@ -338,29 +338,29 @@ def test_signal_anywhere_then_rerun_ends_as_an_uninterrupted_run(uninterrupted, 
     return res, lines
 
   res, _ = run(save=3)                                  # 1: the save completes, then it stops
-  assert (res["step"], res["interrupted"], res["signal"]) == (3, True, signal.SIGTERM)
+  assert (res.step, res.interrupted, res.signal) == (3, True, signal.SIGTERM)
   assert ckpt_lib.Checkpointer(wd, read_only=True).all_steps() == [3] and not os.path.exists(final)
   # 2: resumed with a changed (non-architecture) field, stopped inside the evaluation at step 4
   res, lines = run(_cfg(data_dir, checkpoint=dict(keep=6)), eval=True)
-  assert (res["step"], res["interrupted"], res["eval"]) == (4, True, {})
+  assert (res.step, res.interrupted, res.eval) == (4, True, {})
   assert any("checkpoint.keep: 5 -> 6" in l and "config.until_step3.json" in l for l in lines), lines
   assert os.path.exists(os.path.join(wd, "config.until_step3.json"))
   assert ckpt_lib.Checkpointer(wd, read_only=True).all_steps() == [3, 4]
   # 3: runs the abandoned evaluation at 4 first; stopped during the last step
   res, lines = run(_cfg(data_dir, checkpoint=dict(keep=6)), step=6)
-  assert (res["step"], res["interrupted"], res["eval"]) == (6, True, {}) and not os.path.exists(final)
+  assert (res.step, res.interrupted, res.eval) == (6, True, {}) and not os.path.exists(final)
   assert not any("config changed" in l for l in lines)
   progress = [l for l in lines if l.startswith("step 6/6: loss ")]
   assert len(progress) == 1 and "tokens/s" in progress[0] and ", elapsed " in progress[0]
   assert progress[0].endswith(", remaining ~0s")
   assert ckpt_lib.Checkpointer(wd, read_only=True).latest_step() == 6
   res, _ = run(_cfg(data_dir, checkpoint=dict(keep=6)), eval=True)   # 4: final evaluation stopped
-  assert (res["step"], res["interrupted"], res["signal"]) == (6, True, signal.SIGTERM)
+  assert (res.step, res.interrupted, res.signal) == (6, True, signal.SIGTERM)
   assert not os.path.exists(final)
   res, _ = run(_cfg(data_dir, checkpoint=dict(keep=6)))             # 5: finishes
-  assert (res["step"], res["interrupted"], res["signal"]) == (6, False, None)
+  assert (res.step, res.interrupted, res.signal) == (6, False, None)
   got, want = json.load(open(final)), json.load(open(os.path.join(full_dir, "final_metrics.json")))
-  assert got == res and got["step"] == want["step"] == 6
+  assert got == res.as_dict() and got["step"] == want["step"] == 6
   assert set(got["eval"]) == set(want["eval"])
   np.testing.assert_allclose([got["eval"][k] for k in sorted(want["eval"])],
                              [want["eval"][k] for k in sorted(want["eval"])], rtol=1e-6)
@@ -379,7 +379,7 @@ def test_signal_anywhere_then_rerun_ends_as_an_uninterrupted_run(uninterrupted, 
                   jax.tree.leaves(nnx.state(model_b, nnx.Param))):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
   again, lines = run(_cfg(data_dir, checkpoint=dict(keep=6)))       # 6: nothing left to do
-  assert again == got and any("already finished" in l for l in lines)
+  assert again.as_dict() == got and any("already finished" in l for l in lines)
 
 
 def test_only_a_complete_final_result_counts_as_finished(tmp_path):
@@ -480,7 +480,7 @@ def test_stale_lock_of_a_killed_run_is_taken_over_with_a_notice(tmp_path, data_d
   lines = []
   result = train(_cfg(data_dir, train=dict(num_steps=2, eval_every=2)), str(workdir),
                  log=lines.append)
-  assert result["step"] == 2
+  assert result.step == 2
   notes = [l for l in lines if l.startswith("note: taking over the lock")]
   assert len(notes) == 1 and f"process id {gone.pid}" in notes[0], lines
   assert (workdir / "train.lock").read_text() == ""                  # released at the end

@@ -180,7 +180,7 @@ def test_run_whose_last_metrics_row_was_torn_resumes_and_finishes(stopped, tmp_p
   first, last = open(path).read().splitlines(keepends=True)
   _write(path, first + last[:len(last) // 2])                         # the disk filled up here
   result = train(_cfg(data_dir), workdir)
-  assert result["step"] == 6 and result["eval"]
+  assert result.step == 6 and result.eval
   assert f"{path}: dropped line 2" in capsys.readouterr().err
   lines = open(path).read().splitlines(keepends=True)
   assert lines[0] == first

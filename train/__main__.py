@@ -65,15 +65,15 @@ def main(argv):
   except DivergedError as e:
     print(f"error: {e}", file=sys.stderr)
     return 3
-  ev = result["eval"]
+  ev = result.eval
   if ev:
     rate = (f"bits/byte {ev['main/bits_per_byte']:.4f}" if "main/bits_per_byte" in ev
             else f"nats/token {ev['main/loss']:.4f}")
-    print(f"step {result['step']}: validation {rate}, "
+    print(f"step {result.step}: validation {rate}, "
           f"main top-1 {ev['main/accuracy']:.3f}" + "".join(
               f", MTP depth {k} top-1 {ev[f'mtp_{k}/accuracy']:.3f}"
               for k in range(1, cfg.mtp.depth + 1)))
-  return 128 + result["signal"] if result.get("signal") else 0
+  return 128 + result.signal if result.signal else 0
 
 
 if __name__ == "__main__":

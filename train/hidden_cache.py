@@ -1,45 +1,17 @@
 """Cached backbone hidden states for the frozen-backbone stage
-(``train.hidden_cache``).
+(``train.freeze_backbone`` + ``train.hidden_cache``): h^0 of every train row
+is computed once and the MTP modules train from it
+(``Transformer.forward_from_hidden``), as Medusa-1 and FastMTP do.
 
-With ``train.freeze_backbone`` the backbone's output h^0 of a training row
-never changes, so the stage runs the backbone once over every row of the
-train split (``mtp.data.epoch_rows``: one pass, packed, file order), stores
-h^0 with the rows, and trains the MTP modules from it
-(``mtp.model.Transformer.forward_from_hidden``: the main head on
-final_norm(h^0) is the distillation teacher, DeepSeek-V3 eq. 21-25 for the
-modules). This is the frozen-target recipe of Medusa-1 (Cai et al. 2024,
-heads over a frozen backbone's last hidden state) and FastMTP (Cai et al.
-2025); a step then costs the modules and the two heads, not the backbone
-(30 blocks of SmolLM2-135M against one module block).
-
-Layout of the cache folder, ``WORKDIR/hidden_cache/`` or, with
-``train.hidden_cache_dir``, ``DIR/<digest of the source and rows fingerprints>/``
-(shared by every run whose backbone, rows, tokenizer, seq_len and dtype
-agree: a schedule or learning-rate sweep builds it once), written into a
-build folder beside it and renamed, so a cache killed mid-build is never
-read; the build folder keeps its written rows, so the next run resumes it,
-and rows already in a cache of the same backbone are copied (``build``):
-
-- ``h0.npy``: [N, T, D] h^0 of every row in the model's activation dtype
-  ([N, T, (m + 1) D] with m ``mtp.feature_layers``: those blocks' outputs
-  then h^0, ``Transformer.backbone_hidden``)
-  (``model.dtype``: the backbone's output as the uncached step sees it, so
-  cached training is the uncached one up to float rounding of two programs;
-  bfloat16 is stored as its uint16 bit pattern, ``meta.json`` says so).
-  Read as a memmap: a batch copies only its rows. Size N * T * D * itemsize
-  (SmolLM2-135M, fp32: 0.74 MB per 320-token row, 2.3 KB per token).
-- ``rows.npz``: tokens, segment_ids, positions, loss_mask, int32 [N, T].
-- ``meta.json``: the fingerprint (``source``: a checksum of the frozen
-  parameters, the data fields that choose the rows,
-  ``train.seq_len``, the tokenizer, the dtype; ``rows``: N and a CRC-32 of
-  the rows), shape, storage dtype, build seconds and bytes.
-
-A run reuses a cache whose ``source`` equals its own and rebuilds it
-otherwise. Batches come from ``CacheIterator`` (a seeded permutation of the
-rows per epoch); its state (epoch, position, fingerprint) is saved in the
-checkpoint like the grain iterator's, and a resumed run whose cache holds
-other rows than the checkpoint was trained on is refused
-(``HiddenCacheError``).
+Cache folder ``WORKDIR/hidden_cache/`` or ``train.hidden_cache_dir``/<digest>
+(shared by runs that agree on backbone, rows, tokenizer, seq_len, dtype),
+built beside it and renamed (a killed build resumes, never is read):
+``h0.npy`` [N, T, D] ([N, T, (m + 1) D] with m feature layers) in
+``model.dtype`` (bfloat16 as uint16 bits), read as a memmap; ``rows.npz``
+(tokens, segment_ids, positions, loss_mask: int32 [N, T]); ``meta.json``
+(``source`` and ``rows`` fingerprints, shape, dtype, build cost). A cache is
+reused iff its ``source`` matches. ``CacheIterator`` state is checkpointed;
+resuming on other rows raises ``HiddenCacheError``.
 """
 
 from __future__ import annotations
@@ -371,26 +343,16 @@ def prepare(folder: str, source: Mapping[str, Any], rows_fn: Callable[[], Mappin
 
 
 class CacheIterator:
-  """Training batches drawn from a ``Cache``: epoch e visits the rows in the
-  order ``np.random.default_rng([seed, e]).permutation(N)``, ``N //
-  batch_size`` batches per epoch (the last N % batch_size rows of each
-  permutation are skipped; another order next epoch), forever.
-
-  ``next(it)``: this process's rows of the global batch (rows
-  [process_index * b, (process_index + 1) * b) of it, b = batch_size //
-  process_count) as ``dict(tokens, segment_ids, positions, loss_mask)``
-  int32 [b, T] and ``h0`` [b, T, D] (activation dtype).
-
-  State (``get_state`` / ``set_state``, bytes of a JSON object {"epoch",
-  "position", "fingerprint"}) goes into the checkpoint through grain's
-  checkpoint handler like the grain iterator's. ``set_state`` may come
-  before ``attach`` (a resumed run restores the checkpoint before it has
-  the backbone to check the cache against); ``attach`` then refuses a cache
-  whose fingerprint differs from the state's.
-
-  Raises HiddenCacheError: fewer rows than batch_size, a fingerprint
-  mismatch, ``next`` before ``attach``.
-  """
+  """Training batches from a ``Cache``, forever: epoch e visits the rows in
+  ``np.random.default_rng([seed, e]).permutation(N)`` order, N // batch_size
+  batches per epoch (the remainder skipped). ``next(it)``: this process's
+  rows of the global batch as ``dict(tokens, segment_ids, positions,
+  loss_mask)`` int32 [b, T] and ``h0`` [b, T, D], b = batch_size //
+  process_count. ``get_state``/``set_state`` (JSON bytes {"epoch",
+  "position", "fingerprint"}) go into the checkpoint; ``set_state`` may come
+  before ``attach``, which then refuses another fingerprint. Raises
+  HiddenCacheError: fewer rows than batch_size, a fingerprint mismatch,
+  ``next`` before ``attach``."""
 
   def __init__(self, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1):
     self.batch_size, self.seed = int(batch_size), int(seed)

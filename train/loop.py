@@ -412,67 +412,47 @@ def _from_process_0(flag: bool) -> bool:
   return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+  """What ``train`` returns; ``as_dict()`` is the layout of
+  ``final_metrics.json``."""
+  step: int                        # the global step the run stopped at
+  train: dict[str, float] = dataclasses.field(default_factory=dict)   # last train-metrics row
+  eval: dict[str, float] = dataclasses.field(default_factory=dict)    # validation at ``step``
+  step_time_s: float | None = None  # median s/step after the first (compiling) log window
+  params: dict[str, int] = dataclasses.field(default_factory=dict)    # total, backbone, mtp
+  interrupted: bool = False        # a signal or the deadline stopped it with work left
+  signal: int | None = None        # that signal's number, else None
+  deadline_reached: bool = False   # the deadline (not a signal) stopped it
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> TrainResult:
+    """From ``as_dict()``'s layout (a final_metrics.json, also one written
+    before a field existed: missing fields take their defaults; unknown keys
+    are ignored)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
 def train(cfg: Config, workdir: str, *, log: Callable[[str], None] | None = None,
-          stop_after: int | None = None, deadline: float | None = None) -> dict[str, Any]:
-  """Trains (or resumes) ``cfg`` in ``workdir``.
+          stop_after: int | None = None, deadline: float | None = None) -> TrainResult:
+  """Trains ``cfg`` in ``workdir`` to ``train.num_steps``, resuming from its
+  latest checkpoint; a finished run is returned unchanged. Per step: a
+  metrics row every ``log_every``, an evaluation every ``eval_every`` and
+  at the end, a checkpoint every ``checkpoint.every_steps`` and at the end;
+  ``final_metrics.json`` only after the final evaluation. SIGTERM/SIGINT,
+  ``stop_after`` (a global step) and ``deadline`` (a ``time.monotonic()``
+  value, checked at log steps; all processes or none) stop with a
+  checkpoint and ``interrupted`` set; re-running does exactly what is left.
+  ``log`` prints lines (default ``tqdm.write``). Process 0 holds
+  ``WORKDIR/train.lock`` while it runs. docs/training.md has the details.
 
-  Work per step s: the train step; a train-metrics row every
-  ``train.log_every`` steps; an evaluation when s is a multiple of
-  ``train.eval_every`` or s >= ``train.num_steps`` (the final one); a
-  checkpoint every ``checkpoint.every_steps`` steps and at the end.
-  ``final_metrics.json`` is written (atomically) only after the final
-  evaluation ran at ``num_steps``, and an evaluation is reported only under
-  the step it was computed at.
-
-  SIGTERM / SIGINT: the step, evaluation batch or save in progress finishes,
-  an evaluation in progress is abandoned (nothing written for it), a
-  checkpoint of the current step is saved, and ``train`` returns with
-  ``interrupted`` True and ``signal`` set. Re-running the same call resumes
-  and does exactly what is left (including an abandoned evaluation of the
-  checkpointed step), ending with the same checkpoint and
-  ``final_metrics.json`` as an uninterrupted run. A signal that arrives when
-  nothing is left (during the last checkpoint save) does not interrupt.
-
-  Re-running a finished run (a complete ``final_metrics.json`` for the
-  latest checkpoint's step >= ``num_steps``) changes nothing and returns it.
-
-  When stderr is not a terminal (the progress bar is off), a line with the
-  step, loss, tokens/s, elapsed and remaining time is logged every
-  ``log_every`` steps. Resuming with a changed config logs the changed
-  fields (the previous config is kept as ``config.until_stepN.json``).
-
-  Args:
-    cfg: validated config.
-    workdir: run directory (created if missing).
-    log: line printer (default: tqdm.write to stderr).
-    stop_after: stop (with a checkpoint) after this global step, as if
-      interrupted; used by resume tests.
-    deadline: a ``time.monotonic()`` value: at the first log step
-      (``train.log_every``) at or after it, stop as a signal would (the step
-      finishes, a checkpoint is saved, ``interrupted`` True, ``signal``
-      None, ``deadline_reached`` True); re-running resumes. Decided on
-      process 0 (one broadcast per log step when multi-host), so every
-      process stops at the same step; every process must pass a deadline
-      (any value) or none, as the broadcast is a collective. Used by wall-clock budgets
-      (scripts/smollm_mtp_device.py).
-  Returns:
-    dict with ``step``, ``train`` (last logged train metrics), ``eval``
-    (validation metrics computed at ``step``; empty when none was),
-    ``step_time_s`` (median seconds/step after the first, compiling, log
-    window; synchronised at log steps; None when no window was timed),
-    ``params`` counts, ``interrupted`` (a signal or the deadline stopped
-    the run with work left), ``signal`` (its number, else None) and
-    ``deadline_reached``.
-  One writer per workdir: process 0 holds ``WORKDIR/train.lock``
-  (``train.workdir.WorkdirLock``) while it runs; a stale lock (its run was
-  killed) is taken over with a notice.
-
-  Raises:
-    ConfigError, DataError, CheckpointError before anything is written
-      (ConfigError also for a model or batch whose parameters and logits
-      alone exceed the memory: ``train.workdir.check_memory_floor``);
-    WorkdirBusyError when another run holds the workdir (nothing touched);
-    DivergedError for a NaN/inf training loss (nothing saved for it).
+  Raises: ConfigError (also when parameters and logits alone exceed memory),
+  DataError, CheckpointError (all before anything is written);
+  WorkdirBusyError (another run holds the lock); DivergedError (NaN/inf loss).
   """
   lock = workdir_lib.WorkdirLock(workdir)
   try:
@@ -667,7 +647,7 @@ def _evaluate(cfg: Config, trainer: Trainer, state: TrainState, eval_batches, wr
 
 def _loop(cfg: Config, workdir: str, trainer: Trainer, state: TrainState, data_iter, ckpt,
           writer, eval_batches, rec: _Records, counts, *, eval_pending: bool, target: int,
-          is_main: bool, log, deadline: float | None = None) -> dict[str, Any]:
+          is_main: bool, log, deadline: float | None = None) -> TrainResult:
   """Steps from ``state`` to ``target`` (or a signal), with the log rows,
   evaluations and checkpoints ``train`` describes; returns ``train``'s
   result (written as final_metrics.json when complete)."""
@@ -712,18 +692,19 @@ def _loop(cfg: Config, workdir: str, trainer: Trainer, state: TrainState, data_i
       why = f"signal {stop.signum}" if stop.signum is not None else "deadline reached"
       log(f"{why}: checkpoint saved at step {state.step}; exiting (re-run the "
           "same command to finish the run)")
-    result = {"step": state.step, "train": rec.last_train,
-              "eval": rec.last_eval if rec.eval_step == state.step else {},
-              "step_time_s": float(np.median(rec.step_times)) if rec.step_times else None,
-              "params": counts, "interrupted": interrupted,
-              "signal": stop.signum if interrupted else None,
-              "deadline_reached": interrupted and out_of_time}
+    result = TrainResult(
+        step=state.step, train=rec.last_train,
+        eval=rec.last_eval if rec.eval_step == state.step else {},
+        step_time_s=float(np.median(rec.step_times)) if rec.step_times else None,
+        params=counts, interrupted=interrupted,
+        signal=stop.signum if interrupted else None,
+        deadline_reached=interrupted and out_of_time)
     if is_main and complete:
-      workdir_lib.write_final_metrics(workdir, result)
+      workdir_lib.write_final_metrics(workdir, result.as_dict())
   return result
 
 
-def _train(cfg: Config, workdir: str, lock, *, log, stop_after, deadline) -> dict[str, Any]:
+def _train(cfg: Config, workdir: str, lock, *, log, stop_after, deadline) -> TrainResult:
   """``train``'s body; takes ``lock`` (process 0) before anything is read
   from an existing workdir, or before a new one is created."""
   workdir_lib.check_memory_floor(cfg)   # before the lock: a refused run touches nothing
@@ -741,7 +722,7 @@ def _train(cfg: Config, workdir: str, lock, *, log, stop_after, deadline) -> dic
     if done is not None:
       log(f"{workdir} already finished at step {resume_step} (train.num_steps={t.num_steps}); "
           "nothing to do (raise train.num_steps to continue)")
-      return done
+      return TrainResult.from_dict(done)
   if resume_step is not None:
     workdir_lib.read_config_file(workdir)   # a damaged config.json stops here, nothing written
   tokenizer = run_tokenizer(cfg, workdir, resume_step is not None)

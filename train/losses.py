@@ -1,51 +1,14 @@
-"""Main + MTP cross-entropy with the right shifts and masks.
+"""Main + MTP losses (DeepSeek-V3 eq. 24-25) with distillation from the main
+head (docs/design.md section 9):
 
-DeepSeek-V3 technical report, eq. 24-25:
-
-    L = L_main + (lambda / D) * sum_{k=1..D} L^k
-
-The main head at position i predicts token i+1; MTP depth k at position i
-predicts token i+k+1 (its input already contains t_{i+k}). A target counts
-only when it exists (i + offset < T), is not padding, and lies in the same
-document as position i (equal, non-zero segment id): in packed sequences no
-target crosses a document boundary, for the main head or any depth. Each
-L^k is the mean over its own valid targets.
-
-Distillation from the main head (``mtp.distill_weight`` w,
-``mtp.distill_temperature`` tau): module k at i and the main head at i+k
-predict the same token t_{i+k+1}, so the main head is a teacher for it:
-
+    L = L_main + (lambda / D) * sum_{k=1..D+R} L^k
     L^k = (1 - w) * CE_k + w * tau^2 * KL( softmax(z^main_{i+k} / tau) || softmax(z^k_i / tau) )
 
-averaged over the same positions as CE_k (target in the same document), with
-a stop-gradient on the teacher (Hinton et al. 2015: the tau^2 keeps the
-gradient scale independent of tau). w = 0 is the data-only objective
-above. Steps past D (``mtp.recursive_steps``, module D reused) are depths
-D+1..D+R with the same rule and the same per-term weight lambda / D.
-Whatever w is, every depth also reports (sums) its KL to the teacher at
-tau = 1 (``kl``, nats) and its argmax agreement with the teacher
-(``agree``): the quantities that decide acceptance at T = 1 and T = 0.
-
-The acceptance objective (``mtp.distill_divergence``): for one draft
-position the probability that x ~ q is accepted against p is
-alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q) (Leviathan et al. 2023), so
-"tv" puts TV(p, q) = 0.5 * sum_x |p(x) - q(x)| in place of the KL above,
-and "mix" uses (1 - a) * KL + a * TV (a = ``mtp.tv_weight``): the KL's
-gradient grows where q misses p's mass (a strong signal far from the
-optimum), the TV's weighs each id by sign(q - p) only (bounded, and
-exactly what decoding measures). tau^2 and the averaging are as for the KL.
-
-A reduced draft vocabulary V' (``mtp.draft_vocab_size``, FastMTP's
-compressed draft vocabulary; the module logits are -inf outside V'): data
-targets outside V' leave the CE, and the teacher is the main head restricted
-to V' and renormalised (``restrict_teacher``), the exact minimiser of the
-forward KL over drafts supported on V'; the mass the full teacher puts
-outside V' is reported per depth (it bounds acceptance). The TV term is
-never restricted: with q = 0 outside V',
-TV(p, q) = 0.5 * (sum_{v in V'} |p(v) - q(v)| + p(outside V')), the exact
-full-vocabulary value, so 1 - TV stays the acceptance probability
-(``teacher_tv``; the compact form gets p(outside V') from the full
-teacher's normaliser, ``full_logsumexp``).
+Depth k at i predicts t_{i+k+1}; a target counts iff it exists, is not
+padding and is in position i's document; each L^k is a mean over its valid
+targets, the teacher under a stop-gradient. "tv" / "mix" put TV(p, q) = 1 -
+alpha in place of / beside the KL. With V' the CE drops targets outside V'
+and the KL's teacher is restricted to V'; the TV stays full (``teacher_tv``).
 """
 
 from __future__ import annotations
@@ -62,18 +25,11 @@ from mtp.model import ModelOutput
 
 def shifted_targets(tokens: jax.Array, segment_ids: jax.Array | None, offset: int,
                     loss_mask: jax.Array | None = None, pad_id: int | None = tok.PAD_ID):
-  """Targets and validity mask for a head that predicts ``offset`` ahead.
-
-  tokens: [B, T] int32; segment_ids: [B, T] int32 (0 = padding) or None
-  (one document per row); loss_mask: [B, T] int (1 = token j may be a
-  target) or None (all ones); pad_id: an id never counted as a target (the
-  byte tokenizer's PAD, for rows without segment ids) or None (validity from
-  the segment ids alone: a BPE tokenizer's ids are all real tokens). Returns
-  (targets [B, T] int32, mask [B, T] bool): targets[b, i] = tokens[b, i +
-  offset], and mask[b, i] iff i + offset < T, segment_ids[b, i + offset] ==
-  segment_ids[b, i] != 0, the target is not ``pad_id`` and
-  loss_mask[b, i + offset] == 1.
-  """
+  """(targets, mask) [B, T] int32 / bool for a head predicting ``offset``
+  ahead: targets[b, i] = tokens[b, i + offset]; mask[b, i] iff i + offset <
+  T, segment_ids[b, i + offset] == segment_ids[b, i] != 0 (None: one document
+  per row), the target is not ``pad_id`` (None: no such id) and
+  loss_mask[b, i + offset] == 1 (None: all ones)."""
   b, t = tokens.shape
   if segment_ids is None:
     segment_ids = jnp.ones_like(tokens)
@@ -89,19 +45,16 @@ def shifted_targets(tokens: jax.Array, segment_ids: jax.Array | None, offset: in
 
 
 def token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Per-token cross-entropy [B, T] float32 (nats) of float logits [B, T, V].
-  Out-of-vocabulary targets (PAD with a toy vocabulary) are clipped; callers
-  mask them."""
+  """Per-token cross-entropy [B, T] float32 (nats) of logits [B, T, V];
+  out-of-vocabulary targets are clipped (callers mask them)."""
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   targets = jnp.clip(targets, 0, logits.shape[-1] - 1)
   return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
 def head_sums(logits, targets, mask, byte_level: bool = True) -> dict[str, jax.Array]:
-  """Sums over valid targets, for exact aggregation across batches:
-  ``nll`` (nats), ``count``, ``correct`` (top-1 hits), and with
-  ``byte_level`` (the byte tokenizer) ``byte_nll`` / ``byte_count`` over
-  targets that are UTF-8 bytes (for bits per byte)."""
+  """Sums over valid targets: ``nll`` (nats), ``count``, ``correct`` (top-1),
+  and with ``byte_level`` ``byte_nll`` / ``byte_count`` (for bits per byte)."""
   # Masked positions may hold targets the head gives -inf (PAD): their inf
   # cross-entropy must not reach the sums (inf * 0 is NaN).
   ce = jnp.where(mask, token_cross_entropy(logits, targets), 0.0)
@@ -123,9 +76,8 @@ def shift_left(x: jax.Array, offset: int) -> jax.Array:
 def teacher_kl(teacher_logits: jax.Array, student_logits: jax.Array,
                temperature: float = 1.0) -> jax.Array:
   """Per-position KL(softmax(teacher / tau) || softmax(student / tau)) [B, T]
-  float32 (nats) of logits [B, T, V], with a stop-gradient on the teacher
-  (``optax.losses.kl_divergence_with_log_targets``). Vocabulary entries the
-  teacher gives probability 0 (logit -inf: padding) are left out."""
+  float32 (nats), teacher under a stop-gradient; ids the teacher gives
+  probability 0 are left out."""
   t = jax.lax.stop_gradient(teacher_logits.astype(jnp.float32)) / temperature
   log_p = jax.nn.log_softmax(t, axis=-1)
   log_q = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature, axis=-1)
@@ -134,33 +86,11 @@ def teacher_kl(teacher_logits: jax.Array, student_logits: jax.Array,
 
 def teacher_tv(teacher_logits: jax.Array, student_logits: jax.Array,
                temperature: float = 1.0, teacher_logsumexp: jax.Array | None = None) -> jax.Array:
-  """Per-position total variation TV(p, q) = 0.5 * sum_v |p(v) - q(v)| [B, T]
-  float32 of the teacher p = softmax(teacher / tau) (stop-gradient) and the
-  draft q = softmax(student / tau), logits [B, T, V] (-inf where a
-  distribution is 0). At tau = 1 and the sampling temperature,
-
-      1 - TV(p, q) = sum_v min(p(v), q(v)) = alpha,
-
-  the probability that one draft x ~ q is accepted against p (Leviathan et
-  al. 2023, section 3.3 and Theorem 3.5), so minimising TV maximises the
-  acceptance of that draft position directly.
-
-  Reduced draft vocabulary V' (the draft q is 0 outside V'): with full
-  logits the module's -inf outside V' already makes this the exact
-  full-vocabulary TV. In the compact form (both logits [B, T, V'] over V'
-  only) pass ``teacher_logsumexp`` [B, T] float32 = logsumexp over the
-  *full* vocabulary of teacher / tau: then p(v) = exp(t_v / tau - lse) is
-  the full teacher's probability of each kept id, p(outside) = 1 - sum_{V'}
-  p(v), and since q(v) = 0 for v outside V',
-
-      TV(p, q) = 0.5 * (sum_{v in V'} |p(v) - q(v)| + sum_{v not in V'} p(v))
-               = 0.5 * (sum_{v in V'} |p(v) - q(v)| + p(outside)),
-
-  the same number the full form gives (not the TV against the teacher
-  restricted to V' and renormalised, which would overstate the acceptance
-  by ignoring the mass no draft on V' can match: alpha <= p(V')). The
-  outside term is constant in q: it changes the value, not the gradient.
-  Gradients are finite everywhere, including p == q (d|x|/dx = 0 at 0)."""
+  """Per-position TV(p, q) = 0.5 sum_v |p(v) - q(v)| [B, T] float32, p =
+  softmax(teacher / tau) (stop-gradient), q = softmax(student / tau); 1 - TV
+  = alpha (Leviathan et al. 2023). Compact form: ``teacher_logsumexp`` [B, T]
+  is the *full* logsumexp of teacher / tau, and TV = 0.5 (sum_{V'} |p - q| +
+  p(outside V')), the full value. Gradients are finite, also at p == q."""
   t = jax.lax.stop_gradient(teacher_logits.astype(jnp.float32)) / temperature
   if teacher_logsumexp is None:
     p = jax.nn.softmax(t, -1)
@@ -173,44 +103,24 @@ def teacher_tv(teacher_logits: jax.Array, student_logits: jax.Array,
 
 
 def full_logsumexp(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
-  """logsumexp(logits / tau) [B, T] float32 over the last axis of full-vocabulary
-  logits [B, T, V] (stop-gradient): the normaliser ``teacher_tv`` needs in the
-  compact reduced-vocabulary form."""
+  """logsumexp(logits / tau) [B, T] float32 of full logits [B, T, V]
+  (stop-gradient): the normaliser of compact ``teacher_tv``."""
   return jax.nn.logsumexp(jax.lax.stop_gradient(logits.astype(jnp.float32)) / temperature, -1)
 
 
 def restrict_teacher(teacher_logits: jax.Array, draft_mask: jax.Array) -> jax.Array:
-  """Teacher logits [B, T, V] float32 restricted to the draft vocabulary V'
-  (``draft_mask`` [V] bool): -inf outside V', so softmax gives p restricted
-  to V' and renormalised, p(v) 1[v in V'] / p(V').
-
-  That is the right teacher for a module whose q is supported on V' (q = 0
-  outside it, ``Transformer.mtp_head``): forward KL(p || q) = -H(p) -
-  sum_{v in V'} p(v) log q(v) (+inf unless q covers p's support, so the
-  full-vocabulary KL is useless), and over distributions q on V' the cross
-  term -sum_{v in V'} p(v) log q(v) is minimised by q = p|V' / p(V') (Gibbs'
-  inequality), which is also the minimiser of KL(p|V' / p(V') || q). The
-  mass p puts outside V' is lost to any such draft: per position the
-  acceptance rate is sum_v min(p, q) <= p(V')."""
+  """Teacher logits [B, T, V] float32 restricted to V' (``draft_mask`` [V]
+  bool): -inf outside, so softmax gives p|V' / p(V'), the minimiser of the
+  forward KL over drafts q supported on V' (Gibbs' inequality). Per position
+  alpha = sum_v min(p, q) <= p(V')."""
   return jnp.where(draft_mask, teacher_logits, -jnp.inf)
 
 
 def draft_vocab_sums(logits, targets, mask, teacher_logits, draft_mask, byte_level: bool = True):
-  """Per-head sums of an MTP depth whose head drafts from V' (``draft_mask``
-  [V] bool), and its teacher restricted to V' (``restrict_teacher``).
-
-  logits, teacher_logits: [B, T, V] float32 (module and main head, aligned);
-  targets [B, T] int32, mask [B, T] bool (``shifted_targets``).
-  Returns (sums, restricted teacher logits [B, T, V]). sums is
-  ``head_sums`` over the targets in V' only (a target outside V' has
-  module probability 0 and infinite cross-entropy: it is masked out of the
-  CE, so ``count`` counts the targets in V') plus, over every valid
-  position (``mask``): ``positions`` (their count), ``outside`` (the full
-  teacher's probability mass outside V', which bounds acceptance there:
-  alpha <= 1 - mass outside) and ``agree_full`` (the module's argmax equals
-  the full teacher's: a T = 0 draft's acceptance). ``mtp_loss`` adds
-  ``kl`` / ``agree`` against the restricted teacher and averages the
-  distillation term over ``positions``."""
+  """(sums, restricted teacher logits [B, T, V]) of a depth drafting from V'
+  (``draft_mask`` [V] bool): ``head_sums`` over targets in V', plus over the
+  valid positions ``positions``, ``outside`` (full teacher mass outside V':
+  alpha <= 1 - it) and ``agree_full`` (argmax equal to the full teacher's)."""
   inside = draft_mask[jnp.clip(targets, 0, logits.shape[-1] - 1)]
   s = head_sums(logits, targets, mask & inside, byte_level)
   m = mask.astype(jnp.float32)
@@ -224,18 +134,16 @@ def draft_vocab_sums(logits, targets, mask, teacher_logits, draft_mask, byte_lev
 
 
 def overlap_sum(p, logits, mask):
-  """sum over valid positions of sum_v min(p, q): p [B, T, V] the full
-  teacher's probabilities, q = softmax(logits) the module's (0 outside V').
-  Per position this is the acceptance probability of one T = 1 draft from q
-  against p (Leviathan et al. 2023, section 3.3: alpha = sum min(p, q))."""
+  """Sum over valid positions of sum_v min(p, q), p [B, T, V] the full
+  teacher's probabilities, q = softmax(logits): per position a T = 1 draft's
+  acceptance probability."""
   q = jax.nn.softmax(jax.lax.stop_gradient(logits.astype(jnp.float32)), -1)
   return jnp.sum(jnp.where(mask, jnp.sum(jnp.minimum(p, q), -1), 0.0))
 
 
 def compact_targets(targets, mask, ids):
-  """Targets [B, T] (full ids) as indices into V' = ``ids`` [V'] (sorted
-  int32), and the mask [B, T] bool narrowed to targets inside V' (the
-  compact form of ``draft_vocab_sums``' restriction)."""
+  """Targets [B, T] as indices into V' = ``ids`` [V'] (sorted int32), with the
+  mask narrowed to targets inside V'."""
   pos = jnp.clip(jnp.searchsorted(ids, targets), 0, ids.shape[0] - 1).astype(jnp.int32)
   return pos, mask & (ids[pos] == targets)
 
@@ -245,47 +153,14 @@ def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | No
              distill_temperature: float = 1.0, distill_divergence: str = "kl",
              tv_weight: float = 0.5, teacher_logsumexp: jax.Array | None = None,
              loss_mask: jax.Array | None = None, byte_level: bool = True):
-  """Training objective and per-head sums (module docstring: eq. 24-25 plus
-  distillation from the main head).
-
-  Args:
-    output: model output; ``output.mtp_logits`` holds D + R depths (R steps
-      of module D past D, ``Transformer.mtp_recursive``).
-    tokens: [B, T] int32; segment_ids: [B, T] int32 or None.
-    loss_weight: lambda >= 0.
-    depth: D, the lambda / D normaliser (default len(output.mtp_logits)).
-    distill_weight: w in [0, 1]; distill_temperature: tau > 0.
-    distill_divergence: "kl" (the module docstring's forward KL), "tv"
-      (``teacher_tv``, the total variation 1 - alpha, in place of the KL,
-      times tau^2 likewise) or "mix": (1 - a) * KL + a * TV with a =
-      ``tv_weight`` in [0, 1] (ignored otherwise).
-    teacher_logsumexp: [B, T] float32, ``full_logsumexp(main logits, tau)``
-      over the full vocabulary; needed exactly when the output is in the
-      compact form (``output.compact_ids``) and the divergence has a TV
-      part, so that the TV counts the teacher's mass outside V' (exact
-      full-vocabulary TV, ``teacher_tv``). Ignored otherwise.
-    loss_mask: [B, T] int or None: token j may be a target iff
-      loss_mask[b, j] == 1 (``shifted_targets``); None = every token.
-    byte_level: the byte tokenizer (PAD never a target, bits-per-byte sums);
-      False for a BPE tokenizer (validity from segment ids and loss_mask only).
-  Returns:
-    (loss scalar float32, sums) where sums["main"] and sums["mtp_k"]
-    (k = 1..D+R) are ``head_sums`` dicts; the mtp ones also hold ``kl``
-    (sum of KL to the main head at tau = 1, nats) and ``agree`` (positions
-    where the module's argmax equals the main head's).
-
-  With a reduced draft vocabulary V' (``output.draft_mask`` not None: the
-  module logits are -inf outside V'), CE targets outside V' are masked out,
-  the teacher is the main head restricted to V' and renormalised
-  (``restrict_teacher``: the minimiser of KL(p || q) over q on V'), ``kl``
-  and ``agree`` are against that restricted teacher, and the mtp sums also
-  hold ``positions``, ``outside`` and ``agree_full``
-  (``draft_vocab_sums``). Without V' nothing changes (bit for bit). The TV
-  term, unlike the KL, is always against the full teacher (the mass outside
-  V' counts as mass the draft cannot match), in all three forms.
-  Raises ValueError for an unknown divergence, or a compact output with a TV
-  part and no ``teacher_logsumexp``.
-  """
+  """The module docstring's objective: (loss scalar float32, sums). tokens,
+  segment_ids, loss_mask: [B, T] int32 (the last two or None); depth D
+  (default len(mtp_logits)); distill_divergence "kl", "tv" or "mix";
+  teacher_logsumexp needed for a compact output with a TV part; byte_level:
+  PAD never a target, bits-per-byte sums. sums: ``head_sums`` per head, the
+  mtp ones with ``kl`` (nats, tau = 1), ``agree`` (and ``draft_vocab_sums``
+  with V'). Raises ValueError: unknown divergence; compact TV without
+  ``teacher_logsumexp``."""
   if distill_divergence not in ("kl", "tv", "mix"):
     raise ValueError(f"distill_divergence must be 'kl', 'tv' or 'mix', got {distill_divergence!r}")
   uses_tv = bool(distill_weight) and distill_divergence != "kl"
@@ -346,23 +221,11 @@ def mtp_loss(output: ModelOutput, tokens: jax.Array, segment_ids: jax.Array | No
 
 
 def summarize(sums: dict[str, dict[str, jax.Array]]) -> dict[str, float]:
-  """Turns (possibly accumulated) head sums into metrics: ``{head}/loss``
-  (nats per token), ``{head}/accuracy`` (top-1), ``main/bits_per_byte`` (byte
-  tokenizer only: sums with ``byte_nll``) and,
-  for MTP depths, ``mtp_k/teacher_kl`` (mean KL to the main head at tau = 1,
-  nats) and ``mtp_k/teacher_agreement`` (fraction of positions whose argmax
-  equals the main head's). With a reduced draft vocabulary V' (sums from
-  ``draft_vocab_sums``) those two are against the teacher restricted to V'
-  and are also written as ``teacher_kl_restricted`` /
-  ``teacher_agreement_restricted``, and per depth come
-  ``teacher_mass_outside`` (mean mass of the full teacher outside V': alpha
-  <= 1 - it), ``teacher_agreement_full`` (argmax equal to the full
-  teacher's, the T = 0 acceptance) and ``targets_in_draft_vocab`` (the
-  fraction of data targets in V', the ones the CE ``loss`` / ``accuracy``
-  are over). Every MTP depth outside the compact training form also has
-  ``mtp_k/teacher_overlap``: the mean of sum_v min(p, q) against the full
-  teacher, a T = 1 draft's acceptance probability at that depth along the
-  data's path (``overlap_sum``)."""
+  """Head sums as metrics: ``{head}/loss`` (nats/token), ``{head}/accuracy``,
+  ``main/bits_per_byte`` (bytes), ``mtp_k/teacher_kl`` (nats, tau = 1),
+  ``mtp_k/teacher_agreement``, ``mtp_k/teacher_overlap`` (not compact); with
+  V' also ``*_restricted``, ``teacher_mass_outside``,
+  ``teacher_agreement_full`` and ``targets_in_draft_vocab``."""
   out = {}
   for head, s in sums.items():
     count = max(float(s["count"]), 1.0)

@@ -1,30 +1,15 @@
 """A training workdir's bookkeeping around the loop (``train.loop.train``):
 what may be resumed or started from, and the files a resumed run repairs.
+Every check runs before anything is written.
 
-Files of ``WORKDIR`` (besides ``checkpoints/``, ``mtp.checkpoint``):
-
-- ``config.json``: the config of the latest run (written atomically); a
-  resumed run with another config than its checkpoint was saved with keeps
-  that one as ``config.until_step<N>.json``. The checkpoint's own config
-  (``mtp.checkpoint``) is the reference, not config.json, which may have
-  been edited by hand: a resumed run says so when the two differ. A
-  config.json that is not valid JSON stops a resumed run before anything
-  is written;
-- ``metrics.jsonl``: one row per (step, split), each appended whole or not
-  at all (``append_line``); a resumed run first drops the rows after its
-  checkpoint (left by a run killed after it) and any line that is no
-  complete row (a write cut short, e.g. by a full disk), with a notice;
+- ``config.json``: the latest run's config (a resumed run with another one
+  keeps the old as ``config.until_step<N>.json``); the checkpoint's own
+  config is the reference;
+- ``metrics.jsonl``: one whole row per (step, split); a resumed run drops
+  rows after its checkpoint and incomplete lines, with a notice;
 - ``final_metrics.json``: written atomically after the final evaluation;
-  a run whose file is complete for its latest step has nothing left to do;
-- ``train.lock``: a workdir has one writer (``WorkdirLock``). ``python -m
-  train`` holds an exclusive ``fcntl.flock`` on it while it runs, with the
-  holder's host, process id and start time written inside; a second run
-  stops at once naming the holder. The OS releases the flock when its
-  process dies, so a killed run leaves only the metadata: the next run
-  finds it stale and takes over with a one-line notice. Decoding and export
-  only read a workdir and never take the lock.
-
-Every check here runs before anything is written.
+- ``train.lock``: the one writer's flock (``WorkdirLock``); decoding and
+  export never take it.
 """
 
 from __future__ import annotations
@@ -67,13 +52,10 @@ def param_count(cfg: Config) -> int:
 
 
 def memory_floor_bytes(cfg: Config) -> dict[str, int]:
-  """A lower bound on the train step's memory, by term (bytes): ``params``,
-  the parameters in ``model.param_dtype`` (``param_count``); ``logits``, one
-  float32 logits tensor [train.batch_size, train.seq_len, model.vocab_size]
-  (the main head's logits are always materialised, for its loss or as the
-  modules' distillation teacher). Activations, gradients, the optimizer's
-  state and the other heads' logits come on top: the real step needs
-  several times more."""
+  """A lower bound on the train step's memory by term (bytes): ``params`` in
+  ``model.param_dtype`` and ``logits``, one float32 [batch_size, seq_len,
+  vocab_size] tensor (always materialised); activations, gradients and the
+  optimizer state come on top."""
   t = cfg.train
   per = 2 if cfg.model.param_dtype in ("bfloat16", "float16") else 4
   return {"params": param_count(cfg) * per,
@@ -93,26 +75,20 @@ def device_memory_bytes() -> tuple[int, str]:
 
 
 def process_share(cfg: Config, num_local: int, num_global: int) -> tuple[float, float]:
-  """The smallest fractions (params, logits) of the train step's parameters
-  and logits one process can hold, for ``num_local`` of ``num_global``
-  devices: parameters are split over at most ``mesh.fsdp x mesh.tensor``
-  devices (a process holds at least ``num_local`` of them, or all), the
-  logits over at most every device (batch and vocabulary). Lower bounds:
-  the real layout never holds less."""
+  """The smallest fractions (params, logits) one process of ``num_local`` of
+  ``num_global`` devices can hold: parameters split over at most fsdp x
+  tensor devices, logits over every device. Lower bounds."""
   split = max(1, cfg.mesh.fsdp) * max(1, cfg.mesh.tensor)
   return min(1.0, num_local / split), num_local / max(num_global, 1)
 
 
 def check_memory_floor(cfg: Config, available: tuple[int, str] | None = None,
                        devices: tuple[int, int] | None = None) -> None:
-  """Refuses a train step that cannot fit before anything is allocated or
-  written: raises ConfigError when this process's share
-  (``process_share``; ``devices`` = (local, global) device counts, default
-  JAX's) of ``memory_floor_bytes`` exceeds ``available`` (default
+  """Raises ConfigError, before anything is allocated or written, when this
+  process's share of ``memory_floor_bytes`` exceeds ``available`` (default
   ``device_memory_bytes()``), naming the model fields when the parameters
-  alone do not fit, else ``train.batch_size`` and the largest batch whose
-  floor fits. Passing is no promise: the floor leaves out activations,
-  gradients and the optimizer state."""
+  alone do not fit, else ``train.batch_size`` and the largest batch that
+  fits. Passing is no promise."""
   floor = memory_floor_bytes(cfg)
   p_share, l_share = process_share(cfg, *(devices or (jax.local_device_count(), jax.device_count())))
   params, logits = int(floor["params"] * p_share), int(floor["logits"] * l_share)
@@ -178,15 +154,10 @@ def resume_point(cfg: Config, workdir: str) -> tuple[int | None, Config | None]:
 
 
 def check_init_from(cfg: Config) -> int | None:
-  """Checks ``train.init_from`` (a trained workdir, or any directory
-  ``mtp.loading`` reads, whose parameters start this run) before anything is
-  written. Returns its latest checkpoint step, or None when ``init_from`` is
-  empty.
-
-  Raises:
-    CheckpointError: it has no checkpoint, or one from another architecture
-      (``config.architecture_mismatches``, listed in the message).
-  """
+  """The latest checkpoint step of ``train.init_from`` (any directory
+  ``mtp.loading`` reads), or None when empty; checked before anything is
+  written. Raises CheckpointError: no checkpoint, or another architecture
+  (the mismatches listed)."""
   src = cfg.train.init_from
   if not src:
     return None
@@ -396,15 +367,11 @@ def end_at_row_boundary(path: str) -> None:
 
 
 def resume_metrics(workdir: str, step: int, eval_due: Callable[[int], bool]):
-  """Repairs ``metrics.jsonl`` for a run resumed at checkpoint ``step``
-  (``truncate_metrics``) and reads back what the result reports.
-
-  Returns (last_train, last_eval, eval_step, eval_pending): the last logged
-  train metrics ({} if none); the evaluation logged at ``step`` ({} if
-  none, e.g. a run stopped after its final evaluation, before
-  final_metrics.json, has one) and ``step`` or None; whether that
-  evaluation is still due (``eval_due(step)`` and none was logged).
-  """
+  """Repairs ``metrics.jsonl`` for a run resumed at ``step``
+  (``truncate_metrics``) and returns (last_train, last_eval, eval_step,
+  eval_pending): the last train metrics ({} if none), the evaluation logged
+  at ``step`` ({} if none) and ``step`` or None, and whether that evaluation
+  is still due."""
   path = os.path.join(workdir, METRICS_FILE)
   truncate_metrics(path, step)
   rows = metric_rows(path)
@@ -435,13 +402,9 @@ def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 
 def read_config_file(workdir: str) -> dict | None:
-  """``workdir``'s config.json as a dict, or None when there is none.
-
-  Raises:
-    ConfigError: it is unreadable, not valid JSON or not a JSON object (one
-      line naming the file: fix or delete it; the checkpoints keep their
-      own config).
-  """
+  """``workdir``'s config.json as a dict, or None when there is none. Raises
+  ConfigError (one line naming the file) when it is unreadable, not JSON or
+  not an object."""
   path = os.path.join(workdir, CONFIG_FILE)
   if not os.path.exists(path):
     return None
@@ -472,14 +435,10 @@ def _plain(values) -> dict:
 
 def previous_config(recorded: dict | None, trained: Config | None,
                     step: int) -> tuple[dict | None, str]:
-  """The config a run resumed at checkpoint ``step`` continues from, and a
-  note ("" if none) for the resume line.
-
-  ``trained`` (the config the checkpoint was saved with, ``mtp.checkpoint``)
-  is the previous config when known; ``recorded`` (config.json) only
-  stands in for a checkpoint without one. When both are known and differ,
-  config.json was edited after the checkpoint (or written by a run that
-  saved none): the note says so, naming the fields (checkpoint -> file)."""
+  """(the config a run resumed at ``step`` continues from, a note or ""):
+  ``trained`` (the checkpoint's own config) when known, else ``recorded``
+  (config.json); when both differ the note names the fields (checkpoint ->
+  file)."""
   if trained is None:
     return (None if recorded is None else _plain(recorded)), ""
   saved = _plain(trained)
@@ -493,14 +452,10 @@ def previous_config(recorded: dict | None, trained: Config | None,
 
 def record_config(workdir: str, cfg: Config, resume_step: int | None,
                   trained: Config | None = None) -> str:
-  """Writes ``cfg`` as ``config.json`` (atomically). A run resumed at
-  ``resume_step`` whose previous config (``previous_config``: ``trained``,
-  the config that checkpoint was saved with, else config.json) differs
-  keeps that one as ``config.until_step<N>.json``; returns the notes for
-  the resume line (``"; config changed since the last run (...)..."``,
-  and whether config.json disagreed with the checkpoint), else "".
-
-  Raises ConfigError (``read_config_file``) before writing anything."""
+  """Writes ``cfg`` as ``config.json`` (atomically); a resumed run whose
+  previous config (``previous_config``) differs keeps it as
+  ``config.until_step<N>.json``. Returns the notes for the resume line, else
+  "". Raises ConfigError before writing anything."""
   note = ""
   if resume_step is not None:
     previous, note = previous_config(read_config_file(workdir), trained, resume_step)
@@ -541,23 +496,15 @@ _HELD: dict[str, list] = {}   # lock file (real path) -> [its open file, holders
 
 
 class WorkdirLock:
-  """The one-writer lock of a training workdir: ``WORKDIR/train.lock``.
-
-  ``acquire()`` takes an exclusive, non-blocking ``fcntl.flock`` on the file
-  and writes ``{"host", "pid", "started"}`` (UTC, ISO 8601) into it;
-  ``release()`` empties the file and drops the flock (the file stays: it is
-  never deleted, so two runs cannot end up locking two different files).
-
-  Raises WorkdirBusyError from ``acquire`` when another process holds the
-  flock, or when the file names a live process on this host other than this
-  one (a file system that does not honour flock). A file naming a process
-  that is gone (killed, crashed: the OS dropped its flock) is stale: the
-  lock is taken over and ``log`` gets one notice line. Usable as a context
-  manager. Within one process the lock is shared: a second ``WorkdirLock``
-  of the same workdir (``train.loop.train`` inside a command that already
-  holds it, e.g. scripts/smollm_mtp_device.py) acquires at once, and the
-  flock is dropped when the last holder releases.
-  """
+  """The one-writer lock of a training workdir, ``WORKDIR/train.lock``:
+  ``acquire()`` takes an exclusive non-blocking ``fcntl.flock`` and writes
+  {"host", "pid", "started"} (UTC ISO 8601); ``release()`` empties the file
+  (never deleted) and drops the flock. A file naming a dead process is stale
+  and taken over with one ``log`` line. Shared within a process: a second
+  lock of the same workdir acquires at once; the last release drops the
+  flock. A context manager. Raises WorkdirBusyError from ``acquire`` when
+  another process holds the flock or the file names another live process on
+  this host."""
 
   def __init__(self, workdir: str):
     self.workdir = workdir

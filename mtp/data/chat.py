@@ -3,49 +3,15 @@ embedded corpora (``chat_prompts``), the hand-written held-out set
 (``heldout_chat_prompts``, ``mtp/data/heldout_chat.jsonl``) and the overlap
 check between the two (``overlaps``).
 
-Training prompts. Each is a dict ``{"category": str, "messages": [{"role":
-"user", "content": str}], "source": str}`` (``source``: the corpus and
-document it was cut from, e.g. ``"python_stdlib/json/decoder.py"``). They are
-built from the documents of one split of ``python_stdlib`` (parsed with
-``ast``: functions and classes with docstrings, module docstrings, source
-windows) and ``python_docs`` (pydoc topics: paragraph windows), by category:
-
-- ``code``: write a function from its signature and docstring, or complete
-  a function whose body is cut;
-- ``explain``: what does this code do / what is module X for;
-- ``qa``: questions about a stdlib function, class or module, with its
-  docstring as context or without, and about a pydoc topic;
-- ``summarise``: summarise a pydoc passage or a module docstring;
-- ``rewrite``: rewrite a pydoc passage in simpler words, or refactor code;
-- ``docstring``: write a docstring for a function whose docstring is removed;
-- ``tests``: write unit tests for a short function;
-- ``math``, ``translate``, ``write``, ``general``: arithmetic and word
-  problems, translations, short pieces of writing and general-knowledge
-  questions composed from word lists and random numbers
-  (``mtp.data.chat_general``; source ``"generated/CATEGORY"``, or a pydoc
-  topic for a translated documentation sentence).
-
-Every context is cut to at most ``max_context_chars`` characters (default
-1200, about 300-400 BPE tokens of SmolLM2's tokenizer for code and prose),
-at a line boundary. No two prompts of one list are equal (a repeat is
-drawn again). The stream is deterministic for (split, seed, categories)
-and the interpreter's stdlib; prompt i does not depend on n (a longer list
-extends a shorter one).
-
-Held-out prompts (``heldout_chat_prompts``): written by hand for this
-project, not generated from the corpora; eight or more per category in
-``HELDOUT_CATEGORIES``. One JSON object per line: ``"category"``,
-``"prompt"`` (one user message) and optionally ``"system"``.
-
-Overlap (``overlaps``): two prompts overlap when, after lower-casing and
-collapsing every run of whitespace to one space, they share a run of
-``shingle_words`` (8) consecutive words (words: maximal runs of
-non-whitespace) or a common substring of ``substring_chars`` (40)
-characters (a prompt of fewer than 8 words: its words in order inside the
-other). ``tests/test_chat_data.py`` checks every held-out prompt
-against the first 1,100 training prompts of seed 0 (the stage's recipe) and
-the first 100 of the validation split; when the set was written it was also checked against the
-first 400 of seeds 0 and 1 and 200 of the validation split (no overlap).
+A training prompt is ``{"category", "messages": [{"role": "user",
+"content"}], "source"}`` (``source``: corpus/document, or
+``"generated/CATEGORY"``), cut from one split of ``python_stdlib`` (``ast``:
+functions, classes, docstrings, source windows) and ``python_docs``, in the
+categories code, explain, qa, summarise, rewrite, docstring, tests and
+(``mtp.data.chat_general``) math, translate, write, general. Contexts are
+cut at a line boundary to ``max_context_chars``; no two prompts of a list
+are equal; the stream is deterministic for (split, seed, categories) and
+the stdlib, and prompt i does not depend on n.
 """
 
 from __future__ import annotations
@@ -308,26 +274,13 @@ def _one_prompt(corpus: _Corpus, category: str, rng, max_chars: int) -> tuple[st
 def chat_prompts(n: int, *, seed: int = 0, split: str = "train", data_dir: str = "",
                  categories: Sequence[str] = CATEGORIES,
                  max_context_chars: int = MAX_CONTEXT_CHARS) -> list[dict]:
-  """``n`` training chat prompts built from split ``split`` of the embedded
-  corpora (module docstring), categories in turn (prompt i has category
-  ``categories[i % len(categories)]``).
-
-  Args:
-    n: number of prompts (>= 0).
-    seed: int >= 0; prompt i depends only on (seed, split, i, categories).
-    split: corpus split ("train"; "validation" for a validation slice whose
-      documents are never trained on).
-    data_dir: TFDS data dir ("" = default; the corpora build there on first use).
-    categories: a non-empty subset of ``CATEGORIES`` (order matters).
-    max_context_chars: longest context cut from a document (>= 200).
-
-  Returns:
-    list of ``{"category", "messages": [{"role": "user", "content"}], "source"}``.
-
-  Raises:
-    DataError: a bad argument (naming it and its range), an unknown category,
-      or corpora that cannot be read.
-  """
+  """``n`` >= 0 training chat prompts from split ``split`` of the embedded
+  corpora (module docstring); prompt i has category ``categories[i %
+  len(categories)]`` and depends only on (seed, split, i, categories).
+  data_dir: TFDS data dir ("" = default); max_context_chars >= 200.
+  Returns ``[{"category", "messages": [{"role": "user", "content"}],
+  "source"}]``. Raises DataError: a bad argument (named with its range), an
+  unknown category, or unreadable corpora."""
   if not (isinstance(n, int) and n >= 0):
     raise DataError(f"n={n!r} must be an integer >= 0")
   if not (isinstance(seed, int) and seed >= 0):
@@ -464,8 +417,7 @@ def _substrings(text: str, k: int) -> set[str]:
 
 def overlaps(candidates: Iterable[str], reference: Iterable[str], *, shingle_words: int = 8,
              substring_chars: int = 40) -> list[tuple[int, str]]:
-  """Which ``candidates`` overlap any ``reference`` text (module docstring:
-  a shared run of ``shingle_words`` words or a common substring of
+  """Which ``candidates`` overlap any ``reference`` text (a shared run of ``shingle_words`` words or a common substring of
   ``substring_chars`` characters, after lower-casing and collapsing
   whitespace). A text of fewer than ``shingle_words`` words has no such run:
   it overlaps when its words (lower-cased, punctuation dropped) appear in

@@ -1,28 +1,11 @@
 """Training chat prompts outside the standard library (``mtp.data.chat``'s
-categories ``math``, ``translate``, ``write`` and ``general``).
-
-The corpus categories of ``mtp.data.chat`` ask only about Python; an
-instruct target's users also ask for arithmetic, translations, short pieces
-of writing and general knowledge (four of the six held-out categories). These
-prompts are composed from the word lists below (written for this module) and
-random numbers, so they cost no corpus and no download:
-
-- ``math``: arithmetic, percentages, linear equations, unit conversions,
-  averages, rectangles and triangles, rates, divisibility, word problems,
-  with numbers drawn per prompt;
-- ``translate``: an everyday English sentence (subject + action + place or
-  time, composed) or the first sentence of a pydoc passage, into one of nine
-  languages;
-- ``write``: a form (poem, short story opening, email, note, ...) about a topic;
-- ``general``: explain a concept, compare two things, list facts about a
-  subject, summarise a well-known book or event.
-
-The topics of the hand-written held-out set (``heldout_chat.jsonl``) were
-left out of these lists on purpose (no seasons, sky colour, planets, DNA,
-refrigerators, Romeo and Juliet, the First World War, blockchains, cats,
-marathons, the sea at night, ...), and ``tests/test_chat_data.py`` checks the
-generated prompts against that set with ``chat.overlaps``. Each function
-takes a ``numpy.random.Generator`` and is deterministic for it.
+categories ``math``, ``translate``, ``write`` and ``general``), composed from
+the word lists below and random numbers (no corpus, no download): math word
+problems with drawn numbers; translations of composed sentences or pydoc
+sentences into nine languages; short writing forms about a topic; explain,
+compare, list or summarise a subject. The held-out set's topics are left
+out of the lists on purpose (tests/test_chat_data.py checks the overlap).
+Each function takes a ``numpy.random.Generator`` and is deterministic for it.
 """
 
 from __future__ import annotations

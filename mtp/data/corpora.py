@@ -356,26 +356,13 @@ def _glob(pattern: str) -> set[str]:
 
 def match_text_files(files: str) -> list[TextFile]:
   """The files matched by ``files`` (``DataConfig.files``: comma-separated
-  glob patterns, ``**`` recursive, ``~`` expanded), sorted by path; folders
-  are ignored.
-
-  ``**`` does not enter symlinked folders (``_glob``), so a link back into
-  the tree (``self -> .``, ``up -> ..``) neither repeats files nor loops; a
-  symlinked folder is read only where a pattern spells it (or reaches it with
-  ``*``), e.g. ``src/**/*.py,src/vendor/**/*.py``. Symlinked files are read
-  through. Each file is listed once, by its ``(st_dev, st_ino)``, however many
-  paths (symlinks, hard links, overlapping patterns) reach it, so the same
-  file can never be on both sides of the split. Its name is that of a match
-  with no symlink below the pattern's folder, when there is one (adding a
-  link never renames a document, which would move it between splits), else
-  that of its first match (patterns in order, paths sorted).
-
-  Raises:
-    DataError: an empty pattern, a pattern that matches no file (the message
-      names ``data.files``, the pattern and the working directory), or a
-      matched path that cannot be stat'ed (e.g. a broken symlink) or is not a
-      regular file (names the path).
-  """
+  globs, ``**`` recursive, ``~`` expanded), sorted by path; folders ignored.
+  ``**`` does not enter symlinked folders (no loops or repeats; a pattern may
+  spell one); symlinked files are read through. Each file is listed once by
+  ``(st_dev, st_ino)``, named after a match with no symlink below the
+  pattern's folder when there is one, else its first match, so a document
+  never changes split. Raises DataError: an empty pattern, one matching no
+  file, or a matched path that cannot be stat'ed or is not a regular file."""
   patterns = [p.strip() for p in files.split(",")]
   if not files.strip() or not all(patterns):
     raise DataError(f"data.files={files!r} must be a comma-separated list of non-empty glob "
@@ -685,23 +672,13 @@ def _token_dataset_builder(name: str):
 
 def write_token_dataset(name: str, data_dir: str, splits: dict[str, list[tuple[str, dict]]],
                         metadata: dict) -> str:
-  """Writes token examples as TFDS dataset ``name`` version 1.0.0
-  (``array_record``) under ``data_dir``, with ``metadata`` (JSON-serialisable)
-  in its metadata.json; returns the version folder.
-
-  Args:
-    splits: ``{split: [(key, {"tokens": int32 [n], "loss_mask": int32 [n]
-      (0/1), "category": str}), ...]}``, keys unique per split (TFDS orders
-      records by key: zero-padded keys keep the given order).
-
-  Features read back: ``tokens`` int32 [n], ``loss_mask`` int32 [n],
-  ``category`` and ``name`` (the key) as bytes. The pipeline
-  (``mtp.data.pipeline``) packs ``tokens`` as is and carries ``loss_mask``.
-
-  Raises DataError for a bad or existing name (``check_dataset_name``), or
-  an example whose tokens and loss_mask differ in length, are not 1-D, or
-  whose loss_mask holds a value other than 0 and 1 (naming split and key).
-  """
+  """Writes token examples as TFDS dataset ``name`` 1.0.0 (``array_record``)
+  under ``data_dir`` with ``metadata`` in its metadata.json; returns the
+  version folder. splits: ``{split: [(key, {"tokens": int32 [n], "loss_mask":
+  int32 [n] (0/1), "category": str}), ...]}``, keys unique per split (TFDS
+  orders by key). Read back: tokens, loss_mask, category and name (bytes).
+  Raises DataError: a bad or existing name, or an example whose arrays differ
+  in length, are not 1-D or hold a mask value other than 0 and 1."""
   check_dataset_name(name, data_dir)
   for split, rows in splits.items():
     for key, ex in rows:

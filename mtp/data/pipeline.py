@@ -1,42 +1,16 @@
 """The grain pipeline: packed training and evaluation batches, one epoch as
-packed rows (``epoch_rows``), and an iterator state that survives a JSON round
-trip (checkpoints).
+packed rows (``epoch_rows``), and an iterator state that survives JSON.
 
-Pipeline (grain): text documents are tokenized by the pipeline's tokenizer
-(argument ``tokenizer``; default ``mtp.tokenizer.ByteTokenizer``:
-``[BOS] + UTF-8 bytes + [EOS]``; a BPE tokenizer adds its BOS / EOS where it
-has them) and packed by concat-then-split
-(``grain.experimental.ConcatThenSplitIterDataset``) into rows of ``seq_len``
-tokens. Long documents continue into the next row(s) instead of being
-truncated. Per row, ``segment_ids`` number the document pieces 1, 2, ... (0 =
-padding) and ``positions`` count from 0 within each piece, restarting at 0 in
-every row, also for a piece that continues a document from the previous row
-(which then does not start with BOS). Padding (the tokenizer's pad id, 0 if
-it has none: ``PAD_ID`` for the byte tokenizer; segment 0, position 0) only
-occurs at the end of a finite stream (eval); training rows are always full
-(with ``data.packing = "concat"``, the default).
-Batches of a text dataset are ``dict(tokens, segment_ids, positions)`` of
-numpy int32 ``[B, seq_len]``.
-
-``data.packing = "first_fit"`` (token datasets only, e.g. chat examples whose
-answer must be trained with its prompt): whole examples are packed first-fit
-(``grain.experimental.FirstFitPackIterDataset``, ``FIRST_FIT_BINS`` open
-rows; training shuffles the finished rows, seeded) into rows that end in
-padding (segment 0, loss_mask 0); no example is split, and an example longer
-than a row keeps its last ``seq_len`` tokens. With concat-then-split, 36 % of
-the answer tokens of SmolLM2's self-distilled chat data (rows of 512) sat in
-a piece cut off from its prompt (docs/results.md 13.6).
-
-Token datasets (a ``tokens`` feature, e.g. ``scripts.self_distill
---chat_prompts``; ``mtp.data.write_token_dataset``): each example's ``tokens``
-(int32 [n]) are used as is (no tokenizer, no BOS/EOS added; every id must be
-below the tokenizer's vocab_size) and its ``loss_mask`` (int32 [n], all ones
-when the dataset has none) is packed alongside, so batches carry a fourth
-array ``loss_mask`` int32 ``[B, seq_len]`` (0 on padding). Contract with the
-trainer: ``loss_mask[b, j] = 1`` iff token j may be a training target; a head
-predicting offset o at position i counts iff the usual validity holds (same
-segment, in the row) and ``loss_mask[b, i + o] == 1``. A batch without the
-key means all ones.
+Text documents are tokenized (byte tokenizer: ``[BOS] + UTF-8 + [EOS]``)
+and packed concat-then-split into rows of ``seq_len``: long documents
+continue into the next row; ``segment_ids`` number the pieces 1, 2, ... (0 =
+padding), ``positions`` restart at 0 per piece and row. Padding (pad id,
+segment 0) occurs only at the end of a finite stream. ``data.packing =
+"first_fit"`` (token datasets) packs whole examples first-fit, padding the
+rows; an example longer than a row keeps its last ``seq_len`` tokens.
+Batches: ``tokens``, ``segment_ids``, ``positions`` int32 [B, seq_len], and
+for token datasets ``loss_mask`` (token j may be a target iff
+``loss_mask[b, j] == 1``; absent means all ones).
 """
 
 from __future__ import annotations
@@ -238,34 +212,17 @@ def make_train_dataset(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: 
                        tokenizer=None) -> grain.IterDataset:
   """Infinite, shuffled, packed training batches for this process.
 
-  Documents of ``cfg.train_split`` are sharded by process (document
-  ``i`` goes to process ``i % process_count``, so processes read disjoint
-  data), globally shuffled with ``seed`` (a new order every epoch: grain folds
-  the epoch into the shuffle seed), tokenized, packed (module docstring) and
-  batched. With ``cfg.num_workers > 0`` the work runs in that many grain worker
-  processes (``mp_prefetch``), which changes the row order but stays
-  deterministic for a given ``num_workers``.
+  Documents of ``cfg.train_split`` go to process ``i % process_count``, are
+  shuffled with ``seed`` (mod 2**32; a new order every epoch), tokenized by
+  ``tokenizer`` (None: bytes; token datasets as is), packed (module
+  docstring) and batched; ``cfg.num_workers > 0`` uses grain worker processes
+  (another, still deterministic, row order). seq_len: T; batch_size: global
+  rows. Yields ``dict(tokens, segment_ids, positions[, loss_mask])`` numpy
+  int32 [B, T], B = batch_size // process_count; the iterator's
+  ``get_state()`` is JSON and ``set_state`` resumes the exact stream.
 
-  Args:
-    cfg: data config.
-    seq_len: tokens per row (T).
-    batch_size: global batch size (rows over all processes).
-    seed: shuffle seed (int >= 0; taken mod 2**32).
-    process_index, process_count: this JAX process and the number of them.
-    tokenizer: encodes text documents and gives the pad id (None = the byte
-      tokenizer); token datasets are read as is.
-
-  Returns:
-    ``grain.IterDataset``; ``iter(ds)`` yields ``dict(tokens, segment_ids,
-    positions)`` (plus ``loss_mask`` for a token dataset), numpy int32
-    ``[B, T]`` with ``B = batch_size // process_count``. The iterator is checkpointable: ``it.get_state()`` is a
-    JSON-serializable dict and ``it.set_state(state)`` resumes the exact
-    stream.
-
-  Raises:
-    DataError: as ``load_source``; batch_size not divisible by process_count;
-      fewer documents than processes; bad sizes.
-  """
+  Raises DataError: as ``load_source``; batch_size not divisible by
+  process_count; fewer documents than processes; bad sizes."""
   per_process = _check_sharding(batch_size, seq_len, process_index, process_count)
   src = load_source(cfg, cfg.train_split)
   if len(src) < process_count:
@@ -319,28 +276,13 @@ def make_eval_batches(cfg: DataConfig, *, seq_len: int, batch_size: int, num_bat
                       tokenizer=None) -> list[dict]:
   """The first ``num_batches`` packed batches of ``cfg.eval_split``, no shuffle.
 
-  Every process packs the same global stream (documents in stored order) and
-  takes rows ``[process_index * B, (process_index + 1) * B)`` of each global
-  batch. So all processes get the same number of batches (collectives stay in
-  step), their rows are disjoint, and the global eval set does not depend on
-  ``process_count``. If the split runs out, fewer batches come back and the
-  last one is padded with pad rows (segment 0, position 0, loss_mask 0).
-
-  Args:
-    cfg: data config.
-    seq_len: tokens per row (T).
-    batch_size: global batch size; num_batches: at most this many batches.
-    process_index, process_count: this JAX process and the number of them.
-    tokenizer: as ``make_train_dataset``.
-
-  Returns:
-    list of ``dict(tokens, segment_ids, positions)`` (plus ``loss_mask`` for
-    a token dataset), numpy int32 ``[B, T]``, ``B = batch_size //
-    process_count``.
-
-  Raises:
-    DataError: as ``load_source``; batch_size not divisible by process_count.
-  """
+  Every process packs the same global stream (stored order) and takes rows
+  [process_index * B, (process_index + 1) * B) of each global batch: equal
+  batch counts, disjoint rows, an eval set independent of process_count. A
+  short split gives fewer batches, the last padded (segment 0, position 0,
+  loss_mask 0). Returns a list of ``make_train_dataset``'s batches, int32
+  [B, T], B = batch_size // process_count. Raises DataError: as
+  ``load_source``; batch_size not divisible by process_count."""
   per_process = _check_sharding(batch_size, seq_len, process_index, process_count)
   if num_batches < 0:
     raise DataError(f"num_batches must be >= 0, got {num_batches}")
@@ -357,29 +299,15 @@ def make_eval_batches(cfg: DataConfig, *, seq_len: int, batch_size: int, num_bat
 
 def epoch_rows(cfg: DataConfig, *, seq_len: int, tokenizer=None, split: str | None = None
                ) -> dict[str, np.ndarray]:
-  """One full pass over ``split`` (default ``cfg.train_split``), packed into
-  rows exactly as the training pipeline packs them (module docstring), in
-  the source's stored order (no shuffle, no sharding, no repeat): every
-  document appears once, its pieces in consecutive rows; the last row is
-  padded (pad id, segment 0, position 0, loss_mask 0). With
-  ``cfg.packing = "first_fit"`` every example is whole in one row (its last
-  ``seq_len`` tokens if longer) and any row may end in padding.
+  """One pass over ``split`` (default ``cfg.train_split``) packed as training
+  packs it (module docstring), in stored order (no shuffle, sharding or
+  repeat); the last row (with first_fit, any row) is padded (pad id, segment
+  0, position 0, loss_mask 0). tokenizer as ``make_train_dataset``.
 
-  Args:
-    cfg: data config.
-    seq_len: tokens per row (T >= 1).
-    tokenizer: as ``make_train_dataset`` (None = the byte tokenizer).
-    split: the split to read (None = ``cfg.train_split``).
-
-  Returns:
-    ``dict(tokens, segment_ids, positions, loss_mask)``, numpy int32
-    ``[N, T]`` each (N = rows of one epoch; 0 for an empty split). For a
-    text dataset ``loss_mask`` is 1 on every real token (segment > 0); for a
-    token dataset it is the stored mask.
-
-  Raises:
-    DataError: as ``load_source``; seq_len < 1.
-  """
+  Returns ``dict(tokens, segment_ids, positions, loss_mask)`` int32 [N, T] (N
+  = 0 for an empty split); ``loss_mask`` is 1 on real tokens of a text
+  dataset, the stored mask of a token dataset. Raises DataError: as
+  ``load_source``; seq_len < 1."""
   if not (isinstance(seq_len, int) and seq_len >= 1):
     raise DataError(f"seq_len must be an integer >= 1, got {seq_len!r}")
   stacked, token_dataset = _epoch_stack(cfg, split or cfg.train_split, seq_len, tokenizer, None)

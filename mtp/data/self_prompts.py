@@ -1,44 +1,17 @@
 """Self-written chat prompts: user turns the target writes itself (Magpie,
 Xu et al. 2024), filtered, deduplicated and kept apart from the held-out set.
 
-An instruct model continues its chat template's user-turn prefix (for
-SmolLM2 ``<|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n``) with
-text that reads like a user's request, drawn from the distribution of
-requests it was tuned on, with no external data. ``user_turn_prefix``
-finds that prefix, ``scripts.self_prompts.sample_user_turns`` samples
-continuations from it (``Decoder.sample``: one prefill, B rows; temperature,
-top-p and a length cap in tokens) and cuts each at the end-of-turn (stop)
-id; a row that never emits one within the cap is ``unfinished`` and
-dropped. ``filter_prompts`` then rejects, with one reason per text:
-
-- ``empty``: nothing but whitespace;
-- ``too_short`` / ``too_long``: fewer than ``min_chars`` characters or
-  ``min_words`` words / more than ``max_chars`` characters;
-- ``non_printable``: a control, format, surrogate, private-use or
-  unassigned character other than newline and tab, or U+FFFD (bytes that
-  did not decode as UTF-8);
-- ``repetition``: degenerate repetition: a word ``ngram``-gram occurring
-  more than ``max_ngram_repeats`` times, a character repeated more than
-  ``max_char_run`` times in a row, or (texts of >= 12 words) fewer than
-  ``min_distinct_words`` of the words distinct;
-- ``assistant_like``: opens like an assistant's turn ("Hello, how can I
-  assist you today?", "As an AI ...", "Sure, here is ...": the model
-  answering instead of asking, Magpie's known failure);
-- ``duplicate``: the same normalised text as a kept prompt (lower-cased,
-  punctuation dropped, whitespace collapsed: exact and near duplicates
-  that differ in case, spacing or punctuation);
-- ``heldout_overlap``: overlaps a held-out prompt by the project's check
-  (``mtp.data.chat.overlaps``: a shared run of 8 words or 40 characters),
-  against ``mtp/data/heldout_chat.jsonl`` by default.
-
-Output (``write_prompt_jsonl``) is the JSONL prompt format of
-``mtp.data.chat.read_prompt_jsonl``: one ``{"category": "self_written",
-"prompt": str}`` per line, so the held-out reader, ``prompt_messages`` and
-``prompt_text`` read it as is. ``as_chat_prompt`` gives the form
-``mtp.data.chat_prompts`` returns (``{"category", "messages", "source"}``),
-which ``scripts.self_distill.answer_examples`` answers, and
-``mix_prompt_sources`` mixes prompt lists (templated, self-written, ...) by
-weight, deterministically.
+``user_turn_prefix`` finds the chat template's user-turn prefix, which
+``scripts.self_prompts.sample_user_turns`` continues and cuts at the
+end-of-turn id (no stop within the cap: ``unfinished``, dropped).
+``filter_prompts`` rejects with one reason per text: ``empty``,
+``too_short`` / ``too_long``, ``non_printable`` (control, private-use,
+unassigned or U+FFFD), ``repetition`` (n-gram, character run or few
+distinct words), ``assistant_like`` (answers instead of asking),
+``duplicate`` (same normalised text) and ``heldout_overlap``
+(``mtp.data.chat.overlaps`` against the held-out set). Output is
+``read_prompt_jsonl``'s format (``{"category": "self_written", "prompt"}``);
+``as_chat_prompt`` and ``mix_prompt_sources`` (seeded, by weight) adapt it.
 """
 
 from __future__ import annotations

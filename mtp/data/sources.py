@@ -167,28 +167,16 @@ def _check_text_feature(builder: tfds.core.DatasetBuilder, cfg: DataConfig, data
 
 
 def load_source(cfg: DataConfig, split: str):
-  """Random-access source of the documents of ``split`` (builds an embedded
-  corpus on first use).
+  """Random-access source of the documents of ``split`` (an embedded corpus is
+  built on first use): ``tfds.data_source`` semantics, ``download=False``;
+  ``src[i][cfg.text_feature]`` is the document's bytes, or for a token
+  dataset ``src[i]["tokens"]`` and ``["loss_mask"]`` int32 [n]; TFDS's
+  deterministic order; usable as a ``grain.MapDataset.source``. A mixture
+  ``"a+b"`` is a ``ConcatSource`` over the parts that have ``split``.
 
-  Returns:
-    The TFDS data source (``tfds.data_source`` semantics, ``download=False``):
-    ``len(src)`` documents; ``src[i]`` is a dict of features whose
-    ``cfg.text_feature`` entry is the document as ``bytes`` (UTF-8, maybe
-    invalid for other datasets); for a token dataset (``is_token_dataset``)
-    ``src[i]["tokens"]`` is int32 [n] and ``src[i]["loss_mask"]`` int32 [n]. Record order is TFDS's deterministic
-    (key-hashed) order. Usable as a ``grain.MapDataset.source``.
-
-    For a mixture (``cfg.name="a+b"``) a ``ConcatSource`` over the parts
-    that have ``split`` (a part without it, e.g. a self-distilled set
-    written with ``--val_prompts 0``, adds nothing to that split).
-
-  Raises:
-    DataError: unknown dataset name, dataset not prepared in the data dir or
-      not in a random-access format, unknown split, missing or non-text
-      ``text_feature``; a mixture with a malformed name, parts of different
-      kinds (token ids and text) or no part with ``split``. Messages name the
-      dataset, the data dir and what is missing.
-  """
+  Raises DataError naming the dataset, data dir and what is missing: unknown
+  name, not prepared or not random-access, unknown split, missing or
+  non-text feature; a malformed mixture, mixed kinds or no part with split."""
   parts = mixture_names(cfg.name)
   if len(parts) > 1:
     return _load_mixture(cfg, split, parts)

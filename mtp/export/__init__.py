@@ -1,46 +1,17 @@
-"""Hugging Face export and import: a trained workdir as a ``LlamaForCausalLM``
-directory with the MTP modules under DeepSeek-V3 naming, and back.
+"""Hugging Face export format: a trained model as a ``LlamaForCausalLM``
+directory with the MTP modules under DeepSeek-V3 naming, and back
+(``load_exported``, bitwise-identical parameters; ``mtp.loading.load_model``
+accepts such a directory in place of a workdir).
 
-``python -m mtp.export --workdir W --out DIR [--overwrite] [--step N]`` (CLI in
-``mtp/export/__main__.py``) calls ``mtp.exporting.export``, which loads the
-checkpoint (``mtp.loading``) and calls ``write_export`` here. (``--modules_out
-FILE`` writes only the MTP modules and draft vocabulary instead:
-``mtp.export.modules``.) This module is
-the format only: it imports neither ``mtp.checkpoint`` nor ``mtp.loading``.
-The directory holds
-
-- ``config.json``: a ``LlamaConfig`` (``architectures: ["LlamaForCausalLM"]``)
-  plus DeepSeek-V3's ``num_nextn_predict_layers`` (= MTP depth D) and an
-  ``mtp`` entry (format version, step, this project's full config);
-- ``model.safetensors``: every parameter, float tensors in ``model.param_dtype``;
-  the backbone under Llama names, MTP module k as extra decoder layer
-  ``model.layers.{L + k - 1}`` (L = ``model.num_layers``) with DeepSeek-V3's
-  ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` (and copies of the
-  shared ``embed_tokens`` / ``shared_head.head``, as in DeepSeek-V3's release);
-- ``generation_config.json``: BOS/EOS/PAD ids and ``suppress_tokens`` = the
-  ids our head never emits (``mtp.tokenizer.emittable_mask``: PAD, BOS, the 13
-  bytes no UTF-8 text contains, vocabulary padding ``259 .. V-1``): our head
-  gives them -inf, Llama's cannot, so ``generate`` is told never to pick them;
-- ``tokenizer.json`` (+ ``tokenizer_config.json``, ``special_tokens_map.json``):
-  for ``model.tokenizer = "byte"``, a byte-level tokenizer giving the same ids
-  as ``mtp.tokenizer``: byte b -> b, ``<pad>`` 256, ``<bos>`` 257, ``<eos>``
-  258; BOS is prepended on encode. For ``"bpe"`` (an imported model), the
-  workdir's own ``tokenizers`` file, with its special tokens, chat template
-  and BOS setting in ``tokenizer_config.json``; ``generation_config.json``
-  then lists every stop id (EOS, end of turn) as ``eos_token_id`` and
-  ``config.json``'s ``mtp`` entry keeps ``tokenizer_meta.json``'s content
-  (``mtp.tokenizer.load_tokenizer`` reads the directory's tokenizer from it).
-  Such an export is again a Hugging Face Llama directory:
-  ``mtp.importers.hf`` imports it back with bitwise-identical parameters.
-
-The mapping table, the eh_proj concatenation order and the limits are in
-``docs/export.md``; ``hf_name_map`` is the table in code, used in both
-directions. ``load_exported`` reads such a directory back into a
-``Transformer`` with bitwise-identical parameters; ``mtp.loading.load_model``
-(and so ``python -m decode --workdir DIR``) accepts it in place of a workdir.
-Writing needs only numpy and ``safetensors``; torch and transformers are not
-imported here, jax and flax only inside the functions that use them (``python -m
-mtp.export`` checks its flags before jax loads).
+``python -m mtp.export`` (``mtp/export/__main__.py``) calls
+``mtp.exporting.export``, which loads the checkpoint and calls
+``write_export`` here; this module is the format only and imports neither
+``mtp.checkpoint`` nor ``mtp.loading``. The directory: ``config.json``
+(LlamaConfig + ``num_nextn_predict_layers`` = D + an ``mtp`` entry),
+``model.safetensors`` (module k as layer L + k - 1, ``hf_name_map``),
+``generation_config.json`` (``suppress_tokens`` = the ids our head never
+emits) and the tokenizer files. Table and limits: docs/export.md. Writing
+needs numpy and safetensors only (jax/flax inside functions).
 """
 
 from __future__ import annotations

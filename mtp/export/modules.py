@@ -1,37 +1,16 @@
-"""The MTP modules file: a workdir's trained MTP modules (and its reduced
-draft vocabulary) as one small safetensors file, attached again to a freshly
-imported target (``python -m mtp.importers ... --mtp_modules FILE``).
+"""The MTP modules file: a workdir's trained MTP modules (and draft
+vocabulary) as one safetensors file, attached again to a freshly imported
+target (``python -m mtp.importers ... --mtp_modules FILE``). Written by
+``python -m mtp.export --modules_out FILE`` via ``write_modules_file``; this
+module is the format only (imports no checkpoint, loading or importers).
 
-Written by ``python -m mtp.export --workdir W --modules_out FILE.safetensors``
-(``mtp.exporting.export_modules`` loads the checkpoint and calls
-``write_modules_file``). This module is the format only: it imports neither
-``mtp.checkpoint`` nor ``mtp.loading`` nor ``mtp.importers``.
-
-Tensors (our own layout, ``nnx.Linear`` kernels [in, out]; names are the
-dotted paths of ``nnx.to_flat_state(nnx.state(model, nnx.Param))``):
-
-- ``mtp.<k-1>.{hidden_norm,embed_norm,out_norm}.scale`` [D];
-  ``mtp.<k-1>.proj.kernel`` [2D, D] over [RMSNorm(h); RMSNorm(E(t))];
-  ``mtp.<k-1>.block.*``: module k's transformer block (attention, MLP, their
-  norms), for k = 1..mtp.depth; float, in the file's ``dtype``
-  (``bfloat16`` by default, or ``float32``);
-- ``draft_vocab`` [V'] int32, sorted ids, when ``mtp.draft_vocab_size`` > 0.
-
-Not stored: the shared embedding / output head and the backbone (they are
-the target's). The safetensors metadata holds ``format`` = ``"mtp-modules"``
-and ``mtp_modules``: a JSON object with ``format_version`` (1), ``dtype``,
-``step`` (the source checkpoint), ``config`` (the source workdir's full
-config: model architecture and mtp section), ``provenance`` (commit, date,
-command, source workdir), ``eval_row`` (the source's last evaluation row of
-``metrics.jsonl`` at or before ``step``, or null; ``decode.calibrate.
-stage_prior`` reads it after import), ``target`` (``fingerprint``: SHA-256
-of the backbone the modules were trained against, ``backbone_fingerprint``;
-plus what is known of the import it came from) and ``tensors`` (name ->
-dtype, shape, CRC-32 of the bytes, checked on read: safetensors itself has
-no checksum).
-
-Errors are ``ModulesFileError`` (an ``ExportError``): one line naming the
-file and the field or tensor.
+Tensors (nnx paths; kernels [in, out]; float in the file's ``dtype``):
+``mtp.<k-1>.{hidden_norm,embed_norm,out_norm}.scale`` [D],
+``mtp.<k-1>.proj.kernel`` [2D, D], ``mtp.<k-1>.block.*``, and ``draft_vocab``
+[V'] int32 when there is one; not the shared embedding, head or backbone.
+Metadata ``mtp_modules`` (JSON): format_version 1, dtype, step, config,
+provenance, eval_row, target (``backbone_fingerprint``) and tensors (dtype,
+shape, CRC-32, checked on read). Errors: ``ModulesFileError``.
 """
 
 from __future__ import annotations

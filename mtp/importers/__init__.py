@@ -1,38 +1,16 @@
-"""Import a pretrained Llama-family model into a workdir.
+"""Import a pretrained Llama-family model into a workdir (docs/import.md).
 
-``python -m mtp.importers --gguf FILE --workdir DIR`` (``mtp.importers.gguf``)
-or ``--hf DIR`` (``mtp.importers.hf``: ``LlamaForCausalLM`` /
-``MistralForCausalLM`` safetensors) writes a workdir that
-``mtp.loading.load_model`` (and ``python -m decode --workdir DIR``,
-``train.init_from``) reads like a trained one:
-
-- ``checkpoints/0/``: an orbax checkpoint at step 0 (parameters; an empty
-  optimizer state; the config) written by ``mtp.checkpoint.Checkpointer``;
-- ``tokenizer/``: the BPE tokenizer (``mtp.tokenizer.save_tokenizer``);
-- ``import.json``: where the weights came from (file, format, tensor types).
-
-The model config says ``model.tokenizer = "bpe"``, ``model.num_tokens`` = the
-tokenizer's vocabulary and ``model.never_emitted`` (by default the PAD id when
-it is neither EOS nor a stop id, else nothing), so the head gives ids past the
-vocabulary and those specials probability exactly 0. With ``--mtp_depth D``
-the D MTP modules are new, for a second training stage; the backbone is the
-imported one. ``--mtp_init`` chooses how the modules start
-(``attach_init``): ``random`` (from ``--seed``) or ``last_block`` (a copy
-of the last backbone block with the projection passing the hidden state
-through); ``import.json`` records the choice. ``--mtp_modules FILE``
-attaches trained modules from an MTP modules file instead
-(``mtp.importers.attach``, format ``mtp.export.modules``): the file's mtp
-section, weights and draft vocabulary, checked against the target's
-architecture and backbone fingerprint, and its evaluation row written to
-``metrics.jsonl``.
-
-Everything is written into a temporary sibling folder renamed to the
-workdir at the end: a failure (a corrupt file, an unsupported feature) leaves
-nothing behind. Errors are ``ModelImportError``: one line naming the file and
-the field or tensor.
-
-The tensor names are Hugging Face Llama names; the table from them to our
-parameters is ``mtp.export.hf_name_map`` (shared with the exporter).
+``python -m mtp.importers --gguf FILE`` (``mtp.importers.gguf``) or ``--hf
+DIR`` (``mtp.importers.hf``) ``--workdir DIR`` writes what
+``mtp.loading.load_model`` reads like a trained workdir: ``checkpoints/0/``
+(parameters, empty optimizer state, config), ``tokenizer/`` (BPE) and
+``import.json`` (source file, format, tensor types). The config has
+``model.tokenizer = "bpe"``, ``model.num_tokens`` and ``model.never_emitted``.
+``--mtp_depth D`` adds new modules (``--mtp_init``: ``attach_init``);
+``--mtp_modules FILE`` attaches trained ones (``mtp.importers.attach``).
+Written into a temporary sibling renamed at the end: a failure leaves
+nothing. Errors are ``ModelImportError`` naming the file and field or tensor.
+Tensor names are Hugging Face Llama names (``mtp.export.hf_name_map``).
 """
 
 from __future__ import annotations
@@ -168,30 +146,15 @@ def params_from_hf_tensors(cfg, tensors: Mapping[str, np.ndarray], source: str, 
 
 def attach_init(leaves: dict, num_layers: int, depth: int, *, scale: float = 1.0) -> dict:
   """"last_block" initialisation of new MTP modules on an imported backbone:
-  each module k = 1..D starts as one more copy of the backbone's last block.
+  module k = 1..D starts as a copy of the last backbone block (``blocks/<L-1>``),
+  its projection M_k [2D -> D] is [s * I; 0] (h'^k = s * h^{k-1} / rms(h^{k-1});
+  the embedding enters once M_k learns to read it), hidden_norm and
+  embed_norm are ones, out_norm is the final norm (module k's head is the
+  main head). s = ``--mtp_init_scale`` (default 1; rms(h^0) is better). A
+  starting point for training, not a working drafter (docs/import.md).
 
-  - block (attention, MLP and their norms): the last backbone block's
-    weights (``blocks/<L-1>/...``);
-  - projection M_k [2D -> D] over [RMSNorm(h^{k-1}); RMSNorm(E(t_{i+k}))]
-    (DeepSeek-V3 eq. 21): [s * I; 0], so h'^k = s * h^{k-1} / rms(h^{k-1})
-    and the token embedding enters only once M_k learns to read it;
-  - hidden_norm and embed_norm: ones (as a random init has); out_norm: the
-    backbone's final norm weights, so module k's head is the main head
-    (head(final_norm(.))). At step 0 module 1 computes
-    head(final_norm(Block_L(s * h^0 / rms(h^0)))): the last block once more,
-    on h^0 rescaled to RMS s. With s = rms(h^0) that is Block_L(h^0).
-    Why ones and not the final norm's weights on the hidden branch: measured
-    on SmolLM2-135M-Instruct (256 tokens of json/decoder.py; rms(h^0) = 39):
-    KL(main || module 1) at step 0 is 25.0 nats with ones and s = 1, 9.5
-    with s = 39, against 44.4 (s = 1) and 10.7 (s = 18, the RMS ratio) with
-    the final norm's weights. Even the best is no closer to the teacher than
-    a uniform draft (~log V - H(p)): a copy of the last block is a starting
-    point for training, not a working drafter. ``--mtp_init_scale`` sets s
-    (default 1: data-free; rms(h^0) of the target is the better value).
-  leaves: {flat nnx path tuple: Param} of the whole model (changed copies
-  returned, other entries as given). Assumes the layout of
-  ``mtp.model.Transformer`` (``mtp/<k>/...``, ``blocks/<i>/...``).
-  """
+  leaves: {flat nnx path tuple: Param} of the whole model, in the layout of
+  ``mtp.model.Transformer``; returns changed copies, other entries as given."""
   out = dict(leaves)
   last = num_layers - 1
   for path, var in leaves.items():

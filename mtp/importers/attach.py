@@ -1,20 +1,13 @@
 """Trained MTP modules from a modules file (``mtp.export.modules``) attached
 to an imported target (``python -m mtp.importers ... --mtp_modules FILE``).
 
-The importer reads the file before the slow part (``read``), builds the
-target's config with the file's ``mtp`` section (``attached_config``: depth,
-draft_vocab_size, recursive_steps, ...; refused when the architecture
-differs), checks the tensors against that model (``module_params``: names,
-shapes; float params cast to the target's ``param_dtype``, the draft
-vocabulary checked), builds the target with them
-(``mtp.importers.params_from_hf_tensors(mtp_params=...)``), and checks that
-its backbone is the one the modules were trained against (``check_target``:
-``mtp.export.modules.backbone_fingerprint``; ``allow_other_target`` turns
-the refusal into a note in ``import.json``). ``carried_rows`` is the
-source's evaluation row for the new workdir's ``metrics.jsonl``, at step 0
-(its checkpoint), so ``decode.calibrate.stage_prior`` finds it.
-
-Errors are ``ModelImportError`` naming the modules file and the field.
+``read`` (before the slow part), ``attached_config`` (the target's config
+with the file's ``mtp`` section; another architecture is refused),
+``module_params`` (names, shapes, dtype cast, draft vocabulary checked),
+``check_target`` (the backbone fingerprint; ``allow_other_target`` makes it
+a note in ``import.json``) and ``carried_rows`` (the source's evaluation row
+at step 0, for ``decode.calibrate.stage_prior``). Errors are
+``ModelImportError`` naming the modules file and the field.
 """
 
 from __future__ import annotations
@@ -38,12 +31,10 @@ def read(path: str):
 
 
 def attached_config(target_cfg, mf, target: str):
-  """``target_cfg`` (an import's Config) with the ``mtp`` section of modules
-  file ``mf``. Raises ModelImportError listing every mismatching field of
-  ``mtp.export.modules.MATCHED_FIELDS`` (d_model, heads, head_dim, mlp_dim,
-  vocab_size, num_layers, tie_embeddings, tokenizer, num_tokens,
-  never_emitted, ...) between the target (named ``target``) and the
-  modules' source, or an mtp section the target cannot take."""
+  """``target_cfg`` with the ``mtp`` section of modules file ``mf``. Raises
+  ModelImportError listing every mismatching ``MATCHED_FIELDS`` field between
+  the target (named ``target``) and the modules' source, or an mtp section
+  the target cannot take."""
   from mtp import config as config_lib
   from mtp.export.modules import MATCHED_FIELDS
   a, b = mf.cfg.to_dict()["model"], target_cfg.to_dict()["model"]
@@ -60,15 +51,10 @@ def attached_config(target_cfg, mf, target: str):
 
 
 def module_params(mf, cfg) -> dict[tuple, np.ndarray]:
-  """{flat path tuple: numpy array} for every MTP-module parameter (and
-  ``draft_vocab``) of the model ``cfg`` describes, from modules file
-  ``mf``: float tensors cast to ``cfg.model.param_dtype``, the draft
-  vocabulary checked (``mtp.draft_vocab.check_ids``).
-
-  Raises ModelImportError naming the file and the tensor: one the model
-  needs and the file lacks, one the model has no place for, a wrong shape,
-  bad draft vocabulary ids.
-  """
+  """{flat path tuple: numpy array} of every MTP-module parameter (and
+  ``draft_vocab``) of the model ``cfg`` describes, from ``mf``: floats cast
+  to ``param_dtype``, the draft vocabulary checked. Raises ModelImportError
+  naming the tensor: missing, unexpected, misshapen, or bad ids."""
   import jax.numpy as jnp
   from flax import nnx
   from mtp import draft_vocab as dv
@@ -104,15 +90,10 @@ def module_params(mf, cfg) -> dict[tuple, np.ndarray]:
 
 
 def check_target(model, mf, target: str, allow_other_target: bool = False) -> dict:
-  """Compares the backbone fingerprint of ``model`` (the imported target)
-  with the one modules file ``mf`` was trained against. Returns the
-  ``import.json`` entry of the attachment (file, its SHA-256, step, dtype,
-  source provenance, both fingerprints, whether they match).
-
-  Raises ModelImportError when they differ, unless ``allow_other_target``:
-  modules only draft well for the backbone they were trained on (decoding
-  stays exact either way, only acceptance drops).
-  """
+  """The ``import.json`` entry of the attachment (file, SHA-256, step, dtype,
+  provenance, both backbone fingerprints, whether they match). Raises
+  ModelImportError when ``model``'s fingerprint differs from the one ``mf``
+  was trained against, unless ``allow_other_target``."""
   from mtp.export.modules import model_fingerprint
   fp = model_fingerprint(model)
   if fp != mf.fingerprint and not allow_other_target:
@@ -130,11 +111,9 @@ def check_target(model, mf, target: str, allow_other_target: bool = False) -> di
 
 
 def carried_rows(entry: Mapping | None) -> list[dict]:
-  """The new workdir's ``metrics.jsonl`` rows from the attachment's
-  ``import.json`` entry (``check_target``; None without a modules file):
-  the source's evaluation row at step 0, the imported checkpoint (with its
-  own step as ``source_step``), so ``decode.calibrate.stage_prior`` (rows at
-  or before the checkpoint's step) reads it; [] when the file carries none."""
+  """The new workdir's ``metrics.jsonl`` rows: the source's evaluation row at
+  step 0 (its own step as ``source_step``), for
+  ``decode.calibrate.stage_prior``; [] when none (or no modules file)."""
   if not entry or not entry.get("eval_row"):
     return []
   row = dict(entry["eval_row"])

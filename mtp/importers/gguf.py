@@ -1,34 +1,14 @@
 """GGUF (llama.cpp) import: a ``llama``-architecture file into a workdir.
 
-Read with llama.cpp's ``gguf`` package (``gguf.GGUFReader``, numpy memmap);
-tensors of type F32, F16, BF16, Q8_0, Q4_0 and Q4_1 are dequantized with
-``gguf.quants.dequantize`` to float32 (then cast to ``--dtype``).
-
-Names (llama.cpp's tensor map, as in its ``convert_hf_to_gguf.py``):
-``token_embd`` -> ``model.embed_tokens``, ``blk.i.attn_norm`` ->
-``input_layernorm``, ``blk.i.attn_{q,k,v,output}`` -> ``self_attn.{q,k,v,o}_proj``,
-``blk.i.ffn_norm`` -> ``post_attention_layernorm``, ``blk.i.ffn_{gate,up,down}``
--> ``mlp.*_proj``, ``output_norm`` -> ``model.norm``, ``output`` ->
-``lm_head`` (absent: tied embeddings). A GGUF tensor of ggml shape
-``[ne0, ne1]`` is the numpy/torch array ``[ne1, ne0]``, the Hugging Face
-layout.
-
-RoPE rows: llama.cpp's converter permutes the rows of Q and K so that its
-interleaved RoPE (pairs (2j, 2j+1)) computes what Llama's rotate-half RoPE
-(pairs (j, j + H/2)) does: per head, ``w.reshape(n, 2, H/2, D).swapaxes(1,
-2)``. ``unpermute_qk`` is the inverse, ``w.reshape(n, H/2, 2, D).swapaxes(1,
-2)`` (n = query heads for Q, kv heads for K), giving the rotate-half rows
-``mtp.model.rope`` expects.
-
-Metadata -> ``mtp.config.ModelConfig``: ``llama.block_count`` (num_layers),
-``.embedding_length`` (d_model), ``.feed_forward_length`` (mlp_dim),
-``.attention.head_count`` / ``.head_count_kv`` (num_heads / num_kv_heads),
-``.rope.dimension_count`` or ``.attention.key_length`` (head_dim; must be
-the full head), ``.rope.freq_base`` (rope_theta, default 10000),
-``.attention.layer_norm_rms_epsilon`` (norm_eps), ``.context_length``
-(max_seq_len), the embedding's rows (vocab_size). Refused, naming the key:
-another architecture, rope scaling, a sliding window, experts (MoE), partial
-rotary dimensions, biases, an unsupported tensor type.
+Read with ``gguf.GGUFReader`` (memmap); F32, F16, BF16, Q8_0, Q4_0 and Q4_1
+tensors are dequantized to float32 (then ``--dtype``). Names follow
+llama.cpp's tensor map (``token_embd`` -> ``model.embed_tokens``,
+``blk.i.attn_q`` -> ``self_attn.q_proj``, ...; no ``output``: tied); ggml
+shape [ne0, ne1] is the array [ne1, ne0]. ``unpermute_qk`` undoes the
+converter's Q/K row permutation for interleaved RoPE (docs/import.md).
+Metadata ``llama.*`` gives the ``ModelConfig``; another architecture, rope
+scaling, a sliding window, experts, partial rotary, biases or an
+unsupported tensor type are refused, naming the key.
 """
 
 from __future__ import annotations

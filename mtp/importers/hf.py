@@ -1,18 +1,11 @@
 """Hugging Face directory import: ``LlamaForCausalLM`` and
 ``MistralForCausalLM`` (without a sliding window) into a workdir.
 
-Reads ``config.json``, ``model.safetensors`` or the shards listed in
-``model.safetensors.index.json``, and ``tokenizer.json`` (+
-``tokenizer_config.json``, ``generation_config.json``). Tensor names are
-Llama's, so ``mtp.export.hf_name_map`` maps them (Llama's q/k rows are
-already in rotate-half order: no permutation).
-
-Refused, naming the field of ``config.json``: another architecture or
-model_type, ``attention_bias`` / ``mlp_bias``, an activation other than
-SiLU, ``rope_scaling`` / a ``rope_parameters.rope_type`` other than
-``default``, a ``sliding_window`` shorter than the context, and a
-``tie_word_embeddings`` that disagrees with the tensors (an ``lm_head`` that
-differs from the embedding in a tied model, or none in an untied one).
+Reads ``config.json``, ``model.safetensors`` (or its index's shards) and the
+tokenizer files; names map through ``mtp.export.hf_name_map`` (q/k rows
+already rotate-half). Refused, naming the ``config.json`` field: another
+architecture, biases, a non-SiLU activation, rope scaling, a sliding window
+shorter than the context, a ``tie_word_embeddings`` the tensors disagree with.
 """
 
 from __future__ import annotations
