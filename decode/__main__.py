@@ -1,6 +1,6 @@
 """python -m decode --workdir DIR --prompt "def main(" [--method mtp] [--compare] ...
 
-Parses flags and calls ``decode.run.run``. Flags are listed by --help.
+Parses flags and calls ``decode.cli.run.run``. Flags are listed by --help.
 Generated text goes to stdout; statistics, the --compare result and notices
 (one line per flag that has no effect in the chosen mode) to stderr;
 ``--json PATH`` writes the machine-readable report. Exit status: 0 (also
@@ -125,8 +125,8 @@ def _main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)   # orbax logs every restore at INFO
-  from decode.run import flag_notices, parse_num_draft_tokens, parse_stops, read_prompts, run
-  from decode.speculative import DecodeError, NonFiniteLogitsError, SamplingParams
+  from decode.cli.run import flag_notices, parse_num_draft_tokens, parse_stops, read_prompts, run
+  from decode.decoder import DecodeError, NonFiniteLogitsError, SamplingParams
   from mtp.checkpoint import CheckpointError
   from mtp.cli import output_path_problem
   try:

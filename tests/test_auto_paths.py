@@ -4,8 +4,8 @@ calibration (issue 50)."""
 import numpy as np
 import pytest
 
-from decode import calibrate
-from decode.speculative import Decoder, SamplingParams
+from decode.auto import calibrate
+from decode.decoder import Decoder, SamplingParams
 from tests.conftest import random_prompts
 
 

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from decode.results import length_notice
-from decode.run import run
-from decode.speculative import SamplingParams
+from decode.cli.results import length_notice
+from decode.cli.run import run
+from decode.decoder import SamplingParams
 from decode.stops import StopConditions
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

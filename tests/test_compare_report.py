@@ -13,10 +13,10 @@ import jax
 import numpy as np
 import pytest
 
-from decode import compare as compare_lib
-from decode import theory
-from decode.run import run
-from decode.speculative import SamplingParams
+from decode.cli import compare as compare_lib
+from decode.cli import theory
+from decode.cli.run import run
+from decode.decoder import SamplingParams
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 SPAN = r"([\d.]+) ms \(([\d.]+)-([\d.]+)\)"

@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from decode.run import flag_notices, parse_num_draft_tokens, read_prompt_file, run
-from decode.speculative import DecodeError, SamplingParams
+from decode.cli.run import flag_notices, parse_num_draft_tokens, read_prompt_file, run
+from decode.decoder import DecodeError, SamplingParams
 from mtp.checkpoint import CheckpointError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -166,7 +166,7 @@ def test_notice_counts_offsets_trained_by_recursive_steps(workdir, capsys, monke
   """A checkpoint trained with mtp.recursive_steps=R has modules trained for
   D + R offsets: no "never trained" notice up to G = D + R, one past it."""
   import dataclasses
-  from decode import run as run_mod
+  from decode.cli import run as run_mod
   real = run_mod.loading.load_model
 
   def load_with_recursive_steps(path):
@@ -254,7 +254,7 @@ def test_out_of_memory_is_one_decode_error_naming_the_flags():
   memory-capped host) becomes a DecodeError naming the flags that size the
   batch; other runtime errors pass unchanged."""
   import jax
-  from decode.run import out_of_memory_as_decode_error
+  from decode.cli.run import out_of_memory_as_decode_error
   oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 2147483648 bytes.")
   with pytest.raises(DecodeError, match=r"2 prompt\(s\) x --num_samples=65536 rows.*lower "
                      r"--num_samples"):

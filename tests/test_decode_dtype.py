@@ -1,8 +1,8 @@
 """Decoding in another dtype or attention implementation than the checkpoint
-saved (``decode.run.load_decoder(dtype=..., attention_impl=...)``, ``python
+saved (``decode.cli.run.load_decoder(dtype=..., attention_impl=...)``, ``python
 -m decode --dtype --attention_impl``): the parameters are cast once at load,
 greedy MTP still equals greedy AR in bfloat16 (or differs only at a near-tie
-of the numeric contract, ``decode.compare.near_tie``), an old workdir that
+of the numeric contract, ``decode.cli.compare.near_tie``), an old workdir that
 saved "blockwise" runs "auto", the report records what was used, and bad
 values are one line naming the flag and its allowed values."""
 
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from decode import compare as compare_lib
-from decode.run import load_decoder, run
-from decode.speculative import DecodeError, Decoder, SamplingParams
+from decode.cli import compare as compare_lib
+from decode.cli.run import load_decoder, run
+from decode.decoder import DecodeError, Decoder, SamplingParams
 from mtp import checkpoint as ckpt_lib
 from mtp import loading
 from mtp import model as model_lib

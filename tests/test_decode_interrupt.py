@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from decode import loops
-from decode.run import run
-from decode.speculative import WARMUP_TOKENS, Decoder, SamplingParams
+from decode.cli.run import run
+from decode.decoder import WARMUP_TOKENS, Decoder, SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATS_KEYS = {"mean_accepted_length", "acceptance_rate_per_position", "accepted_length_histogram",
@@ -76,7 +76,7 @@ def test_the_answer_is_generated_once_after_a_warm_up_of_one_token(workdir, monk
   streamed generation compiles nothing (with "auto" whether it drafts or
   runs its AR fallback, ``drafts``; with a stop string, the cut too). The
   statistics keep their keys."""
-  from decode.schedule import AutoSchedule
+  from decode.auto.schedule import AutoSchedule
   from decode.stops import StopConditions
   if drafts is not None:
     monkeypatch.setattr(AutoSchedule, "drafting_pays", lambda self, *a, **k: drafts)
@@ -165,7 +165,7 @@ RUNNER = """
 import os, signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)
 from decode import loops
-import decode.run
+import decode.cli.run
 real = loops.stream_rounds
 def stream_rounds(step, *a, **k):
   n = [0]
@@ -180,7 +180,7 @@ def load_decoder(*a, **k):
 if os.environ["PATCH"] == "sigint_at_round":
   loops.stream_rounds = stream_rounds
 else:
-  decode.run.load_decoder = load_decoder
+  decode.cli.run.load_decoder = load_decoder
 from absl import app
 from mtp.cli import parse_flags_or_exit
 from decode.__main__ import main

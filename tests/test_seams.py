@@ -4,7 +4,7 @@ the ``Drafter`` protocol, and ``ProgramSpec`` names its field types."""
 import dataclasses
 import typing
 
-from decode import drafters, programs, tree
+from decode import compiled, drafters, tree
 
 
 def test_the_shipped_drafters_implement_the_protocol():
@@ -17,12 +17,12 @@ def test_the_shipped_drafters_implement_the_protocol():
 
 
 def test_program_spec_fields_are_typed():
-  hints = typing.get_type_hints(programs.ProgramSpec)
-  for f in dataclasses.fields(programs.ProgramSpec):
+  hints = typing.get_type_hints(compiled.ProgramSpec)
+  for f in dataclasses.fields(compiled.ProgramSpec):
     assert hints[f.name] is not typing.Any, f.name
 
 
 def test_method_names_its_drafter_and_tree_types():
-  from decode import speculative
-  hints = typing.get_type_hints(speculative.Method)
+  from decode import decoder
+  hints = typing.get_type_hints(decoder.Method)
   assert "Drafter" in str(hints["drafter"]) and "TreeSpec" in str(hints["tree"])

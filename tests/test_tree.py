@@ -14,7 +14,7 @@ from flax import nnx
 
 from decode import sampling
 from decode import tree as tree_lib
-from decode.speculative import DecodeError, Decoder, NonFiniteLogitsError, SamplingParams
+from decode.decoder import DecodeError, Decoder, NonFiniteLogitsError, SamplingParams
 from mtp import model as model_lib
 from mtp import tokenizer as tok
 from tests.conftest import ALPHABET, random_prompts, tiny_config, with_noisy_mtp
@@ -239,7 +239,7 @@ def test_bad_tree_input(target):
 
 @pytest.mark.cpu_only
 def test_run_and_cli_with_a_tree(markov_workdir, capsys):
-  from decode.run import run
+  from decode.cli.run import run
   report = run(markov_workdir, ["abca"], method="mtp", tree="2,2", max_new_tokens=8,
                sampling=GREEDY)
   s = report["stats"]

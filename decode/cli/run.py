@@ -11,7 +11,7 @@ comparisons and notices to ``err`` (stderr), and returns the report dict that
 "wall_times_s": {"ar": [...], METHOD: [...]}, "new_tokens": {...},
 "tokens_per_s": {...}, "timed": {"ar": {...}, METHOD: {...}}, "prediction": {...},
 "greedy_check": {...} or None, "speedup_per_repeat_median": float, "answer_repeat": 0}``
-(the last eleven with ``compare``: ``decode.compare.compare_with_ar``; ``timed``
+(the last eleven with ``compare``: ``decode.cli.compare.compare_with_ar``; ``timed``
 holds each method's timed repeats as medians with min and max, the numbers
 the printed blocks and the speedup come from; ``ar_stats`` is AR's untimed
 run, not printed; ``greedy_check`` at T = 0: every row where the two greedy
@@ -23,8 +23,8 @@ has ``"per_category": {CATEGORY: {"rows", "num_tokens", "target_calls",
 "mean_accepted_length", "acceptance_rate_per_position",
 "accepted_length_histogram", "speedup" (with compare)}}``.
 
-The rooms: ``decode.texts`` (prompt files, encoding, streamed text),
-``decode.compare`` (--compare), ``decode.results`` (the report's rows,
+The rooms: ``decode.cli.texts`` (prompt files, encoding, streamed text),
+``decode.cli.compare`` (--compare), ``decode.cli.results`` (the report's rows,
 config and notices); this file checks the flags' values, loads the
 decoder and runs the job.
 """
@@ -38,18 +38,18 @@ from typing import TextIO
 
 import jax
 
-from decode import calibrate
-from decode import compare as compare_lib
-from decode import results as results_lib
-from decode import stats as stats_lib
-from decode.schedule import AutoSchedule
+from decode.auto import calibrate
+from decode.cli import compare as compare_lib
+from decode.cli import results as results_lib
+from decode.cli import stats as stats_lib
+from decode.auto.schedule import AutoSchedule
 from decode import limits
-from decode.limits import (  # noqa: F401 (decode.run's API)
+from decode.limits import (  # noqa: F401 (decode.cli.run's API)
     DTYPES, MAX_DRAFT_TOKENS, MAX_NEW_TOKENS, MAX_REPEATS, MAX_SAMPLES, MAX_SEED,
     check_overrides, parse_num_draft_tokens)
-from decode.speculative import DecodeError, Decoder, SamplingParams, check_flags
+from decode.decoder import DecodeError, Decoder, SamplingParams, check_flags
 from decode.stops import StopConditions
-from decode.texts import (  # noqa: F401 (decode.run's API: python -m decode, tests)
+from decode.cli.texts import (  # noqa: F401 (decode.cli.run's API: python -m decode, tests)
     check_prompt_text, decode_texts, encode_prompts, read_prompt_file, read_prompt_jsonl_file,
     read_prompts)
 from mtp import loading
@@ -129,7 +129,7 @@ def check_run_args(*, max_new_tokens, num_samples, seed, repeats, max_draft_toke
 def auto_schedule(workdir: str, max_draft_tokens: int) -> AutoSchedule | None:
   """``AutoSchedule(max_draft_tokens)`` whose prior acceptance per draft
   position is the stage's validation acceptance stored beside its
-  checkpoint (``decode.calibrate.stage_prior``: greedy and sampling values
+  checkpoint (``decode.auto.calibrate.stage_prior``: greedy and sampling values
   apart), or None (the schedule's fixed prior) without one."""
   prior = calibrate.stage_prior(workdir, max_draft_tokens)
   if not (isinstance(max_draft_tokens, int) and max_draft_tokens >= 1) or not prior \
@@ -250,13 +250,13 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   the same prompts, seed and budget (order alternating, all after
   compilation), the method's first being the reported (streamed)
   generation, so the answer's statistics are those of a timed repeat
-  (``decode.compare.time_runs``); a block
+  (``decode.cli.compare.time_runs``); a block
   per method gives the timed repeats' median (min-max) tokens/s, wall,
   TTFT and ITL, the speedup is the ratio of the two median tokens/s (at
   T = 0 median AR wall time / median ``method`` wall time), with the
   per-repeat ratios as the spread, followed by Theorem 3.8's prediction
   from the measured tau and round cost and a line naming the term that
-  decides (``decode.compare``), each figure of it printed in the blocks.
+  decides (``decode.cli.compare``), each figure of it printed in the blocks.
   The reported generation's own block then leaves out its timing, which
   the blocks hold.
 
@@ -268,7 +268,7 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   ``stops``: stop token ids and stop strings (``decode.stops``); each
   result records its ``finish_reason`` ("eos", "stop" or "length"); rows
   that stopped at ``max_new_tokens`` get one line on ``err`` per run
-  (``decode.results.length_notice``).
+  (``decode.cli.results.length_notice``).
   ``chat``: every prompt is one user message rendered with the model's chat
   template (its end-of-turn token ends the reply); else raw text; None:
   chat iff the model's tokenizer has a chat template (JSONL prompt files).
@@ -276,7 +276,7 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   ``dtype`` / ``attention_impl``: decode in that dtype with that attention
   implementation instead of the checkpoint's (``load_decoder``); the
   report's ``config`` records what was used (``dtype``, ``attention_impl``
-  and ``attention_impl_resolved``, ``decode.results.numerics_record``) and
+  and ``attention_impl_resolved``, ``decode.cli.results.numerics_record``) and
   the statistics block says it.
 
   ``prompts``: strings, or dicts ``{"prompt", "category"?, "system"?}`` (a
@@ -285,7 +285,7 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   rows, num_tokens, target_calls, tau, alpha_k, the accepted-length
   histogram; with ``compare`` also the category's speedup, from its own
   interleaved AR / method runs of that category's prompts as one batch),
-  also printed as a table (``decode.stats.format_by_category``).
+  also printed as a table (``decode.cli.stats.format_by_category``).
 
   Ctrl-C while decoding ends the generation at a round boundary: the text
   so far is written, the statistics (marked interrupted) are those of the

@@ -36,7 +36,7 @@ from decode import round as round_lib
 from decode import tree as tree_lib
 from decode.drafters import Drafter
 from decode.sampling import SamplingParams
-from decode.schedule import AutoSchedule
+from decode.auto.schedule import AutoSchedule
 from decode.tree_spec import TreeSpec
 from decode.state import DecodeState
 
@@ -53,7 +53,7 @@ class ProgramSpec:
   g: int                                # G; G_max with "auto"; the depth m with a tree
   tree: TreeSpec | None
   schedule: AutoSchedule | None
-  accept_rule: Callable                 # decode.verify.accept or a test's rule
+  accept_rule: Callable                 # decode.acceptance.accept or a test's rule
   mesh: jax.sharding.Mesh | None
 
   def models(self, params, draft_params):
