@@ -42,7 +42,7 @@ from flax import nnx
 from decode import acceptance, kv_cache, loops, stops as stops_lib
 from decode.auto import calibrate
 from decode import mesh as decode_mesh
-from decode import compiled as programs_lib
+from decode import compiled
 from decode import state as state_lib
 from decode import tree as tree_lib
 from decode.drafters import Drafter, DraftModelDrafter, MTPDrafter
@@ -83,19 +83,20 @@ def check_flags(method: str, num_draft_tokens, tree=None) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-  """A decoder's validated settings (``resolve_method``).
+  """A decoder's validated settings (``resolve_method``)."""
+  num_draft_tokens: int                 # the chain's G (fixed) or G_max ("auto"); 0 for AR
+                                        #   and for a tree
+  drafter: Drafter | None = None        # decode.drafters / decode.tree; None for AR
+  schedule: AutoSchedule | None = None  # "auto"'s schedule, else None
+  tree: TreeSpec | None = None          # a token tree, else None
+  fixed_costs: np.ndarray | None = None   # "auto"'s given round costs [G_max+1] float64 s
+  tree_depth: int = 0                   # m, the depth of ``tree``; 0 for a chain
 
-  g: the draft length G (fixed), G_max ("auto") or the tree depth m; 0 for AR.
-  drafter: the drafter object (``decode.drafters``, ``decode.tree``), None for AR.
-  schedule: the ``AutoSchedule`` of "auto", else None.
-  tree: the ``TreeSpec`` of a token tree, else None.
-  fixed_costs: "auto"'s given round costs [G_max+1] float64 seconds, else None.
-  """
-  g: int
-  drafter: Drafter | None = None
-  schedule: AutoSchedule | None = None
-  tree: TreeSpec | None = None
-  fixed_costs: np.ndarray | None = None
+  @property
+  def longest_draft(self) -> int:
+    """The most draft tokens a round verifies along one path: G, G_max or
+    the tree depth m (what sizes the cache headroom and the programs)."""
+    return self.tree_depth if self.tree is not None else self.num_draft_tokens
 
 
 def resolve_method(target: Transformer, method: str, num_draft_tokens, draft, *,
@@ -131,7 +132,8 @@ def resolve_method(target: Transformer, method: str, num_draft_tokens, draft, *,
       spec = tree_lib.parse_tree(tree, target.mtp_depth)
     except ValueError as e:
       raise DecodeError(str(e)) from None
-    return Method(spec.depth, tree_lib.TreeMTPDrafter(spec, target.mtp_depth), tree=spec)
+    return Method(0, tree_lib.TreeMTPDrafter(spec, target.mtp_depth), tree=spec,
+                  tree_depth=spec.depth)
   if method == "ar":
     return Method(0)
   if num_draft_tokens == "auto":
@@ -206,7 +208,8 @@ class Decoder:
                accept_rule=acceptance.accept, tokenizer=None):
     m = resolve_method(target, method, num_draft_tokens, draft, max_draft_tokens=max_draft_tokens,
                        schedule=schedule, auto_costs=auto_costs, tree=tree)
-    self.method, self.G, self.schedule, self.tree = method, m.g, m.schedule, m.tree
+    # G: the longest draft of a round (G; G_max with "auto"; the depth m with a tree)
+    self.method, self.G, self.schedule, self.tree = method, m.longest_draft, m.schedule, m.tree
     self.drafter = drafter or m.drafter
     self.accept_rule = accept_rule
     self.tokenizer, self.eos_ids, self.pad_id = _tokenizer_ids(target.cfg, tokenizer)
@@ -219,14 +222,14 @@ class Decoder:
     self.calibration = (calibrate.AutoCalibration(m.fixed_costs) if m.schedule is not None
                         else None)
     self._ar = None          # the plain AR decoder "auto" falls back to (``plain_ar``)
-    self.target_params, self.draft_params = programs_lib.place_params(
+    self.target_params, self.draft_params = compiled.place_params(
         mesh, self.target_params, self.draft_params, target.cfg,
         None if draft is None else draft.cfg)
-    self.spec = programs_lib.ProgramSpec(
+    self.spec = compiled.ProgramSpec(
         target_graphdef=self.target_graphdef, draft_graphdef=self.draft_graphdef,
-        drafter=self.drafter, g=self.G, tree=self.tree, schedule=self.schedule,
+        drafter=self.drafter, longest_draft=self.G, tree=self.tree, schedule=self.schedule,
         accept_rule=accept_rule, mesh=mesh)
-    self.programs = programs_lib.programs(self.spec)      # shared by equal specs
+    self.programs = compiled.programs(self.spec)      # shared by equal specs
 
   def auto_record(self) -> dict | None:
     """"auto"'s prior and costs as held now (``AutoCalibration.record``);
@@ -281,7 +284,8 @@ class Decoder:
     headroom = kv_cache.headroom(
         self.G, self.drafter.depth if isinstance(self.drafter, MTPDrafter) else 0,
         self.drafter.scratch_slots if self.tree is not None else 0)
-    p_len, cache_len = kv_cache.cache_length(max(len(p) for p in prompts), max_new_tokens, headroom)
+    p_len, cache_len = kv_cache.cache_length(max(len(p) for p in prompts), max_new_tokens,
+                                             headroom)
     target, draft = self.models()
     b = len(prompts)
     dstate = (None if self.drafter is None else

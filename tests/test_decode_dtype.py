@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from decode.cli import compare as compare_lib
-from decode.cli.run import load_decoder, run
+from decode.cli.run import DecodeRequest, load_decoder, run
 from decode.decoder import DecodeError, Decoder, SamplingParams
 from mtp import checkpoint as ckpt_lib
 from mtp import loading
@@ -109,9 +109,9 @@ def test_old_workdir_runs_auto(blockwise_workdir):
   for impl in ("auto", "dense"):
     for a, b in zip(tokens[impl], tokens[None]):
       np.testing.assert_array_equal(a, b)
-  report = run(blockwise_workdir, ["ab"], method="ar", max_new_tokens=3, sampling=GREEDY,
-               attention_impl="auto", dtype="bfloat16", out=open(os.devnull, "w"),
-               err=open(os.devnull, "w"))
+  report = run(DecodeRequest(blockwise_workdir, ["ab"], method="ar", max_new_tokens=3,
+                             sampling=GREEDY, attention_impl="auto", dtype="bfloat16"),
+               out=open(os.devnull, "w"), err=open(os.devnull, "w")).to_json()
   c = report["config"]
   assert (c["dtype"], c["param_dtype"], c["attention_impl"]) == ("bfloat16", "bfloat16", "auto")
   assert c["attention_impl_resolved"] == model_lib.resolve_attention_impl(
@@ -141,7 +141,7 @@ def test_bad_values_are_one_line_naming_the_flag(blockwise_workdir):
   for bad in ("float16", "fp32", "bf16"):
     with pytest.raises(DecodeError, match=rf"^--dtype='{bad}' is not allowed: must be one of "
                                           r"float32, bfloat16"):
-      run(blockwise_workdir, ["ab"], method="ar", dtype=bad)
+      run(DecodeRequest(blockwise_workdir, ["ab"], method="ar", dtype=bad))
 
 
 def _cli(*args):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from decode import loops
-from decode.cli.run import run
+from decode.cli.run import DecodeRequest, run
 from decode.decoder import WARMUP_TOKENS, Decoder, SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,9 +83,10 @@ def test_the_answer_is_generated_once_after_a_warm_up_of_one_token(workdir, monk
   tally = Tally(monkeypatch)
   out, err = io.StringIO(), io.StringIO()
   try:
-    report = run(workdir, ["abca"], method=method, num_draft_tokens=g, max_new_tokens=40,
-                 sampling=SamplingParams(temperature=0.0), out=out, err=err,
-                 stops=StopConditions(strings=stop) if stop else None)
+    report = run(DecodeRequest(workdir, ["abca"], method=method, num_draft_tokens=g,
+                               max_new_tokens=40, sampling=SamplingParams(temperature=0.0),
+                               stops=StopConditions(strings=stop) if stop else None), out=out,
+                               err=err).to_json()
   finally:
     tally.close()
   (res,) = report["results"]
@@ -125,8 +126,9 @@ def test_an_interrupt_in_the_text_callback_keeps_the_text_so_far(workdir):
   --compare is skipped."""
   out, err = RaisingOut(at=5), io.StringIO()     # write 1: the prompt; 2-4: three rounds' text
   try:
-    report = run(workdir, ["abca"], method="mtp", num_draft_tokens=2, max_new_tokens=60,
-                 sampling=SamplingParams(temperature=0.0), out=out, err=err, compare=True)
+    report = run(DecodeRequest(workdir, ["abca"], method="mtp", num_draft_tokens=2,
+                               max_new_tokens=60, sampling=SamplingParams(temperature=0.0),
+                               compare=True), out=out, err=err).to_json()
   except KeyboardInterrupt:       # pytest would end the session on it
     pytest.fail("the KeyboardInterrupt escaped run(): nothing kept")
   (res,) = report["results"]
