@@ -1,6 +1,6 @@
 """python -m decode --workdir DIR --prompt "def main(" [--method mtp] [--compare] ...
 
-Parses flags and calls ``decode.run.run``. Flags are listed by --help.
+Parses flags and calls ``decode.cli.run.run``. Flags are listed by --help.
 Generated text goes to stdout; statistics, the --compare result and notices
 (one line per flag that has no effect in the chosen mode) to stderr;
 ``--json PATH`` writes the machine-readable report. Exit status: 0 (also
@@ -125,8 +125,9 @@ def _main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)   # orbax logs every restore at INFO
-  from decode.run import flag_notices, parse_num_draft_tokens, parse_stops, read_prompts, run
-  from decode.speculative import DecodeError, NonFiniteLogitsError, SamplingParams
+  from decode.cli.run import (DecodeRequest, flag_notices, parse_num_draft_tokens, parse_stops,
+                              read_prompts, run)
+  from decode.decoder import DecodeError, NonFiniteLogitsError, SamplingParams
   from mtp.checkpoint import CheckpointError
   from mtp.cli import output_path_problem
   try:
@@ -153,22 +154,23 @@ def _main(argv):
     for note in flag_notices(method=_METHOD.value, given=given, temperature=_TEMPERATURE.value,
                              compare=_COMPARE.value, num_draft_tokens=num_draft_tokens):
       print(f"note: {note}", file=sys.stderr)
-    report = run(_WORKDIR.value, prompts, method=_METHOD.value, num_draft_tokens=num_draft_tokens,
-                 max_draft_tokens=_G_MAX.value,
-                 draft_workdir=_DRAFT_WORKDIR.value, max_new_tokens=_MAX_NEW.value,
-                 sampling=SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value),
-                 num_samples=_NUM_SAMPLES.value, seed=_SEED.value, compare=_COMPARE.value,
-                 repeats=_REPEATS.value, tree=_TREE.value, stops=stops,
-                 chat=None if jsonl else _CHAT.value is not None, dtype=_DTYPE.value,
-                 attention_impl=_ATTENTION.value)
+    report = run(DecodeRequest(
+        _WORKDIR.value, prompts, method=_METHOD.value, num_draft_tokens=num_draft_tokens,
+        max_draft_tokens=_G_MAX.value, draft_workdir=_DRAFT_WORKDIR.value,
+        max_new_tokens=_MAX_NEW.value,
+        sampling=SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value),
+        num_samples=_NUM_SAMPLES.value, seed=_SEED.value, compare=_COMPARE.value,
+        repeats=_REPEATS.value, tree=_TREE.value, stops=stops,
+        chat=None if jsonl else _CHAT.value is not None, dtype=_DTYPE.value,
+        attention_impl=_ATTENTION.value))
   except (DecodeError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except NonFiniteLogitsError as e:
     print(f"error: {e}", file=sys.stderr)
     return 3
-  _write_json(report)
-  return EXIT_INTERRUPTED if report.get("interrupted") else 0
+  _write_json(report.to_json())
+  return EXIT_INTERRUPTED if report.interrupted else 0
 
 
 if __name__ == "__main__":

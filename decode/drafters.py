@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from decode.cache import gather_rows, module_lengths
+from decode.kv_cache import gather_rows, module_lengths
 from decode.sampling import SamplingParams, draft_uniforms, pick
 from mtp.model import Transformer, init_layer_caches, write_cache
 
@@ -182,7 +182,7 @@ class MTPDrafter:
   def settings(self):
     """What the rounds this drafter traces depend on. Drafters with equal
     settings (and type) are equal, so ``Decoder``s over them share compiled
-    programs (``decode.programs``); a subclass compares by identity unless
+    programs (``decode.compiled``); a subclass compares by identity unless
     it overrides this."""
     return (self.depth, self.max_draft_tokens, self.variable) if type(self) is MTPDrafter \
         else id(self)

@@ -37,7 +37,7 @@ def parse_num_draft_tokens(text) -> int | str:
 
 
 def check_counts(*, max_new_tokens, num_samples, seed, repeats, max_draft_tokens=None) -> None:
-  """The integer settings of ``decode.run.run``, each in its range."""
+  """The integer settings of ``decode.cli.run.run``, each in its range."""
   def integer(name, value, lo, hi):
     if not (isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi):
       raise DecodeError(f"--{name}={value!r} must be an integer in [{lo}, {hi}]")
@@ -73,7 +73,7 @@ def check_sampling(temperature, top_k, top_p, is_array=lambda x: False) -> None:
 def check_overrides(dtype: str | None, attention_impl: str | None) -> None:
   """``--dtype`` (None or one of ``DTYPES``) and ``--attention_impl`` (None or
   a string; its allowed values are checked by ``mtp.config`` against the
-  checkpoint's config in ``decode.run.model_overrides``)."""
+  checkpoint's config in ``decode.cli.run.model_overrides``)."""
   if dtype is not None and dtype not in DTYPES:
     raise DecodeError(f"--dtype={dtype!r} is not allowed: must be one of {', '.join(DTYPES)} "
                       "(default: the checkpoint's model.dtype)")

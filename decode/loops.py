@@ -7,7 +7,7 @@ A round is a traced ``round_g(state, g) -> state`` (``decode.round.chain_round``
 or ``decode.tree.tree_round`` with the parameters bound; g static) and these
 loops only decide how many rounds run and at which g.
 
-"auto" (``decode.schedule``): rounds come in segments; ``choose`` picks the
+"auto" (``decode.auto.schedule``): rounds come in segments; ``choose`` picks the
 next segment's (g, rounds) from the past only, and a segment runs its
 rounds at that g. In the while_loop form an outer loop over segments runs
 the inner while_loops of g = 0..G_max one after the other, of which only

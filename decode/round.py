@@ -6,14 +6,14 @@ positions 0..n-2):
 
 1. ``propose``: the drafter drafts d_1..d_g with distributions q_1..q_g
    (``decode.drafters``); one target forward verifies [x_{n-1}, d_1..d_g]
-   at positions n-1..n+g-1 (``verify.verify_block``), p_j = warp(l_j);
+   at positions n-1..n+g-1 (``verify_block``), p_j = warp(l_j);
    ``flag_non_finite`` stops rows with NaN/inf logits. A row shorter than
    ``drafter.min_length`` gets no draft (``NO_DRAFT``, q = 0, rejected by
    every rule): its round is an exact AR step.
-2. accept (``decode.verify.accept``): a accepted drafts plus one
+2. accept (``decode.acceptance.accept``): a accepted drafts plus one
    residual/bonus token.
 3. ``commit``: n' = n + e, e <= a+1 cut after the first stop id and at the
-   token budget; the caches roll back by length (``decode.cache``).
+   token budget; the caches roll back by length (``decode.kv_cache``).
 
 The AR baseline is the same round with g = 0. ``chain_round`` puts the
 three together (with "auto", ``record_auto`` folds the round into the
@@ -28,10 +28,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from decode import verify
-from decode.cache import commit_prefix, gather_rows
+from decode import acceptance
+from decode.kv_cache import commit_prefix, gather_rows
 from decode.errors import ERROR_DRAFTER, ERROR_NONE, ERROR_TARGET
-from decode.sampling import SamplingParams
+from decode.sampling import SamplingParams, warped_probs
 from decode.state import DecodeState
 from mtp import tokenizer as tok
 from mtp.model import Transformer
@@ -110,6 +110,24 @@ def flag_non_finite(state: DecodeState, target_logits, draft_q, n, positions=Non
                        error_pos=jnp.where(fresh, pos, state.error_pos))
 
 
+def verify_block(target: Transformer, state: DecodeState, block, positions, params: SamplingParams,
+                 **backbone_kw):
+  """The target over a verify block: (h_draft [B, T, D], logits [B, T, V],
+  p [B, T, V] float32 warped probabilities (the logits when greedy), new
+  cache). block / positions: [B, T] int32; ``backbone_kw``: write_offsets /
+  mask for token trees. h_draft is what the MTP drafter stores for module 1
+  (h^0, or the fused features with ``mtp.feature_layers``)."""
+  with jax.named_scope("verify"):
+    with jax.named_scope("forward"):
+      h0, h_draft, cache = target.backbone_features(block, positions, cache=state.cache,
+                                                    **backbone_kw)
+    with jax.named_scope("head"):
+      logits = target.head(h0)
+    with jax.named_scope("warp"):
+      p = logits if params.greedy else warped_probs(logits, params)
+  return h_draft, logits, p, cache
+
+
 def propose(drafter, target: Transformer, draft: Transformer | None, state: DecodeState,
             params: SamplingParams, g: int) -> tuple[DecodeState, Proposal]:
   """Drafts g tokens (static; 0 = an AR step) and verifies them in one
@@ -128,7 +146,7 @@ def propose(drafter, target: Transformer, draft: Transformer | None, state: Deco
       d_tok, d_q = undrafted_as_absent(drafted_rows(drafter, n), d_tok, d_q)
     state = state.replace(drafter=dstate)
   block_pos = (n - 1)[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]
-  h0, logits, p, cache = verify.verify_block(target, state, gather_rows(tokens, block_pos),
+  h0, logits, p, cache = verify_block(target, state, gather_rows(tokens, block_pos),
                                              block_pos, params)
   with jax.named_scope("check"):
     state = flag_non_finite(state, logits, d_q, n, allowed=tok.head_mask(target.cfg),
@@ -203,11 +221,11 @@ def record_auto(schedule, state: DecodeState, g: int, a, active, drafted=None) -
 
 def chain_round(drafter, target: Transformer, draft: Transformer | None, state: DecodeState,
                 params: SamplingParams, g: int, *, schedule=None,
-                accept_rule=verify.accept) -> DecodeState:
+                accept_rule=acceptance.accept) -> DecodeState:
   """One draft-verify-accept-commit round at draft length g (static; 0 =
   AR step) for every row (a no-op for done rows). ``schedule``: "auto"'s
   ``AutoSchedule`` (statistics updated), else None. ``accept_rule(key, p,
-  q, draft_tokens, params) -> (a, next)``: default ``verify.accept``
+  q, draft_tokens, params) -> (a, next)``: default ``acceptance.accept``
   (tests swap in wrong rules to check the statistics catch them)."""
   active = ~state.done
   drafted = drafted_rows(drafter, state.length) if g else None

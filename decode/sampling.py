@@ -1,7 +1,7 @@
 """Logits warping and sampling: the distributions speculative decoding
 compares and the draws it makes. Pure, jittable, no model inside
 (docs/design.md sections 3 and 5); the acceptance rules are
-``decode.verify``'s.
+``decode.acceptance``'s.
 
 - ``SamplingParams``: temperature, top-k, top-p as traced leaves (one
   compilation serves every value), ``greedy`` and ``filtering`` static

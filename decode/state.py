@@ -5,7 +5,7 @@ returns, donated so writes happen in place. Every array has the batch B
 leading, except the PRNG key and "auto"'s scalars and round costs (shared
 by the batch; ``decode.mesh`` shards by that rule). ``Generation`` is what
 ``Decoder.generate`` / ``stream`` return: host numpy arrays, one entry per
-row. Cache sizes: ``decode.cache``; indices: docs/design.md sections 5-6.
+row. Cache sizes: ``decode.kv_cache``; indices: docs/design.md sections 5-6.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from mtp.model import init_layer_caches
 
 @struct.dataclass
 class AutoState:
-  """State of ``num_draft_tokens="auto"`` (``decode.schedule``).
+  """State of ``num_draft_tokens="auto"`` (``decode.auto.schedule``).
 
   schedule: ``AutoSchedule.init_state`` (per-row acceptance estimates,
     round costs [G_max+1] float32 seconds, probe counters).
@@ -210,7 +210,7 @@ def repeat_row(one: DecodeState, like) -> DecodeState:
 
 def init_auto(schedule, batch: int) -> AutoState:
   """``AutoState`` for ``batch`` rows of ``schedule`` (an ``AutoSchedule``);
-  round costs 1 s each until measured (``decode.calibrate``)."""
+  round costs 1 s each until measured (``decode.auto.calibrate``)."""
   g = schedule.max_draft_tokens
   return AutoState(schedule=schedule.init_state(batch, np.ones(g + 1, np.float32)),
                    g=jnp.int32(0), left=jnp.int32(0), rounds=jnp.int32(0),   # 3 buffers (donated)

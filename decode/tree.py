@@ -1,11 +1,11 @@
 """Token trees drafted by the sequential MTP modules, verified in one target
 call.
 
-A static tree (``verify.TreeSpec``, branching b_1..b_m per depth, m <= D)
+A static tree (``decode.tree_spec.TreeSpec``, branching b_1..b_m per depth, m <= D)
 replaces the chain of drafts: module k proposes all depth-k nodes in one
 call, the target verifies every node in one forward with a tree attention
-mask, and the acceptance rule (``verify.tree_greedy_verify`` at T = 0,
-``verify.tree_rejection_sample`` at T > 0: recursive rejection sampling
+mask, and the acceptance rule (``acceptance.tree_greedy_verify`` at T = 0,
+``acceptance.tree_rejection_sample`` at T > 0: recursive rejection sampling
 over children drawn without replacement, docs/speculative_sampling.md
 "Token trees") picks one root-to-node path per row. Shapes are static
 functions of the tree, so nothing recompiles per round; rows accept
@@ -56,7 +56,7 @@ The cost of a round, relative to the chain of the same depth, is the
 larger target block (1+N instead of 1+m tokens), module k's N_{<k} extra
 entries, the top-k / sampling without replacement, the tree masks
 ([B, T, S] booleans) and the K/V copy of the accepted path (2 L small
-gathers and writes, ``decode.cache.move_path_kv``).
+gathers and writes, ``decode.kv_cache.move_path_kv``).
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from decode import round as round_lib
-from decode import sampling, verify
-from decode.cache import gather_rows, module_lengths, move_path_kv
+from decode import acceptance, sampling
+from decode.kv_cache import gather_rows, module_lengths, move_path_kv
 from decode.drafters import MTPDrafter, MTPDraftState
 from decode.sampling import SamplingParams
 from decode.state import DecodeState
@@ -284,7 +284,7 @@ def tree_propose(drafter: TreeMTPDrafter, target: Transformer, state: DecodeStat
   depth = jnp.asarray(np.concatenate([[0], spec.depths]), jnp.int32)
   pos = (n - 1)[:, None] + depth[None, :]
   mask = verify_mask(spec, n, tokens.shape[1])
-  h0, logits, p, cache = verify.verify_block(target, state, block, pos, params,
+  h0, logits, p, cache = round_lib.verify_block(target, state, block, pos, params,
                                              write_offsets=n - 1, mask=mask)
   with jax.named_scope("check"):
     state = round_lib.flag_non_finite(state, logits, q, n, positions=pos,
@@ -299,7 +299,7 @@ def tree_commit(drafter: TreeMTPDrafter, state: DecodeState, node_tokens, path, 
                 h0) -> DecodeState:
   """Moves the accepted path into place and commits it.
 
-  path [B, m] int32 node indices (``verify.tree_*_verify``), a [B] accepted
+  path [B, m] int32 node indices (``acceptance.tree_*_verify``), a [B] accepted
   path length, nxt [B] the residual/bonus token, h0 [B, N+1, D] of the
   verify block. The target K/V of the path goes to slots n..n+m-1
   (``move_path_kv``); ``round.commit`` then emits the path tokens and the
@@ -315,10 +315,10 @@ def tree_commit(drafter: TreeMTPDrafter, state: DecodeState, node_tokens, path, 
 def tree_round(drafter: TreeMTPDrafter, target: Transformer, state: DecodeState,
                params: SamplingParams) -> DecodeState:
   """One draft-verify-accept-commit round with a token tree, for every row
-  (``tree_propose``, ``verify.tree_accept``, ``tree_commit``)."""
+  (``tree_propose``, ``acceptance.tree_accept``, ``tree_commit``)."""
   state, prop = tree_propose(drafter, target, state, params)
   with jax.named_scope("accept"):
-    a, nxt, path = verify.tree_accept(prop.key, prop.p, prop.draft_q, prop.draft_tokens,
+    a, nxt, path = acceptance.tree_accept(prop.key, prop.p, prop.draft_q, prop.draft_tokens,
                                       drafter.spec, params)
   with jax.named_scope("commit"):
     return tree_commit(drafter, state, prop.draft_tokens, path, a, nxt, prop.h0)

@@ -72,7 +72,7 @@ if __name__ == "__main__":     # a flag out of range: one line, before the impor
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from decode.speculative import DecodeError, Decoder, SamplingParams  # noqa: E402
+from decode.decoder import DecodeError, Decoder, SamplingParams  # noqa: E402
 from experiments import common  # noqa: E402
 from experiments.ablation import Ablation, decode_table, decoded_cells, quick_config, train_grid, train_table  # noqa: E402
 from mtp import loading  # noqa: E402

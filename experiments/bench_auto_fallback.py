@@ -8,7 +8,7 @@ For each batch size B, the first B prompts of ``--prompt_file`` (default: the
 held-out chat prompts) are decoded at T = 0 by two decoders of one target:
 AR, and MTP with ``num_draft_tokens="auto"`` whose fixed round costs make
 every draft length lose (``auto_costs`` [1, 1e3, ...]), so every call
-takes the fallback path (``decode.calibrate.start`` returns None, then
+takes the fallback path (``decode.auto.calibrate.start`` returns None, then
 ``Decoder.plain_ar``). Both are timed as whole calls (``generate`` as a
 user calls it: the fallback's host-side decision included) in interleaved
 repeats after compilation (``mtp.timing.interleaved_times``). Reports per B:
@@ -46,7 +46,7 @@ def time_batch(target, tokenizer, prompts, max_new_tokens: int, repeats: int) ->
   ``prompts`` (token arrays), greedy; raises AssertionError when the
   fallback drafted or its tokens differ from AR's."""
   import numpy as np
-  from decode.speculative import Decoder
+  from decode.decoder import Decoder
   from decode.sampling import SamplingParams
   from mtp.timing import interleaved_times
   g_max = 3
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
   sizes = cli.parse_list(ap, "batch_sizes", args.batch_sizes, int, 1)
   cli.check_output_path("out", args.out, "prefix")
 
-  from decode import texts
+  from decode.cli import texts
   from mtp import loading, report
   from mtp import tokenizer as tok_lib
   _, target, _ = loading.load_model(args.workdir)

@@ -41,7 +41,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from decode.speculative import Decoder, SamplingParams  # noqa: E402
+from decode.decoder import Decoder, SamplingParams  # noqa: E402
 from experiments import common  # noqa: E402
 from mtp import cli, report  # noqa: E402
 from mtp import config as config_lib  # noqa: E402

@@ -33,8 +33,8 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from decode import theory  # noqa: E402
-from decode.speculative import MAX_DRAFT_TOKENS, DecodeError, Decoder, SamplingParams  # noqa: E402
+from decode.cli import theory  # noqa: E402
+from decode.decoder import MAX_DRAFT_TOKENS, DecodeError, Decoder, SamplingParams  # noqa: E402
 from experiments import common  # noqa: E402
 from mtp import report  # noqa: E402
 from mtp import config as config_lib  # noqa: E402

@@ -58,7 +58,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from decode import tree as tree_lib  # noqa: E402
-from decode.speculative import MAX_DRAFT_TOKENS, DecodeError, Decoder, SamplingParams  # noqa: E402
+from decode.decoder import MAX_DRAFT_TOKENS, DecodeError, Decoder, SamplingParams  # noqa: E402
 from experiments import common  # noqa: E402
 from mtp import loading, report  # noqa: E402
 from mtp import data as data_lib  # noqa: E402

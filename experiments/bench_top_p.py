@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from decode import sampling
-from decode.speculative import DecodeError, Decoder, SamplingParams
+from decode.decoder import DecodeError, Decoder, SamplingParams
 from experiments import common
 from mtp import cli, loading, report
 from mtp import tokenizer as tok_lib

@@ -78,8 +78,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from decode import stats as stats_lib  # noqa: E402
-from decode.speculative import DecodeError, Decoder, SamplingParams  # noqa: E402
+from decode.cli import stats as stats_lib  # noqa: E402
+from decode.decoder import DecodeError, Decoder, SamplingParams  # noqa: E402
 from experiments import common  # noqa: E402
 from mtp import loading  # noqa: E402
 from mtp import report  # noqa: E402

@@ -93,8 +93,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from scipy import stats as sps  # noqa: E402
 
-from decode import sampling, verify  # noqa: E402
-from decode.speculative import DecodeError, Decoder, SamplingParams  # noqa: E402
+from decode import sampling, acceptance as verify  # noqa: E402
+from decode.decoder import DecodeError, Decoder, SamplingParams  # noqa: E402
 from experiments import common  # noqa: E402
 from mtp import checkpoint as ckpt_lib  # noqa: E402
 from mtp import loading  # noqa: E402

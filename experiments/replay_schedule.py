@@ -50,9 +50,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from decode import run as run_lib  # noqa: E402
-from decode.schedule import AutoSchedule  # noqa: E402
-from decode.speculative import DecodeError, SamplingParams  # noqa: E402
+from decode.cli import run as run_lib  # noqa: E402
+from decode.auto.schedule import AutoSchedule  # noqa: E402
+from decode.decoder import DecodeError, SamplingParams  # noqa: E402
 from experiments import common  # noqa: E402
 from mtp import loading, report  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
@@ -318,7 +318,7 @@ def record(model, tokenizer, prompts: dict, max_new: int, max_draft_tokens: int,
     [{"category", "index", "sample", "prompt" int32 [P], "answer" int32
     [L], "acc" bool or float32 [L, G_max]}] in category order.
   """
-  from decode.speculative import Decoder, SamplingParams
+  from decode.decoder import Decoder, SamplingParams
   params = SamplingParams(0.0) if params is None else params
   if samples < 1 or (params.greedy and samples != 1):
     raise ValueError(f"samples={samples}: give 1 at T = 0 (the answer is the same), >= 1 else")
@@ -346,7 +346,7 @@ def rescore(model, records: list[dict], max_draft_tokens: int, params=None,
   prompts and answers, so other modules on the same target are compared on
   the same answers (valid since the answers are the target's: greedy, or
   sampled under ``params``, which must be the records' settings)."""
-  from decode.speculative import SamplingParams
+  from decode.decoder import SamplingParams
   params = SamplingParams(0.0) if params is None else params
   out = []
   for rec in records:
@@ -451,8 +451,8 @@ def measured_costs(model, tokenizer, prompt, max_draft_tokens: int, max_new: int
   and ``plain_ar_calibration``, while_loop form, B = 1, after the prefill
   of ``prompt``). ``replay`` charges the second to G0 and to a schedule's
   fallback: "auto"'s own g = 0 round also feeds the modules."""
-  from decode import calibrate
-  from decode.speculative import Decoder, SamplingParams
+  from decode.auto import calibrate
+  from decode.decoder import Decoder, SamplingParams
   dec = Decoder(model, "mtp", "auto", tokenizer=tokenizer, max_draft_tokens=max_draft_tokens)
   sp = (SamplingParams(0.0) if params is None else params).validate()
   state, prefill_len = dec.prepare([prompt], max_new, 0)

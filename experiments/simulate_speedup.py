@@ -48,7 +48,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from decode.theory import closed_form_speedup, closed_form_tau  # noqa: E402
+from decode.cli.theory import closed_form_speedup, closed_form_tau  # noqa: E402
 from decode.errors import DecodeError  # noqa: E402
 from experiments import common  # noqa: E402
 from mtp import cli, report  # noqa: E402

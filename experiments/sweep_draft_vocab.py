@@ -25,8 +25,8 @@ if __name__ == "__main__":     # a flag out of range: one line, before the impor
 
 import jax  # noqa: E402
 
-from decode import theory  # noqa: E402
-from decode.speculative import DecodeError, Decoder, SamplingParams  # noqa: E402
+from decode.cli import theory  # noqa: E402
+from decode.decoder import DecodeError, Decoder, SamplingParams  # noqa: E402
 from experiments import common, vocab_sweep  # noqa: E402
 from mtp import report  # noqa: E402
 from mtp import draft_vocab as draft_vocab_lib  # noqa: E402

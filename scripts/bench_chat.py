@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable, Sequence
 
 from decode.sampling import SamplingParams
-from decode.speculative import MAX_DRAFT_TOKENS, DecodeError, Decoder
+from decode.decoder import MAX_DRAFT_TOKENS, DecodeError, Decoder
 from mtp import cli, loading, report
 from mtp import tokenizer as tok_lib
 from mtp.data import chat as chat_lib
@@ -121,7 +121,7 @@ def decoders(model, tokenizer, gs: Sequence[int], with_auto: bool = False,
   for g in gs:
     out[f"mtp_G{g}"] = Decoder(model, "mtp", g, tokenizer=tokenizer)
   if with_auto:
-    from decode.run import auto_kwargs
+    from decode.cli.run import auto_kwargs
     kw = auto_kwargs(workdir, cfg, model) if workdir is not None else {}
     out["mtp_auto"] = Decoder(model, "mtp", "auto", tokenizer=tokenizer, **kw)
   for t in trees:

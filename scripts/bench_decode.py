@@ -189,7 +189,7 @@ def parse_args(argv=None):
 def main(argv=None):
   ap, args, batch_sizes, temps, forms, gs_given = parse_args(argv)
   import numpy as np
-  from decode import run as run_lib
+  from decode.cli import run as run_lib
   from mtp import data as data_lib
   from mtp import loading, report
   from scripts import bench_lib

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from decode.speculative import DecodeError, Decoder, SamplingParams
+from decode.decoder import DecodeError, Decoder, SamplingParams
 from mtp import cli, report
 from mtp import tokenizer as tok
 from mtp.importers import ModelImportError

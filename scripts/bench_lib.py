@@ -39,9 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from decode import sampling, theory
-from decode import stats as stats_lib
-from decode.speculative import Decoder, SamplingParams
+from decode import sampling
+from decode.cli import theory
+from decode.cli import stats as stats_lib
+from decode.decoder import Decoder, SamplingParams
 from decode.tree_spec import TreeSpec
 from mtp import tokenizer as tok
 from mtp.model import init_layer_caches

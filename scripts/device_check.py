@@ -577,7 +577,7 @@ def bfloat16_cast():
   with ``mtp.loading.override_model``); (None, why) otherwise."""
   import inspect
 
-  from decode import run as run_lib
+  from decode.cli import run as run_lib
   from mtp import loading
   if "dtype" not in inspect.signature(run_lib.load_decoder).parameters \
       or not hasattr(loading, "override_model"):
@@ -595,7 +595,7 @@ def agreement(ar, cell, rows_of, target, checks: int = TIE_CHECKS) -> dict:
   "first_divergence" (the earliest differing position, None when
   identical), "near_tie_checks" [{"repeat", "row", "index", "gap", "bound",
   "near_tie"}], "bug" (a checked row parted at a gap >= the bound)}."""
-  from decode.compare import first_difference, greedy_check
+  from decode.cli.compare import first_difference, greedy_check
   firsts, checked = [], []
   for r, (ga, gc) in enumerate(zip(ar.gens, cell.gens)):
     differing = [i for i, (ta, tc) in enumerate(zip(ga.tokens, gc.tokens))

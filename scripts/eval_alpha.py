@@ -126,7 +126,7 @@ def pooled(rows, key_fn) -> dict:
 
 def main(argv=None) -> int:
   args = parse(argv)
-  from decode.run import load_decoder
+  from decode.cli.run import load_decoder
   t0 = time.perf_counter()
   prompts = load_prompts(args.prompt_file, args.per_category, args.chat)
   decoders = {g: load_decoder(args.workdir, "mtp", g)[0] for g in args.num_draft_tokens}

@@ -97,7 +97,7 @@ if __name__ == "__main__":     # a flag out of range: one line, before the impor
 
 import numpy as np  # noqa: E402
 
-from decode.speculative import METHODS, DecodeError, Decoder, SamplingParams  # noqa: E402
+from decode.decoder import METHODS, DecodeError, Decoder, SamplingParams  # noqa: E402
 from mtp import checkpoint as ckpt_lib  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
 from mtp import loading  # noqa: E402

@@ -124,7 +124,7 @@ def make_self_prompts(workdir: str, out: str, num_prompts: int, settings: sp_lib
   Returns the metadata. Raises DataError (settings, no chat template, a
   prompt prefix plus ``max_len`` past the model's ``max_seq_len``),
   CheckpointError, DecodeError."""
-  from decode.speculative import Decoder
+  from decode.decoder import Decoder
   from mtp import loading, report
   from mtp import tokenizer as tok
   from mtp.data import self_prompts as sp_lib

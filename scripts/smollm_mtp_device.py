@@ -595,8 +595,8 @@ def heldout_alpha(workdir: str, per_category: int, temperatures, max_new_tokens:
   decoded in one batch with G = the trained draft offsets (D + recursive
   steps); {"T<t>": {"overall": {tau, alpha}, "categories": {category:
   {rows, tau, alpha [G]}}}, "num_draft_tokens": G, "step": step}."""
-  from decode import stats
-  from decode.speculative import Decoder, SamplingParams
+  from decode.cli import stats
+  from decode.decoder import Decoder, SamplingParams
   from mtp import loading
   from mtp import tokenizer as tok_lib
   from mtp.data import chat as chat_lib
@@ -775,7 +775,7 @@ def main(argv=None) -> int:
       cli.check_output_path(flag, getattr(args, flag), kind)   # a made init workdir is only read
   if args.quick:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from decode.speculative import DecodeError
+  from decode.decoder import DecodeError
   from mtp.export.modules import ModulesFileError
   from mtp.importers import ModelImportError
   from mtp.tokenizer_files import TokenizerError

@@ -23,7 +23,7 @@ from tests.crash_rerun import pytest_configure  # noqa: F401
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
   """After each test file, frees the compiled programs nothing references
-  any more (``decode.programs.clear_cache``, then a GC pass). Without it an
+  any more (``decode.compiled.clear_cache``, then a GC pass). Without it an
   xdist worker's process accumulated the executables of every file it ran,
   ~7 memory mappings each (test_decode alone left 22,391), until it passed
   the kernel's vm.max_map_count (65,530): a core dump of a worker that
@@ -31,8 +31,8 @@ def _free_compiled_programs():
   yield
   import gc
 
-  from decode import programs
-  programs.clear_cache()
+  from decode import compiled
+  compiled.clear_cache()
   gc.collect()
 
 

@@ -4,7 +4,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from decode.schedule import AutoSchedule
+from decode.auto.schedule import AutoSchedule
 
 
 @dataclasses.dataclass(frozen=True)

@@ -172,7 +172,7 @@ def _checkpoint_and_decode(args, cfg, batches, kept) -> dict:
   from mtp import sharding as shard_lib
   from mtp import tokenizer as tok
   from mtp.config import MeshConfig
-  from decode.speculative import Decoder, SamplingParams
+  from decode.decoder import Decoder, SamplingParams
   from train.loop import TrainState
 
   out = {}

@@ -7,9 +7,9 @@ import dataclasses
 
 import numpy as np
 
-from decode import calibrate
-from decode.schedule import AutoSchedule
-from decode.speculative import Decoder, SamplingParams
+from decode.auto import calibrate
+from decode.auto.schedule import AutoSchedule
+from decode.decoder import Decoder, SamplingParams
 from tests.conftest import random_prompts
 
 

@@ -4,8 +4,8 @@ calibration (issue 50)."""
 import numpy as np
 import pytest
 
-from decode import calibrate
-from decode.speculative import Decoder, SamplingParams
+from decode.auto import calibrate
+from decode.decoder import Decoder, SamplingParams
 from tests.conftest import random_prompts
 
 
@@ -64,7 +64,7 @@ def test_the_fallback_builds_nothing_of_the_drafting_decoder(trained_markov, mon
   built, and no call merges the models again (a merge walks every module):
   the fallback's extra work over AR is the decision, and its tokens are
   AR's."""
-  from decode import programs
+  from decode import compiled as programs
   _, model, _ = trained_markov
   prompts = random_prompts([5, 7])
   sp = SamplingParams(0.0)

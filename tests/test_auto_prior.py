@@ -9,10 +9,10 @@ import types
 import numpy as np
 import pytest
 
-from decode import calibrate
-from decode.run import auto_schedule
-from decode.schedule import AutoSchedule
-from decode.speculative import Decoder, SamplingParams
+from decode.auto import calibrate
+from decode.cli.run import auto_schedule
+from decode.auto.schedule import AutoSchedule
+from decode.decoder import Decoder, SamplingParams
 from tests.conftest import random_prompts
 
 
@@ -158,7 +158,7 @@ def test_batch_rounds_matches_a_simulation():
   its budget, against 2,000 simulated batches (per-position acceptance,
   i.i.d. rounds), within 2 % (leaving out the slowest row's excess is off by
   6-11 % at B = 4 and 16); B = 1 and AR (g = 0) are exact."""
-  from decode.schedule import batch_rounds
+  from decode.auto.schedule import batch_rounds
   rng = np.random.default_rng(0)
   assert batch_rounds([], 128, 16) == 128
   for alpha, b in [((0.7,), 1), ((0.6,), 16), ((0.8, 0.6), 4), ((0.5, 0.5, 0.5), 16)]:
@@ -174,7 +174,7 @@ def test_expected_rounds_is_exact_at_small_budgets():
   """One row needs at least one round whatever it drafts (budget / mu would
   say 0.31 for one token at G = 3): R(1) = 1, R(2) = 1 + P(A = 0) = 1.3 at
   alpha 0.7, and a simulation agrees at budgets 1..9."""
-  from decode.schedule import batch_rounds, expected_rounds
+  from decode.auto.schedule import batch_rounds, expected_rounds
   assert batch_rounds((0.7, 0.7, 0.7), 1) == 1.0
   assert abs(batch_rounds((0.7,), 2) - 1.3) < 1e-12
   assert expected_rounds((), 5) == 5.0 and expected_rounds((0.5,), 0) == 0.0

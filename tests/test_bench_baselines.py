@@ -22,7 +22,7 @@ if os.environ.get("MTP_REQUIRE_HF") != "1":
 import torch  # noqa: E402,F401
 import transformers  # noqa: E402,F401
 
-from decode.speculative import Decoder, SamplingParams  # noqa: E402
+from decode.decoder import Decoder, SamplingParams  # noqa: E402
 from scripts import baseline_decoders, bench_chat, bench_hf, bench_lib  # noqa: E402
 from tests import tiny_bpe  # noqa: E402
 

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from decode.results import length_notice
-from decode.run import run
-from decode.speculative import SamplingParams
+from decode.cli.results import length_notice
+from decode.cli.run import DecodeRequest, run
+from decode.decoder import SamplingParams
 from decode.stops import StopConditions
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,22 +41,25 @@ def test_length_notice_text():
 
 
 def test_the_budget_line_appears_once_when_rows_hit_max_new_tokens(workdir):
-  kw = dict(method="ar", sampling=SamplingParams(temperature=0.0), out=io.StringIO())
+  kw = dict(method="ar", sampling=SamplingParams(temperature=0.0))
+  out = io.StringIO()
   err = io.StringIO()
-  report = run(workdir, ["abca"], max_new_tokens=6, err=err, **kw)
+  report = run(DecodeRequest(workdir, ["abca"], max_new_tokens=6, **kw), out=out, err=err).to_json()
   assert report["results"][0]["finish_reason"] == "length"
   assert err.getvalue().count("stopped at --max_new_tokens=6") == 1
   assert "the answer stopped at --max_new_tokens=6" in err.getvalue()
   # the row ends on a token it emits (a stop id, kept like EOS): no line
   first = report["results"][0]["tokens"][0]
   err = io.StringIO()
-  report = run(workdir, ["abca"], max_new_tokens=6, err=err,
-               stops=StopConditions(token_ids=(first,)), **kw)
+  report = run(DecodeRequest(workdir, ["abca"], max_new_tokens=6,
+                             stops=StopConditions(token_ids=(first,)), **kw),
+               out=out, err=err).to_json()
   assert report["results"][0]["finish_reason"] != "length"
   assert "stopped at --max_new_tokens" not in err.getvalue()
   # a batch: one line counting the rows that hit the budget
   err = io.StringIO()
-  report = run(workdir, ["abca", "fed"], max_new_tokens=6, err=err, num_samples=2, **kw)
+  report = run(DecodeRequest(workdir, ["abca", "fed"], max_new_tokens=6, num_samples=2, **kw),
+               out=out, err=err).to_json()
   cut = sum(r["finish_reason"] == "length" for r in report["results"])
   assert cut >= 1 and err.getvalue().count("stopped at --max_new_tokens") == 1
   assert f"{cut} of 4 rows stopped at --max_new_tokens=6" in err.getvalue()

@@ -13,10 +13,10 @@ import jax
 import numpy as np
 import pytest
 
-from decode import compare as compare_lib
-from decode import theory
-from decode.run import run
-from decode.speculative import SamplingParams
+from decode.cli import compare as compare_lib
+from decode.cli import theory
+from decode.cli.run import DecodeRequest, run
+from decode.decoder import SamplingParams
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 SPAN = r"([\d.]+) ms \(([\d.]+)-([\d.]+)\)"
@@ -113,9 +113,9 @@ def _blocks(err: str) -> dict:
 
 def test_compare_prints_timed_blocks_whose_medians_make_the_speedup(workdir):
   err = io.StringIO()
-  report = run(workdir, ["abca"], method="mtp", num_draft_tokens=2, max_new_tokens=24,
-               sampling=SamplingParams(temperature=0.0), compare=True, repeats=3,
-               out=io.StringIO(), err=err)
+  report = run(DecodeRequest(workdir, ["abca"], method="mtp", num_draft_tokens=2, max_new_tokens=24,
+                             sampling=SamplingParams(temperature=0.0), compare=True, repeats=3),
+               out=io.StringIO(), err=err).to_json()
   text = err.getvalue()
   blocks = _blocks(text)
   assert set(blocks) == {"ar", "mtp"} and all(b["repeats"] == 3 for b in blocks.values())
@@ -182,9 +182,9 @@ def test_category_compare_compiles_nothing_while_timing(workdir, monkeypatch):
   jax.monitoring.register_event_duration_secs_listener(on_compile)
   try:
     prompts = [{"prompt": "abca", "category": "x"}, {"prompt": "fed", "category": "y"}]
-    report = run(workdir, prompts, method="mtp", num_draft_tokens=1, max_new_tokens=8,
-                 sampling=SamplingParams(temperature=0.0), compare=True, repeats=1,
-                 out=io.StringIO(), err=io.StringIO())
+    report = run(DecodeRequest(workdir, prompts, method="mtp", num_draft_tokens=1, max_new_tokens=8,
+                               sampling=SamplingParams(temperature=0.0), compare=True, repeats=1),
+                 out=io.StringIO(), err=io.StringIO()).to_json()
   finally:
     jax.monitoring.unregister_event_duration_listener(on_compile)
   assert set(report["per_category"]) == {"x", "y"}
@@ -321,9 +321,9 @@ def test_compare_numbers_rebuild_from_the_printed_ones_and_the_json(workdir, num
   differs) median; the prediction tau / (G c + 1) from the blocks' printed
   tau, G and median rounds; the verdict with the same figures."""
   err = io.StringIO()
-  report = run(workdir, ["abca"], method="mtp", num_draft_tokens=num_draft_tokens,
-               max_new_tokens=23, sampling=SamplingParams(temperature=0.0), compare=True,
-               repeats=3, out=io.StringIO(), err=err)
+  report = run(DecodeRequest(workdir, ["abca"], method="mtp", num_draft_tokens=num_draft_tokens,
+                             max_new_tokens=23, sampling=SamplingParams(temperature=0.0),
+                             compare=True, repeats=3), out=io.StringIO(), err=err).to_json()
   _rebuild(report, err.getvalue())
 
 
@@ -357,9 +357,9 @@ def test_ctrl_c_after_the_answer_keeps_it_and_its_statistics(workdir, monkeypatc
     return real(dec, *a, **k)
   monkeypatch.setattr(compare_lib, "decode_texts", decode)
   out, err = io.StringIO(), io.StringIO()
-  report = run(workdir, ["abca"], method="mtp", num_draft_tokens=2, max_new_tokens=8,
-               sampling=SamplingParams(temperature=0.0), compare=True, repeats=2, out=out,
-               err=err)
+  report = run(DecodeRequest(workdir, ["abca"], method="mtp", num_draft_tokens=2, max_new_tokens=8,
+                             sampling=SamplingParams(temperature=0.0), compare=True, repeats=2),
+               out=out, err=err).to_json()
   (res,) = report["results"]
   assert report["interrupted"] is True and "speedup" not in report
   assert out.getvalue() == "abca" + res["text"] + "\n" and len(res["tokens"]) == 8

@@ -15,7 +15,7 @@ from flax import nnx
 from decode import drafters as drafters_lib
 from decode import round as round_lib
 from decode import state as state_lib
-from decode.speculative import DecodeError, Decoder, NonFiniteLogitsError, SamplingParams
+from decode.decoder import DecodeError, Decoder, NonFiniteLogitsError, SamplingParams
 from mtp import model as model_lib
 from mtp import tokenizer as tok
 from tests.conftest import ALPHABET, random_prompts, tiny_config, with_noisy_mtp

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decode.speculative import DecodeError, Decoder, SamplingParams
+from decode.decoder import DecodeError, Decoder, SamplingParams
 from decode.stops import StopConditions
 from mtp import bpe
 from mtp import tokenizer as tok

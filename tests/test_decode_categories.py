@@ -1,7 +1,7 @@
 """Held-out evaluation by category (issue 22): ``--prompt_file`` reads JSONL
 chat prompts (errors name the line), ``run`` renders them with the chat
 template (system message included) and reports tau / alpha_k / tokens (and
-the speedup with compare) per category; ``decode.stats`` groups rows."""
+the speedup with compare) per category; ``decode.cli.stats`` groups rows."""
 
 import io
 import json
@@ -12,9 +12,9 @@ import sys
 import numpy as np
 import pytest
 
-from decode import stats as stats_lib
-from decode.run import encode_prompts, read_prompts, run
-from decode.speculative import DecodeError
+from decode.cli import stats as stats_lib
+from decode.cli.run import DecodeRequest, encode_prompts, read_prompts, run
+from decode.decoder import DecodeError
 from decode.state import Generation
 from mtp import tokenizer as tok
 from tests import tiny_bpe
@@ -88,8 +88,9 @@ def test_run_reports_per_category(bpe_workdir):
              {"category": "math", "prompt": "2 + 2 =", "system": "Answer with a number."},
              {"category": "code", "prompt": "import os"}, {"category": "math", "prompt": "3 * 3"}]
   err = io.StringIO()
-  report = run(bpe_workdir, prompts, method="mtp", num_draft_tokens=1, max_new_tokens=4,
-               compare=True, repeats=1, chat=None, out=io.StringIO(), err=err)
+  report = run(DecodeRequest(bpe_workdir, prompts, method="mtp", num_draft_tokens=1,
+                             max_new_tokens=4, compare=True, repeats=1, chat=None),
+               out=io.StringIO(), err=err).to_json()
   assert report["config"]["chat"] is True
   assert [r["category"] for r in report["results"]] == ["code", "math", "code", "math"]
   per = report["per_category"]

@@ -8,8 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from decode.run import flag_notices, parse_num_draft_tokens, read_prompt_file, run
-from decode.speculative import DecodeError, SamplingParams
+from decode.cli.run import (DecodeRequest, flag_notices, parse_num_draft_tokens, read_prompt_file,
+                            run)
+from decode.decoder import DecodeError, SamplingParams
 from mtp.checkpoint import CheckpointError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,9 +24,9 @@ def workdir(markov_workdir):
 
 
 def test_run_report_has_tokens_text_and_stats(workdir, capsys):
-  report = run(workdir, ["abca", "fed"], method="mtp", num_draft_tokens=2, max_new_tokens=12,
-               sampling=SamplingParams(temperature=1.0, top_p=0.9), num_samples=2, seed=1,
-               compare=True, repeats=2)
+  report = run(DecodeRequest(workdir, ["abca", "fed"], method="mtp", num_draft_tokens=2,
+                             max_new_tokens=12, sampling=SamplingParams(temperature=1.0, top_p=0.9),
+                             num_samples=2, seed=1, compare=True, repeats=2)).to_json()
   assert [(r["prompt_index"], r["prompt"], r["sample"]) for r in report["results"]] == [
       (0, "abca", 0), (0, "abca", 1), (1, "fed", 0), (1, "fed", 1)]
   for r in report["results"]:
@@ -54,8 +55,9 @@ def test_run_report_has_tokens_text_and_stats(workdir, capsys):
 def test_auto_draft_length_report(workdir, capsys):
   """--num_draft_tokens auto: the report records "auto" and G_max, the
   summary the histogram of chosen draft lengths (one entry per round)."""
-  report = run(workdir, ["abca", "fed"], method="mtp", num_draft_tokens="auto", max_draft_tokens=3,
-               max_new_tokens=16, sampling=SamplingParams(temperature=0.0))
+  report = run(DecodeRequest(workdir, ["abca", "fed"], method="mtp", num_draft_tokens="auto",
+                             max_draft_tokens=3, max_new_tokens=16,
+                             sampling=SamplingParams(temperature=0.0))).to_json()
   cfg, s = report["config"], report["stats"]
   assert cfg["num_draft_tokens"] == "auto" and cfg["max_draft_tokens"] == 3
   assert len(s["draft_length_histogram"]) == 4 and sum(s["draft_length_histogram"]) == s["target_calls"]
@@ -73,16 +75,17 @@ def test_auto_draft_length_report(workdir, capsys):
     with pytest.raises(DecodeError, match=r"num_draft_tokens.*integer in \[1, 16\] or 'auto'"):
       parse_num_draft_tokens(bad)
   with pytest.raises(DecodeError, match="auto needs --method=mtp"):
-    run(workdir, ["abc"], method="draft", draft_workdir=workdir, num_draft_tokens="auto")
+    run(DecodeRequest(workdir, ["abc"], method="draft", draft_workdir=workdir,
+                      num_draft_tokens="auto"))
   with pytest.raises(DecodeError, match=r"num_draft_tokens=17 must be an integer in \[1, 16\]"):
-    run(workdir, ["abc"], method="mtp", num_draft_tokens=17)       # the Decoder checks it too
+    run(DecodeRequest(workdir, ["abc"], method="mtp", num_draft_tokens=17))  # the Decoder checks it too
   assert flag_notices(method="mtp", given={"max_draft_tokens"}, temperature=1.0, compare=False) == [
       "--max_draft_tokens has no effect without --num_draft_tokens=auto"]
 
 
 def test_stream_prints_the_continuation(workdir, capsys):
-  report = run(workdir, ["abc"], method="ar", num_draft_tokens=5, max_new_tokens=5,
-               sampling=SamplingParams(temperature=0.0))
+  report = run(DecodeRequest(workdir, ["abc"], method="ar", num_draft_tokens=5, max_new_tokens=5,
+                             sampling=SamplingParams(temperature=0.0))).to_json()
   out, err = capsys.readouterr()
   assert out == "abc" + report["results"][0]["text"] + "\n"
   assert "[ar] tokens" in err
@@ -126,13 +129,13 @@ def test_prompt_file_lines_are_prompts(tmp_path):
 
 def test_run_errors(workdir, tmp_path):
   with pytest.raises(CheckpointError, match="no checkpoint"):
-    run(str(tmp_path), ["x"])
+    run(DecodeRequest(str(tmp_path), ["x"]))
   with pytest.raises(DecodeError, match="empty"):
-    run(workdir, [""], method="ar")
+    run(DecodeRequest(workdir, [""], method="ar"))
   with pytest.raises(DecodeError, match="draft_workdir"):
-    run(workdir, ["x"], method="draft")
+    run(DecodeRequest(workdir, ["x"], method="draft"))
   with pytest.raises(DecodeError, match="num_samples"):
-    run(workdir, ["x"], method="ar", num_samples=0)
+    run(DecodeRequest(workdir, ["x"], method="ar", num_samples=0))
 
 
 def _cli(*args):
@@ -166,7 +169,7 @@ def test_notice_counts_offsets_trained_by_recursive_steps(workdir, capsys, monke
   """A checkpoint trained with mtp.recursive_steps=R has modules trained for
   D + R offsets: no "never trained" notice up to G = D + R, one past it."""
   import dataclasses
-  from decode import run as run_mod
+  from decode.cli import run as run_mod
   real = run_mod.loading.load_model
 
   def load_with_recursive_steps(path):
@@ -175,9 +178,9 @@ def test_notice_counts_offsets_trained_by_recursive_steps(workdir, capsys, monke
 
   monkeypatch.setattr(run_mod.loading, "load_model", load_with_recursive_steps)
   kw = dict(method="mtp", max_new_tokens=4, sampling=SamplingParams(temperature=0.0))
-  run(workdir, ["abca"], num_draft_tokens=3, **kw)
+  run(DecodeRequest(workdir, ["abca"], num_draft_tokens=3, **kw))
   assert "note:" not in capsys.readouterr().err
-  run(workdir, ["abca"], num_draft_tokens=4, **kw)
+  run(DecodeRequest(workdir, ["abca"], num_draft_tokens=4, **kw))
   err = capsys.readouterr().err
   assert ("--num_draft_tokens=4 > the 3 offsets the checkpoint's modules were trained for "
           "(D=2, mtp.recursive_steps=1): draft 4 reuses module 2") in err
@@ -254,7 +257,7 @@ def test_out_of_memory_is_one_decode_error_naming_the_flags():
   memory-capped host) becomes a DecodeError naming the flags that size the
   batch; other runtime errors pass unchanged."""
   import jax
-  from decode.run import out_of_memory_as_decode_error
+  from decode.cli.run import out_of_memory_as_decode_error
   oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 2147483648 bytes.")
   with pytest.raises(DecodeError, match=r"2 prompt\(s\) x --num_samples=65536 rows.*lower "
                      r"--num_samples"):

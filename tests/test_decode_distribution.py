@@ -19,7 +19,7 @@ from scipy import stats
 from decode import drafters as drafters_lib
 from decode import sampling
 from mtp.model import write_cache
-from decode.speculative import Decoder, SamplingParams
+from decode.decoder import Decoder, SamplingParams
 from mtp import tokenizer as tok
 
 ALPHA = 1e-3
@@ -105,7 +105,7 @@ def test_auto_draft_length_keeps_the_target_law(model, schedule, monkeypatch):
   acceptance estimates; costs fixed so it drafts) both leave the joint law
   of the first two tokens equal to the target's at T = 1 with top-k and
   top-p."""
-  from decode.schedule import AutoSchedule
+  from decode.auto.schedule import AutoSchedule
   from tests.schedules import CyclingSchedule
   # the law under drafting is the subject: with a 2-token budget over 1,000+ rows the
   # pre-generation decision (tested in test_auto_prior) would rightly run plain AR

@@ -1,8 +1,8 @@
 """Decoding in another dtype or attention implementation than the checkpoint
-saved (``decode.run.load_decoder(dtype=..., attention_impl=...)``, ``python
+saved (``decode.cli.run.load_decoder(dtype=..., attention_impl=...)``, ``python
 -m decode --dtype --attention_impl``): the parameters are cast once at load,
 greedy MTP still equals greedy AR in bfloat16 (or differs only at a near-tie
-of the numeric contract, ``decode.compare.near_tie``), an old workdir that
+of the numeric contract, ``decode.cli.compare.near_tie``), an old workdir that
 saved "blockwise" runs "auto", the report records what was used, and bad
 values are one line naming the flag and its allowed values."""
 
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from decode import compare as compare_lib
-from decode.run import load_decoder, run
-from decode.speculative import DecodeError, Decoder, SamplingParams
+from decode.cli import compare as compare_lib
+from decode.cli.run import DecodeRequest, load_decoder, run
+from decode.decoder import DecodeError, Decoder, SamplingParams
 from mtp import checkpoint as ckpt_lib
 from mtp import loading
 from mtp import model as model_lib
@@ -109,9 +109,9 @@ def test_old_workdir_runs_auto(blockwise_workdir):
   for impl in ("auto", "dense"):
     for a, b in zip(tokens[impl], tokens[None]):
       np.testing.assert_array_equal(a, b)
-  report = run(blockwise_workdir, ["ab"], method="ar", max_new_tokens=3, sampling=GREEDY,
-               attention_impl="auto", dtype="bfloat16", out=open(os.devnull, "w"),
-               err=open(os.devnull, "w"))
+  report = run(DecodeRequest(blockwise_workdir, ["ab"], method="ar", max_new_tokens=3,
+                             sampling=GREEDY, attention_impl="auto", dtype="bfloat16"),
+               out=open(os.devnull, "w"), err=open(os.devnull, "w")).to_json()
   c = report["config"]
   assert (c["dtype"], c["param_dtype"], c["attention_impl"]) == ("bfloat16", "bfloat16", "auto")
   assert c["attention_impl_resolved"] == model_lib.resolve_attention_impl(
@@ -141,7 +141,7 @@ def test_bad_values_are_one_line_naming_the_flag(blockwise_workdir):
   for bad in ("float16", "fp32", "bf16"):
     with pytest.raises(DecodeError, match=rf"^--dtype='{bad}' is not allowed: must be one of "
                                           r"float32, bfloat16"):
-      run(blockwise_workdir, ["ab"], method="ar", dtype=bad)
+      run(DecodeRequest(blockwise_workdir, ["ab"], method="ar", dtype=bad))
 
 
 def _cli(*args):

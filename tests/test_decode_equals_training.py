@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decode.speculative import Decoder, SamplingParams
+from decode.decoder import Decoder, SamplingParams
 from mtp import draft_vocab as draft_vocab_lib
 from tests.conftest import ALPHABET, random_prompts, with_noisy_mtp
 

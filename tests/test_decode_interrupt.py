@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from decode import loops
-from decode.run import run
-from decode.speculative import WARMUP_TOKENS, Decoder, SamplingParams
+from decode.cli.run import DecodeRequest, run
+from decode.decoder import WARMUP_TOKENS, Decoder, SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATS_KEYS = {"mean_accepted_length", "acceptance_rate_per_position", "accepted_length_histogram",
@@ -76,16 +76,17 @@ def test_the_answer_is_generated_once_after_a_warm_up_of_one_token(workdir, monk
   streamed generation compiles nothing (with "auto" whether it drafts or
   runs its AR fallback, ``drafts``; with a stop string, the cut too). The
   statistics keep their keys."""
-  from decode.schedule import AutoSchedule
+  from decode.auto.schedule import AutoSchedule
   from decode.stops import StopConditions
   if drafts is not None:
     monkeypatch.setattr(AutoSchedule, "drafting_pays", lambda self, *a, **k: drafts)
   tally = Tally(monkeypatch)
   out, err = io.StringIO(), io.StringIO()
   try:
-    report = run(workdir, ["abca"], method=method, num_draft_tokens=g, max_new_tokens=40,
-                 sampling=SamplingParams(temperature=0.0), out=out, err=err,
-                 stops=StopConditions(strings=stop) if stop else None)
+    report = run(DecodeRequest(workdir, ["abca"], method=method, num_draft_tokens=g,
+                               max_new_tokens=40, sampling=SamplingParams(temperature=0.0),
+                               stops=StopConditions(strings=stop) if stop else None), out=out,
+                               err=err).to_json()
   finally:
     tally.close()
   (res,) = report["results"]
@@ -125,8 +126,9 @@ def test_an_interrupt_in_the_text_callback_keeps_the_text_so_far(workdir):
   --compare is skipped."""
   out, err = RaisingOut(at=5), io.StringIO()     # write 1: the prompt; 2-4: three rounds' text
   try:
-    report = run(workdir, ["abca"], method="mtp", num_draft_tokens=2, max_new_tokens=60,
-                 sampling=SamplingParams(temperature=0.0), out=out, err=err, compare=True)
+    report = run(DecodeRequest(workdir, ["abca"], method="mtp", num_draft_tokens=2,
+                               max_new_tokens=60, sampling=SamplingParams(temperature=0.0),
+                               compare=True), out=out, err=err).to_json()
   except KeyboardInterrupt:       # pytest would end the session on it
     pytest.fail("the KeyboardInterrupt escaped run(): nothing kept")
   (res,) = report["results"]
@@ -165,7 +167,7 @@ RUNNER = """
 import os, signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)
 from decode import loops
-import decode.run
+import decode.cli.run
 real = loops.stream_rounds
 def stream_rounds(step, *a, **k):
   n = [0]
@@ -180,7 +182,7 @@ def load_decoder(*a, **k):
 if os.environ["PATCH"] == "sigint_at_round":
   loops.stream_rounds = stream_rounds
 else:
-  decode.run.load_decoder = load_decoder
+  decode.cli.run.load_decoder = load_decoder
 from absl import app
 from mtp.cli import parse_flags_or_exit
 from decode.__main__ import main

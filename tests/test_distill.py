@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from decode import round as round_lib
-from decode.speculative import Decoder, SamplingParams
+from decode.decoder import Decoder, SamplingParams
 from mtp import checkpoint as ckpt_lib
 from mtp import loading
 from mtp import tokenizer as tok

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from decode import drafters as drafters_lib
-from decode.speculative import Decoder, SamplingParams
+from decode.decoder import Decoder, SamplingParams
 from mtp import checkpoint as ckpt_lib
 from mtp import config as config_lib
 from mtp import draft_vocab as dv

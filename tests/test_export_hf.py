@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from safetensors.numpy import load_file
 
-from decode.speculative import Decoder, SamplingParams
+from decode.decoder import Decoder, SamplingParams
 from mtp import export as ex
 from mtp import tokenizer as tok
 from tests.conftest import tiny_config

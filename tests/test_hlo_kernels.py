@@ -167,7 +167,7 @@ def programs():
   text)} for the tiny model (2 layers, D = 2) at B = 1: AR and MTP G = 2
   (compiled once each, ~3 s)."""
   from decode.sampling import SamplingParams
-  from decode.speculative import Decoder
+  from decode.decoder import Decoder
   from mtp import model as model_lib
   from mtp import tokenizer as tok
   from tests.conftest import tiny_config

@@ -6,7 +6,8 @@ outside scripts/ and experiments/ imports scripts/ (the decoder never
 depends on the benchmarks); nothing outside experiments/ imports
 experiments/ (the one-off studies; they may import every other room).
 decode/ holds the decoder only: no benchmark, replay or self-distillation
-module."""
+module; inside it the engine never imports the CLI side (decode.cli), and
+"auto" (decode.auto) imports no engine module but the mesh."""
 
 import ast
 import fnmatch
@@ -97,7 +98,7 @@ def test_find_cycle_finds_one():
 def test_no_import_cycle():
   graph = import_graph()
   assert {"mtp.loading", "mtp.checkpoint", "mtp.export", "mtp.data.pipeline",
-          "train.workdir", "decode.run"} <= set(graph)
+          "train.workdir", "decode.cli.run"} <= set(graph)
   assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -154,3 +155,24 @@ def test_decode_holds_the_decoder_only():
   bad = sorted(m for m in names for pat in ("bench*", "replay*", "self_distill*", "llamacpp*")
                if fnmatch.fnmatch(m.split(".")[-1], pat))
   assert not bad, bad
+
+
+def test_decode_engine_apart_from_cli():
+  """decode/ is the engine (decode.decoder and the modules beside it), with
+  "auto" in decode.auto and the CLI and its reports in decode.cli: the
+  engine and "auto" never import decode.cli (the arrow points one way),
+  and decode.auto needs nothing of the engine but decode.mesh."""
+  graph = import_graph()
+  cli = lambda m: m == "decode.cli" or m.startswith("decode.cli.")
+  auto = lambda m: m == "decode.auto" or m.startswith("decode.auto.")
+  engine = [m for m in graph if m.startswith("decode.") and not cli(m) and not auto(m)
+            and not m.endswith("__main__")]
+  assert {"decode.decoder", "decode.compiled", "decode.acceptance", "decode.kv_cache",
+          "decode.drafters", "decode.round"} <= set(engine)
+  bad = sorted((m, n) for m in engine + [a for a in graph if auto(a)] for n in graph[m] if cli(n))
+  assert not bad, bad
+  bad = sorted((m, n) for m in graph if auto(m) for n in graph[m]
+               if n.startswith("decode.") and not auto(n) and n != "decode.mesh")
+  assert not bad, bad
+  # the rule is not vacuous: the CLI does import the engine and "auto"
+  assert {"decode.decoder", "decode.auto.calibrate"} <= graph["decode.cli.run"]

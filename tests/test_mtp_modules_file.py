@@ -20,8 +20,8 @@ pytest.importorskip("tokenizers")
 import jax.numpy as jnp
 from flax import nnx
 
-from decode import calibrate
-from decode.speculative import Decoder, SamplingParams
+from decode.auto import calibrate
+from decode.decoder import Decoder, SamplingParams
 from mtp import checkpoint as ckpt_lib
 from mtp import draft_vocab as dv
 from mtp import export as export_lib

@@ -1,4 +1,4 @@
-"""The numeric contract's near-tie report (``decode.compare.near_tie``,
+"""The numeric contract's near-tie report (``decode.cli.compare.near_tie``,
 ``greedy_check``; docs/speculative_sampling.md, "Numeric contract"): where
 greedy outputs of a method and of AR differ, the target's top-2 logit gap at
 the first differing token against the bound for the decode dtype; below it a
@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from decode import compare as compare_lib
-from decode import verify
-from decode.speculative import Decoder, SamplingParams
-from decode.texts import encode_prompts
+from decode.cli import compare as compare_lib
+from decode import acceptance as verify
+from decode.decoder import Decoder, SamplingParams
+from decode.cli.texts import encode_prompts
 from mtp import loading
 from mtp import model as model_lib
 from tests.conftest import random_prompts, tiny_config

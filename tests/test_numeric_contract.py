@@ -1,5 +1,5 @@
 """The numeric contract in float32 (docs/speculative_sampling.md, "Numeric
-contract"; ``decode.compare.logit_error_bound``): every computation of the
+contract"; ``decode.cli.compare.logit_error_bound``): every computation of the
 target's logits (the cache-free forward; AR steps against KV caches of
 512, 2,048 and 8,192 slots and verify blocks of G + 1 tokens, G = 1, 2, 3,
 with each attention implementation a float32 model runs) agrees with every
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from decode import compare as compare_lib
-from decode.speculative import Decoder, SamplingParams
+from decode.cli import compare as compare_lib
+from decode.decoder import Decoder, SamplingParams
 from mtp import loading
 from mtp import model as model_lib
 from tests.conftest import random_prompts, tiny_config, with_noisy_mtp

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from decode.schedule import AutoSchedule
-from decode.speculative import DecodeError, Decoder, SamplingParams
+from decode.auto.schedule import AutoSchedule
+from decode.decoder import DecodeError, Decoder, SamplingParams
 from mtp import model as model_lib
 from mtp import tokenizer as tok
 from tests.conftest import random_prompts, tiny_config, with_noisy_mtp
@@ -282,15 +282,16 @@ def bpe_workdir(tmp_path_factory):
                          ids=["ar", "mtp", "auto", "tree"])
 def test_cli_one_character_prompt_on_a_bpe_tokenizer_without_bos(bpe_workdir, method, kw,
                                                                 capsys):
-  """``decode.run`` (what ``python -m decode --prompt H`` runs) on a BPE
+  """``decode.cli.run`` (what ``python -m decode --prompt H`` runs) on a BPE
   model: "H" is one token as encoded, and the streamed continuation is AR's."""
-  from decode.run import run
-  from decode.texts import decode_texts, encode_prompts
+  from decode.cli.run import DecodeRequest, run
+  from decode.cli.texts import decode_texts, encode_prompts
   path, model, bpe_tok = bpe_workdir
   (ids,) = encode_prompts(["H"], bpe_tok)
   assert len(ids) == 1 and bpe_tok.bos_id not in ids
   ref = Decoder(model, "ar", tokenizer=bpe_tok).generate([ids], 12, GREEDY)
-  report = run(path, ["H"], method=method, max_new_tokens=12, sampling=GREEDY, **kw)
+  report = run(DecodeRequest(path, ["H"], method=method, max_new_tokens=12, sampling=GREEDY,
+                             **kw)).to_json()
   assert report["results"][0]["tokens"] == ref.tokens[0].tolist()
   assert capsys.readouterr().out.startswith("H")
   gen = decode_texts(Decoder(model, "mtp", 3, tokenizer=bpe_tok), ["H", "Hello there"],

@@ -1,4 +1,4 @@
-"""decode.programs.clear_cache frees the compiled programs' memory mappings.
+"""decode.compiled.clear_cache frees the compiled programs' memory mappings.
 
 On the CPU each XLA executable holds ~7 memory mappings; a process that
 keeps every program it compiled passes the kernel's vm.max_map_count and
@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from decode import programs
-from decode.speculative import Decoder, SamplingParams
+from decode import compiled
+from decode.decoder import Decoder, SamplingParams
 from tests.conftest import random_prompts
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -26,7 +26,7 @@ def _maps() -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc/self/maps")
 def test_clear_cache_frees_the_mappings_of_unreferenced_programs(trained_markov):
   model = trained_markov[1]
-  programs.clear_cache()
+  compiled.clear_cache()
   gc.collect()
   base = _maps()
   for g in (1, 2):
@@ -35,7 +35,7 @@ def test_clear_cache_frees_the_mappings_of_unreferenced_programs(trained_markov)
   gc.collect()
   grown = _maps() - base
   assert grown > 100, grown     # the cached programs still hold their executables
-  programs.clear_cache()
+  compiled.clear_cache()
   gc.collect()
   left = _maps() - base
   assert left < 0.25 * grown, (grown, left)

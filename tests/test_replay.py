@@ -8,8 +8,8 @@ with the wrong acceptance probabilities fails it)."""
 import numpy as np
 import pytest
 
-from decode.schedule import AutoSchedule
-from decode.speculative import Decoder, SamplingParams
+from decode.auto.schedule import AutoSchedule
+from decode.decoder import Decoder, SamplingParams
 from experiments import replay_schedule as rp
 from tests.conftest import random_prompts, with_noisy_mtp
 

@@ -1,4 +1,4 @@
-"""Tests for decode/sampling.py and decode/verify.py: warping and the speculative acceptance rule.
+"""Tests for decode/sampling.py and decode/acceptance.py: warping and the speculative acceptance rule.
 
 Statistical tests: chi-square goodness of fit (scipy.stats.chisquare) against
 exact laws computed in float64 from the same float32 p and q the kernel sees,
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from decode import sampling, verify
+from decode import sampling, acceptance as verify
 
 SIG = 1e-3  # significance level of every chi-square test
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "speculative_sampling.md"

@@ -1,4 +1,4 @@
-"""The adaptive draft-length schedule (decode.schedule): its expected-token
+"""The adaptive draft-length schedule (decode.auto.schedule): its expected-token
 formula, its choice, exploration and estimate updates, on hand-made states."""
 
 import dataclasses
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decode.schedule import AutoSchedule
+from decode.auto.schedule import AutoSchedule
 from tests.schedules import CyclingSchedule
 
 

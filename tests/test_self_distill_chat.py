@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from decode.speculative import DecodeError, Decoder, SamplingParams
+from decode.decoder import DecodeError, Decoder, SamplingParams
 from mtp import data, loading
 from mtp import tokenizer as tok
 from mtp.config import DataConfig

@@ -26,7 +26,7 @@ def bpe_workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def decoder(bpe_workdir):
-  from decode.speculative import Decoder
+  from decode.decoder import Decoder
   from mtp import loading
   _, model, _ = loading.load_model(bpe_workdir)
   return Decoder(model, "ar", tokenizer=tok.load_tokenizer(bpe_workdir))

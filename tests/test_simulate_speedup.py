@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from decode import theory
+from decode.cli import theory
 from tests.conftest import md_command
 from tests.test_scripts import _experiment
 

@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 
-from decode.speculative import Decoder, SamplingParams
+from decode.decoder import Decoder, SamplingParams
 from mtp.data import chat
 from mtp.importers import smollm
 from tests.schedules import CyclingSchedule

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from decode import drafters as drafters_lib
-from decode.speculative import DecodeError, Decoder, SamplingParams
+from decode.decoder import DecodeError, Decoder, SamplingParams
 from decode.stops import StopConditions, StopMatcher, cut_at_stop_strings
 from mtp import model as model_lib
 from mtp import tokenizer as tok

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from decode import theory
+from decode.cli import theory
 from mtp import data
 from experiments import sweep_draft_vocab as script
 from tests import tiny_bpe

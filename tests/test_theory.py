@@ -1,8 +1,8 @@
-"""Speedup theory of decode/theory.py against hand-computed values."""
+"""Speedup theory of decode/cli/theory.py against hand-computed values."""
 
 import pytest
 
-from decode import theory
+from decode.cli import theory
 
 
 @pytest.mark.parametrize("alpha,g,tau", [(0.0, 3, 1.0), (0.5, 1, 1.5), (0.5, 2, 1.75),

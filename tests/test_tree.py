@@ -14,7 +14,7 @@ from flax import nnx
 
 from decode import sampling
 from decode import tree as tree_lib
-from decode.speculative import DecodeError, Decoder, NonFiniteLogitsError, SamplingParams
+from decode.decoder import DecodeError, Decoder, NonFiniteLogitsError, SamplingParams
 from mtp import model as model_lib
 from mtp import tokenizer as tok
 from tests.conftest import ALPHABET, random_prompts, tiny_config, with_noisy_mtp
@@ -239,9 +239,9 @@ def test_bad_tree_input(target):
 
 @pytest.mark.cpu_only
 def test_run_and_cli_with_a_tree(markov_workdir, capsys):
-  from decode.run import run
-  report = run(markov_workdir, ["abca"], method="mtp", tree="2,2", max_new_tokens=8,
-               sampling=GREEDY)
+  from decode.cli.run import DecodeRequest, run
+  report = run(DecodeRequest(markov_workdir, ["abca"], method="mtp", tree="2,2", max_new_tokens=8,
+                             sampling=GREEDY)).to_json()
   s = report["stats"]
   assert report["config"]["tree"] == [2, 2] and report["config"]["num_draft_tokens"] == 2
   assert s["tree"] == [2, 2] and s["nodes_per_round"] == 6
@@ -250,7 +250,7 @@ def test_run_and_cli_with_a_tree(markov_workdir, capsys):
   assert "tree 2,2: 6 nodes per round" in err and "acceptance per depth" in err
   assert "accepted path-length histogram (a = 0..m)" in err
   with pytest.raises(DecodeError, match="--tree needs --method=mtp"):
-    run(markov_workdir, ["abca"], method="ar", tree="2")
+    run(DecodeRequest(markov_workdir, ["abca"], method="ar", tree="2"))
   import os
   import subprocess
   import sys

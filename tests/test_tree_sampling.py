@@ -1,4 +1,4 @@
-"""Tests for the token-tree kernels of decode/sampling.py and decode/verify.py: drawing children
+"""Tests for the token-tree kernels of decode/sampling.py and decode/acceptance.py: drawing children
 without replacement, recursive rejection sampling over a tree
 (``tree_rejection_sample``) and greedy tree verification.
 
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decode import sampling, verify
+from decode import sampling, acceptance as verify
 from decode.tree_spec import TreeSpec
 from tests.test_sampling import SIG, _chisq_pvalue, _doc_numbers
 

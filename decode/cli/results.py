@@ -1,4 +1,4 @@
-"""The report of ``python -m decode`` (``decode.run.run``): the note about
+"""The report of ``python -m decode`` (``decode.cli.run.run``): the note about
 draft offsets the MTP modules were never trained for, the result rows, the
 per-row text printed for a batch, and the report's ``config`` record.
 """
@@ -10,9 +10,9 @@ from typing import TextIO
 
 import jax
 
-from decode import stats as stats_lib
+from decode.cli import stats as stats_lib
 from decode.sampling import SamplingParams
-from decode.speculative import Decoder
+from decode.decoder import Decoder
 from decode.stops import StopConditions
 
 
@@ -60,7 +60,7 @@ def result_rows(gen, prompts: Sequence[str], categories: Sequence[str | None] | 
   """One report row per generated row r (prompt r // num_samples, sample
   r % num_samples): prompt_index, prompt, category (with ``categories``),
   sample, tokens (ints), text (UTF-8, errors replaced), finish_reason and
-  the row's own stats (``decode.stats.summarize``)."""
+  the row's own stats (``decode.cli.stats.summarize``)."""
   results = []
   for r, ids in enumerate(gen.tokens):
     results.append({"prompt_index": r // num_samples, "prompt": prompts[r // num_samples],

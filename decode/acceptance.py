@@ -1,10 +1,9 @@
-"""Verification: the target's forward over a round's verify block and the
-acceptance rules of speculative decoding, for a chain of drafts and for a
-token tree (``decode.tree_spec.TreeSpec``); derivations in
+"""The acceptance rules of speculative decoding, for a chain of drafts and
+for a token tree (``decode.tree_spec.TreeSpec``): pure functions of the
+target's and the drafter's distributions (the target's forward over the
+verify block is ``decode.round.verify_block``); derivations in
 docs/speculative_sampling.md, indices in docs/design.md section 5.
 
-- ``verify_block``: the target over [x_{n-1}, drafts] -> hidden states,
-  logits, p (the only function here that runs a model).
 - ``rejection_sample``: Leviathan et al. 2023, Algorithm 1 (= Chen et al.
   2023, Algorithm 2), vectorised over B and G; ``greedy_verify``: its
   temperature-0 case; ``accept``: the one a round applies.
@@ -19,14 +18,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from decode.sampling import (SamplingParams, categorical_from_uniform, sample, uniform_open,
-                             warped_probs)
-from decode.state import DecodeState
+from decode.sampling import SamplingParams, categorical_from_uniform, sample, uniform_open
 from decode.tree_spec import TreeSpec
-from mtp.model import Transformer
 
 __all__ = [
-  "verify_block",
   "rejection_sample",
   "greedy_verify",
   "accept",
@@ -34,24 +29,6 @@ __all__ = [
   "tree_greedy_verify",
   "tree_accept",
 ]
-
-def verify_block(target: Transformer, state: DecodeState, block, positions, params: SamplingParams,
-                 **backbone_kw):
-  """The target over a verify block: (h_draft [B, T, D], logits [B, T, V],
-  p [B, T, V] float32 warped probabilities (the logits when greedy), new
-  cache). block / positions: [B, T] int32; ``backbone_kw``: write_offsets /
-  mask for token trees. h_draft is what the MTP drafter stores for module 1
-  (h^0, or the fused features with ``mtp.feature_layers``)."""
-  with jax.named_scope("verify"):
-    with jax.named_scope("forward"):
-      h0, h_draft, cache = target.backbone_features(block, positions, cache=state.cache,
-                                                    **backbone_kw)
-    with jax.named_scope("head"):
-      logits = target.head(h0)
-    with jax.named_scope("warp"):
-      p = logits if params.greedy else warped_probs(logits, params)
-  return h_draft, logits, p, cache
-
 
 def _check_verify_shapes(name, target, draft_tokens, draft_probs=None):
   """Static (trace-time) shape checks for the verification functions."""

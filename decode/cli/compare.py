@@ -10,7 +10,7 @@ ratio is that of the walls). The blocks and the speedup line come from the
 same numbers, so they cannot disagree. With ``run``'s answer
 (``time_runs(out=...)``) the method's first timed repeat is the answer.
 
-Beside the measurement, what Theorem 3.8 (``decode.theory``) predicts from
+Beside the measurement, what Theorem 3.8 (``decode.cli.theory``) predicts from
 figures the blocks print: tau / (G c + 1) with tau = tokens / target calls
 and G from the method's block, r = G c + 1 = the two blocks' median seconds
 per round, c = (r - 1) / G (n/a below ``MIN_DRAFTED_PER_ROUND``), and one
@@ -37,12 +37,12 @@ from typing import TextIO
 
 import numpy as np
 
-from decode import stats as stats_lib
-from decode import theory
+from decode.cli import stats as stats_lib
+from decode.cli import theory
 from decode.sampling import SamplingParams
-from decode.speculative import Decoder
+from decode.decoder import Decoder
 from decode.stops import StopConditions
-from decode.texts import decode_texts, encode_prompts
+from decode.cli.texts import decode_texts, encode_prompts
 from mtp.timing import interleaved_times
 
 # a prediction this far outside the per-repeat range (printed with two
@@ -205,7 +205,7 @@ def _rounds(gen) -> int:
 
 def pooled_acceptance(gens: Sequence) -> dict:
   """tau, alpha_k and the mean drafted length G over all rounds of
-  ``gens`` (the timed repeats of one method; ``decode.stats``'s
+  ``gens`` (the timed repeats of one method; ``decode.cli.stats``'s
   definitions): {"mean_accepted_length" (mean a + 1 per round, a cut round
   counted whole), "acceptance_rate_per_position", "mean_draft_tokens" (G
   for a chain, the nodes per round for a tree, the mean chosen G with
@@ -583,7 +583,7 @@ def compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: st
                     check_greedy: bool = True, runs: TimedRuns | None = None) -> dict:
   """``repeats`` interleaved AR / ``decoder`` runs of ``prompts``
   (``time_runs``; ``runs``: those already made, e.g. with the answer as
-  the method's first repeat; see ``decode.run.run``; ``gen``: the reported
+  the method's first repeat; see ``decode.cli.run.run``; ``gen``: the reported
   generation, whose tokens greedy AR must reproduce); writes the two timed
   blocks, the speedup line (the ratio of the blocks' median tokens/s, with
   the per-repeat ratios' range and median), the Theorem 3.8 prediction from

@@ -1,55 +1,37 @@
 """Library side of ``python -m decode``: load checkpoints, encode prompts,
 decode (streaming when there is one prompt), compare with AR, report.
 
-``run(...)`` writes the generated text to ``out`` (stdout) and statistics,
-comparisons and notices to ``err`` (stderr), and returns the report dict that
-``--json`` writes (with ``"meta"``: commit, date, machine and command,
-``mtp.report.provenance``): ``{"config": {...}, "results": [{"prompt_index",
-"prompt", "sample", "tokens", "text", "finish_reason", "stats"}, ...],
-"stats": {...},
-"ar_stats": {...}, "speedup": float (tokens/s ratio), "speedup_per_repeat": [...],
-"wall_times_s": {"ar": [...], METHOD: [...]}, "new_tokens": {...},
-"tokens_per_s": {...}, "timed": {"ar": {...}, METHOD: {...}}, "prediction": {...},
-"greedy_check": {...} or None, "speedup_per_repeat_median": float, "answer_repeat": 0}``
-(the last eleven with ``compare``: ``decode.compare.compare_with_ar``; ``timed``
-holds each method's timed repeats as medians with min and max, the numbers
-the printed blocks and the speedup come from; ``ar_stats`` is AR's untimed
-run, not printed; ``greedy_check`` at T = 0: every row where the two greedy
-outputs differ, its first differing token and the target's top-2 logit gap
-there against the numeric contract's bound, "near_tie" or a bug), and ``"interrupted": true`` when
-Ctrl-C ended the decoding (or the comparison) early. With prompts that carry a ``category`` (a JSONL
-``--prompt_file``) every result records its ``"category"`` and the report
-has ``"per_category": {CATEGORY: {"rows", "num_tokens", "target_calls",
-"mean_accepted_length", "acceptance_rate_per_position",
-"accepted_length_histogram", "speedup" (with compare)}}``.
-
-The rooms: ``decode.texts`` (prompt files, encoding, streamed text),
-``decode.compare`` (--compare), ``decode.results`` (the report's rows,
-config and notices); this file checks the flags' values, loads the
-decoder and runs the job.
+``run(DecodeRequest) -> DecodeReport``: the generated text goes to ``out``
+(stdout), statistics, comparisons and notices to ``err`` (stderr);
+``DecodeReport.to_json()`` is what ``--json`` writes (with ``"meta"``:
+``mtp.report.provenance``). The rooms: ``decode.cli.texts`` (prompt files,
+encoding, streamed text), ``decode.cli.compare`` (--compare),
+``decode.cli.results`` (the report's rows, config and notices); this file
+checks the flags' values, loads the decoder and runs the job.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Mapping, Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 import jax
 
-from decode import calibrate
-from decode import compare as compare_lib
-from decode import results as results_lib
-from decode import stats as stats_lib
-from decode.schedule import AutoSchedule
+from decode.auto import calibrate
+from decode.cli import compare as compare_lib
+from decode.cli import results as results_lib
+from decode.cli import stats as stats_lib
+from decode.auto.schedule import AutoSchedule
 from decode import limits
-from decode.limits import (  # noqa: F401 (decode.run's API)
+from decode.limits import (  # noqa: F401 (decode.cli.run's API)
     DTYPES, MAX_DRAFT_TOKENS, MAX_NEW_TOKENS, MAX_REPEATS, MAX_SAMPLES, MAX_SEED,
     check_overrides, parse_num_draft_tokens)
-from decode.speculative import DecodeError, Decoder, SamplingParams, check_flags
+from decode.decoder import DecodeError, Decoder, SamplingParams, check_flags
 from decode.stops import StopConditions
-from decode.texts import (  # noqa: F401 (decode.run's API: python -m decode, tests)
+from decode.cli.texts import (  # noqa: F401 (decode.cli.run's API: python -m decode, tests)
     check_prompt_text, decode_texts, encode_prompts, read_prompt_file, read_prompt_jsonl_file,
     read_prompts)
 from mtp import loading
@@ -129,7 +111,7 @@ def check_run_args(*, max_new_tokens, num_samples, seed, repeats, max_draft_toke
 def auto_schedule(workdir: str, max_draft_tokens: int) -> AutoSchedule | None:
   """``AutoSchedule(max_draft_tokens)`` whose prior acceptance per draft
   position is the stage's validation acceptance stored beside its
-  checkpoint (``decode.calibrate.stage_prior``: greedy and sampling values
+  checkpoint (``decode.auto.calibrate.stage_prior``: greedy and sampling values
   apart), or None (the schedule's fixed prior) without one."""
   prior = calibrate.stage_prior(workdir, max_draft_tokens)
   if not (isinstance(max_draft_tokens, int) and max_draft_tokens >= 1) or not prior \
@@ -230,90 +212,107 @@ def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
 
 
 
-def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
-        num_draft_tokens: int | str = 2, max_draft_tokens: int | None = None,
-        draft_workdir: str | None = None, max_new_tokens: int = 128,
-        sampling: SamplingParams = SamplingParams(), num_samples: int = 1, seed: int = 0,
-        compare: bool = False, repeats: int = 3, out: TextIO | None = None,
-        err: TextIO | None = None, tree=None, stops: StopConditions | None = None,
-        chat: bool | None = False, dtype: str | None = None,
-        attention_impl: str | None = None) -> dict:
-  """Everything ``python -m decode`` does; returns the JSON report.
+@dataclasses.dataclass(frozen=True)
+class DecodeRequest:
+  """Everything one ``python -m decode`` job decodes (its flags, parsed);
+  ``run`` checks every value before anything is loaded."""
+  workdir: str                          # the target's workdir (checkpoint or export)
+  prompts: Sequence[str | Mapping[str, Any]]  # strings, or JSONL dicts {"prompt",
+                                        #   "category"?, "system"?} (read_prompt_jsonl_file)
+  method: str = "mtp"                   # "ar", "mtp" or "draft" (decode.decoder.METHODS)
+  num_draft_tokens: int | str = 2       # G in [1, MAX_DRAFT_TOKENS], or "auto" (mtp only)
+  max_draft_tokens: int | None = None   # G_max of "auto" (default: the trained offsets)
+  draft_workdir: str | None = None      # the draft model's workdir (method "draft")
+  max_new_tokens: int = 128             # new tokens per row, at most
+  sampling: SamplingParams = SamplingParams()   # temperature (0 = greedy), top_k, top_p
+  num_samples: int = 1                  # rows per prompt (rows = prompts x num_samples)
+  seed: int = 0                         # PRNG seed of the sampling
+  compare: bool = False                 # time `repeats` interleaved AR / method runs
+  repeats: int = 3                      # timed repeats per decoder with compare
+  tree: str | tuple[int, ...] | None = None   # token tree, branching per depth ("3,2,1")
+  stops: StopConditions | None = None   # stop ids and strings beside the model's EOS
+  chat: bool | None = False             # one chat message per prompt; None: iff the
+                                        #   tokenizer has a chat template (JSONL prompts)
+  dtype: str | None = None              # "float32" / "bfloat16" (None: the checkpoint's)
+  attention_impl: str | None = None     # mtp.config.ATTENTION_IMPLS (None: the checkpoint's)
 
-  Generated text goes to ``out`` (default stdout): with one prompt and one
-  sample the prompt and its continuation, streamed; otherwise per row a line
-  ``--- prompt I sample S: 'PROMPT'`` and then prompt + continuation (I is
-  the index in ``prompts``, recorded as ``prompt_index``). Statistics, the
-  comparison and notices go to ``err`` (default stderr).
 
-  ``compare``: ``repeats`` interleaved pairs of ``method`` and AR runs of
-  the same prompts, seed and budget (order alternating, all after
-  compilation), the method's first being the reported (streamed)
-  generation, so the answer's statistics are those of a timed repeat
-  (``decode.compare.time_runs``); a block
-  per method gives the timed repeats' median (min-max) tokens/s, wall,
-  TTFT and ITL, the speedup is the ratio of the two median tokens/s (at
-  T = 0 median AR wall time / median ``method`` wall time), with the
-  per-repeat ratios as the spread, followed by Theorem 3.8's prediction
-  from the measured tau and round cost and a line naming the term that
-  decides (``decode.compare``), each figure of it printed in the blocks.
-  The reported generation's own block then leaves out its timing, which
-  the blocks hold.
+@dataclasses.dataclass
+class DecodeReport:
+  """What ``run`` returns; ``to_json()`` is the ``--json`` report."""
+  config: dict                  # decode.cli.results.config_record (+ "auto" with compare)
+  results: list[dict]           # per row: prompt_index, prompt, sample, tokens, text,
+                                #   finish_reason, stats (+ category)
+  stats: dict                   # decode.cli.stats.summarize over every row
+  interrupted: bool = False     # Ctrl-C ended the decoding (or the comparison) early
+  decoding_interrupted: bool = False  # ...the decoding itself (the key's place in the JSON)
+  comparison: dict | None = None      # with compare: decode.cli.compare.compare_with_ar's
+                                #   keys (ar_stats, speedup, speedup_per_repeat, ..., timed,
+                                #   prediction, greedy_check, answer_repeat)
+  per_category: dict | None = None    # {category: rows, num_tokens, target_calls, tau,
+                                #   alpha_k, histogram (+ speedup)} for JSONL categories
 
-  ``tree`` ("3,2,1" or a tuple; method "mtp"): draft a token tree instead
-  of a chain (``Decoder(tree=...)``); the statistics then give acceptance
-  per depth, the histogram of accepted path lengths and the nodes per
-  round, and ``config`` records the tree.
+  def to_json(self) -> dict:
+    """The JSON report as a dict, keys in the order they are written: config,
+    results, stats, [interrupted], [the comparison's keys], [per_category]."""
+    out = {"config": self.config, "results": self.results, "stats": self.stats}
+    if self.decoding_interrupted:
+      out["interrupted"] = True
+    out.update(self.comparison or {})
+    if self.interrupted:
+      out["interrupted"] = True
+    if self.per_category is not None:
+      out["per_category"] = self.per_category
+    return out
 
-  ``stops``: stop token ids and stop strings (``decode.stops``); each
-  result records its ``finish_reason`` ("eos", "stop" or "length"); rows
-  that stopped at ``max_new_tokens`` get one line on ``err`` per run
-  (``decode.results.length_notice``).
-  ``chat``: every prompt is one user message rendered with the model's chat
-  template (its end-of-turn token ends the reply); else raw text; None:
-  chat iff the model's tokenizer has a chat template (JSONL prompt files).
 
-  ``dtype`` / ``attention_impl``: decode in that dtype with that attention
-  implementation instead of the checkpoint's (``load_decoder``); the
-  report's ``config`` records what was used (``dtype``, ``attention_impl``
-  and ``attention_impl_resolved``, ``decode.results.numerics_record``) and
-  the statistics block says it.
+def run(request: DecodeRequest, *, out: TextIO | None = None,
+        err: TextIO | None = None) -> DecodeReport:
+  """Everything ``python -m decode`` does for ``request``.
 
-  ``prompts``: strings, or dicts ``{"prompt", "category"?, "system"?}`` (a
-  JSONL prompt file, ``read_prompt_jsonl_file``): each result then records
-  its ``category`` and the report gains ``per_category`` (per category:
-  rows, num_tokens, target_calls, tau, alpha_k, the accepted-length
-  histogram; with ``compare`` also the category's speedup, from its own
-  interleaved AR / method runs of that category's prompts as one batch),
-  also printed as a table (``decode.stats.format_by_category``).
+  Text goes to ``out`` (default stdout): with one prompt and one sample the
+  prompt and its continuation, streamed; otherwise per row a line
+  ``--- prompt I sample S: 'PROMPT'`` and then prompt + continuation.
+  Statistics, the comparison and notices go to ``err`` (default stderr).
 
-  Ctrl-C while decoding ends the generation at a round boundary: the text
-  so far is written, the statistics (marked interrupted) are those of the
-  rows as far as they got, unfinished rows have the finish reason
-  "interrupted", the comparison is skipped, and the report has
-  ``"interrupted": True``; Ctrl-C during ``compare`` keeps the results and
-  marks the report the same way. Before the decoding (loading,
-  compilation, "auto"'s calibration) KeyboardInterrupt propagates.
+  ``compare``: ``repeats`` interleaved pairs of method and AR runs after
+  compilation, the method's first being the reported (streamed) generation
+  (``decode.cli.compare.time_runs``); a block per method (median (min-max)
+  tokens/s, wall, TTFT, ITL), the speedup (ratio of the median tokens/s)
+  with the per-repeat ratios, Theorem 3.8's prediction and the line naming
+  the term that decides. A tree reports acceptance per depth; JSONL
+  categories add a per-category table (with compare, each category's own
+  interleaved runs).
+
+  Ctrl-C while decoding ends the generation at a round boundary (text and
+  statistics so far, unfinished rows "interrupted", the comparison
+  skipped); during the comparison it keeps the results; either way the
+  report is ``interrupted``. Before the decoding KeyboardInterrupt
+  propagates.
 
   Raises DecodeError / CheckpointError for bad arguments or checkpoints
   (every numeric setting and the prompt text are checked before anything
   is loaded).
   """
+  req = request
+  method, max_new_tokens, sampling, num_samples = (req.method, req.max_new_tokens, req.sampling,
+                                                   req.num_samples)
+  seed, compare, repeats, stops, chat = req.seed, req.compare, req.repeats, req.stops, req.chat
   out = out or sys.stdout
   err = err or sys.stderr
-  items = [dict(p) if isinstance(p, Mapping) else {"prompt": p} for p in prompts]
+  items = [dict(p) if isinstance(p, Mapping) else {"prompt": p} for p in req.prompts]
   prompts = [it["prompt"] for it in items]
   systems = [it.get("system") for it in items]
   systems = systems if any(systems) else None
   categories = ([it.get("category") for it in items] if any("category" in it for it in items)
                 else None)
   check_run_args(max_new_tokens=max_new_tokens, num_samples=num_samples, seed=seed,
-                 repeats=repeats, max_draft_tokens=max_draft_tokens, sampling=sampling)
+                 repeats=repeats, max_draft_tokens=req.max_draft_tokens, sampling=sampling)
   check_prompt_text(prompts, "--chat" if chat else "--prompt")
-  check_overrides(dtype, attention_impl)
-  decoder, trained, step = load_decoder(workdir, method, num_draft_tokens, draft_workdir,
-                                        max_draft_tokens, tree, dtype=dtype,
-                                        attention_impl=attention_impl)
+  check_overrides(req.dtype, req.attention_impl)
+  decoder, trained, step = load_decoder(req.workdir, method, req.num_draft_tokens,
+                                        req.draft_workdir, req.max_draft_tokens, req.tree,
+                                        dtype=req.dtype, attention_impl=req.attention_impl)
   note = results_lib.untrained_offsets_note(decoder, method, trained)
   if note:
     err.write(note)
@@ -353,14 +352,14 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
   if notice:
     err.write(notice)
   config = results_lib.config_record(
-      workdir, method, decoder, batch_size=len(gen.tokens), max_new_tokens=max_new_tokens,
+      req.workdir, method, decoder, batch_size=len(gen.tokens), max_new_tokens=max_new_tokens,
       sampling=sampling, num_samples=num_samples, seed=seed, chat=chat, stops=stops,
       checkpoint_step=step)
   if runs is not None and runs.answer_auto is not None:
     config["auto"] = runs.answer_auto     # as the answer used them, before later repeats learned
-  report = {"config": config, "results": results, "stats": summary}
+  report = DecodeReport(config, results, summary, interrupted=bool(gen.interrupted),
+                        decoding_interrupted=bool(gen.interrupted))
   if gen.interrupted:
-    report["interrupted"] = True
     err.write(f"interrupted: {summary['num_tokens']} tokens generated"
               + ("; --compare skipped" if compare and method != "ar" else "") + "\n")
   kw = dict(method=method, repeats=repeats, **kw)
@@ -369,16 +368,16 @@ def run(workdir: str, prompts: Sequence[str], *, method: str = "mtp",
     if compare_stopped:
       raise KeyboardInterrupt
     if compared:
-      report.update(compare_lib.compare_with_ar(decoder, gen, prompts, err=err, systems=systems,
-                                                runs=runs, **kw))
+      report.comparison = compare_lib.compare_with_ar(decoder, gen, prompts, err=err,
+                                                      systems=systems, runs=runs, **kw)
     if compared and categories:
       speedups = compare_lib.category_speedups(decoder, gen, prompts, categories,
                                                systems=systems, **kw)
   except KeyboardInterrupt:
-    report["interrupted"] = True
+    report.interrupted = True
     err.write("interrupted: --compare stopped; the results above are complete\n")
   if categories:
     row_cats = [categories[r // num_samples] for r in range(len(gen.tokens))]
-    report["per_category"] = stats_lib.summarize_by_category(gen, row_cats, speedups)
-    err.write(stats_lib.format_by_category(report["per_category"]) + "\n")
+    report.per_category = stats_lib.summarize_by_category(gen, row_cats, speedups)
+    err.write(stats_lib.format_by_category(report.per_category) + "\n")
   return report

@@ -26,10 +26,10 @@ exponential moving average of "d_i accepted" over the rounds that tested
 d_i) and cost(g) the measured wall time of one round at g (timed on the
 device for the decoder's batch size and cache length before the first
 generation, then moved after every generation toward the decoding time its
-rounds took; ``decode.calibrate``). The estimates start at the prior for the
+rounds took; ``decode.auto.calibrate``). The estimates start at the prior for the
 sampling mode: a fixed 0.8, or per draft position the stage's own
 validation acceptance (``python -m decode`` reads it from the workdir:
-``decode.calibrate.stage_prior``; T = 0 from the argmax agreement, T > 0
+``decode.auto.calibrate.stage_prior``; T = 0 from the argmax agreement, T > 0
 from E[sum min(p, q)]).
 
 A generation for which no g >= 1 is expected to finish sooner than AR
@@ -96,7 +96,7 @@ class AutoSchedule:
     prior: initial acceptance estimate, in (0, 1): one value for every
       position, or one per draft position 1..n (positions past n take the
       last; e.g. a stage's validation acceptance per depth,
-      ``decode.calibrate.stage_prior``). Used when sampling (T > 0), and at
+      ``decode.auto.calibrate.stage_prior``). Used when sampling (T > 0), and at
       T = 0 unless ``greedy_prior`` is given.
     greedy_prior: the same for greedy decoding (T = 0), or None.
     ema: weight of the newest round in the estimates, in (0, 1].

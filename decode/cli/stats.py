@@ -1,5 +1,5 @@
 """Decoding statistics (definitions of docs/design.md section 7); the speedup
-theory these are compared with is ``decode.theory``.
+theory these are compared with is ``decode.cli.theory``.
 
 - mean accepted length tau: tokens per target verification call, the mean of
   a+1 over rounds (a = accepted drafts; AR has tau = 1). The budget or an EOS

@@ -36,7 +36,7 @@ from decode import round as round_lib
 from decode import tree as tree_lib
 from decode.drafters import Drafter
 from decode.sampling import SamplingParams
-from decode.schedule import AutoSchedule
+from decode.auto.schedule import AutoSchedule
 from decode.tree_spec import TreeSpec
 from decode.state import DecodeState
 
@@ -50,10 +50,10 @@ class ProgramSpec:
   target_graphdef: nnx.GraphDef
   draft_graphdef: nnx.GraphDef | None   # None unless the method is "draft"
   drafter: Drafter | None               # None for AR
-  g: int                                # G; G_max with "auto"; the depth m with a tree
+  longest_draft: int                    # G; G_max with "auto"; the depth m with a tree
   tree: TreeSpec | None
   schedule: AutoSchedule | None
-  accept_rule: Callable                 # decode.verify.accept or a test's rule
+  accept_rule: Callable                 # decode.acceptance.accept or a test's rule
   mesh: jax.sharding.Mesh | None
 
   def models(self, params, draft_params):
@@ -75,13 +75,13 @@ class ProgramSpec:
     if self.tree is not None:
       return tree_lib.tree_round(self.drafter, target, state, sp)
     return round_lib.chain_round(self.drafter, target, draft, state, sp,
-                                 self.g if g is None else g, schedule=self.schedule,
+                                 self.longest_draft if g is None else g, schedule=self.schedule,
                                  accept_rule=self.accept_rule)
 
   def generate(self, params, draft_params, state: DecodeState, sp: SamplingParams):
     """Every round after the prefill in one while_loop (``loops.generate_loop``)."""
     round_g = lambda s, g: self.round(params, draft_params, s, sp, g)
-    return loops.generate_loop(round_g, state, self.g, self.schedule)
+    return loops.generate_loop(round_g, state, self.longest_draft, self.schedule)
 
 
 @dataclasses.dataclass(frozen=True)

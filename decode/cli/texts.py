@@ -14,7 +14,7 @@ import numpy as np
 
 from decode.errors import DecodeError
 from decode.sampling import SamplingParams
-from decode.speculative import Decoder
+from decode.decoder import Decoder
 from decode.stops import StopConditions
 from mtp import tokenizer as tok
 

@@ -12,12 +12,14 @@ same seed; with ``num_draft_tokens="auto"`` only given the same round costs
 other draft lengths (same output law either way).
 
 Where each job lives (docs/design.md section 2): the round's pure pieces in
-``decode.round`` (propose / accept / commit) and ``decode.tree`` (token
-trees), the acceptance rules and the verify forward in ``decode.verify``,
-the KV cache's sizes and moves in ``decode.cache``, warping and sampling in
-``decode.sampling``, the loops in ``decode.loops``, the typed state in
-``decode.state``, "auto"'s round costs and AR fallback in
-``decode.calibrate``. Here: the flag rules (``check_flags``,
+``decode.round`` (propose with the verify forward / accept / commit) and
+``decode.tree`` (token trees), the acceptance rules in ``decode.acceptance``,
+the drafters and their draft loops in ``decode.drafters``, the KV cache's
+sizes and moves in ``decode.kv_cache``, warping and sampling in
+``decode.sampling``, the loops over rounds in ``decode.loops``, the jitted
+programs in ``decode.compiled``, the typed state in ``decode.state``,
+"auto" (schedule, round costs, AR fallback) in ``decode.auto``; the CLI and
+its reports in ``decode.cli``. Here: the flag rules (``check_flags``,
 ``resolve_method``) and the ``Decoder``, which builds the initial state
 (``prepare``) and wires the jitted functions. Caches and buffers are
 donated, so writes happen in place.
@@ -37,16 +39,17 @@ import jax
 import numpy as np
 from flax import nnx
 
-from decode import cache, calibrate, loops, stops as stops_lib, verify
+from decode import acceptance, kv_cache, loops, stops as stops_lib
+from decode.auto import calibrate
 from decode import mesh as decode_mesh
-from decode import programs as programs_lib
+from decode import compiled
 from decode import state as state_lib
 from decode import tree as tree_lib
 from decode.drafters import Drafter, DraftModelDrafter, MTPDrafter
 from decode.errors import DecodeError, NonFiniteLogitsError  # noqa: F401 (the API's errors)
 from decode.limits import MAX_DRAFT_TOKENS
 from decode.sampling import SamplingParams
-from decode.schedule import AutoSchedule
+from decode.auto.schedule import AutoSchedule
 from decode.state import DecodeState, Generation
 from decode.stops import StopConditions
 from decode.tree_spec import TreeSpec
@@ -80,19 +83,20 @@ def check_flags(method: str, num_draft_tokens, tree=None) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-  """A decoder's validated settings (``resolve_method``).
+  """A decoder's validated settings (``resolve_method``)."""
+  num_draft_tokens: int                 # the chain's G (fixed) or G_max ("auto"); 0 for AR
+                                        #   and for a tree
+  drafter: Drafter | None = None        # decode.drafters / decode.tree; None for AR
+  schedule: AutoSchedule | None = None  # "auto"'s schedule, else None
+  tree: TreeSpec | None = None          # a token tree, else None
+  fixed_costs: np.ndarray | None = None   # "auto"'s given round costs [G_max+1] float64 s
+  tree_depth: int = 0                   # m, the depth of ``tree``; 0 for a chain
 
-  g: the draft length G (fixed), G_max ("auto") or the tree depth m; 0 for AR.
-  drafter: the drafter object (``decode.drafters``, ``decode.tree``), None for AR.
-  schedule: the ``AutoSchedule`` of "auto", else None.
-  tree: the ``TreeSpec`` of a token tree, else None.
-  fixed_costs: "auto"'s given round costs [G_max+1] float64 seconds, else None.
-  """
-  g: int
-  drafter: Drafter | None = None
-  schedule: AutoSchedule | None = None
-  tree: TreeSpec | None = None
-  fixed_costs: np.ndarray | None = None
+  @property
+  def longest_draft(self) -> int:
+    """The most draft tokens a round verifies along one path: G, G_max or
+    the tree depth m (what sizes the cache headroom and the programs)."""
+    return self.tree_depth if self.tree is not None else self.num_draft_tokens
 
 
 def resolve_method(target: Transformer, method: str, num_draft_tokens, draft, *,
@@ -107,7 +111,7 @@ def resolve_method(target: Transformer, method: str, num_draft_tokens, draft, *,
     num_draft_tokens: G in [1, MAX_DRAFT_TOKENS] for "mtp"/"draft" (ignored
       for "ar"), or "auto" ("mtp" only): g in 0..G_max chosen per segment of
       rounds from running acceptance estimates and measured round costs
-      (``decode.schedule``, ``decode.calibrate``).
+      (``decode.auto.schedule``, ``decode.auto.calibrate``).
     draft: draft model for "draft" (same vocabulary), else None.
     max_draft_tokens: G_max for "auto" (default D).
     schedule: an ``AutoSchedule`` for "auto" (default ``AutoSchedule(G_max)``).
@@ -128,7 +132,8 @@ def resolve_method(target: Transformer, method: str, num_draft_tokens, draft, *,
       spec = tree_lib.parse_tree(tree, target.mtp_depth)
     except ValueError as e:
       raise DecodeError(str(e)) from None
-    return Method(spec.depth, tree_lib.TreeMTPDrafter(spec, target.mtp_depth), tree=spec)
+    return Method(0, tree_lib.TreeMTPDrafter(spec, target.mtp_depth), tree=spec,
+                  tree_depth=spec.depth)
   if method == "ar":
     return Method(0)
   if num_draft_tokens == "auto":
@@ -189,7 +194,7 @@ class Decoder:
       (``decode.mesh``); None = one device.
     drafter: a drafter replacing the method's own (``decode.drafters``'
       interface; tests and experiments).
-    accept_rule: the chain's acceptance rule (default ``verify.accept``).
+    accept_rule: the chain's acceptance rule (default ``acceptance.accept``).
     tokenizer: the model's tokenizer (required for a BPE model; default the
       byte tokenizer): its stop ids end a row, its ``decode_bytes`` gives
       the text stop strings are matched against.
@@ -200,10 +205,11 @@ class Decoder:
   def __init__(self, target: Transformer, method: str = "mtp", num_draft_tokens: int | str = 2,
                draft: Transformer | None = None, mesh=None, *, max_draft_tokens: int | None = None,
                schedule: AutoSchedule | None = None, auto_costs=None, tree=None, drafter=None,
-               accept_rule=verify.accept, tokenizer=None):
+               accept_rule=acceptance.accept, tokenizer=None):
     m = resolve_method(target, method, num_draft_tokens, draft, max_draft_tokens=max_draft_tokens,
                        schedule=schedule, auto_costs=auto_costs, tree=tree)
-    self.method, self.G, self.schedule, self.tree = method, m.g, m.schedule, m.tree
+    # G: the longest draft of a round (G; G_max with "auto"; the depth m with a tree)
+    self.method, self.G, self.schedule, self.tree = method, m.longest_draft, m.schedule, m.tree
     self.drafter = drafter or m.drafter
     self.accept_rule = accept_rule
     self.tokenizer, self.eos_ids, self.pad_id = _tokenizer_ids(target.cfg, tokenizer)
@@ -212,17 +218,19 @@ class Decoder:
     self.draft_graphdef, self.draft_params = (nnx.split(draft, nnx.Param) if method == "draft"
                                               else (None, None))
     self.mesh = mesh
-    self.calibration = calibrate.AutoCalibration(m.fixed_costs)    # "auto"'s costs (calibrate's)
+    # "auto"'s costs (decode.auto.calibrate); None for AR, a fixed G or a tree
+    self.calibration = (calibrate.AutoCalibration(m.fixed_costs) if m.schedule is not None
+                        else None)
     self._ar = None          # the plain AR decoder "auto" falls back to (``plain_ar``)
     self._models = None      # (params, draft params, (target, draft) merged from them)
-    self.target_params, self.draft_params = programs_lib.place_params(
+    self.target_params, self.draft_params = compiled.place_params(
         mesh, self.target_params, self.draft_params, target.cfg,
         None if draft is None else draft.cfg)
-    self.spec = programs_lib.ProgramSpec(
+    self.spec = compiled.ProgramSpec(
         target_graphdef=self.target_graphdef, draft_graphdef=self.draft_graphdef,
-        drafter=self.drafter, g=self.G, tree=self.tree, schedule=self.schedule,
+        drafter=self.drafter, longest_draft=self.G, tree=self.tree, schedule=self.schedule,
         accept_rule=accept_rule, mesh=mesh)
-    self.programs = programs_lib.programs(self.spec)      # shared by equal specs
+    self.programs = compiled.programs(self.spec)      # shared by equal specs
 
   def auto_record(self) -> dict | None:
     """"auto"'s prior and costs as held now (``AutoCalibration.record``);
@@ -272,7 +280,7 @@ class Decoder:
   def prepare(self, prompts: Sequence[np.ndarray], max_new_tokens: int, seed: int,
               stops: StopConditions | None = None, budget: int | None = None):
     """(initial state, prefill_len) for a batch of token prompts (BOS
-    included), the cache sized by ``decode.cache``; ``stops``: stop ids
+    included), the cache sized by ``decode.kv_cache``; ``stops``: stop ids
     beside EOS; ``budget``: new tokens per row below ``max_new_tokens``,
     which still sizes the state (same shapes, same programs: ``warm_up``).
     Raises DecodeError for bad prompts (``state.check_prompts``) or stops."""
@@ -296,11 +304,11 @@ class Decoder:
 
   def _lengths(self, prompts, max_new_tokens: int) -> tuple[int, int]:
     """(padded prompt length, cache length) of ``prepare``'s state
-    (``decode.cache.cache_length`` with this decoder's headroom)."""
-    headroom = cache.headroom(
+    (``decode.kv_cache.cache_length`` with this decoder's headroom)."""
+    headroom = kv_cache.headroom(
         self.G, self.drafter.depth if isinstance(self.drafter, MTPDrafter) else 0,
         self.drafter.scratch_slots if self.tree is not None else 0)
-    return cache.cache_length(max(len(p) for p in prompts), max_new_tokens, headroom)
+    return kv_cache.cache_length(max(len(p) for p in prompts), max_new_tokens, headroom)
 
   def cache_length(self, prompts, max_new_tokens: int) -> int:
     """Positions per row of the KV cache ``prepare`` allocates for
@@ -324,7 +332,8 @@ class Decoder:
           prompts, max_new_tokens, sampling_params, seed, stops), self.G)
     state, wall, prefill = loops.timed_generate(self.prefill, self._loop(sp), *started)
     gen = self._result(state, None, wall, prefill, stops)
-    self.calibration.learn(gen)
+    if self.calibration is not None:
+      self.calibration.learn(gen)
     return gen
 
   def sample(self, prompt, num_samples: int, max_new_tokens: int,
@@ -405,10 +414,11 @@ class Decoder:
         stop_rows=self.programs.stop_rows_host, interruptible=interruptible,
         choose_fn=self.programs.choose if self.schedule is not None else None)
     if warm:
+      fixed = self.calibration is not None and self.calibration.fixed is not None
       state = loops.warm_extras(state, step, self.programs.stop_rows_host, bool(strings),
-                                self.G if self.calibration.fixed is not None else None)
+                                self.G if fixed else None)
     gen = self._result(state, emit_times, wall, prefill, stops, kept, max_new_tokens)
-    if not (warm or gen.interrupted):
+    if self.calibration is not None and not (warm or gen.interrupted):
       self.calibration.learn(gen)
     return gen
 

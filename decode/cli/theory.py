@@ -1,5 +1,5 @@
 """Speedup theory of speculative decoding (Leviathan et al. 2023, section 3.4)
-in one place: closed forms that ``decode.stats``, the benchmarks and
+in one place: closed forms that ``decode.cli.stats``, the benchmarks and
 ``scripts/simulate_speedup.py`` compare measurements with.
 
 - ``expected_accepted_length`` tau(alpha, G) (eq. 1) and its inverse
