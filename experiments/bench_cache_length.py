@@ -11,7 +11,7 @@ reads only the blocks that can be visible (``model.attention_impl``, issue 24).
     B = 1), ``--steps`` steps inside one ``lax.fori_loop`` per timed call (no
     host dispatch), every implementation and block size of ``--block_sizes``
     timed side by side, interleaved, ``--repeats`` times.
-(b) End to end: tokens/s of ``decode.speculative.Decoder.generate`` (AR and
+(b) End to end: tokens/s of ``decode.decoder.Decoder.generate`` (AR and
     MTP with G = D = 2, greedy, B = 1) on the demo model (``--config``,
     randomly initialised, max_seq_len raised to fit the longest request; the
     EOS embedding row is zeroed so that greedy decoding never stops early)
@@ -61,7 +61,7 @@ from mtp.timing import interleaved_times, spread  # noqa: E402
 #     ``steps`` steps inside one ``lax.fori_loop`` per timed call (no host
 #     dispatch); ``step_ratios``: each S over the smallest, each variant over
 #     "dense", of the per-repeat ratios.
-# (b) ``generation_speed`` (below): tokens/s of ``decode.speculative.Decoder.generate``
+# (b) ``generation_speed`` (below): tokens/s of ``decode.decoder.Decoder.generate``
 #     (greedy, B = 1) per method, implementation, prompt and generated length,
 #     on random models with identical parameters (``demo_models``: the EOS
 #     embedding row zeroed so greedy decoding runs to its budget);
@@ -330,7 +330,7 @@ def merge_runs(paths: list[str], default_short_prompt: int) -> tuple[dict, dict]
 
 # -- the library, part (b): Decoder.generate against the lengths ---------------------------
 #
-# Part (b): tokens/s of ``decode.speculative.Decoder.generate`` (greedy, B =
+# Part (b): tokens/s of ``decode.decoder.Decoder.generate`` (greedy, B =
 # 1) per method, attention implementation, prompt and generated length, on
 # models with identical parameters: random demo models (``demo_models``) or a
 # trained / imported BPE workdir (``workdir_models``); ``generation_speedups``:

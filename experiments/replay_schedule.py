@@ -63,7 +63,7 @@ from scripts.bench_chat import heldout_prompts  # noqa: E402
 # -- the library: replaying schedules on recorded answers ----------------------------------
 #
 # Replaying draft-length schedules on recorded answers: how many target
-# calls and how much decoding time a schedule (``decode.schedule``'s "auto",
+# calls and how much decoding time a schedule (``decode.auto.schedule``'s "auto",
 # or a fixed G) would spend on a given answer, without decoding it again.
 # Exact at T = 0; exact in law at T > 0 (below).
 #
@@ -268,7 +268,7 @@ def replay(acc: np.ndarray, costs: Sequence[float], max_new: int, schedule=None,
   if schedule is not None:
     sched = schedule.init_state(1, jnp.asarray(costs[:schedule.max_draft_tokens + 1]))
     prior = jnp.broadcast_to(schedule.prior_alpha(greedy), (1, schedule.max_draft_tokens))
-    sched = {**sched, "alpha": prior, "prior": prior}         # as decode.calibrate.with_costs
+    sched = {**sched, "alpha": prior, "prior": prior}         # as decode.auto.calibrate.with_costs
     choose, update = _jitted(schedule)
     active = jnp.asarray([True])
   left, cur = 0, g
@@ -447,7 +447,7 @@ def measured_costs(model, tokenizer, prompt, max_draft_tokens: int, max_new: int
                    params=None) -> tuple[np.ndarray, float]:
   """(costs [G_max+1] seconds per round of "auto" at g = 0..G_max, the plain
   AR fallback's seconds per step) under ``params`` (default T = 0) on this
-  device, as "auto" calibrates them (``decode.calibrate.decoder_round_costs``
+  device, as "auto" calibrates them (``decode.auto.calibrate.decoder_round_costs``
   and ``plain_ar_calibration``, while_loop form, B = 1, after the prefill
   of ``prompt``). ``replay`` charges the second to G0 and to a schedule's
   fallback: "auto"'s own g = 0 round also feeds the modules."""

@@ -15,7 +15,7 @@ target call plus G draft steps, i.e. G c + 1 target-step units of time
 - tau(alpha, G) = E[a + 1] = (1 - alpha^(G+1)) / (1 - alpha)    (eq. 1)
 - speedup(alpha, G, c) = tau / (G c + 1)                        (Theorem 3.8)
 
-(``decode.theory``). The script
+(``decode.cli.theory``). The script
 
 1. tabulates both over alpha (grid 0.3..0.9), G = 1..G_max and several c;
 2. simulates the round process (``simulate_rounds``) and reports how many

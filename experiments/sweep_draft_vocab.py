@@ -47,7 +47,7 @@ from scripts.bench_lib import bare_forward_loop, draft_loop, prefilled  # noqa: 
 # round's ratio c = draft step / (G x target step) pairs calls made close
 # together in time. ``speedup_rows`` turns per-step acceptance rates
 # alpha_1..alpha_G (from ``experiments.vocab_sweep``, passed in as plain rows) and c
-# into tau and Theorem 3.8's ideal speedup (``decode.theory.chain_tau`` /
+# into tau and Theorem 3.8's ideal speedup (``decode.cli.theory.chain_tau`` /
 # ``chain_speedup``).
 
 SPREAD = ("n", "median", "min", "max")

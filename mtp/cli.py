@@ -196,7 +196,7 @@ def quick_out(ap: argparse.ArgumentParser, args) -> None:
 def input_errors() -> tuple:
   """The ``mtp`` input-error types (bad config, data or checkpoint): a script
   reports them in one line, without a traceback. (``mtp`` imports no
-  ``decode``: a script that decodes adds ``decode.speculative.DecodeError``
+  ``decode``: a script that decodes adds ``decode.decoder.DecodeError``
   through ``main_guard(..., errors=...)``.)"""
   from mtp.checkpoint import CheckpointError
   from mtp.config import ConfigError

@@ -36,7 +36,7 @@ def export(workdir: str, out: str, *, step: int | None = None, overwrite: bool =
 
 def last_eval_row(workdir: str, step: int) -> dict | None:
   """The last ``split == "eval"`` row of ``workdir/metrics.jsonl`` whose
-  step is <= ``step`` (the rows ``decode.calibrate.stage_prior`` reads for
+  step is <= ``step`` (the rows ``decode.auto.calibrate.stage_prior`` reads for
   that checkpoint), or None (no file, no such row). Unreadable lines are
   skipped, as stage_prior does."""
   path = os.path.join(workdir, METRICS_FILE)

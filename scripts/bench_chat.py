@@ -113,7 +113,7 @@ def decoders(model, tokenizer, gs: Sequence[int], with_auto: bool = False,
   """{label: Decoder}: AR, MTP with each G, "auto" (``with_auto``) and each
   token tree (labels ``mtp_tree3``, ``mtp_tree2-2``; while_loop form), stop
   ids from the tokenizer. "auto" is built as ``python -m decode`` builds it
-  from ``workdir`` (``decode.run.load_decoder``: G_max = the offsets the
+  from ``workdir`` (``decode.cli.run.load_decoder``: G_max = the offsets the
   modules were trained for, the stage's validation acceptance as prior;
   ``cfg`` the checkpoint's full Config); without ``workdir`` the schedule's
   defaults."""

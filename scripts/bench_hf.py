@@ -40,7 +40,7 @@ from scripts.bench_lib import first_divergence
 # AR greedy decoding of an imported pretrained target against transformers'
 # ``generate``, side by side in one process (float32).
 #
-# Ours is this project's ``decode.speculative.Decoder`` with method "ar",
+# Ours is this project's ``decode.decoder.Decoder`` with method "ar",
 # called as users call it: ``Decoder.generate`` (a jitted prefill, then every
 # one-token round in one jitted ``lax.while_loop``; host-side state building
 # and the result included in the time). Theirs is transformers'

@@ -466,7 +466,7 @@ class DecodeBench:
   held-out prompt texts; batch_sizes, temperatures, forms ("while" /
   "stream"); max_new_tokens per row; repeats: interleaved timed repeats;
   cache_len: KV cache length of the bare-forward probe; auto_kwargs: the
-  "auto" decoder's keyword arguments (``decode.run.auto_kwargs``: G_max =
+  "auto" decoder's keyword arguments (``decode.cli.run.auto_kwargs``: G_max =
   the trained offsets and the stage's prior, as ``python -m decode`` builds
   it; empty: ``Decoder``'s defaults).
   """

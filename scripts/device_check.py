@@ -24,7 +24,7 @@ On the machine's accelerator (the backend JAX picks, or ``JAX_PLATFORMS``):
    ``scripts.bench_lib``'s cells (``run_cells``, ``summarize_cell``:
    interleaved repeats, medians). At T = 0 every row says whether its tokens
    equal AR's; where they part, the numeric contract's verdict
-   (``decode.compare.greedy_check``: a near-tie, or a bug that fails the
+   (``decode.cli.compare.greedy_check``: a near-tie, or a bug that fails the
    part). Each decoder's generate program at B = 1 is also counted
    (``scripts.hlo_kernels.kernels_per_step`` of its compiled HLO): kernels
    launched per decode step (AR step or MTP round) and the loops nested in
@@ -573,7 +573,7 @@ def tiny_target(depth: int = 2):
 
 def bfloat16_cast():
   """(cast(cfg, model) -> (cfg, model) in bfloat16, None) when the decoder
-  can decode in bfloat16 (``decode.run.load_decoder(dtype=)``, which casts
+  can decode in bfloat16 (``decode.cli.run.load_decoder(dtype=)``, which casts
   with ``mtp.loading.override_model``); (None, why) otherwise."""
   import inspect
 
@@ -581,7 +581,7 @@ def bfloat16_cast():
   from mtp import loading
   if "dtype" not in inspect.signature(run_lib.load_decoder).parameters \
       or not hasattr(loading, "override_model"):
-    return None, ("decode.run.load_decoder has no dtype= (bfloat16 decoding) in this checkout")
+    return None, ("decode.cli.run.load_decoder has no dtype= (bfloat16 decoding) in this checkout")
   return (lambda cfg, model: loading.override_model(cfg, model, dtype="bfloat16")), None
 
 
@@ -589,7 +589,7 @@ def agreement(ar, cell, rows_of, target, checks: int = TIE_CHECKS) -> dict:
   """Greedy tokens of ``cell`` against the AR cell's, row by row over every
   repeat (both ``scripts.bench_lib.Cell``s; ``rows_of(r)``: the prompt ids
   of repeat r's rows). The first ``checks`` differing rows get the numeric
-  contract's verdict (``decode.compare.greedy_check`` with ``target``: the
+  contract's verdict (``decode.cli.compare.greedy_check`` with ``target``: the
   target's top-2 logit gap where they part, a near-tie below the bound, a
   bug above it). Returns {"identical_to_ar", "rows_differing",
   "first_divergence" (the earliest differing position, None when

@@ -5,7 +5,7 @@
     kernels_per_step(generate.compile().as_text())
     # {"kernels": 161, "nested_whiles": 2, "conditionals": 0, "by_opcode": {"fusion": 120, ...}, ...}
 
-A decoder's generate program (``decode.speculative.Decoder.lowered``) is
+A decoder's generate program (``decode.decoder.Decoder.lowered``) is
 one ``while`` over rounds in the ENTRY computation; one iteration of its
 body is one decode step (an AR step or an MTP round). On a GPU every
 top-level instruction of that body that is not free (``FREE``: parameter,

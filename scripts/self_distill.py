@@ -21,7 +21,7 @@ Documents. Each one is ``prompt + continuation``: the prompt is a window of
 (``data.name``, split ``data.train_split``) that ends at a line boundary
 chosen at random (the text before that boundary, its last ``prompt_bytes``
 bytes, cut at a UTF-8 character boundary); the continuation is up to
-``max_new_tokens`` tokens sampled from the model (``decode.speculative.Decoder``,
+``max_new_tokens`` tokens sampled from the model (``decode.decoder.Decoder``,
 MTP speculative sampling by default: lossless, so the text follows the main
 model at the given temperature / top-k / top-p exactly, only faster), ending
 early at EOS. Documents are drawn in a seeded random order, cycling when
@@ -50,7 +50,7 @@ builds N training chat prompts from the embedded corpora
 (``mtp.data.chat_prompts``, split ``train``; categories code, explain, qa,
 summarise, rewrite, docstring, tests), renders each with the workdir
 tokenizer's chat template (generation prompt appended), and samples the
-model's answer with ``decode.speculative.Decoder`` (the tokenizer's stop
+model's answer with ``decode.decoder.Decoder`` (the tokenizer's stop
 ids, the end-of-turn token among them, end a row). Prompt i is sampled at
 ``temperatures[i % len(temperatures)]``. The dataset holds TOKEN IDS, not
 text (``mtp.data.write_token_dataset``): per example ``tokens`` int32 [n] =
@@ -115,7 +115,7 @@ class Recipe:
   num_docs >= 1 generated training documents; prompt_bytes >= 1 (bytes of
   real text before each continuation); max_new_tokens >= 1; temperature
   >= 0, top_k >= 0, top_p in (0, 1] (``SamplingParams``); method one of
-  ``decode.speculative.METHODS`` except "draft"; num_draft_tokens >= 1
+  ``decode.decoder.METHODS`` except "draft"; num_draft_tokens >= 1
   (G, for "mtp"; 0 = the model's depth D); batch_size >= 1 rows decoded
   together; seed >= 0 (prompt choice and sampling).
   """
@@ -234,7 +234,7 @@ def make_dataset(workdir: str, out_name: str, recipe: Recipe, *, data_dir: str =
 # Chat mode (``--chat_prompts N``; the module docstring describes the
 # dataset): chat prompts built from the embedded corpora (``mtp.data.chat_prompts``),
 # rendered with the workdir tokenizer's chat template and answered by the
-# model with ``decode.speculative.Decoder``; the answers are written as a
+# model with ``decode.decoder.Decoder``; the answers are written as a
 # token dataset (``mtp.data.write_token_dataset``). An interrupted run
 # resumes from the finished batches in its partial folder
 # (``mtp.data.partial_run_dir``).

@@ -67,7 +67,7 @@ def generate_self_prompts(decoder, num_prompts: int, settings: sp_lib.SampleSett
   ``settings.max_rounds`` decoder calls are spent.
 
   Args:
-    decoder: a ``decode.speculative.Decoder`` over the target with its
+    decoder: a ``decode.decoder.Decoder`` over the target with its
       tokenizer (its stop ids end a turn; method "ar" or "mtp", both sample
       the target's law exactly).
     num_prompts: >= 1 prompts wanted.

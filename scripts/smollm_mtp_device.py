@@ -40,7 +40,7 @@ Steps (each one resumes; issue 43 item 3):
 4. held-out agreement: alpha per draft position (G = the trained offsets)
    and tau per category of the held-out chat prompts (``mtp/data/heldout_chat.jsonl``,
    ``scripts.bench_chat.heldout_prompts``) at ``--temperatures``, float32,
-   one batch per temperature (``decode.stats.summarize_by_category``);
+   one batch per temperature (``decode.cli.stats.summarize_by_category``);
 5. ``mtp.export`` ``--modules_out`` (bfloat16; checked < 16 MB) and the report
    ``OUT.json``: the curve (step, wall time, train loss, validation agreement
    per position), held-out alpha per category, the budget split and its use,

@@ -148,7 +148,7 @@ def test_compare_prints_timed_blocks_whose_medians_make_the_speedup(workdir):
   # the prediction and the verdict follow the speedup line
   lines = text.splitlines()
   i = lines.index(line)
-  assert lines[i + 1].startswith("predicted by Theorem 3.8 (decode.theory.speedup_from_tau): ")
+  assert lines[i + 1].startswith("predicted by Theorem 3.8 (decode.cli.theory.speedup_from_tau): ")
   pred = report["prediction"]
   assert lines[i + 2] == pred["line"] and "drafting" in pred["line"]
   assert f"predicted {pred['predicted_speedup']:.2f}x, measured {speedup:.2f}x" in pred["line"]

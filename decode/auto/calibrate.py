@@ -449,7 +449,7 @@ def as_auto(gen, g_max: int):
 def start(decoder, prompts, max_new_tokens: int, sp, seed: int, stops, form: str,
           budget: int | None = None):
   """``decoder.prepare``'s (state, prefill_len) with "auto"'s round costs
-  (``with_costs``), or None where "auto" runs the plain AR decoder instead:
+  (``measured_costs``, ``with_costs``), or None where "auto" runs the plain AR decoder instead:
   drafting cannot pay at any costs (``AutoCalibration.drafting_can_pay``,
   then nothing is measured) or does not pay at the measured ones
   (``drafting_pays``), decided on the host before any state of the

@@ -347,10 +347,10 @@ def prediction_line(p: dict) -> str:
   rounds = (f"r = round {p['round_s'] * 1e3:.3f} ms / AR step {p['ar_step_s'] * 1e3:.3f} ms "
             f"= {p['round_ar_steps']:.3f}, the blocks' medians")
   if p["cost_ratio"] is None:
-    return (f"predicted by Theorem 3.8 (decode.theory.speedup_from_tau): "
+    return (f"predicted by Theorem 3.8 (decode.cli.theory.speedup_from_tau): "
             f"{p['predicted_speedup']:.2f}x = tau {p['tau']:.3f} / r, {rounds} "
             f"(= {what} {g_text} x c + 1); {_c_text(p)}")
-  return (f"predicted by Theorem 3.8 (decode.theory.speedup_from_tau): "
+  return (f"predicted by Theorem 3.8 (decode.cli.theory.speedup_from_tau): "
           f"{p['predicted_speedup']:.2f}x = tau {p['tau']:.3f} / ({what} {g_text} x "
           f"c {p['cost_ratio']:.3f} + 1), c = (r - 1) / {what}, {rounds}")
 

@@ -6,7 +6,7 @@ with the file's ``mtp`` section; another architecture is refused),
 ``module_params`` (names, shapes, dtype cast, draft vocabulary checked),
 ``check_target`` (the backbone fingerprint; ``allow_other_target`` makes it
 a note in ``import.json``) and ``carried_rows`` (the source's evaluation row
-at step 0, for ``decode.calibrate.stage_prior``). Errors are
+at step 0, for ``decode.auto.calibrate.stage_prior``). Errors are
 ``ModelImportError`` naming the modules file and the field.
 """
 
@@ -113,7 +113,7 @@ def check_target(model, mf, target: str, allow_other_target: bool = False) -> di
 def carried_rows(entry: Mapping | None) -> list[dict]:
   """The new workdir's ``metrics.jsonl`` rows: the source's evaluation row at
   step 0 (its own step as ``source_step``), for
-  ``decode.calibrate.stage_prior``; [] when none (or no modules file)."""
+  ``decode.auto.calibrate.stage_prior``; [] when none (or no modules file)."""
   if not entry or not entry.get("eval_row"):
     return []
   row = dict(entry["eval_row"])
