@@ -90,12 +90,37 @@ def check_flags_early() -> None:
   """The flag ranges, before jax or a model loads (``decode.limits``).
   Raises DecodeError, one line naming the flag and its range."""
   from decode import limits
-  limits.parse_num_draft_tokens(
+  num_draft_tokens = limits.parse_num_draft_tokens(
       _G.value if _G.value is not None else default_num_draft_tokens(_METHOD.value, _TREE.value))
   limits.check_counts(max_new_tokens=_MAX_NEW.value, num_samples=_NUM_SAMPLES.value,
                       seed=_SEED.value, repeats=_REPEATS.value, max_draft_tokens=_G_MAX.value)
   limits.check_sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
   limits.check_overrides(_DTYPE.value, _ATTENTION.value)
+  check_flag_pairs(num_draft_tokens)
+
+
+def check_flag_pairs(num_draft_tokens) -> None:
+  """The rules between flags that need no model, before jax loads: one
+  source of prompts, --tree without --num_draft_tokens, the method's
+  rules (``limits.check_flags``) and a writable --json file path. Raises
+  DecodeError, one line naming the flags."""
+  from decode import limits
+  from decode.errors import DecodeError
+  from mtp.cli import output_path_problem
+  if sum(f.value is not None for f in (_PROMPT, _PROMPT_FILE, _CHAT)) != 1:
+    raise DecodeError("give exactly one of --prompt, --prompt_file or --chat")
+  if _TREE.value is not None and flags.FLAGS["num_draft_tokens"].present:
+    raise DecodeError("--tree and --num_draft_tokens exclude each other: a tree's depth (its "
+                      "number of levels) takes the place of the draft length")
+  limits.check_flags(_METHOD.value, num_draft_tokens, _TREE.value)
+  if _JSON.value:
+    folder = os.path.dirname(os.path.abspath(_JSON.value))
+    if not os.path.isdir(folder):
+      raise DecodeError(f"--json={_JSON.value!r}: directory {folder!r} does not exist")
+    if os.path.isdir(_JSON.value):
+      raise DecodeError(f"--json={_JSON.value!r} is a directory: give a file path for the report")
+    if problem := output_path_problem(_JSON.value):
+      raise DecodeError(f"--json={_JSON.value!r}: {problem}")
 
 
 def main(argv):
@@ -129,28 +154,15 @@ def _main(argv):
                               read_prompts, run)
   from decode.decoder import DecodeError, NonFiniteLogitsError, SamplingParams
   from mtp.checkpoint import CheckpointError
-  from mtp.cli import output_path_problem
   try:
     num_draft_tokens = parse_num_draft_tokens(
         _G.value if _G.value is not None else default_num_draft_tokens(_METHOD.value, _TREE.value))
     stops = parse_stops(_STOP.value, _STOP_IDS.value)
-    given_prompts = [f for f in (_PROMPT, _PROMPT_FILE, _CHAT) if f.value is not None]
-    if len(given_prompts) != 1:
-      raise DecodeError("give exactly one of --prompt, --prompt_file or --chat")
-    if _JSON.value and not os.path.isdir(os.path.dirname(os.path.abspath(_JSON.value))):
-      raise DecodeError(f"--json={_JSON.value!r}: directory "
-                        f"{os.path.dirname(os.path.abspath(_JSON.value))!r} does not exist")
-    if _JSON.value and os.path.isdir(_JSON.value):
-      raise DecodeError(f"--json={_JSON.value!r} is a directory: give a file path for the report")
-    if _JSON.value and (problem := output_path_problem(_JSON.value)):
-      raise DecodeError(f"--json={_JSON.value!r}: {problem}")
+    check_flag_pairs(num_draft_tokens)       # again: main() is also called without the parser
     prompts = ([_PROMPT.value] if _PROMPT.value is not None else [_CHAT.value]
                if _CHAT.value is not None else read_prompts(_PROMPT_FILE.value))
     jsonl = bool(prompts) and isinstance(prompts[0], dict)
     given = {name for name in flags.FLAGS if flags.FLAGS[name].present}
-    if _TREE.value is not None and "num_draft_tokens" in given:
-      raise DecodeError("--tree and --num_draft_tokens exclude each other: a tree's depth (its "
-                        "number of levels) takes the place of the draft length")
     for note in flag_notices(method=_METHOD.value, given=given, temperature=_TEMPERATURE.value,
                              compare=_COMPARE.value, num_draft_tokens=num_draft_tokens):
       print(f"note: {note}", file=sys.stderr)

@@ -47,7 +47,7 @@ from decode import state as state_lib
 from decode import tree as tree_lib
 from decode.drafters import Drafter, DraftModelDrafter, MTPDrafter
 from decode.errors import DecodeError, NonFiniteLogitsError  # noqa: F401 (the API's errors)
-from decode.limits import MAX_DRAFT_TOKENS
+from decode.limits import MAX_DRAFT_TOKENS, METHODS, check_flags  # noqa: F401 (the API)
 from decode.sampling import SamplingParams
 from decode.auto.schedule import AutoSchedule
 from decode.state import DecodeState, Generation
@@ -56,7 +56,6 @@ from decode.tree_spec import TreeSpec
 from mtp import tokenizer as tok
 from mtp.model import Transformer
 
-METHODS = ("ar", "mtp", "draft")
 WARMUP_TOKENS = 1            # tokens per row of ``Decoder.warm_up``
 
 
@@ -64,21 +63,6 @@ def _mtp_depth_check(target: Transformer, flag: str = "--method=mtp") -> None:
   if target.mtp_depth < 1:
     raise DecodeError(f"{flag} needs a checkpoint trained with mtp.depth >= 1; this one has "
                       "D = 0 (use --method=ar or --method=draft)")
-
-
-def check_flags(method: str, num_draft_tokens, tree=None) -> None:
-  """The rules between --method, --num_draft_tokens and --tree that need no
-  model (``resolve_method`` checks the rest against the checkpoint): a
-  known method, a tree only with "mtp", "auto" not with "draft".
-
-  Raises DecodeError, one line naming the flags."""
-  if method not in METHODS:
-    raise DecodeError(f"--method={method!r} must be one of {METHODS}")
-  if tree is not None and method != "mtp":
-    raise DecodeError(f"--tree needs --method=mtp (the MTP modules draft the tree); got "
-                      f"--method={method}")
-  if tree is None and method == "draft" and num_draft_tokens == "auto":
-    raise DecodeError(f"--num_draft_tokens=auto needs --method=mtp (got --method={method})")
 
 
 @dataclasses.dataclass(frozen=True)

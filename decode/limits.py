@@ -16,6 +16,7 @@ MAX_SAMPLES = 65536
 MAX_REPEATS = 1000
 MAX_SEED = 2 ** 32 - 1
 DTYPES = ("float32", "bfloat16")   # --dtype
+METHODS = ("ar", "mtp", "draft")   # --method
 
 
 def parse_num_draft_tokens(text) -> int | str:
@@ -79,3 +80,18 @@ def check_overrides(dtype: str | None, attention_impl: str | None) -> None:
                       "(default: the checkpoint's model.dtype)")
   if attention_impl is not None and not isinstance(attention_impl, str):
     raise DecodeError(f"--attention_impl={attention_impl!r} must be a string")
+
+
+def check_flags(method: str, num_draft_tokens, tree=None) -> None:
+  """The rules between --method, --num_draft_tokens and --tree that need no
+  model (``resolve_method`` checks the rest against the checkpoint): a
+  known method, a tree only with "mtp", "auto" not with "draft".
+
+  Raises DecodeError, one line naming the flags."""
+  if method not in METHODS:
+    raise DecodeError(f"--method={method!r} must be one of {METHODS}")
+  if tree is not None and method != "mtp":
+    raise DecodeError(f"--tree needs --method=mtp (the MTP modules draft the tree); got "
+                      f"--method={method}")
+  if tree is None and method == "draft" and num_draft_tokens == "auto":
+    raise DecodeError(f"--num_draft_tokens=auto needs --method=mtp (got --method={method})")

@@ -1,5 +1,5 @@
 """Issue 51.3: every CLI the README and docs show refuses a flag value out
-of its range in one stderr line naming the flag, exit status 2, before jax,
+of its range (and decode a pair of flags that exclude each other) in one stderr line naming the flag, exit status 2, before jax,
 flax or tensorflow is imported (the docs say flags are checked before
 anything loads; importing jax alone takes seconds and ~250 MB)."""
 
@@ -36,6 +36,13 @@ CASES = [
     ("decode", ["--prompt", "a", "--max_draft_tokens", "17"], "--max_draft_tokens"),
     ("decode", ["--prompt", "a", "--dtype", "float16"], "--dtype"),
     ("decode", ["--prompt", "a", "--max_new_tokens", "abc"], "--max_new_tokens"),
+    # rules between two flags, checked before jax too
+    ("decode", ["--prompt", "a", "--chat", "b"], "--prompt"),
+    ("decode", ["--prompt", "a", "--tree", "2,1", "--num_draft_tokens", "2"], "--tree"),
+    ("decode", ["--prompt", "a", "--method", "draft", "--num_draft_tokens", "auto"],
+     "--num_draft_tokens"),
+    ("decode", ["--prompt", "a", "--method", "ar", "--tree", "2,1"], "--tree"),
+    ("decode", ["--prompt", "a", "--json", "runs/no_such_folder_for_flag_tests/r.json"], "--json"),
     ("train", ["--config", "configs/tiny.py", "--config.train.num_steps=-1"], "train.num_steps"),
     ("train", ["--config", "configs/tiny.py", "--num_processes", "0"], "--num_processes"),
     ("mtp.export", ["--out", "exports/never", "--step", "-1"], "--step"),
