@@ -4,9 +4,33 @@ The suite runs on CPU unless JAX_PLATFORMS is set (``make test-gpu`` sets
 cuda); tests marked ``cpu_only`` (pyproject.toml's markers) are skipped on
 any other backend."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _share_compiled_programs() -> None:
+  """JAX's persistent compilation cache in a folder private to this test
+  session, shared by its xdist workers and every subprocess it starts (they
+  inherit the environment): a program compiled by one file, worker or CLI
+  run is loaded from disk by the next one (after ``_free_compiled_programs``
+  dropped it, or in another process) instead of compiled again. The
+  controller (or the lone process without xdist) makes the folder and
+  removes it at exit; MTP_TEST_JAX_CACHE names one to keep instead."""
+  if "PYTEST_XDIST_WORKER" in os.environ or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return      # a worker inherits the controller's; a folder set outside is kept
+  path = os.environ.get("MTP_TEST_JAX_CACHE")
+  if not path:
+    path = tempfile.mkdtemp(prefix="mtp-test-jax-cache-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"   # tiny models compile fast
+
+
+_share_compiled_programs()
 
 import jax
 import jax.numpy as jnp
