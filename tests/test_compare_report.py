@@ -281,7 +281,7 @@ def _rebuild(report: dict, text: str, method: str = "mtp") -> None:
     vline = _one(rf"^({method} ran plain AR steps.*)$", text)[0]
     assert vline == pred["line"] and f"measured {sp:.2f}x ({lo:.2f}-{hi:.2f}x)" in vline
     return
-  ptext, ptau = _one(rf"^predicted by Theorem 3\.8 \(decode\.theory\.speedup_from_tau\): "
+  ptext, ptau = _one(rf"^predicted by Theorem 3\.8 \(decode\.cli\.theory\.speedup_from_tau\): "
                      rf"{NUM}x = tau {NUM} /", text)
   r_round, r_ar, r = map(float, re.search(rf"r = round {NUM} ms / AR step {NUM} ms = {NUM}, "
                                           "the blocks' medians", pline).groups())
