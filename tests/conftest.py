@@ -26,6 +26,7 @@ def _share_compiled_programs() -> None:
   if not path:
     path = tempfile.mkdtemp(prefix="mtp-test-jax-cache-")
     atexit.register(shutil.rmtree, path, ignore_errors=True)
+  os.makedirs(path, exist_ok=True)
   os.environ["JAX_COMPILATION_CACHE_DIR"] = path
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"   # tiny models compile fast
 
