@@ -323,13 +323,16 @@ def training_chat_prompts(recipe: ChatRecipe, n: int, split: str, kw: dict) -> l
   with ``recipe.self_prompt_share`` of the training split from the
   self-written prompt file (``mix_prompt_sources``). Raises DataError (an
   unreadable file, or fewer prompts in it than the share needs)."""
-  templated = data_lib.chat_prompts(n, split=split, **kw)
   if split != "train" or not recipe.self_prompt_share:
-    return templated
+    return data_lib.chat_prompts(n, split=split, **kw)
   share = float(recipe.self_prompt_share)
+  weights = {"templated": 1.0 - share, "self_written": share}
+  # only the templated prompts the mix takes (a list of n extends a shorter one): at share 1, none
+  need = self_prompts_lib.mix_counts(list(weights), weights, n)["templated"]
+  templated = data_lib.chat_prompts(need, split=split, **kw) if need else []
   return self_prompts_lib.mix_prompt_sources(
       {"templated": templated, "self_written": self_prompts_lib.read_self_prompts(recipe.self_prompts)},
-      {"templated": 1.0 - share, "self_written": share}, n, seed=recipe.seed)
+      weights, n, seed=recipe.seed)
 
 
 def parse_temperatures(text: str) -> tuple[float, ...]:

@@ -217,3 +217,28 @@ def test_cli_writes_prompts_and_metadata(bpe_workdir, tmp_path, capsys):
   assert cli.main(["--workdir", str(tmp_path / "nope"), "--out", str(tmp_path / "x.jsonl")]) == 2
   err = capsys.readouterr().err
   assert "nope" in err and "chat template" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_full_share_builds_no_templated_prompt(tmp_path, monkeypatch):
+  """``self_distill.training_chat_prompts`` builds only the templated
+  prompts the mix takes: none at share 1 (asking the corpora for thousands
+  of unique prompts it does not use failed a 6,000-prompt ShareGPT run), and
+  at share 0.5 exactly the mix of the full templated list (a list of n
+  extends a shorter one)."""
+  from scripts import self_distill as sd
+  rows = [{"category": "sharegpt", "prompt": f"question number {i}?"} for i in range(8)]
+  path = tmp_path / "p.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  asked = []
+  fake = lambda n, split, **kw: asked.append(n) or [
+      {"category": "code", "messages": [{"role": "user", "content": f"t{i}"}]} for i in range(n)]
+  monkeypatch.setattr(sd.data_lib, "chat_prompts", fake)
+  full = sd.ChatRecipe(self_prompts=str(path), self_prompt_share=1.0)
+  got = sd.training_chat_prompts(full, 6, "train", {})
+  assert asked == [] and len(got) == 6
+  half = sd.ChatRecipe(self_prompts=str(path), self_prompt_share=0.5)
+  got = sd.training_chat_prompts(half, 6, "train", {})
+  assert asked == [3]
+  assert got == sp.mix_prompt_sources({"templated": fake(6, "train"),
+                                       "self_written": sp.read_self_prompts(str(path))},
+                                      {"templated": 0.5, "self_written": 0.5}, 6, seed=half.seed)

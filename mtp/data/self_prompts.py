@@ -242,6 +242,23 @@ def read_self_prompts(path: str) -> list[dict]:
   return [as_chat_prompt(p) for p in chat_lib.read_prompt_jsonl(path, what="prompt file")]
 
 
+def mix_counts(names: Sequence[str], weights: Mapping[str, float], n: int) -> dict[str, int]:
+  """{name: c_s}: how many of ``n`` prompts each source gives
+  (``mix_prompt_sources``' largest-remainder counts, in ``names``' order).
+  Raises DataError for n < 0 or weights that are negative, non-finite or all 0."""
+  if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    raise DataError(f"n={n!r} must be an integer >= 0")
+  w = np.asarray([float(weights.get(s, 0.0)) for s in names])
+  if not np.all(np.isfinite(w)) or np.any(w < 0) or not w.sum() > 0:
+    raise DataError(f"prompt source weights {dict(weights)} must be finite, >= 0, and not all 0")
+  exact = n * w / w.sum()
+  counts = np.floor(exact).astype(int)
+  order = sorted(range(len(names)), key=lambda i: (-(exact[i] - counts[i]), i))
+  for i in order[:n - int(counts.sum())]:
+    counts[i] += 1
+  return {name: int(c) for name, c in zip(names, counts)}
+
+
 def mix_prompt_sources(sources: Mapping[str, Sequence], weights: Mapping[str, float], n: int,
                        seed: int = 0) -> list:
   """``n`` prompts mixed from several lists by weight, deterministic.
@@ -256,23 +273,13 @@ def mix_prompt_sources(sources: Mapping[str, Sequence], weights: Mapping[str, fl
   Raises DataError: a weight for an unknown source, a negative or non-finite
   weight, all weights 0, n < 0, or a source with fewer than c_s items.
   """
-  if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-    raise DataError(f"n={n!r} must be an integer >= 0")
   unknown = sorted(set(weights) - set(sources))
   if unknown:
     raise DataError(f"prompt source weights name unknown source(s) {unknown}; sources: "
                     f"{list(sources)}")
-  names = list(sources)
-  w = np.asarray([float(weights.get(s, 0.0)) for s in names])
-  if not np.all(np.isfinite(w)) or np.any(w < 0) or not w.sum() > 0:
-    raise DataError(f"prompt source weights {dict(weights)} must be finite, >= 0, and not all 0")
-  exact = n * w / w.sum()
-  counts = np.floor(exact).astype(int)
-  order = sorted(range(len(names)), key=lambda i: (-(exact[i] - counts[i]), i))
-  for i in order[:n - int(counts.sum())]:
-    counts[i] += 1
+  counts = mix_counts(list(sources), weights, n)
   chosen = []
-  for name, c in zip(names, counts):
+  for name, c in counts.items():
     if c > len(sources[name]):
       raise DataError(f"prompt source {name!r} has {len(sources[name])} prompts; its weight "
                       f"asks for {c} of {n}")
