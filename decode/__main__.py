@@ -125,14 +125,22 @@ def check_flag_pairs(num_draft_tokens) -> None:
 
 def main(argv):
   try:
-    return _main(argv)
+    code = _main(argv)
   except KeyboardInterrupt:       # before the decoding, or a second Ctrl-C during it
     print("interrupted: no result to report", file=sys.stderr)
     try:
       _write_json({"interrupted": True, "results": []})
     except OSError as e:          # a --json path not yet checked
       print(f"error: --json={_JSON.value!r}: {e.strerror}", file=sys.stderr)
-    return EXIT_INTERRUPTED
+    code = EXIT_INTERRUPTED
+  if code == EXIT_INTERRUPTED:    # no interpreter teardown: with XLA compiling it can segfault
+    for stream in (sys.stdout, sys.stderr):
+      try:
+        stream.flush()
+      except (OSError, ValueError):
+        pass
+    os._exit(EXIT_INTERRUPTED)
+  return code
 
 
 def _write_json(report: dict) -> None:

@@ -269,8 +269,7 @@ class Decoder:
     which still sizes the state (same shapes, same programs: ``warm_up``).
     Raises DecodeError for bad prompts (``state.check_prompts``) or stops."""
     stops = (stops or StopConditions()).validate(self.target_cfg.vocab_size)
-    state_lib.check_prompts(prompts, max_new_tokens, self.target_cfg.max_seq_len, self.mesh,
-                            self.target_cfg.vocab_size)
+    self.check_prompts(prompts, max_new_tokens)
     p_len, cache_len = self._lengths(prompts, max_new_tokens)
     target, draft = self.models()
     b = len(prompts)
@@ -285,6 +284,13 @@ class Decoder:
     if self.mesh is not None:
       state = decode_mesh.shard_state(self.mesh, state)
     return state, p_len - 1
+
+  def check_prompts(self, prompts, max_new_tokens: int) -> None:
+    """``state.check_prompts`` for this target (ids in the vocabulary, prompt
+    + ``max_new_tokens`` within max_seq_len, rows fit the mesh). Raises
+    DecodeError."""
+    state_lib.check_prompts(prompts, max_new_tokens, self.target_cfg.max_seq_len, self.mesh,
+                            self.target_cfg.vocab_size)
 
   def _lengths(self, prompts, max_new_tokens: int) -> tuple[int, int]:
     """(padded prompt length, cache length) of ``prepare``'s state

@@ -73,7 +73,10 @@ def time_batch(target, tokenizer, prompts, max_new_tokens: int, repeats: int) ->
 
 def markdown(result: dict, meta: dict) -> str:
   from mtp import report
-  lines = [f"Machine: {report.machine(meta)}, {meta['date']}, commit {meta['commit']}.", "",
+  load = ", ".join(f"{x:.1f}" for x in meta["load_average_before"][:1] + meta["load_average"][:1])
+  lines = [f"Machine: {report.machine(meta)}, {meta['date']}, commit {meta['commit']}; "
+           f"1-min load average before, after: {load} (above the core count, the spread is "
+           "noise from other work: rerun on a quiet machine).", "",
            "| B | new tokens | AR wall (median) | fallback wall (median) | per-repeat AR/fallback: median (min-max) | ratio of medians |",
            "|---|---|---|---|---|---|"]
   import numpy as np

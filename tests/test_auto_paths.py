@@ -84,3 +84,19 @@ def test_the_fallback_builds_nothing_of_the_drafting_decoder(trained_markov, mon
   for gen in gens:
     assert np.asarray(gen.draft_length_histogram)[:, 1:].sum() == 0
     np.testing.assert_array_equal(gen.tokens, ar_gen.tokens)
+
+
+def test_auto_refuses_a_budget_past_max_seq_len_before_any_host_work(trained_markov,
+                                                                     monkeypatch):
+  """Issue 51 (break test): a budget of 2**31 - 1 tokens is refused as too
+  long for the model before "auto"'s decision runs, whose expected rounds
+  grow with the budget (it ran for minutes and meant 17 GB)."""
+  from decode.errors import DecodeError
+  _, model, _ = trained_markov
+  auto = Decoder(model, "mtp", num_draft_tokens="auto", max_draft_tokens=2)
+  decided = []
+  monkeypatch.setattr(calibrate.AutoCalibration, "drafting_can_pay",
+                      lambda *a, **k: decided.append(1) or True)
+  with pytest.raises(DecodeError, match="max_seq_len"):
+    auto.generate(random_prompts([5]), 2 ** 31 - 1, SamplingParams(0.0))
+  assert decided == []

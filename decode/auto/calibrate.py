@@ -458,6 +458,7 @@ def start(decoder, prompts, max_new_tokens: int, sp, seed: int, stops, form: str
   cal = decoder.calibration
   if decoder.schedule is None:
     return decoder.prepare(prompts, max_new_tokens, seed, stops, budget)
+  decoder.check_prompts(prompts, max_new_tokens)    # before any budget-sized host work
   if not cal.drafting_can_pay(decoder.schedule, sp, max_new_tokens, len(prompts)):
     return None
   costs = measured_costs(decoder, prompts, max_new_tokens, sp, form, stops)
