@@ -109,10 +109,15 @@ def check_flag_pairs(num_draft_tokens) -> None:
   from mtp.cli import output_path_problem
   if sum(f.value is not None for f in (_PROMPT, _PROMPT_FILE, _CHAT)) != 1:
     raise DecodeError("give exactly one of --prompt, --prompt_file or --chat")
+  for f in (_PROMPT, _CHAT):
+    if f.value == "":
+      raise DecodeError(f"--{f.name} (prompt 0) is empty: give at least one character")
   if _TREE.value is not None and flags.FLAGS["num_draft_tokens"].present:
     raise DecodeError("--tree and --num_draft_tokens exclude each other: a tree's depth (its "
                       "number of levels) takes the place of the draft length")
   limits.check_flags(_METHOD.value, num_draft_tokens, _TREE.value)
+  if _METHOD.value == "draft" and not _DRAFT_WORKDIR.value:
+    raise DecodeError("--method=draft needs --draft_workdir (a trained draft-model workdir)")
   if _JSON.value:
     folder = os.path.dirname(os.path.abspath(_JSON.value))
     if not os.path.isdir(folder):
