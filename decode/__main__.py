@@ -116,6 +116,12 @@ def check_flag_pairs(num_draft_tokens) -> None:
     raise DecodeError("--tree and --num_draft_tokens exclude each other: a tree's depth (its "
                       "number of levels) takes the place of the draft length")
   limits.check_flags(_METHOD.value, num_draft_tokens, _TREE.value)
+  if _TREE.value is not None:
+    from decode.tree_spec import parse_tree          # numpy only; the depth is checked later
+    try:
+      parse_tree(_TREE.value)
+    except ValueError as e:
+      raise DecodeError(str(e)) from None
   if _METHOD.value == "draft" and not _DRAFT_WORKDIR.value:
     raise DecodeError("--method=draft needs --draft_workdir (a trained draft-model workdir)")
   if _JSON.value:

@@ -71,46 +71,10 @@ from decode.kv_cache import gather_rows, module_lengths, move_path_kv
 from decode.drafters import MTPDrafter, MTPDraftState
 from decode.sampling import SamplingParams
 from decode.state import DecodeState
-from decode.tree_spec import TreeSpec
+from decode.tree_spec import MAX_BRANCHING, MAX_NODES, TreeSpec, parse_tree  # noqa: F401 (the API)
 from mtp import tokenizer as tok
 from mtp.model import Transformer, write_cache
 
-MAX_BRANCHING = 64       # children per node, per depth
-MAX_NODES = 512          # nodes per tree (the verify block is 1 + N tokens)
-
-
-def parse_tree(text, depth: int | None = None) -> TreeSpec:
-  """The ``TreeSpec`` of ``--tree`` ("3,2,1", or a tuple of ints).
-
-  Raises ValueError, one line naming the flag and the allowed range, for
-  non-integers, a branching outside [1, MAX_BRANCHING], more than MAX_NODES
-  nodes, or (``depth`` = the checkpoint's MTP depth D) a tree deeper than D.
-  """
-  shown = text if isinstance(text, str) else ",".join(map(str, text))
-  if isinstance(text, str):
-    parts = [x.strip() for x in text.split(",")]
-    try:
-      branching = tuple(int(x) for x in parts)
-    except ValueError:
-      raise ValueError(f"--tree={shown!r}: give the branching per depth as comma-separated "
-                       "integers, e.g. --tree 3,2,1") from None
-  else:
-    branching = tuple(text)
-    if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in branching):
-      raise ValueError(f"--tree={shown!r}: give the branching per depth as integers, e.g. (3, 2, 1)")
-  if not branching:
-    raise ValueError("--tree is empty: give the branching per depth, e.g. --tree 3,2,1")
-  if not all(1 <= b <= MAX_BRANCHING for b in branching):
-    raise ValueError(f"--tree={shown!r}: every branching factor must be an integer in "
-                     f"[1, {MAX_BRANCHING}]")
-  if depth is not None and not 1 <= len(branching) <= depth:
-    raise ValueError(f"--tree={shown!r} has depth {len(branching)}, but the checkpoint has "
-                     f"D = {depth} MTP module(s): the tree depth must be in [1, {depth}]")
-  spec = TreeSpec(branching)
-  if spec.num_nodes > MAX_NODES:
-    raise ValueError(f"--tree={shown!r} has {spec.num_nodes} nodes; at most {MAX_NODES} "
-                     "(the target verifies 1 + N tokens per round)")
-  return spec
 
 
 def _slot_mask(rel, table):

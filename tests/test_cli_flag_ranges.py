@@ -44,6 +44,7 @@ CASES = [
     ("decode", ["--prompt", "a", "--method", "ar", "--tree", "2,1"], "--tree"),
     ("decode", ["--prompt", "a", "--json", "runs/no_such_folder_for_flag_tests/r.json"], "--json"),
     ("decode", ["--prompt", ""], "--prompt"),
+    ("decode", ["--prompt", "a", "--tree", "0,1"], "--tree"),
     ("decode", ["--prompt", "a", "--method", "draft"], "--draft_workdir"),
     ("train", ["--config", "configs/tiny.py", "--config.train.num_steps=-1"], "train.num_steps"),
     ("train", ["--config", "configs/tiny.py", "--num_processes", "0"], "--num_processes"),
