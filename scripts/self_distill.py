@@ -355,8 +355,8 @@ def parse_temperatures(text: str) -> tuple[float, ...]:
 
 def answer_examples(decoder: Decoder, prompts: list[dict], recipe: ChatRecipe, *,
                     max_prompt_tokens: int, seed_offset: int = 0, log=None,
-                    cache_dir: str | None = None, cache_tag: str = "train"
-                    ) -> tuple[list[tuple[str, dict]], dict]:
+                    cache_dir: str | None = None, cache_tag: str = "train",
+                    only_cached: bool = False) -> tuple[list[tuple[str, dict]], dict]:
   """Samples the model's answer to each chat prompt (``{"category",
   "messages"}``) and returns token examples and counts.
 
@@ -370,7 +370,8 @@ def answer_examples(decoder: Decoder, prompts: list[dict], recipe: ChatRecipe, *
   (``{cache_tag}-{temperature index}-{first row}.npz``) and a batch whose
   file exists is loaded instead of decoded, so an interrupted run resumes
   where it stopped with the same results (batches and seeds are
-  deterministic for a recipe).
+  deterministic for a recipe). ``only_cached``: decode nothing; prompts whose
+  batch is not in ``cache_dir`` yet are left out (a snapshot of a running build).
 
   Returns:
     (examples, stats): examples ``[(key, {"tokens": int32 [P + A],
@@ -384,6 +385,7 @@ def answer_examples(decoder: Decoder, prompts: list[dict], recipe: ChatRecipe, *
   encoded = [np.asarray(tk.apply_chat_template(p["messages"], add_generation_prompt=True),
                         np.int32) for p in prompts]
   keep = [i for i, e in enumerate(encoded) if len(e) <= max_prompt_tokens]
+  too_long = len(prompts) - len(keep)
   temps = recipe.temperatures
   results: dict[int, np.ndarray] = {}
   calls = n_stop = resumed = 0
@@ -398,6 +400,8 @@ def answer_examples(decoder: Decoder, prompts: list[dict], recipe: ChatRecipe, *
       if cached and os.path.exists(cached):
         answers, row_calls = data_lib.load_partial_batch(cached, len(chunk))
         resumed += 1
+      elif only_cached:
+        continue
       else:
         batch = [encoded[i] for i in chunk]
         if len(rows) > recipe.batch_size:          # one batch shape: no recompilation
@@ -418,10 +422,12 @@ def answer_examples(decoder: Decoder, prompts: list[dict], recipe: ChatRecipe, *
             f"{sum(len(r) for r in results.values()):,} answer tokens, "
             f"{time.perf_counter() - t0:.0f} s)")
   wall = time.perf_counter() - t0
+  if only_cached:
+    keep = [i for i in keep if i in results]
   examples = [data_lib.chat_token_example(i, prompts[i]["category"], temps[i % len(temps)],
                                           encoded[i], results[i]) for i in keep]
   answer_tokens = sum(len(r) for r in results.values())
-  stats = {"prompts": len(keep), "skipped_too_long": len(prompts) - len(keep),
+  stats = {"prompts": len(keep), "skipped_too_long": too_long,
            "prompt_tokens": int(sum(len(encoded[i]) for i in keep)),
            "answer_tokens": int(answer_tokens), "stopped_fraction": n_stop / max(len(keep), 1),
            "tau": answer_tokens / max(calls, 1), "wall_s": wall, "batches_resumed": resumed}
@@ -429,7 +435,7 @@ def answer_examples(decoder: Decoder, prompts: list[dict], recipe: ChatRecipe, *
 
 
 def make_chat_dataset(workdir: str, out_name: str, recipe: ChatRecipe, *, data_dir: str = "",
-                      out_dir: str = "", log=print) -> dict:
+                      out_dir: str = "", log=print, snapshot: str = "") -> dict:
   """Generates and writes a self-distilled chat token dataset (chat mode in
   the module docstring).
 
@@ -441,6 +447,10 @@ def make_chat_dataset(workdir: str, out_name: str, recipe: ChatRecipe, *, data_d
       ("" = the workdir config's data.data_dir, else $MTP_DATA_DIR, else
       ~/.cache/mtp/tensorflow_datasets).
     out_dir: TFDS data dir to write into ("" = ``data_dir``).
+    snapshot: a new dataset name: write the train answers that ``out_name``'s
+      running (or stopped) build has finished so far as that dataset,
+      decoding none of them (the small validation split is decoded and
+      kept in the build's partial folder); the build goes on unchanged.
   Returns:
     the metadata (recipe, per-split stats, paths); ``skipped: True`` when the
     dataset already existed with the same workdir and recipe (nothing done).
@@ -455,7 +465,12 @@ def make_chat_dataset(workdir: str, out_name: str, recipe: ChatRecipe, *, data_d
   out_dir = os.path.abspath(out_dir) if out_dir else src_dir
   recipe_json = chat_recipe_json(recipe)
   folder = os.path.join(out_dir, out_name)
-  if os.path.exists(folder):
+  if snapshot:
+    if not os.path.isdir(os.path.join(out_dir, f".{out_name}.partial")):
+      raise data_lib.DataError(f"--snapshot: no partial build of '{out_name}' in {out_dir} "
+                               "(start it with the same arguments without --snapshot)")
+    data_lib.check_dataset_name(snapshot, out_dir)
+  elif os.path.exists(folder):
     old = data_lib.distilled_metadata(folder)
     if (old is not None and old.get("recipe") == recipe_json
         and old.get("workdir") == os.path.abspath(workdir)):
@@ -496,7 +511,7 @@ def make_chat_dataset(workdir: str, out_name: str, recipe: ChatRecipe, *, data_d
       log(f"{split}: {n} chat prompts")
     splits[split], per_split[split] = answer_examples(
         decoder, prompts, recipe, max_prompt_tokens=max_prompt, seed_offset=offset, log=log,
-        cache_dir=partial, cache_tag=split)
+        cache_dir=partial, cache_tag=split, only_cached=bool(snapshot) and split == "train")
     per_split[split]["categories"] = {c: sum(1 for _, e in splits[split] if e["category"] == c)
                                       for c in sorted({*recipe.categories,
                                                        *(p["category"] for p in prompts)})}
@@ -509,6 +524,11 @@ def make_chat_dataset(workdir: str, out_name: str, recipe: ChatRecipe, *, data_d
           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
           "tokens_generated": sum(v["answer_tokens"] for v in per_split.values()),
           "date": datetime.date.today().isoformat()}
+  if snapshot:        # the build's folder stays: it goes on from there
+    meta["snapshot_of"] = {"name": out_name, "train_prompts_answered": len(splits["train"]),
+                           "train_prompts": recipe.chat_prompts}
+    return {**meta, "path": data_lib.write_token_dataset(snapshot, out_dir, splits, meta),
+            "data_dir": out_dir, "skipped": False}
   path = data_lib.write_token_dataset(out_name, out_dir, splits, meta)
   shutil.rmtree(partial, ignore_errors=True)
   return {**meta, "path": path, "data_dir": out_dir, "skipped": False}
@@ -555,6 +575,9 @@ def main(argv=None) -> int:
                     "(python -m scripts.self_prompts) to mix into the training prompts")
   chat.add_argument("--self_prompt_share", type=float, default=0.0,
                     help="share of the training prompts taken from --self_prompts, in [0, 1]")
+  chat.add_argument("--snapshot", default="", help="a new dataset name: write what the build of "
+                    "--out_name (same arguments, running or stopped) has answered so far as "
+                    "that dataset, decoding no training prompt; the build goes on")
   args = ap.parse_args(argv)
   if args.out_dir or args.data_dir:
     cli.check_output_path("out_dir" if args.out_dir else "data_dir", args.out_dir or args.data_dir,
@@ -574,15 +597,16 @@ def main(argv=None) -> int:
           categories=tuple(cli.list_items(ap, "categories", args.categories)),
           self_prompts=args.self_prompts, self_prompt_share=args.self_prompt_share)
       meta = make_chat_dataset(args.workdir, args.out_name, recipe, data_dir=args.data_dir,
-                               out_dir=args.out_dir, log=log)
+                               out_dir=args.out_dir, log=log, snapshot=args.snapshot)
     except (DecodeError, ckpt_lib.CheckpointError, data_lib.DataError) as e:
       print(f"error: {e}", file=sys.stderr)
       return 2
+    name = args.snapshot or args.out_name
     if not meta["skipped"]:
       counts = ", ".join(f"{k} {v['prompts']} examples ({v['answer_tokens']:,} answer tokens)"
                          for k, v in meta["splits"].items())
       print(f"wrote {counts} in {meta['wall_s']:.0f} s to {meta['path']}; train on it with "
-            f"--config.data.name={args.out_name} --config.data.data_dir={meta['data_dir']}")
+            f"--config.data.name={name} --config.data.data_dir={meta['data_dir']}")
     return 0
   if args.batch_size is None:
     args.batch_size = d.batch_size

@@ -161,6 +161,52 @@ def test_interrupted_run_resumes_with_the_same_results(made, bpe_workdir, data_d
       np.testing.assert_array_equal(got[k], want[k])
 
 
+def test_snapshot_of_a_stopped_build_is_usable_and_the_build_goes_on(made, bpe_workdir, data_dir,
+                                                                    tmp_path, monkeypatch):
+  """--snapshot NAME of a build stopped after its first batch: NAME holds
+  exactly that batch's training answers (no training prompt decoded) and the
+  whole validation split, equal to the uninterrupted build's; the build then
+  resumes with the validation batches the snapshot decoded."""
+  _, ref_out = made
+  out = str(tmp_path)
+  real = sd.Decoder.generate
+  calls = []
+
+  def failing(self, *a, **k):
+    calls.append(1)
+    if len(calls) == 2:
+      raise RuntimeError("interrupted")
+    return real(self, *a, **k)
+  monkeypatch.setattr(sd.Decoder, "generate", failing)
+  with pytest.raises(RuntimeError, match="interrupted"):
+    sd.make_chat_dataset(bpe_workdir, "chat_sd", RECIPE, data_dir=data_dir, out_dir=out, log=None)
+  monkeypatch.setattr(sd.Decoder, "generate", real)
+  with pytest.raises(data.DataError, match="no partial build of 'other'"):
+    sd.make_chat_dataset(bpe_workdir, "other", RECIPE, data_dir=data_dir, out_dir=out, log=None,
+                         snapshot="snap")
+  meta = sd.make_chat_dataset(bpe_workdir, "chat_sd", RECIPE, data_dir=data_dir, out_dir=out,
+                              log=None, snapshot="snap")
+  assert meta["snapshot_of"] == {"name": "chat_sd", "train_prompts_answered": RECIPE.batch_size,
+                                 "train_prompts": RECIPE.chat_prompts}
+  assert meta["splits"]["train"]["batches_resumed"] == 1
+  got, want = _records(out, "snap"), _records(ref_out)
+  assert len(got) == RECIPE.batch_size and set(got) < set(want)
+  for k in got:
+    np.testing.assert_array_equal(got[k], want[k])
+  got, want = _records(out, "snap", "validation"), _records(ref_out, split="validation")
+  assert got.keys() == want.keys()
+  partial = os.path.join(out, ".chat_sd.partial")
+  assert os.path.isdir(partial) and not os.path.exists(os.path.join(out, "chat_sd"))
+  meta = sd.make_chat_dataset(bpe_workdir, "chat_sd", RECIPE, data_dir=data_dir, out_dir=out,
+                              log=None)
+  assert meta["splits"]["validation"]["batches_resumed"] >= 1 and not os.path.exists(partial)
+  for split in ("train", "validation"):
+    got, want = _records(out, split=split), _records(ref_out, split=split)
+    assert got.keys() == want.keys()
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k])
+
+
 def test_self_written_prompts_mixed_into_training_only(made, bpe_workdir, data_dir, tmp_path):
   """--self_prompts FILE --self_prompt_share 0.4 of 5 training prompts: 2
   come from the file (their text rendered as the user turn), 3 are templated;
