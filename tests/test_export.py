@@ -421,3 +421,30 @@ def test_bpe_model_exports_its_tokenizer(tmp_path):
     assert read(name) == json.load(open(os.path.join(again, name))), name
   assert open(os.path.join(out, "model.safetensors"), "rb").read() == open(
       os.path.join(again, "model.safetensors"), "rb").read()
+
+
+def test_init_from_a_draft_vocabulary_of_another_size(tmp_path):
+  """train.init_from a stage with V' = 48 into one with V' = 32: every other
+  parameter restored bitwise, V' left as a placeholder for this run's data to
+  fill (``train.loop.attach_draft_vocab``); dropping V' (size 0) is refused."""
+  from mtp import draft_vocab as dv
+  from train import workdir as workdir_lib
+  from train.loop import Trainer
+  cfg = tiny_config(mtp=dict(depth=1, draft_vocab_size=48))
+  model = randomized_model(cfg)
+  dv.set_draft_vocab(model, np.arange(40, 136, 2, dtype=np.int32))
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path / "wd"))
+  ckpt.save(3, nnx.state(model, nnx.Param), {}, None, cfg)
+  ckpt.close()
+  src = str(tmp_path / "wd")
+  stage = cfg.replace(mtp=dict(draft_vocab_size=32), train=dict(init_from=src))
+  step = workdir_lib.check_init_from(stage)
+  params = workdir_lib.restore_init_params(Trainer(stage).abstract_params, src, step)
+  got = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(params)}
+  want = _params(model)
+  assert got.keys() == want.keys()
+  np.testing.assert_array_equal(got.pop(("draft_vocab",)), np.arange(32))
+  assert all(np.array_equal(got[p], want[p]) for p in got)
+  with pytest.raises(ckpt_lib.CheckpointError, match="draft_vocab_size"):
+    workdir_lib.check_init_from(cfg.replace(mtp=dict(draft_vocab_size=0),
+                                            train=dict(init_from=src)))

@@ -180,11 +180,12 @@ def run_tokenizer(cfg: Config, workdir: str, resumed: bool):
 
 
 def _init_has_draft_vocab(cfg: Config, init_step: int | None) -> bool:
-  """Whether ``train.init_from`` brings its own draft vocabulary V'."""
+  """Whether ``train.init_from`` brings this run's draft vocabulary V' (one of
+  the same size; another size is chosen again from this run's data)."""
   if init_step is None:
     return False
   saved, _ = loading.load_config(cfg.train.init_from)
-  return bool(saved.mtp.draft_vocab_size)
+  return saved.mtp.draft_vocab_size == cfg.mtp.draft_vocab_size
 
 
 def select_draft_vocab(cfg: Config, counts, tokenizer, size: int) -> np.ndarray:

@@ -166,9 +166,10 @@ def check_init_from(cfg: Config) -> int | None:
   except ckpt_lib.CheckpointError as e:
     raise ckpt_lib.CheckpointError(f"train.init_from={src!r}: {e}") from e
   diffs = config_lib.architecture_mismatches(saved, cfg)
-  if saved.mtp.draft_vocab_size == 0 and cfg.mtp.draft_vocab_size:
-    # attaching a draft vocabulary V' in this stage (chosen from its data:
-    # train.loop.attach_draft_vocab) is allowed; changing an existing one is not
+  if cfg.mtp.draft_vocab_size:
+    # a draft vocabulary V' new in this stage, or of another size, is chosen from
+    # its data (train.loop.attach_draft_vocab): the modules' weights do not depend
+    # on V' (a draft head is rows of the shared head); dropping V' is not allowed
     diffs = [d for d in diffs if not d.startswith("mtp.draft_vocab_size")]
   if not saved.mtp.feature_layers and cfg.mtp.feature_layers:
     # attaching lower-layer features to module 1 (mtp.model.FeatureFuse, which
@@ -204,13 +205,18 @@ def restore_init_params(abstract_params, src: str, step: int):
       a = v.get_value()
       flat[p] = v.replace(jax.device_put(fresh[p], getattr(a, "sharding", None)))
     return nnx.from_flat_state(flat)
-  if ("draft_vocab",) in flat and not saved.mtp.draft_vocab_size:
-    # V' is new in this run: restore everything else, keep the placeholder
+  if (("draft_vocab",) in flat
+      and saved.mtp.draft_vocab_size != flat[("draft_vocab",)].get_value().shape[0]):
+    # V' is new in this run or of another size: restore everything else (a saved
+    # V' read at its own size, then dropped), keep the placeholder
     # (train.loop.attach_draft_vocab fills it from the data)
     placeholder = flat.pop(("draft_vocab",))
-    params = loading.load_params(src, step, nnx.from_flat_state(flat))
-    flat = dict(nnx.to_flat_state(params))
     a = placeholder.get_value()
+    if saved.mtp.draft_vocab_size:
+      flat[("draft_vocab",)] = placeholder.replace(jax.ShapeDtypeStruct(
+          (saved.mtp.draft_vocab_size,), a.dtype, sharding=getattr(a, "sharding", None)))
+    params = loading.load_params(src, step, nnx.from_flat_state(flat))
+    flat = {p: v for p, v in nnx.to_flat_state(params) if p != ("draft_vocab",)}
     flat[("draft_vocab",)] = placeholder.replace(
         jax.device_put(np.arange(a.shape[0], dtype=a.dtype), getattr(a, "sharding", None)))
     return nnx.from_flat_state(flat)
