@@ -1,30 +1,12 @@
-"""Drafters for speculative decoding: the trained MTP modules, or an
-independent small draft model.
-
-Conventions (docs/design.md sections 5-6). Each row has committed tokens
-x_0..x_{n-1} in a token buffer ``tokens`` [B, S] int32; the target has
-processed positions 0..n-2. A drafter proposes d_1..d_G for positions
-n..n+G-1 together with q_1..q_G [B, G, V] float32, and writes the drafts
-into ``tokens`` at n..n+G-1 so the verify block [x_{n-1}, d_1..d_G] can be
-read straight from the buffer. q is what verification needs:
-
-- sampling (``params.greedy`` False): the warped distributions the drafts
-  were really sampled from (``sampling.warped_probs``), one uniform draw of
-  shape [B, G, V] per round feeding Gumbel-max sampling;
-- greedy (``params.greedy`` True, temperature 0): the raw draft logits; each
-  draft is their argmax (ties to the lowest id, as ``warp_logits`` at
-  temperature 0), and no softmax, warp or random number is computed.
-
-Either way a non-finite entry of q at an emittable id means the drafter
-produced NaN/inf logits (``Decoder`` stops that row with an error).
-
-Drafters are stateless objects holding static settings (the ``Drafter``
-protocol below); their state is a pytree threaded through jitted
-functions. Both keep their KV caches consistent with what the model saw
-in training: a draft's distribution equals that of a cache-free forward
-over the committed tokens followed by the earlier drafts
-(tests/test_decode.py, tests/test_decode_equals_training.py).
-"""
+"""Drafters for speculative decoding (the ``Drafter`` protocol): the target's
+MTP modules (``MTPDrafter``) or an independent draft model
+(``DraftModelDrafter``). For the round starting at committed length n a
+drafter proposes d_1..d_G for positions n..n+G-1, written into ``tokens``
+[B, S] int32, with q [B, G, V] float32: the warped distributions the drafts
+were sampled from (``sampling.warped_probs``, one [B, G, V] uniform draw),
+or the raw draft logits when greedy (drafts their argmax). Non-finite q at
+an emittable id stops the row. Caches keep drafts equal to a cache-free
+forward (docs/design.md sections 5-6)."""
 
 from __future__ import annotations
 
@@ -40,19 +22,11 @@ from mtp.model import Transformer, init_layer_caches, write_cache
 
 
 def head_pick(target: Transformer, k: int, h, u, params: SamplingParams):
-  """MTP depth k's head on h [B, 1, D] and one draft per row: (token [B]
-  int32, q [B, V] float32), as ``sampling.pick`` on ``target.mtp_head``.
-
-  With a reduced draft vocabulary V' (``target.draft_vocab_size`` > 0) the
-  head, the warp and the sample run over V' only (``mtp_head_compact``;
-  ``u`` is then [B, V'] uniforms, else [B, V]), the token is mapped back to
-  its id and q is scattered to [B, V]: 0 outside V' (-inf logits when
-  greedy). That is the same draft law as picking from the scattered
-  full-vocabulary logits (warping and Gumbel-max ignore -inf entries; ties
-  still go to the lowest id, V' being sorted) and q is exactly the
-  distribution the token was drawn from, so verification is unchanged; at
-  T = 1 it saves the warp and sample over the full vocabulary
-  (experiments/bench_draft_head.py measures it)."""
+  """MTP depth k's head on h [B, 1, D]: (token [B] int32, q [B, V] float32)
+  as ``sampling.pick``. With a draft vocabulary V' (``draft_vocab_size`` > 0)
+  head, warp and sample run over V' (``u`` [B, V'], else [B, V]); the token
+  is mapped back and q scattered to [B, V] (0, or -inf logits when greedy,
+  outside V'): the same law as picking from the scattered full logits."""
   if not target.draft_vocab_size:
     with jax.named_scope("head"):
       logits = target.mtp_head(k, h)[:, 0]
@@ -70,17 +44,14 @@ def head_pick(target: Transformer, k: int, h, u, params: SamplingParams):
 @runtime_checkable
 class Drafter(Protocol):
   """What a round needs of a drafter (``decode.round.propose``); ``model``
-  is the target for the MTP drafters, the draft model for
-  ``DraftModelDrafter``. Shapes: B rows, S buffer slots, G drafts, V ids.
+  is the target (MTP drafters) or the draft model. B rows, S slots, G drafts.
 
-  min_length: the shortest committed length n drafted from; a shorter row
-    gets no draft and its round is an AR step.
+  min_length: the shortest committed length n drafted from (else an AR step).
   init_state(model, batch, cache_len) -> state pytree.
   prefill(model, state, tokens [B, S], lengths [B], h0 [B, P, D], prefill_len)
     -> state after the prompt.
-  draft(model, state, tokens [B, S], n [B], key, params, g) -> (state,
-    tokens with d_1..d_g written at n..n+g-1, drafts [B, g] int32, q [B, g, V]
-    float32: warped draft probabilities, or logits when greedy).
+  draft(model, state, tokens [B, S], n [B], key, params, g) -> (state, tokens
+    with d_1..d_g at n..n+g-1, drafts [B, g] int32, q [B, g, V] float32).
   after_verify(state, h0_block [B, g + 1, D], n [B]) -> state.
   settings() -> hashable static settings (equal settings share programs).
   """
@@ -114,57 +85,20 @@ class DraftModelState:
 
 
 class MTPDrafter:
-  """Drafts with the target's own MTP modules (docs/design.md section 6).
+  """Drafts with the target's MTP modules (docs/design.md section 6).
 
-  All drafts of the round starting at n come from position n-2: module 1
-  reads h^0_{n-2} and x_{n-1}; module k reads h^{k-1}_{n-2} and d_{k-1}.
-  At n = 1 (a one-token prompt's first round) there is no position n-2: the
-  module k combining h^{k-1}_i with x_{i+k} has nothing to predict x_1 from
-  (only the target's head at position 0 does), so ``min_length`` is 2 and
-  that round is an AR step for the row; what ``draft`` computes for it
-  (gathers clipped to position 0) is never accepted, and its cache entries
-  are scratch that the next round's window recomputes (c_k = 0).
-  Module k keeps its own KV cache with committed length c_k (entries j < c_k
-  have inputs (h^{k-1}_j, x_{j+k}) with x_{j+k} committed). Each round it runs
-  a window of G+k positions from c_k (the first n-1-c_k of them, a+k after a
-  round that accepted a, are real; the rest are scratch entries past n-2 that
-  causal masking hides and later rounds overwrite), then sets c_k := n-k.
-  Committed hidden states h^{k-1} live in per-depth buffers
-  ``hidden[k-1]`` [B, S, D]; at speculative positions module k reads the
-  values module k-1 wrote in the same round, exactly as teacher forcing
-  would have produced them. The buffers are separate arrays per depth (a
-  list), so each round writes a few rows of one buffer in place (XLA
-  copies a stacked [used, B, S, D] array whole on such a write).
-
-  G < D uses modules 1..G. G > D reuses module D for steps D+1..G the way
-  vLLM does: step k feeds module D its own previous hidden state and the
-  previous draft one position further on. Those steps were never trained,
-  so expect acceptance to decay there.
-
-  Variable draft length (``variable=True``, for ``num_draft_tokens="auto"``):
-  ``draft(..., g)`` drafts any g <= G_max tokens with modules
-  1..min(g, D); modules past g do not run and their committed lengths fall
-  behind (after an AR round, g = 0, all of them). Windows are G_max + k
-  positions, which covers the gap a + k left by any round in which module k
-  ran; a module that is further behind first catches up over committed
-  positions only, in chunks of its window inside a ``lax.while_loop`` (zero
-  iterations in the common case), after module k-1 has run in the same
-  round, so the hidden states it reads are those of teacher forcing. The
-  drafts therefore stay exactly those of a cache-free forward, whatever the
-  sequence of draft lengths.
-
-  The draft length of a round is the ``g`` argument of ``draft`` (the
-  ``Decoder`` owns it); the drafter only knows the longest one it must
-  hold room for.
+  Module 1 reads h^0_{n-2} and x_{n-1}, module k h^{k-1}_{n-2} and d_{k-1};
+  module k runs a window of G+k positions from its committed length c_k and
+  sets c_k := n-k. ``min_length`` is 2 (at n = 1 there is no position n-2).
+  G < D uses modules 1..G; G > D reuses module D (as vLLM; never trained).
+  ``variable`` ("auto"): ``draft(..., g)`` takes any g <= G_max; modules
+  past g fall behind and catch up over committed positions first.
 
   Args:
     depth: D >= 1 of the target model.
-    max_draft_tokens: G_max >= 1, the longest draft (sizes the state; with
-      ``variable`` False every call drafts exactly G_max).
-    variable: draft lengths change between rounds ("auto"): windows of
-      G_max + k positions and the catch-up loop.
-  Raises:
-    ValueError: D < 1 or G_max < 1.
+    max_draft_tokens: G_max >= 1 (sizes the state; fixed G when not variable).
+    variable: windows of G_max + k positions and the catch-up loop.
+  Raises ValueError when D < 1 or G_max < 1.
   """
 
   min_length = 2        # drafts read h^0_{n-2}: a row needs 2 committed tokens
@@ -180,10 +114,9 @@ class MTPDrafter:
     self.used = min(max_draft_tokens, depth)          # modules run in the exact chain
 
   def settings(self):
-    """What the rounds this drafter traces depend on. Drafters with equal
-    settings (and type) are equal, so ``Decoder``s over them share compiled
-    programs (``decode.compiled``); a subclass compares by identity unless
-    it overrides this."""
+    """What traced rounds depend on: equal settings (and type) share compiled
+    programs (``decode.compiled``); a subclass compares by identity unless it
+    overrides this."""
     return (self.depth, self.max_draft_tokens, self.variable) if type(self) is MTPDrafter \
         else id(self)
 
@@ -219,12 +152,9 @@ class MTPDrafter:
                          committed=module_lengths(lengths - 1, self.used))
 
   def _catch_up(self, target: Transformer, k: int, caches, hidden, tokens, c, n):
-    """Module k over committed positions only, in chunks of its window,
-    until every row's gap n-1-c_k fits the window (variable G). Only rows
-    still behind advance c_k: a row whose gap already fits keeps its c_k
-    (the call rewrites its window, which the drafting window then rewrites
-    again), so its window still holds position n-2, which module 1 drafts
-    from (c_1 = n-1 would leave it out). Returns (caches, hidden, c)."""
+    """Module k over committed positions only, window by window, until every
+    row's gap n-1-c_k fits the window; rows already within it keep c_k (their
+    window still holds n-2). Returns (caches, hidden, c)."""
     w = self.max_draft_tokens + k
 
     def cond(carry):
@@ -249,13 +179,10 @@ class MTPDrafter:
 
   def draft(self, target: Transformer, state: MTPDraftState, tokens, n, key,
             params: SamplingParams, g: int):
-    """Drafts g tokens (static, 1 <= g; g <= G_max when ``variable``) for
-    the round starting at n [B] int32. key: the round's drafting key (one
-    [B, g, V] uniform draw when sampling; [B, g, V'] with a reduced draft
-    vocabulary). Returns (state, tokens [B, S]
-    with the drafts written at n..n+g-1, draft_tokens [B, g] int32, q
-    [B, g, V] float32: the warped draft distributions, or the draft logits
-    when greedy; see the module docstring)."""
+    """Drafts g tokens (static, 1 <= g, <= G_max when ``variable``) for the
+    round starting at n [B] int32; key: the round's drafting key ([B, g, V]
+    uniforms, [B, g, V'] with a draft vocabulary). Returns (state, tokens with
+    the drafts at n..n+g-1, drafts [B, g] int32, q [B, g, V] float32)."""
     run = min(g, self.used)                                        # modules of the exact chain
     width = self.max_draft_tokens if self.variable else g          # window of module k: width + k
     with jax.named_scope("sample"):
@@ -309,19 +236,11 @@ class MTPDrafter:
 
 
 class DraftModelDrafter:
-  """Classic speculative decoding with an independent draft model (Leviathan
-  et al. 2023; Chen et al. 2023) that shares the tokenizer.
-
-  The draft model keeps its own KV cache over positions 0..n-2 like the
-  target. Each round feeds [x_{n-2}, x_{n-1}] (re-feeding n-2 makes the cache
-  complete after a round that accepted all g drafts, when d_g was never fed)
-  to get q_1, then feeds each draft to get the next q: g calls per round.
-  At n = 1 (a one-token prompt) it feeds [x_0, x_1] at positions 0, 1 and
-  takes q_1 at position 0 (x_1 is scratch, which the next feed overwrites),
-  so it drafts from the first round on (``min_length`` 1).
-  Stateless apart from its ``DraftModelState``; the draft length is the
-  ``g`` of each ``draft`` call.
-  """
+  """Speculative decoding with an independent draft model sharing the
+  tokenizer (Leviathan et al. 2023; Chen et al. 2023). Its KV cache covers
+  0..n-2; a round feeds [x_{n-2}, x_{n-1}] for q_1 (re-feeding n-2 completes
+  the cache after a fully accepted round), then each draft: g calls. At n = 1
+  it feeds [x_0, x_1] and takes q_1 at position 0 (``min_length`` 1)."""
 
   min_length = 1        # a language model of its own: drafts x_1 from x_0
 

@@ -1,12 +1,7 @@
-"""Errors of decoding and the per-row error codes the jitted round sets.
-
-- ``DecodeError``: bad input (a flag or field out of its range); raised on
-  the host before anything is compiled or run.
-- ``NonFiniteLogitsError``: the target or the drafter produced NaN/inf
-  logits during a generation; the row was stopped inside the jitted round
-  (``DecodeState.error`` / ``error_pos``, set by ``decode.round.flag_non_finite``)
-  and ``raise_on_error`` turns the host copy into this exception.
-"""
+"""Decoding errors: ``DecodeError`` (bad input, raised on the host before
+anything runs) and ``NonFiniteLogitsError`` (NaN/inf logits; the jitted
+round stops the row and sets ``DecodeState.error`` / ``error_pos``,
+``raise_on_error`` raises on the host copy)."""
 
 from __future__ import annotations
 
@@ -20,13 +15,10 @@ class DecodeError(ValueError):
 
 
 class NonFiniteLogitsError(RuntimeError):
-  """The target or the drafter produced NaN/inf logits during a generation
-  (diverged or damaged weights, overflow in low precision).
-
-  Attributes: ``rows`` (per row, the tokens emitted before it stopped),
-  ``row`` and ``position`` (the first failing row and the position whose
-  logits were non-finite), ``source`` ("target" or "drafter").
-  """
+  """The target or the drafter produced NaN/inf logits during a generation.
+  Attributes: ``rows`` (per row, the tokens emitted before it stopped), ``row``
+  and ``position`` (first failing row, position of the non-finite logits),
+  ``source`` ("target" or "drafter")."""
 
   def __init__(self, message: str, *, rows=None, row=None, position=None, source=None):
     super().__init__(message)

@@ -1,20 +1,8 @@
-"""Sharded decoding: where the ``Decoder``'s parameters and state live on a mesh.
-
-``Decoder(..., mesh=mesh)`` places the parameters with the training rules of
-``mtp.sharding`` (tensor parallelism over ``tensor``: heads, kv heads, MLP
-width and vocabulary; FSDP over ``fsdp`` when that axis is > 1) and splits
-the batch rows of the decoding state over ``data``. Every row is decoded
-independently, so a row's tokens do not depend on the layout: at
-temperature 0 the output equals one device's (tests/test_sharding.py).
-One JAX process (all devices addressable); multi-host decoding is not
-supported here.
-
-State layout (``decode.state.DecodeState``): every array has the batch B
-as its leading dimension (drafter states included), so rows go over
-``data``; 0-d leaves (the PRNG key, the "auto" counters) and the "auto"
-schedule's round costs (``AutoState.schedule["costs"]``, not per row) are
-replicated.
-"""
+"""Sharded decoding: ``Decoder(..., mesh=mesh)`` places the parameters with
+``mtp.sharding``'s rules (``place_params``) and the state's batch rows over
+``data`` (``state_shardings``); 0-d leaves and "auto"'s round costs are
+replicated. Rows decode independently, so T = 0 output equals one device's
+(tests/test_sharding.py). One JAX process; no multi-host decoding."""
 
 from __future__ import annotations
 
@@ -32,12 +20,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def place_params(mesh: Mesh, params, model_cfg):
-  """``params`` (an nnx.State) moved onto ``mesh`` with the parameter
-  shardings of ``mtp.sharding``.
-
-  Raises ConfigError when the mesh axes do not divide the model dimensions
-  (``mtp.sharding.check_mesh``).
-  """
+  """``params`` (an nnx.State) placed on ``mesh`` with ``mtp.sharding``'s
+  parameter shardings. Raises ConfigError when the mesh axes do not divide
+  the model dimensions (``mtp.sharding.check_mesh``)."""
   shard_lib.check_mesh(model_cfg, mesh)
   return jax.device_put(params, shard_lib.param_shardings(mesh, params))
 

@@ -1,18 +1,10 @@
-"""Logits warping and sampling: the distributions speculative decoding
-compares and the draws it makes. Pure, jittable, no model inside
-(docs/design.md sections 3 and 5); the acceptance rules are
-``decode.acceptance``'s.
-
-- ``SamplingParams``: temperature, top-k, top-p as traced leaves (one
-  compilation serves every value), ``greedy`` and ``filtering`` static
-  (each combination compiles its own lean program); ``validate`` once.
-- ``warp_logits`` (temperature, then top-k, then top-p; the same for target
-  and drafter), ``warped_probs``, ``probs_from_logits``.
-- ``sample`` (never a 0-probability token), ``sample_without_replacement``
-  (Gumbel-top-k, for token trees), ``pick`` (one draft and its q).
-
-Axis letters: B batch, G draft length, V vocabulary; computed in float32.
-"""
+"""Logits warping and sampling, pure and jittable (docs/design.md sections
+3 and 5; the acceptance rules are ``decode.acceptance``'s):
+``SamplingParams``; ``warp_logits`` (temperature, top-k, top-p, the same for
+target and drafter), ``warped_probs``, ``probs_from_logits``; ``sample``
+(never a 0-probability token), ``sample_without_replacement`` (Gumbel-top-k,
+for trees), ``pick`` (one draft and its q). Axes: B batch, G draft length,
+V vocabulary; computed in float32."""
 
 from __future__ import annotations
 
@@ -46,13 +38,9 @@ _NEG_INF = -jnp.inf
 
 def check_values(temperature, top_k, top_p) -> None:
   """Range checks of sampling settings given as Python or numpy numbers
-  (arrays, traced or not, pass unchecked): temperature a finite number >= 0
-  (0 = greedy), top_k an integer in [0, 2**31 - 1] (0 = off; >= V keeps
-  every token), top_p a number in (0, 1] (1 = off).
-
-  Raises:
-    DecodeError (a ValueError), one line naming the flag and its range.
-  """
+  (arrays pass unchecked): temperature finite >= 0 (0 = greedy), top_k an
+  integer in [0, 2**31 - 1] (0 = off), top_p in (0, 1] (1 = off). Raises
+  DecodeError (a ValueError), one line naming the flag and its range."""
   limits.check_sampling(temperature, top_k, top_p,
                         is_array=lambda x: isinstance(x, (jax.Array, np.ndarray)))
 
@@ -61,15 +49,11 @@ def check_values(temperature, top_k, top_p) -> None:
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """Sampling settings: temperature >= 0 (0 = greedy), top_k >= 0 (0 = off),
-  top_p in (0, 1] (1 = off); warping order temperature, top-k, top-p.
-
-  A pytree: the values are its leaves (float32 / int32 / float32, traced
-  under ``jax.jit``), two static flags its structure: ``greedy``
-  (temperature == 0: argmaxes only, no softmax, residual or random number)
-  and ``filtering`` (top-k or top-p on: only then is the vocabulary sort
-  compiled). ``validate()`` checks the ranges (once, on the host) and
-  raises DecodeError naming the flag; construction does not.
-  """
+  top_p in (0, 1] (1 = off). A pytree: the values are float32 / int32 /
+  float32 leaves (traced under ``jax.jit``), the static flags ``greedy``
+  (argmaxes only) and ``filtering`` (top-k or top-p on: the vocabulary sort
+  is compiled) its structure. ``validate()`` raises DecodeError naming the
+  flag; construction does not check."""
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
@@ -133,32 +117,20 @@ def _top_k_keep(zs, k, top_p):
 
 
 def _top_p_keep(zs, lse, last, top_p):
-  """Top-p kept mask [R, m] of ranks ``a .. a + m`` (zs [R, m], best first)
-  of a row with normaliser ``lse`` [R, 1] and mass ``last`` [R, 1] before rank
-  a; and the mass before rank a + m [R, 1]. Each segment's masses are summed
-  once and reused by every wider path, so a row's kept set never depends on
-  how far its batch had to rank."""
+  """Top-p kept mask [R, m] of ranks a..a+m (zs [R, m], best first) of rows
+  with normaliser ``lse`` [R, 1] and mass ``last`` [R, 1] before rank a, and
+  the mass before rank a+m [R, 1] (summed once per segment and reused)."""
   before, total = _cumulative(jnp.exp(zs - lse))
   return (last + before) < top_p, last + total
 
 
 def _top_k_top_p(z, k, top_p, candidates=TOP_CANDIDATES):
-  """Top-k then top-p on temperature-scaled logits z [..., V] (-inf = removed).
-
-  The sets ``warp_logits`` documents: tokens ranked by decreasing z, ties to
-  the lowest index; top-k keeps ranks < k; top-p keeps rank j when the
-  top-k-filtered probability of ranks < j is below ``top_p`` (rank 0 always).
-  Ranks come from ``jax.lax.top_k`` over the first n1 (then n2) of them
-  (the same order: ties to the lower index) and from a full sort only past
-  those; ``candidates = (n1, n2)`` (or one int: no second tier) is static
-  (tests pass small values to reach every path). The path a batch takes:
-  n1 ranks when every row's kept set lies inside them (0 < k <= n1, or
-  top-k off and the first n1 ranks hold at least ``top_p`` of the mass),
-  else n2 ranks when they do (k <= n2, or the first n2 ranks hold
-  ``top_p``), else the full sort. With top-k on the path depends on k only;
-  with top-k off the masses of ranks [0, n1), [n1, n2) and past n2 are each
-  computed once and reused by the wider paths, so a row's kept set does not
-  depend on the path its batch took.
+  """Top-k then top-p (the sets ``warp_logits`` documents) on scaled logits
+  z [..., V], removed entries -inf. Ranks come from ``jax.lax.top_k`` over
+  the first n1, then n2 candidates (static ``candidates = (n1, n2)`` or one
+  int), a full sort past them: a batch takes the narrowest tier that holds
+  every row's kept set. Each segment's masses are computed once and reused,
+  so a row's kept set does not depend on its batch's tier.
   """
   shape, vocab = z.shape, z.shape[-1]
   zf = z.reshape((-1, vocab))
@@ -217,32 +189,19 @@ def _top_k_top_p(z, k, top_p, candidates=TOP_CANDIDATES):
 
 
 def warp_logits(logits, temperature, top_k, top_p):
-  """Applies temperature, then top-k, then top-p to logits (nucleus
-  sampling, Holtzman et al. 2020, section 3.1). Target and drafter logits
-  get the same warp, so the speculative rule is lossless with respect to
-  sampling the target under these settings.
+  """Temperature, then top-k, then top-p on logits (nucleus sampling,
+  Holtzman et al. 2020, section 3.1); target and drafter get the same warp.
 
-  - Temperature: finite logits shifted by their row maximum (no overflow at
-    tiny temperatures), divided by ``temperature``. ``temperature`` <= 0 is
-    greedy: only the argmax (ties to the lowest id) keeps a finite logit
-    (0.0), so the softmax is one-hot; top-k / top-p are then moot.
-  - Top-k: exactly the ``top_k`` highest tokens (boundary ties to the lowest
-    id); ``top_k`` <= 0 or >= V is off.
-  - Top-p: over the top-k-filtered distribution, the smallest prefix by
-    decreasing probability (ties: lowest id first) reaching ``top_p``,
-    always the top token; ``top_p`` >= 1 is off.
-  - Removed tokens get -inf; -inf inputs (masked padding) stay -inf (an
-    all -inf row is invalid input and gives NaN probabilities).
+  Temperature: logits shifted by their row maximum, divided by it; <= 0 is
+  greedy (only the argmax, ties to the lowest id, keeps 0.0). Top-k: the
+  ``top_k`` highest (ties to the lowest id); <= 0 or >= V is off. Top-p: the
+  shortest prefix by decreasing top-k-filtered probability reaching
+  ``top_p``, at least the top token; >= 1 is off. Removed tokens get -inf.
 
-  Args:
-    logits: [..., V] float (computed in float32), no NaN or +inf.
-    temperature, top_k, top_p: scalars, Python or traced (ranges as
-      ``check_values``).
-  Returns:
-    [..., V] float32 warped logits, at least one finite entry per row.
-  Raises:
-    ValueError (``DecodeError``): a Python-scalar parameter out of range
-      (traced ones are not checked).
+  logits: [..., V] float, no NaN or +inf (an all -inf row gives NaN
+  probabilities); temperature, top_k, top_p: scalars (``check_values``).
+  Returns [..., V] float32. Raises DecodeError (a ValueError) for a
+  Python-scalar parameter out of range (traced ones are not checked).
   """
   check_values(temperature, top_k, top_p)
   x = jnp.asarray(logits, jnp.float32)
@@ -275,13 +234,9 @@ def warp_logits(logits, temperature, top_k, top_p):
 
 
 def warped_probs(logits, params: SamplingParams):
-  """Probabilities [..., V] float32 of ``logits`` under ``params``: exactly
-  ``probs_from_logits(warp_logits(logits, temperature, top_k, top_p))``.
-
-  With non-greedy ``params`` the temperature-0 branch is not built, and the
-  top-k/top-p sort only when ``params.filtering`` (same values, fewer
-  operations).
-  """
+  """Probabilities [..., V] float32 of ``logits`` under ``params``, exactly
+  ``probs_from_logits(warp_logits(...))``; only the branches ``params``'
+  static flags need are built."""
   if params.greedy:
     return probs_from_logits(warp_logits(logits, params.temperature, params.top_k, params.top_p))
   x = jnp.asarray(logits, jnp.float32)
@@ -310,30 +265,25 @@ def uniform_open(key, shape):
 
 
 def categorical_from_uniform(probs, u):
-  """Gumbel-max sampling: argmax(log probs - log(-log u)) over the last axis.
-
-  probs [..., V] float32 >= 0, u [..., V] float32 in (0, 1). A 0-probability
-  token has score -inf and is never chosen while some entry is positive
-  (the Gumbel noise is finite). Scale invariant in probs. Returns [...] int32.
-  """
+  """Gumbel-max: argmax(log probs - log(-log u)) over the last axis, probs
+  [..., V] float32 >= 0, u [..., V] in (0, 1) -> [...] int32. A 0-probability
+  token is never chosen while some entry is positive."""
   probs = jnp.asarray(probs, jnp.float32)
   logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), _NEG_INF)
   return jnp.argmax(logp - jnp.log(-jnp.log(u)), axis=-1).astype(jnp.int32)
 
 
 def sample_from_uniform(probs, u):
-  """``sample`` with the uniforms given: probs [..., V] float >= 0 (at least
-  one positive entry per row), u [..., V] float32 in (0, 1) (e.g. one
-  ``jax.random.uniform`` draw for several samples). Returns [...] int32.
-  A 0-probability token is never returned."""
+  """``sample`` with the uniforms given: probs [..., V] float >= 0 (one
+  positive entry per row), u [..., V] float32 in (0, 1). Returns [...] int32,
+  never a 0-probability token."""
   return categorical_from_uniform(probs, u)
 
 
 def sample(key, probs):
   """One token per row ([...] int32) from categorical ``probs`` [..., V]
-  float >= 0 (unnormalised is fine, one positive entry per row) by
-  Gumbel-max: a 0-probability token is never returned. Raises ValueError
-  without a vocabulary axis."""
+  float >= 0 (unnormalised is fine) by Gumbel-max, never a 0-probability
+  token. Raises ValueError without a vocabulary axis."""
   probs = jnp.asarray(probs, jnp.float32)
   if probs.ndim < 1:
     raise ValueError(f"probs must have a vocabulary axis, got shape {probs.shape}")
@@ -341,12 +291,10 @@ def sample(key, probs):
 
 
 def sample_without_replacement(probs, u, k: int):
-  """k ordered draws without replacement from categorical ``probs`` [..., V]
-  float >= 0 by the Gumbel-top-k trick (Kool et al. 2019, section 3): the
-  k largest log p(x) - log(-log u_x), in decreasing order, follow
-  sequential sampling without replacement. u: [..., V] float32 uniforms in
-  (0, 1); k static in [1, V]. Returns (tokens [..., k] int32, valid
-  [..., k] bool: only the first #{x: p(x) > 0} draws are real)."""
+  """k ordered draws without replacement from ``probs`` [..., V] float >= 0
+  by Gumbel-top-k (Kool et al. 2019, section 3), u [..., V] float32 uniforms
+  in (0, 1), k static in [1, V]. Returns (tokens [..., k] int32, valid [..., k]
+  bool: only the first #{x: p(x) > 0} draws are real)."""
   probs = jnp.asarray(probs, jnp.float32)
   logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), _NEG_INF)
   scores, idx = jax.lax.top_k(logp - jnp.log(-jnp.log(u)), k)
@@ -362,11 +310,9 @@ def draft_uniforms(key, batch: int, num_draft_tokens: int, vocab: int, params: S
 
 
 def pick(logits, u, params: SamplingParams):
-  """One draft per row from logits [B, V] float32: (token [B] int32, q [B, V]).
-
-  Greedy ``params``: the argmax and the logits themselves. Otherwise a
-  Gumbel-max sample (uniforms u [B, V]) from q = the warped probabilities,
-  the distribution the token was really drawn from."""
+  """One draft per row from logits [B, V] float32: (token [B] int32, q [B, V]):
+  greedy, the argmax and the logits; else a Gumbel-max sample (uniforms u
+  [B, V]) from q = the warped probabilities."""
   if params.greedy:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
   q = warped_probs(logits, params)

@@ -1,12 +1,7 @@
-"""The typed state of a batched generation, and its result.
-
-``DecodeState`` is the pytree every jitted decoding function takes and
-returns, donated so writes happen in place. Every array has the batch B
-leading, except the PRNG key and "auto"'s scalars and round costs (shared
-by the batch; ``decode.mesh`` shards by that rule). ``Generation`` is what
-``Decoder.generate`` / ``stream`` return: host numpy arrays, one entry per
-row. Cache sizes: ``decode.kv_cache``; indices: docs/design.md sections 5-6.
-"""
+"""The typed state of a batched generation (``DecodeState``: the donated
+pytree every jitted decoding function takes and returns, batch B leading
+except the key and "auto"'s scalars and costs) and its host result
+(``Generation``). Indices: docs/design.md sections 5-6."""
 
 from __future__ import annotations
 
@@ -25,19 +20,12 @@ from mtp.model import init_layer_caches
 
 @struct.dataclass
 class AutoState:
-  """State of ``num_draft_tokens="auto"`` (``decode.auto.schedule``).
-
-  schedule: ``AutoSchedule.init_state`` (per-row acceptance estimates,
-    round costs [G_max+1] float32 seconds, probe counters).
-  g: int32 scalar, the draft length of the current segment (0 = AR steps).
-  left: int32 scalar, rounds left in the current segment.
-  rounds: int32 scalar, rounds run so far.
-  draft_length_histogram: [B, G_max+1] int32, rounds per chosen draft length
-    while the row was active.
-  position_tested / position_accepted: [B, G_max] int32, rounds in which
-    draft position k was tested (d_1..d_{k-1} accepted and the round drafted
-    >= k tokens) / accepted.
-  """
+  """State of "auto" (``decode.auto.schedule``). schedule:
+  ``AutoSchedule.init_state``; g, left, rounds: int32 scalars (the segment's
+  draft length, 0 = AR; its rounds left; rounds run); draft_length_histogram:
+  [B, G_max+1] int32, rounds per g (active rows); position_tested /
+  position_accepted: [B, G_max] int32, rounds in which draft position k was
+  tested (>= k drafted, d_1..d_{k-1} accepted) / accepted."""
   schedule: dict
   g: jax.Array
   left: jax.Array
@@ -51,24 +39,16 @@ class AutoState:
 class DecodeState:
   """State of one batched generation (B rows, S cache slots).
 
-  tokens: [B, S] int32, committed tokens x_0..x_{n-1} (prompt, BOS first,
-    then generated ids), drafts written past them; PAD elsewhere.
-  length: [B] int32, n, the committed length (the target's cache holds
-    positions 0..n-2).
-  prompt_len: [B] int32, prompt length with BOS.
-  max_new: [B] int32, the token budget.
-  done: [B] bool, the row stopped (EOS, budget, error).
-  key: PRNG key (rbg), advanced once per sampling round.
+  tokens: [B, S] int32, committed x_0..x_{n-1} (BOS first), drafts past them.
+  length: [B] int32, n (the target's cache holds positions 0..n-2).
+  prompt_len, max_new: [B] int32, prompt length with BOS; the token budget.
+  done: [B] bool (EOS, stop, budget, error). key: PRNG key (rbg).
   cache: the target's KV cache, a list over layers of {"k", "v"} [B, S, K, H].
   target_calls: [B] int32, verification calls while the row was active.
   accepted_histogram: [B, G+1] int32, rounds per number of accepted drafts.
-  error: [B] int32, ``decode.errors`` ERROR_* code (non-finite logits).
-  error_pos: [B] int32, the position whose logits were non-finite.
-  stop_ids: [B, K] int32, ids that end the row when emitted (EOS and the
-    stop token ids; -1 pads), checked in ``decode.round.commit``.
-  drafter: the drafter's own state (``decode.drafters``), None for AR.
-  auto: ``AutoState`` with ``num_draft_tokens="auto"``, else None.
-  """
+  error, error_pos: [B] int32, ``decode.errors`` code and non-finite position.
+  stop_ids: [B, K] int32, ids that end the row (EOS, stop ids; -1 pads).
+  drafter: the drafter's state (None for AR); auto: ``AutoState`` or None."""
   tokens: jax.Array
   length: jax.Array
   prompt_len: jax.Array
@@ -87,30 +67,19 @@ class DecodeState:
 
 @dataclasses.dataclass
 class Generation:
-  """Result of one batched generation.
+  """Result of one batched generation (host numpy; int64 histograms).
 
-  tokens: per row, the generated ids (int32 numpy, EOS included if emitted).
-  prompt_lengths: per row, prompt length including BOS.
-  accepted_histogram: [B, G+1] int64, rounds per number of accepted drafts a.
-  target_calls: [B] int64, target verification calls while the row was active.
-  emit_times: per row, seconds from the request's start to each emitted
-    token (stream form only; a round's tokens share a time).
-  wall_time_s: seconds of the whole call (prefill included, compilation not).
-  prefill_time_s: seconds of the prefill; wall - prefill is the decoding phase.
-  num_draft_tokens: G, or G_max with ``num_draft_tokens="auto"``.
-  draft_length_histogram: [B, G_max+1] int64, rounds per chosen draft length
-    (0 = AR step) while the row was active (``"auto"`` only, else None).
-  position_tested / position_accepted: [B, G_max] int64, rounds in which
-    draft position k was tested (>= k drafts, d_1..d_{k-1} accepted) /
-    accepted ("auto" only: with a varying G the histogram cannot give alpha_k).
-  tree: the token tree's branching per depth, else None; then
-    accepted_histogram counts path lengths a = 0..m, num_draft_tokens is m.
-  finish_reasons: per row, why it ended (``decode.stops.FINISH_REASONS``);
-    None only for hand-built results.
-  texts: per row, the output text as UTF-8 bytes (cut before a stop string).
-  interrupted: Ctrl-C ended the generation (``Decoder.stream(...,
-    interruptible=True)``); each row holds what was handed on.
-  """
+  tokens: per row, generated ids (int32, EOS included if emitted).
+  prompt_lengths: per row, with BOS. target_calls: [B] verification calls.
+  accepted_histogram: [B, G+1], rounds per accepted count a (trees: path length).
+  emit_times: per row, seconds from the request to each token (stream only).
+  wall_time_s, prefill_time_s: seconds of the call (no compilation) and prefill.
+  num_draft_tokens: G (G_max with "auto", m with a tree).
+  draft_length_histogram: [B, G_max+1]; position_tested / position_accepted:
+    [B, G_max] ("auto" only, as ``AutoState``; else None).
+  tree: the branching per depth, or None. finish_reasons: per row
+    (``decode.stops.FINISH_REASONS``). texts: per row, UTF-8 bytes cut before
+    a stop string. interrupted: an interruptible stream was stopped by Ctrl-C."""
   tokens: list[np.ndarray]
   prompt_lengths: np.ndarray
   accepted_histogram: np.ndarray
@@ -130,13 +99,9 @@ class Generation:
 
 def check_prompts(prompts, max_new_tokens, max_len: int, mesh,
                   vocab_size: int | None = None) -> None:
-  """``Decoder.prepare``'s input checks before a state is built: a
-  non-empty batch (divisible by ``mesh``'s ``data`` axis), max_new_tokens
-  an integer >= 1, every prompt (token ids, BOS included) of at least one
-  token, ids in [0, vocab_size), prompt + max_new_tokens <= max_len (the
-  model's max_seq_len).
-
-  Raises DecodeError naming the field (and, for a long prompt, what fits)."""
+  """``Decoder.prepare``'s input checks: a non-empty batch divisible by
+  ``mesh``'s ``data`` axis, max_new_tokens an integer >= 1, prompts of >= 1
+  id in [0, vocab_size), prompt + max_new_tokens <= max_len. Raises DecodeError."""
   if not prompts:
     raise DecodeError("no prompts given")
   if mesh is not None and len(prompts) % mesh.shape["data"]:
@@ -167,12 +132,9 @@ def check_prompts(prompts, max_new_tokens, max_len: int, mesh,
 def init_state(model_cfg, prompts, max_new_tokens: int, seed: int, cache_len: int,
                num_draft_tokens: int, drafter_state=None, auto: AutoState | None = None,
                stop_ids=None, pad_id: int = tok.PAD_ID) -> DecodeState:
-  """The state before prefill: prompts [B] int32 arrays (BOS included)
-  written left-aligned into a ``pad_id`` buffer of ``cache_len`` slots (any
-  id of the vocabulary: slots past a row's length are never read as
-  committed tokens), an empty target cache, zeroed statistics for
-  ``num_draft_tokens`` G; stop_ids [B, K] int32 (default: the byte
-  tokenizer's EOS alone)."""
+  """The state before prefill: prompts (BOS included) left-aligned in a
+  ``pad_id`` buffer of ``cache_len`` slots, an empty target cache, zeroed
+  statistics for G ``num_draft_tokens``; stop_ids [B, K] (default: EOS)."""
   b = len(prompts)
   lengths = np.asarray([len(p) for p in prompts], np.int32)
   tokens = np.full((b, cache_len), pad_id, np.int32)
@@ -192,13 +154,9 @@ def init_state(model_cfg, prompts, max_new_tokens: int, seed: int, cache_len: in
 
 
 def repeat_row(one: DecodeState, like) -> DecodeState:
-  """``one`` (a state of B = 1, e.g. after the prefill) broadcast to the
-  shapes of ``like`` (a state, or its ``jax.eval_shape``, of B rows from
-  the same decoder and prompt): batched leaves [1, ...] -> [B, ...], shared
-  ones (PRNG key, "auto"'s scalars and costs) kept. Each round draws all
-  rows' randomness from one key, so the B rows sample independently.
-  Raises ValueError for leaves that differ otherwise (structure, dtype,
-  any other dimension)."""
+  """``one`` (a B = 1 state) broadcast to the shapes of ``like`` (a B-row
+  state or its ``jax.eval_shape``): batched leaves [1, ...] -> [B, ...], shared
+  ones kept. Raises ValueError for leaves that differ otherwise."""
   def rep(a, b):
     if a.dtype != b.dtype or (a.shape != b.shape and (a.ndim != b.ndim or a.shape[0] != 1
                                                        or a.shape[1:] != b.shape[1:])):
@@ -221,12 +179,9 @@ def init_auto(schedule, batch: int) -> AutoState:
 
 def to_generation(state: DecodeState, *, emit_times, wall: float, prefill: float,
                   num_draft_tokens: int, tree, kept=None) -> Generation:
-  """Host copy of a finished state as a ``Generation``. ``kept``: None, or
-  [B] lengths past which nothing was handed on (an interrupted stream,
-  ``decode.loops.stream_rounds``): rows are cut there and the generation
-  is marked ``interrupted``.
-
-  Raises NonFiniteLogitsError when a row stopped on NaN/inf logits."""
+  """Host copy of a finished state as a ``Generation``; rows cut at ``kept``
+  [B] (an interrupted stream) and marked ``interrupted``. Raises
+  NonFiniteLogitsError when a row stopped on NaN/inf logits."""
   host = jax.device_get(dict(tokens=state.tokens, length=state.length,
                              prompt_len=state.prompt_len, target_calls=state.target_calls,
                              accepted_histogram=state.accepted_histogram, error=state.error,
@@ -249,11 +204,9 @@ def to_generation(state: DecodeState, *, emit_times, wall: float, prefill: float
 
 def finish(state: DecodeState, emit_times, wall: float, prefill: float, stops, g: int, tree,
            token_bytes, eos_ids, kept=None, max_new_tokens: int = 0) -> Generation:
-  """A finished state's ``Generation`` (``to_generation``, G ``g``, ``tree``
-  a ``TreeSpec`` or None) with rows cut at stop strings, finish reasons
-  and texts (``decode.stops.finish_rows``); ``kept``: the lengths an
-  interrupted stream handed on (rows cut there, unfinished ones
-  "interrupted" against ``max_new_tokens``)."""
+  """``to_generation`` (G ``g``, ``tree`` a ``TreeSpec`` or None) with rows
+  cut at stop strings, finish reasons and texts (``stops.finish_rows``);
+  ``kept``: what an interrupted stream handed on."""
   gen = to_generation(state, emit_times=emit_times, wall=wall, prefill=prefill,
                       num_draft_tokens=g, tree=None if tree is None else tree.branching,
                       kept=kept)

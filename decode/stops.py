@@ -1,30 +1,15 @@
-"""Stop conditions beyond the token budget: stop token ids and stop strings,
-exact however a stop falls relative to a speculative round.
+"""Stop conditions beyond the token budget, exact wherever a stop falls in a
+speculative round (docs/decoding.md, "Stops").
 
-- Stop token ids (EOS and ``StopConditions.token_ids``) are checked on the
-  device inside ``decode.round.commit``: the first one among a round's
-  emitted tokens (accepted drafts, then the residual/bonus token) ends the
-  row and is kept; nothing after it is committed. A speculative round that
-  accepts a block with a stop id inside therefore commits exactly what AR
-  would (tests/test_stops.py).
-- Stop strings are text: a string can end inside a token or span several
-  tokens, and one text has several tokenizations, so they are matched on
-  the host over the bytes of the emitted tokens (``StopMatcher``). The
-  row's tokens are cut after the token that completes the first
-  occurrence, its text right before the occurrence (the stop string itself
-  is not part of the output, as in vLLM and transformers). In the stream
-  form the matcher runs after every round: a row whose stop string
-  appeared is stopped on the device before the next round, and no byte of
-  the stop string or past it is ever streamed (bytes that could begin a
-  stop string are held back until they are known not to). In the
-  while_loop form rows are cut after the loop (the loop itself stops at
-  stop ids and the budget only).
-
-A row's finish reason is one of ``FINISH_REASONS``: "eos" (the tokenizer's
-end-of-sequence id), "stop" (a stop id or stop string), "length" (the
-budget), "error" (non-finite logits), "interrupted" (an interrupted stream
-ended before the row did: ``mark_interrupted``).
-"""
+Stop ids (EOS and ``StopConditions.token_ids``) are checked on the device in
+``decode.round.commit``: the first one among a round's emitted tokens ends
+the row and is kept. Stop strings are matched on the host over the emitted
+bytes (``StopMatcher``): the tokens are cut after the token completing the
+first occurrence, the text right before it (as vLLM and transformers). The
+stream form matches after every round and never streams a stop string's
+bytes (``StreamStops``); the while_loop form cuts rows after the loop
+(``finish_rows``). Finish reasons: ``FINISH_REASONS`` ("eos", "stop",
+"length", "error", "interrupted")."""
 
 from __future__ import annotations
 

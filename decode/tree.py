@@ -1,63 +1,17 @@
-"""Token trees drafted by the sequential MTP modules, verified in one target
-call.
+"""Token trees drafted by the MTP modules and verified in one target call.
 
-A static tree (``decode.tree_spec.TreeSpec``, branching b_1..b_m per depth, m <= D)
-replaces the chain of drafts: module k proposes all depth-k nodes in one
-call, the target verifies every node in one forward with a tree attention
-mask, and the acceptance rule (``acceptance.tree_greedy_verify`` at T = 0,
-``acceptance.tree_rejection_sample`` at T > 0: recursive rejection sampling
-over children drawn without replacement, docs/speculative_sampling.md
-"Token trees") picks one root-to-node path per row. Shapes are static
-functions of the tree, so nothing recompiles per round; rows accept
-different paths.
-
-Indices (docs/design.md sections 5-6; one row, committed tokens
-x_0..x_{n-1}, target cache valid for slots 0..n-2, slot s = position s).
-Nodes are numbered breadth first (``TreeSpec``); node u has depth m_u and
-stands for position n-1+m_u; the root is x_{n-1} (depth 0).
-
-Drafting (``TreeMTPDrafter.draft``). Module k's entry at position j has
-inputs (h^{k-1}_j, x_{j+k}); it is true when x_{j+k} is committed
-(j <= n-1-k). Module k runs ONE call over
-
-- its committed window: W = m + 1 positions from its committed length c_k
-  (c_k = n_prev - k, so the true entries c_k..n-1-k are the e_prev <= m+1
-  tokens emitted last round; the rest of the window is scratch), exactly
-  the chain's window machinery, causal;
-- one entry per node u of depth 1..k-1 (the nodes a branch of module k
-  reads), at position n-1-k+m_u with inputs (h^{k-1} of module k-1's entry
-  for parent(u), token of u); for m_u = 1, module k-1's committed output at
-  position n-k. These entries are written at the scratch slots c_k+W+i
-  (past every true entry; RoPE at the true positions) and attend to the
-  committed slots <= n-1-k, their ancestors' entries and themselves
-  (entries at negative positions, which a cache-free forward does not
-  have, are hidden).
-
-Module k's entries for the depth-(k-1) nodes (k = 1: the committed entry at
-n-2, for the root) give q for their b_k children: the top-b_k tokens of the
-logits at T = 0 (distinct, the first is the chain's argmax draft), an
-ordered sample without replacement from the warped q at T > 0
-(``sampling.sample_without_replacement``). Module caches need no repair
-after the round: the next round recomputes the committed window from
-c_k := n - k, as the chain does.
-
-Verification (``tree_round``): one target forward over
-[x_{n-1}, node_1..node_N] written at slots n-1..n-1+N, positions
-n-1+depth, mask: committed slots <= n-2, the node's ancestors (root
-included) and itself. After acceptance of the path u_1..u_a the target K/V
-of u_i (slot n+index(u_i), >= n-1+i in BFS order) is copied to slot n-1+i
-for every layer (all sources gathered before the contiguous write at n),
-and h^0 of [root, u_1..u_a] goes to the drafter's depth-0 hidden buffer at
-positions n-1..n-1+a. The rest is the chain's commit
-(``decode.round.commit``): tokens u_1..u_a and the next token at n..n+a, cut at
-EOS and at the token budget.
-
-The cost of a round, relative to the chain of the same depth, is the
-larger target block (1+N instead of 1+m tokens), module k's N_{<k} extra
-entries, the top-k / sampling without replacement, the tree masks
-([B, T, S] booleans) and the K/V copy of the accepted path (2 L small
-gathers and writes, ``decode.kv_cache.move_path_kv``).
-"""
+A static tree (``decode.tree_spec.TreeSpec``, branching b_1..b_m, m <= D):
+module k drafts all depth-k nodes in one call (``TreeMTPDrafter``: top-b_k
+at T = 0, Gumbel-top-k without replacement at T > 0); one target forward
+over [x_{n-1}, node_1..node_N] with a tree mask (``verify_mask``) verifies
+them; ``acceptance.tree_greedy_verify`` / ``tree_rejection_sample`` pick a
+path per row; ``tree_commit`` moves its K/V into place and commits it.
+Node u of depth m_u (BFS order) stands for position n-1+m_u. Module k's
+call covers its committed window (W = m + 1 positions from c_k) and one
+entry per node of depth < k (N_{<k}, at scratch slots c_k+W+i, RoPE at
+their true positions n-1-k+m_u). Shapes are
+static in the tree (docs/design.md section 6; docs/speculative_sampling.md,
+"Token trees")."""
 
 from __future__ import annotations
 
@@ -115,17 +69,11 @@ def module_mask(spec: TreeSpec, k: int, window: int, c, n, cache_len: int):
 
 
 class TreeMTPDrafter(MTPDrafter):
-  """Drafts a token tree with the MTP modules 1..m (module docstring).
+  """Drafts a token tree with the MTP modules 1..m (module docstring); state,
+  prefill and ``after_verify`` are the chain drafter's with G = m.
 
-  State, prefill and ``after_verify`` are the chain drafter's with G = m
-  (caches and hidden buffers of modules 1..m; ``after_verify`` stores h^0
-  of [root, accepted path] at positions n-1..n-1+m).
-
-  Args:
-    spec: the tree, depth m in [1, D].
-    depth: D of the target model.
-  Raises:
-    ValueError: m > D (``parse_tree`` gives the CLI message).
+  Args: spec: the tree, depth m in [1, D]; depth: D of the target model.
+  Raises ValueError when m > D (``parse_tree`` gives the CLI message).
   """
 
   def __init__(self, spec: TreeSpec, depth: int):
@@ -147,21 +95,12 @@ class TreeMTPDrafter(MTPDrafter):
 
   def draft(self, target: Transformer, state: MTPDraftState, tokens, n, key,
             params: SamplingParams, g: int | None = None):
-    """One tree of drafts for the round starting at n [B] int32.
-
-    Args:
-      target: the model (its MTP modules draft).
-      state: drafter state (``init_state`` / ``prefill``).
-      tokens: [B, S] int32 committed tokens (not written to).
-      key: the round's drafting key (one uniform draw [B, N_internal, V]
-        when sampling; unused when greedy).
-      params: sampling settings.
-      g: unused (the tree's shape fixes the drafts; the chain's signature).
-    Returns:
-      (state, tokens unchanged, node_tokens [B, N] int32 in BFS order,
-      q [B, N_internal, V] float32: per internal node (block order), the
-      warped distribution its children were drawn from without replacement,
-      or the raw draft logits when greedy).
+    """One tree of drafts for the round starting at n [B] int32 from
+    ``target``'s MTP modules; ``tokens`` [B, S] int32 is not written to;
+    ``key``: one [B, N_internal, V] uniform draw when sampling; ``g`` unused.
+    Returns (state, tokens, node_tokens [B, N] int32 in BFS order, q
+    [B, N_internal, V] float32 per internal node: the warped distribution its
+    children were drawn from without replacement, or the logits when greedy).
     """
     spec, w = self.spec, self.window
     greedy = params.greedy
@@ -225,18 +164,11 @@ class TreeMTPDrafter(MTPDrafter):
 
 def tree_propose(drafter: TreeMTPDrafter, target: Transformer, state: DecodeState,
                  params: SamplingParams) -> tuple[DecodeState, round_lib.Proposal]:
-  """Draft the tree and verify it in one target call (no acceptance yet):
-  ``decode.round.propose`` with a tree.
-
-  Returns (state with the drafter state, the extended target cache, the key
-  advanced and non-finite rows flagged, a ``round.Proposal`` whose
-  draft_tokens are node_tokens [B, N] int32, draft_q the drafter's q
-  [B, N_internal, V] (``TreeMTPDrafter.draft``), p [B, N+1, V] (warped
-  target probabilities; the logits when greedy), h0 [B, N+1, D]). A row
-  with one committed token (no position n-2 for module 1) gets no tree:
-  node ids ``round.NO_DRAFT`` and q = 0 (``round.undrafted_as_absent``),
-  which the tree rules reject (an invalid child is skipped), so the row
-  emits exactly an AR step's token from the root.
+  """Draft the tree and verify it in one target call (``round.propose`` with
+  a tree). Returns (state, ``round.Proposal``: draft_tokens [B, N] int32,
+  draft_q [B, N_internal, V], p [B, N+1, V] warped target probabilities (the
+  logits when greedy), h0 [B, N+1, D]). A row with one committed token gets
+  node ids ``round.NO_DRAFT`` and q = 0, so it emits an AR step's token.
   """
   spec = drafter.spec
   state, k_draft, k_accept = round_lib.split_keys(state, params)
@@ -261,13 +193,10 @@ def tree_propose(drafter: TreeMTPDrafter, target: Transformer, state: DecodeStat
 
 def tree_commit(drafter: TreeMTPDrafter, state: DecodeState, node_tokens, path, a, nxt,
                 h0) -> DecodeState:
-  """Moves the accepted path into place and commits it.
-
-  path [B, m] int32 node indices (``acceptance.tree_*_verify``), a [B] accepted
-  path length, nxt [B] the residual/bonus token, h0 [B, N+1, D] of the
-  verify block. The target K/V of the path goes to slots n..n+m-1
-  (``move_path_kv``); ``round.commit`` then emits the path tokens and the
-  next token (cut at EOS and the budget) and stores h^0 of [root, path].
+  """Moves the accepted path's target K/V to slots n..n+m-1
+  (``move_path_kv``) and commits it (``round.commit``: path tokens, then
+  ``nxt``, cut at EOS and the budget; h^0 of [root, path] stored). path [B, m]
+  int32 node indices, a [B] path length, nxt [B], h0 [B, N+1, D].
   """
   n = state.length
   cache = move_path_kv(state.cache, path, n)

@@ -16,20 +16,12 @@ MAX_NODES = 512          # nodes per tree (the verify block is 1 + N tokens)
 
 @dataclasses.dataclass(frozen=True)
 class TreeSpec:
-  """A static draft tree given by its branching per depth.
-
-  ``branching`` (b_1, .., b_m): the root (the newest committed token x_{n-1})
-  has b_1 children, every depth-1 node b_2 children, and so on; depth m is
-  the tree's depth. Nodes are numbered in breadth-first order (all depth-1
-  nodes, then all depth-2 nodes, ...; the children of one parent are
-  consecutive, in the order they were drafted), node i in 0..N-1. Verify
-  blocks put the root at block index 0 and node i at block index 1 + i, so
-  the internal nodes (root and depths 1..m-1) are the first
-  ``num_internal`` block indices.
-
-  Hashable (a static argument under ``jax.jit``); the derived index arrays
-  are numpy (static).
-  """
+  """A static draft tree, ``branching`` (b_1, .., b_m): the root (x_{n-1})
+  has b_1 children, every depth-1 node b_2, and so on; m is the depth. Nodes
+  are numbered breadth first (siblings consecutive, in drafting order), node
+  i in 0..N-1; verify blocks put the root at index 0 and node i at 1 + i, so
+  the internal nodes are the first ``num_internal`` block indices. Hashable
+  (static under ``jax.jit``); derived index arrays are numpy."""
   branching: tuple[int, ...]
 
   def __post_init__(self):

@@ -163,8 +163,8 @@ def test_probes_notice_text_that_turns_easy_at_a_bounded_cost():
   rejected) the text turns easy (every draft accepted): the next probe
   must re-enable drafting, and most of the easy stretch is drafted. On the
   hard stretch the probes cost at most probe_rounds (cost(1) / cost(0) - 1)
-  / (probe_interval rounds_per_choice) AR steps per round (the module
-  docstring's bound)."""
+  / (probe_interval rounds_per_choice) AR steps per round (the bound in
+  ``AutoSchedule``'s docstring)."""
   costs = [1.0, 1.6, 1.7, 1.8]
   s = AutoSchedule(3, prior=0.1)
   hard, st = _drive(s, s.init_state(1, costs), 300, lambda g: 0)

@@ -1,39 +1,9 @@
-"""Round costs for ``num_draft_tokens="auto"``: seconds per round at each
-draft length g = 0..G_max, measured on this device before the first timed
-generation of a (batch size, cache length, sampling mode, form), and put
-into the "auto" state (``with_costs``).
-
-The measurement (``round_costs``): each g's rounds timed with the g
-interleaved (``mtp.timing.interleaved_times``), so noise hits every g
-alike; in the while_loop form they run in the generation's own program
-(``decoder_round_costs``), beside a call of that program that runs no
-round, whose seconds (the call's fixed cost: dispatch, loop entry, the
-state in and out) are taken off every timed call before dividing by its
-rounds; each g's cost is its median ratio to the AR step (g = 0) timed in
-the same repeat, times the fastest AR step (robust to slow drift and
-bursts), made non-decreasing in g (a longer draft never costs less: noise
-must not invert the order). A busy machine can still skew the costs, which
-only costs speed, never correctness: the schedule's choices depend on the
-past only.
-
-How much is timed: ``calibration_plan`` (16 rounds per call, 7 calls per
-g up to 16 rows; at more rows the same rows x rounds, down to 3 calls of
-one round), and ``prefill_repeats`` for the prefills; before any of it
-``AutoSchedule.drafting_can_pay`` may find that nothing needs measuring
-(``AutoCalibration.drafting_can_pay``): at a large batch with a short budget the
-costs could not make drafting pay.
-
-Why the fixed cost matters: a calibration call runs ~16 rounds at g = 0
-and more at larger g (its budget is 16 (g + 1) tokens), a generation more.
-Left in, a call's fixed cost (which can exceed a small model's AR step)
-inflates the cost of the calls with the fewest rounds, the AR step's most,
-and compresses the ratios between draft lengths.
-
-``AutoCalibration`` is what a ``Decoder`` with "auto" holds: the costs per
-batch shape, the current generation's key, and the fallback decisions
-(``start``: prepare with costs or fall back to plain AR; ``fallback``: the
-AR result in "auto"'s shape, learning the AR step).
-"""
+"""Round costs for ``num_draft_tokens="auto"``: seconds per round at g =
+0..G_max, measured on this device per (batch size, cache length, sampling
+mode, form) before the first generation (``round_costs``,
+``decoder_round_costs``) and moved by later generations (``learn_costs``).
+``AutoCalibration`` is what a ``Decoder`` with "auto" holds; ``start``
+prepares a generation or falls back to plain AR (docs/results/auto_schedule.md)."""
 
 from __future__ import annotations
 
@@ -54,15 +24,11 @@ OUTLIER = 10.0             # a generation slower than this x the predicted time 
 
 
 def calibration_plan(batch: int) -> tuple[int, int]:
-  """(rounds per timed call, timed calls per draft length) at ``batch``
-  rows: ``CALIBRATION_ROUNDS`` x ``CALIBRATION_REPEATS`` up to
-  ``CALIBRATION_ROWS`` rows; above, the rows x rounds per draft length stay
-  those of ``CALIBRATION_ROWS`` rows, first by fewer calls (down to
-  ``MIN_CALIBRATION_REPEATS``; a longer call's fixed noise weighs less),
-  then fewer rounds per call (down to one), so the work stays bounded
-  however large the batch. The timing still runs at the batch itself: a
-  smaller one would misplace the costs where a round's time stops growing
-  with its rows (a GPU below its compute bound)."""
+  """(rounds per timed call, timed calls per draft length) at ``batch`` rows:
+  ``CALIBRATION_ROUNDS`` x ``CALIBRATION_REPEATS`` up to ``CALIBRATION_ROWS``
+  rows; above, rows x rounds stay those of ``CALIBRATION_ROWS`` rows (fewer
+  calls down to ``MIN_CALIBRATION_REPEATS``, then fewer rounds down to one).
+  Timed at the batch itself."""
   work = CALIBRATION_ROWS * CALIBRATION_ROUNDS * CALIBRATION_REPEATS
   batch = max(int(batch), 1)
   repeats = min(CALIBRATION_REPEATS,
@@ -72,10 +38,8 @@ def calibration_plan(batch: int) -> tuple[int, int]:
 
 
 def prefill_repeats(batch: int) -> int:
-  """Timed prefills of each decoder in ``extra_prefill_seconds`` at
-  ``batch`` rows: ``PREFILL_REPEATS`` up to ``CALIBRATION_ROWS`` rows, then
-  as many as keep the rows prefilled those of ``CALIBRATION_ROWS`` rows, at
-  least one (a prefill of many rows is long: its noise is small)."""
+  """Timed prefills per decoder at ``batch`` rows: ``PREFILL_REPEATS`` up to
+  ``CALIBRATION_ROWS`` rows, then fewer (rows prefilled kept), at least one."""
   return min(PREFILL_REPEATS, max(1, PREFILL_REPEATS * CALIBRATION_ROWS // max(int(batch), 1)))
 
 
@@ -90,21 +54,14 @@ class Calibration(NamedTuple):
 def round_costs(run_rounds: Callable[[int], tuple[float, int]], max_draft_tokens: int, *,
                 repeats: int = CALIBRATION_REPEATS,
                 run_none: Callable[[], float] | None = None) -> Calibration:
-  """Seconds per round for g = 0..G_max (``Calibration``).
-
-  Args:
-    run_rounds: ``run_rounds(g)`` runs some rounds at draft length g, blocks
-      until they are done and returns (seconds, rounds run): the seconds of
-      the rounds alone (its own setup, e.g. copying a state, left out). The
-      first call per g compiles; it is not used.
-    max_draft_tokens: G_max >= 0 (0: the AR step alone).
-    repeats: interleaved timed calls per g (``mtp.timing.interleaved_times``
-      gives the order).
-    run_none: optional; ``run_none()`` makes the same call with no round to
-      run and returns its seconds. Timed in the same interleaved repeats; its
-      median (``call_s``) is taken off each timed call of ``run_rounds``
-      (keeping at least half of the call) before dividing by the rounds.
-  """
+  """``Calibration`` of g = 0..G_max (``max_draft_tokens`` >= 0), timed in
+  ``repeats`` interleaved calls per g (``mtp.timing.interleaved_times``):
+  cost(g) = median over repeats of its ratio to the AR step's (g = 0) call
+  x the fastest AR step, made non-decreasing in g.
+  ``run_rounds(g)`` runs some rounds, blocks, and returns (seconds, rounds);
+  its first call per g compiles and is not used. ``run_none()`` (optional)
+  times the same call with no round: its median, ``call_s``, is taken off
+  each call (keeping at least half) before dividing by the rounds."""
   got = {g: [] for g in range(max_draft_tokens + 1)}
   none = []
 
@@ -134,15 +91,11 @@ def _timed_generate(decoder, state, sp) -> tuple[float, object]:
 
 
 def decoder_round_costs(decoder, state, sp, form: str) -> Calibration:
-  """``round_costs`` of a ``Decoder`` with "auto" after the prefill
-  ``state`` (each call on a copy made before its clock starts).
-  While_loop form: the generation's own jitted program with the schedule
-  forced to g and the budget cut to n (g + 1) tokens, per round it ran (a
-  separate loop of bare rounds would be another program with other
-  costs); the same program on all-done rows gives the call's fixed cost
-  (``Calibration.call_s``). Stream form: n rounds called from Python with
-  the stream loop's host sync (part of a round's cost there). n and the
-  calls per g: ``calibration_plan`` of the batch."""
+  """``round_costs`` of a "auto" ``Decoder`` after the prefill ``state``
+  (each call on a copy). While_loop form: the generation's own program with
+  g forced and a budget of n (g + 1) tokens, and on all-done rows for
+  ``call_s``; stream form: n rounds called from Python with its host sync.
+  n and the calls: ``calibration_plan``."""
   import time
 
   import jax
@@ -182,17 +135,10 @@ def decoder_round_costs(decoder, state, sp, form: str) -> Calibration:
 
 
 def plain_ar_calibration(ar_decoder, state, sp, form: str) -> Calibration:
-  """Seconds per step of the plain AR decoder "auto" falls back to
-  (``Decoder.plain_ar``), measured as ``decoder_round_costs`` measures
-  "auto"'s rounds, after the prefill ``state`` of that decoder (each call on
-  a copy): ``Calibration`` with costs [1] (the AR step) and, in the
-  while_loop form, the call's fixed cost. ``drafting_pays`` compares
-  drafting with this step, not with "auto"'s own AR round (g = 0), which
-  also feeds the MTP modules the new token (their catch-up) and runs inside
-  the segment loop, so it costs more and would make a short draft look
-  cheaper than AR. The stream
-  form calls the round as ``Decoder.stream`` does (g None), so the
-  program timed is the one the fallback runs, compiled here once."""
+  """``Calibration`` (costs [1], the step) of the plain AR decoder "auto"
+  falls back to (``Decoder.plain_ar``), timed as ``decoder_round_costs``
+  after that decoder's prefill ``state``; ``drafting_pays`` compares with
+  it rather than "auto"'s g = 0 round, which also feeds the modules."""
   import time
 
   import jax
@@ -224,16 +170,10 @@ def plain_ar_calibration(ar_decoder, state, sp, form: str) -> Calibration:
 
 def extra_prefill_seconds(decoder, prompts, max_new_tokens: int, repeats: int | None = None,
                           stops=None, warmup: int = 1) -> float:
-  """Seconds the "auto" decoder's prefill (target and MTP modules over the
-  prompt bucket) takes beyond its plain AR fallback's (target only), on
-  ``prompts`` (and ``stops``, whose ids are part of the state): the median
-  of ``repeats`` (default ``prefill_repeats`` of the batch) interleaved
-  timings of each (states prepared before the clock starts; the first
-  ``warmup`` calls of each, which may compile, untimed: 0 when both
-  prefills already ran at these shapes), floored at 0.
-  ``AutoSchedule.drafting_pays
-  charges it to drafting: on a shallow target at B = 1 it can exceed what
-  a short generation's drafts save."""
+  """Seconds (>= 0) the "auto" decoder's prefill (target and modules) takes
+  beyond its plain AR fallback's on ``prompts`` and ``stops``: median of
+  ``repeats`` (default ``prefill_repeats``) interleaved timings of each, the
+  first ``warmup`` calls untimed; charged to drafting by ``drafting_pays``."""
   import time
 
   import jax
@@ -253,17 +193,12 @@ def extra_prefill_seconds(decoder, prompts, max_new_tokens: int, repeats: int | 
 
 
 def updated_costs(costs, rounds, seconds: float, step: float = 0.5) -> np.ndarray:
-  """Round costs [G_max+1] float64 moved toward explaining one generation:
-  ``rounds`` [G_max+1] rounds run at each g (``Generation.draft_length_histogram``,
-  the batch's: its maximum over rows) took ``seconds`` (the decoding phase,
-  prefill excluded). A normalised least-mean-squares step (Widrow-Hoff):
-  c + step * n (T - n.c) / n.n, so the prediction error n.c - T shrinks by
-  the factor (1 - step) and only the costs of the g that ran move (in
-  proportion to their rounds); then kept positive (>= 1/4 of the old cost)
-  and non-decreasing in g, as ``round_costs``. Costs are unchanged when no
-  round ran, ``seconds`` is not positive, or ``seconds`` is more than
-  ``OUTLIER`` x the costs' prediction (a compilation, a paused machine: one
-  such call would otherwise move every cost by seconds). step in (0, 1]."""
+  """Round costs [G_max+1] float64 moved toward one generation that ran
+  ``rounds`` [G_max+1] rounds per g (the batch's maximum over rows) in
+  ``seconds`` (decoding phase): a normalised LMS (Widrow-Hoff) step
+  c + step n (T - n.c) / n.n, step in (0, 1], then >= 1/4 of the old cost and
+  non-decreasing in g. Unchanged when no round ran, ``seconds`` <= 0 or
+  ``seconds`` > ``OUTLIER`` x the prediction n.c."""
   c = np.asarray(costs, np.float64)
   n = np.asarray(rounds, np.float64)
   if not 0 < step <= 1:
@@ -278,13 +213,9 @@ def updated_costs(costs, rounds, seconds: float, step: float = 0.5) -> np.ndarra
 
 
 def learn_costs(costs: dict, key, gen, call_s: float = 0.0) -> None:
-  """A ``Decoder``'s measured round costs ``costs[key]`` (``key``: batch
-  size, cache length, mode, form; None when the costs were given as
-  ``auto_costs`` and stay fixed) moved toward the decoding time ``gen`` (a
-  ``Generation`` with "auto") took for the rounds it ran at each g, less
-  the call's fixed cost ``call_s`` (``Calibration.call_s``: the costs are
-  per round without it) (``updated_costs``), so the next generation's
-  choices follow the rounds actually run, not only the calibration."""
+  """Moves ``costs[key]`` (None key: fixed ``auto_costs``, nothing) toward
+  the decoding time of ``gen`` (a "auto" ``Generation``) less ``call_s``,
+  by ``updated_costs`` of the rounds it ran per g."""
   if key is None or gen.draft_length_histogram is None:
     return
   rounds = np.asarray(gen.draft_length_histogram).max(axis=0)
@@ -293,12 +224,9 @@ def learn_costs(costs: dict, key, gen, call_s: float = 0.0) -> None:
 
 
 def learn_ar_step(plain: dict, key, gen) -> None:
-  """The plain AR step ``plain[key]`` (a ``Calibration`` from
-  ``plain_ar_calibration``) moved toward the decoding time of ``gen``, a
-  generation of the AR fallback (its rounds: the most target calls of a
-  row), less the call's fixed cost (``updated_costs``). Nothing when
-  ``key`` is None (fixed ``auto_costs``, or a key's first generation, which
-  compiles)."""
+  """Moves the plain AR step ``plain[key]`` (a ``Calibration``) toward the
+  decoding time of ``gen``, an AR fallback generation (``updated_costs``);
+  nothing when ``key`` is None."""
   if key is None or key not in plain:
     return
   rounds = np.array([np.asarray(gen.target_calls).max()], np.float64)
@@ -308,18 +236,12 @@ def learn_ar_step(plain: dict, key, gen) -> None:
 
 
 def stage_prior(workdir: str, max_draft_tokens: int) -> dict | None:
-  """The acceptance prior of ``num_draft_tokens="auto"`` from a stage's own
-  validation (``metrics.jsonl``, the last evaluation at or before the latest
-  checkpoint): {"greedy": (alpha_1, ...), "sampling": (alpha_1, ...)} per
-  draft position 1..min(max_draft_tokens, depths evaluated), greedy from
-  ``mtp_k/teacher_agreement_full`` (or ``teacher_agreement``: the T = 0
-  acceptance), sampling from ``mtp_k/teacher_overlap`` (E[sum min(p, q)], the
-  T = 1 acceptance; the greedy values when absent), each clipped to
-  [0.02, 0.98]. These are unconditional rates along the data's path; the
-  schedule's estimates are conditional on the earlier drafts being accepted
-  and replace the prior as rounds test each position. None when the
-  workdir has no evaluation with MTP metrics (an export, a run never
-  evaluated): the caller keeps ``AutoSchedule``'s fixed prior."""
+  """The acceptance prior of "auto" from a stage's ``metrics.jsonl`` (last
+  evaluation at or before the latest checkpoint): {"greedy": (alpha_1, ...),
+  "sampling": (...)} per draft position 1..min(max_draft_tokens, depths),
+  greedy from ``mtp_k/teacher_agreement_full`` (else ``teacher_agreement``),
+  sampling from ``mtp_k/teacher_overlap`` (E[sum min(p, q)]; else greedy),
+  clipped to [0.02, 0.98]. None when no evaluation has MTP metrics."""
   import json
   import os
   path = os.path.join(workdir, "metrics.jsonl")
@@ -353,20 +275,15 @@ def stage_prior(workdir: str, max_draft_tokens: int) -> dict | None:
 
 @dataclasses.dataclass
 class AutoCalibration:
-  """What a ``Decoder`` with "auto" measured and decides with, per cost key
-  (batch size, cache length, greedy, filtering, form): the costs are those
-  of one compiled program shape, so each key is measured once
-  (``measured_costs``), then moved by the generations it decides.
+  """What a ``Decoder`` with "auto" measured, per cost key (batch size,
+  cache length, greedy, filtering, form), each key measured once.
 
-  fixed: the ``auto_costs`` given to the decoder, [G_max+1] float64
-    seconds per round, or None (measured).
-  costs: {key: [G_max+1] float64 seconds per round at g = 0..G_max}.
-  call_s: {key: seconds of a generate call that runs no round}.
-  plain: {key: ``Calibration`` of the plain AR fallback's step}.
-  prefill_extra: {key: seconds the MTP modules add to the prefill}.
-  key, ar_step_s, extra_prefill_s: the current generation's key (None for
-    fixed costs, a key's first generation, or no calibration), plain AR
-    step and prefill charge, set by ``measured_costs`` for ``drafting_pays``.
+  fixed: the decoder's ``auto_costs`` ([G_max+1] float64 seconds) or None.
+  costs: {key: [G_max+1] float64 seconds per round}; call_s: {key: seconds
+    of a call that runs no round}; plain: {key: the AR fallback's
+    ``Calibration``}; prefill_extra: {key: seconds the modules add to prefill}.
+  key, ar_step_s, extra_prefill_s: the current generation's key (None: fixed
+    costs, a key's first generation), AR step and prefill charge.
   """
   fixed: np.ndarray | None = None
   costs: dict = dataclasses.field(default_factory=dict)
@@ -378,10 +295,8 @@ class AutoCalibration:
   extra_prefill_s: float = 0.0
 
   def record(self, schedule) -> dict:
-    """{"prior", "greedy_prior" (per draft position), "round_costs_s":
-    {"B, S, greedy, filtering, form": [seconds per round at g = 0..G_max]}
-    as held now (or {"fixed": ...}), "call_s": {same keys: seconds},
-    "plain_ar_step_s": {same keys: the AR fallback's step}}."""
+    """{"prior", "greedy_prior", "round_costs_s": {"B, S, greedy, filtering,
+    form": [seconds at g = 0..G_max]} (or {"fixed": ...}), "call_s", "plain_ar_step_s"}."""
     as_list = lambda v: None if v is None else [float(x) for x in np.atleast_1d(v)]
     costs = ({"fixed": as_list(self.fixed)} if self.fixed is not None else
              {", ".join(map(str, k)): as_list(v) for k, v in self.costs.items()})
@@ -392,12 +307,8 @@ class AutoCalibration:
                                 for k, v in self.plain.items()}}
 
   def drafting_can_pay(self, schedule, sp, max_new_tokens: int, batch: int) -> bool:
-    """False when no round costs could make drafting pay for this budget
-    and batch (``AutoSchedule.drafting_can_pay`` at the prior): then nothing
-    is calibrated or compiled for drafting and the generation is the plain
-    AR decoder's, the decision measured costs would have led to. True with
-    fixed costs (``drafting_pays`` decides) and without "auto" (``schedule``
-    None)."""
+    """False when no costs could make drafting pay for this budget and batch
+    (``AutoSchedule.drafting_can_pay``); True with fixed costs or no "auto"."""
     if schedule is None or self.fixed is not None:
       return True
     if schedule.drafting_can_pay(sp.greedy, max_new_tokens, batch):
@@ -406,36 +317,28 @@ class AutoCalibration:
     return False
 
   def drafting_pays(self, schedule, costs, sp, max_new_tokens: int, batch: int) -> bool:
-    """``AutoSchedule.drafting_pays`` at the round costs ``costs`` [G_max+1]
-    (seconds, host side: from ``measured_costs``), the token budget,
-    ``batch`` rows, the modules' prefill charge and the plain AR step; True
-    without "auto" (``schedule`` None)."""
+    """``AutoSchedule.drafting_pays`` at ``costs`` [G_max+1] seconds with the
+    key's prefill charge and AR step; True without "auto"."""
     if schedule is None:
       return True
     return schedule.drafting_pays(np.asarray(costs, np.float64), sp.greedy, max_new_tokens,
                                   self.extra_prefill_s, batch=batch, ar_step_s=self.ar_step_s)
 
   def learn(self, gen) -> None:
-    """``learn_costs`` from a drafting generation ``gen``, for its key (a
-    no-op when the key is None: fixed costs, a key's first generation, or
-    no "auto")."""
+    """``learn_costs`` from a drafting generation ``gen`` for its key."""
     learn_costs(self.costs, self.key, gen, self.call_s.get(self.key, 0.0))
 
   def fallback(self, gen, g_max: int, learn: bool = True):
-    """The AR fallback's ``Generation`` in "auto"'s shape (``as_auto``).
-    With ``learn`` (not a warm-up) and not interrupted, its decoding time
-    moves the plain AR step (``learn_ar_step``), so a calibration that put
-    that step too high or too low is corrected by the generations it
-    decides, as a drafting generation moves its g's costs."""
+    """The AR fallback's ``Generation`` in "auto"'s shape (``as_auto``); with
+    ``learn`` and not interrupted it also moves the AR step (``learn_ar_step``)."""
     if learn and not gen.interrupted:
       learn_ar_step(self.plain, self.key, gen)
     return as_auto(gen, g_max)
 
 
 def as_auto(gen, g_max: int):
-  """An AR ``Generation`` in "auto"'s shape: num_draft_tokens G_max, every
-  round an AR step (draft length 0, 0 accepted), no draft position tested
-  (histograms [B, G_max+1] and [B, G_max] int64)."""
+  """An AR ``Generation`` in "auto"'s shape: G_max, every round g = 0, no
+  position tested (histograms [B, G_max+1] and [B, G_max] int64)."""
   b = len(gen.tokens)
   rounds = np.asarray(gen.target_calls, np.int64)
   hist = np.zeros((b, g_max + 1), np.int64)
@@ -448,13 +351,10 @@ def as_auto(gen, g_max: int):
 
 def start(decoder, prompts, max_new_tokens: int, sp, seed: int, stops, form: str,
           budget: int | None = None):
-  """``decoder.prepare``'s (state, prefill_len) with "auto"'s round costs
-  (``measured_costs``, ``with_costs``), or None where "auto" runs the plain AR decoder instead:
-  drafting cannot pay at any costs (``AutoCalibration.drafting_can_pay``,
-  then nothing is measured) or does not pay at the measured ones
-  (``drafting_pays``), decided on the host before any state of the
-  drafting decoder is built (the fallback's only extra work is the
-  decision). Without "auto": the prepared state."""
+  """``decoder.prepare``'s (state, prefill_len) with "auto"'s round costs,
+  or None where "auto" runs the plain AR decoder: drafting cannot pay at
+  any costs (nothing measured) or at the measured ones, decided on the host
+  before any drafting state is built. Without "auto": the prepared state."""
   cal = decoder.calibration
   if decoder.schedule is None:
     return decoder.prepare(prompts, max_new_tokens, seed, stops, budget)
@@ -470,17 +370,11 @@ def start(decoder, prompts, max_new_tokens: int, sp, seed: int, stops, form: str
 
 def measured_costs(decoder, prompts, max_new_tokens: int, sp, form: str = "while",
                    stops=None) -> np.ndarray:
-  """"auto"'s round costs [G_max+1] float64 seconds for this batch size,
-  cache length, sampling mode and form (``"while"`` or ``"stream"``), and
-  ``decoder.calibration``'s key, AR step and prefill charge set for
-  ``drafting_pays``. A key's first call measures, on a probe batch of
-  ``prompts`` and ``stops`` (the generation's own shapes, so the programs it
-  compiles are the generation's), the round costs (``decoder_round_costs``),
-  the plain AR step (``plain_ar_calibration``) and the modules' prefill
-  charge (``extra_prefill_seconds``); later generations move them
-  (``learn_costs``, ``learn_ar_step``), the first one not, since it
-  compiles inside its timed decoding phase. Fixed ``auto_costs`` replace
-  all three (no prefill charge; the AR step is ``auto_costs[0]``)."""
+  """Round costs [G_max+1] float64 seconds for this batch size, cache
+  length, mode and ``form`` ("while"/"stream"); sets the key, AR step and
+  prefill charge. A key's first call measures them on ``prompts`` and ``stops``
+  (``decoder_round_costs``, ``plain_ar_calibration``, ``extra_prefill_seconds``);
+  later ones learn. Fixed ``auto_costs``: AR step costs[0], no charge."""
   cal = decoder.calibration
   cal.key, cal.extra_prefill_s, cal.ar_step_s = None, 0.0, None
   if cal.fixed is not None:
@@ -505,11 +399,9 @@ def measured_costs(decoder, prompts, max_new_tokens: int, sp, form: str = "while
 
 
 def with_costs(decoder, state, sp, costs):
-  """"auto": ``state`` (a ``DecodeState`` from ``decoder.prepare``) with
-  the round costs ``costs`` [G_max+1] seconds (``measured_costs``) as
-  float32 and its estimates reset to the prior for this mode
-  (``AutoSchedule.prior_alpha(sp.greedy)``); replicated on the decoder's
-  mesh. Without "auto" ``state`` is returned unchanged."""
+  """"auto": ``state`` with round costs ``costs`` [G_max+1] as float32 and
+  estimates reset to ``AutoSchedule.prior_alpha(sp.greedy)``, replicated on
+  the decoder's mesh. Without "auto" ``state`` unchanged."""
   if decoder.schedule is None:
     return state
   import jax

@@ -37,13 +37,10 @@ def untrained_offsets_note(decoder: Decoder, method: str, trained: int) -> str |
 
 
 def length_notice(finish_reasons: Sequence[str] | None, max_new_tokens: int) -> str | None:
-  """The notice line (ending in a newline) when rows ended at their token
-  budget (finish reason "length") rather than at EOS or a stop: an answer
-  cut mid-sentence otherwise looks like the model's own ending. One line
-  per run: for one row "the answer stopped at ...", for a batch how many
-  rows did. None when no row did. Not a "note:" line: those are notices
-  about the settings (a flag without effect, an untrained offset), and
-  tests and scripts count them."""
+  """The notice line (with newline) when rows ended at their token budget
+  (finish reason "length"): for one row "the answer stopped at ...", for a
+  batch how many; None when none did. Not a "note:" line (those are about
+  settings, and tests and scripts count them)."""
   reasons = list(finish_reasons or [])
   cut = sum(r == "length" for r in reasons)
   if not cut:
@@ -84,14 +81,11 @@ def config_record(workdir: str, method: str, decoder: Decoder, *, batch_size: in
                   max_new_tokens: int, sampling: SamplingParams, num_samples: int, seed: int,
                   chat: bool, stops: StopConditions | None,
                   checkpoint_step: int | None = None) -> dict:
-  """The report's ``config``: workdir, checkpoint_step (the step decoded;
-  None for an exported model), method, num_draft_tokens
-  (max_draft_tokens with "auto"), tree (branching or None), max_new_tokens,
+  """The report's ``config``: workdir, checkpoint_step (None for an export),
+  method, num_draft_tokens (G_max with "auto"), tree, max_new_tokens,
   temperature, top_k, top_p, num_samples, seed, batch_size, chat, stop,
-  stop_token_ids, the device kind and ``numerics_record``'s keys (dtype,
-  param_dtype, matmul_precision, attention_impl, attention_impl_resolved:
-  the arithmetic decoded in); with "auto" also ``auto``: the prior and the
-  round costs it used (``Decoder.auto_record``)."""
+  stop_token_ids, the device kind, ``numerics_record``'s keys, and with
+  "auto" ``auto`` (``Decoder.auto_record``: prior and round costs)."""
   return {"workdir": workdir, "checkpoint_step": checkpoint_step, "method": method,
           "num_draft_tokens": decoder.num_draft_tokens,
           **({"max_draft_tokens": decoder.G} if decoder.num_draft_tokens == "auto" else {}),
@@ -106,11 +100,9 @@ def config_record(workdir: str, method: str, decoder: Decoder, *, batch_size: in
 
 
 def numerics_record(decoder: Decoder) -> dict:
-  """The arithmetic the target decodes in: ``dtype`` (``model.dtype`` as
-  loaded, after ``--dtype``), ``param_dtype``, ``matmul_precision``,
-  ``attention_impl`` (the configured value, after ``--attention_impl``) and
-  ``attention_impl_resolved`` (what "auto" runs on this backend for this
-  dtype, ``mtp.model.resolve_attention_impl``)."""
+  """The arithmetic the target decodes in: ``dtype`` (after ``--dtype``),
+  ``param_dtype``, ``matmul_precision``, ``attention_impl`` (configured) and
+  ``attention_impl_resolved`` (``mtp.model.resolve_attention_impl``)."""
   from mtp import model as model_lib
   cfg = decoder.target_cfg
   return {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype,

@@ -1,36 +1,11 @@
-"""Decoding statistics (definitions of docs/design.md section 7); the speedup
-theory these are compared with is ``decode.cli.theory``.
-
-- mean accepted length tau: tokens per target verification call, the mean of
-  a+1 over rounds (a = accepted drafts; AR has tau = 1). The budget or an EOS
-  may cut a round's output short; tau still counts the round as a+1 verified
-  tokens, so it measures the drafter, not the budget (JSON
-  ``mean_accepted_length``).
-- printed tau (``tokens_per_call``): num_tokens / target_calls, emitted
-  tokens per call; each call emits its accepted drafts plus one token of its
-  own (residual or bonus), cut at the budget or a stop; the prefill emits
-  none. What every printed block shows, so tokens / calls rebuilds it.
-- target_calls: verification calls summed over rows (a batch of B active rows
-  in one round counts B); the number of batched forward passes is the
-  maximum over rows.
-- acceptance rate alpha_k: P(d_k accepted | d_1..d_{k-1} accepted), from the
-  histogram of a: rounds with a >= k over rounds with a >= k-1; with
-  ``num_draft_tokens="auto"`` (G varies by round) from per-position counts of
-  the rounds that tested d_k.
-- draft_length_histogram ("auto"): rounds per chosen G (0 = AR step).
-- TTFT: seconds from the request (before prefill) to the first emitted token.
-- ITL: seconds between successive emitted tokens of a row as a client sees
-  them; tokens emitted by the same round arrive together (gap 0), which is
-  what makes speculative decoding's ITL distribution bimodal.
-- tokens_per_s: emitted tokens over the whole batch / wall time.
-- prefill_s: the prefill alone (target and drafter over the prompt bucket);
-  decode_tokens_per_s: emitted tokens / (wall time - prefill), the rate of
-  the decoding phase that speculative decoding accelerates.
-- token trees (``Generation.tree``): a is the accepted path length (0..m),
-  so the histogram is that of accepted path lengths and alpha_k is the
-  acceptance at depth k, P(a >= k | a >= k-1); nodes_per_round is N, the
-  drafted nodes the target verifies per call (1 + N tokens).
-"""
+"""Decoding statistics (definitions: docs/design.md section 7; the theory
+they are compared with: ``decode.cli.theory``). ``summarize`` gives tau
+(``mean_accepted_length``: mean a+1 over rounds, a = accepted drafts, a
+tree's accepted path length), the printed tau (``tokens_per_call``: emitted
+tokens / target calls, summed over rows), alpha_k = P(a >= k | a >= k-1)
+(with "auto" from per-position counts), TTFT, ITL, throughput and the
+decoding phase's rate; ``format_summary`` and ``format_by_category`` print
+them. Times in seconds."""
 
 from __future__ import annotations
 
@@ -52,17 +27,13 @@ def acceptance_rates(histogram: np.ndarray) -> list[float | None]:
 
 
 def summarize(gen, rows: Sequence[int] | None = None) -> dict:
-  """Statistics over ``rows`` (default: all) of a generation (a
-  ``decode.state.Generation``). Keys:
+  """Statistics over ``rows`` (default: all) of a ``Generation``. Keys:
   mean_accepted_length, acceptance_rate_per_position,
-  accepted_length_histogram, target_calls, num_tokens, tokens_per_call
-  (num_tokens / target_calls: the printed tau), ttft_s, itl_p50_s,
-  itl_p90_s, tokens_per_s, wall_time_s, prefill_s, decode_tokens_per_s,
-  tree (branching list or None) and nodes_per_round (N for a tree, G for
-  a chain, 0 for AR, None with "auto"), and ``interrupted`` (True) only
-  when an interrupt ended the generation early. Times are in seconds;
-  timing keys are None for the while_loop form, which has no per-token
-  times."""
+  accepted_length_histogram, target_calls, num_tokens, tokens_per_call,
+  ttft_s, itl_p50_s, itl_p90_s, tokens_per_s, wall_time_s, prefill_s,
+  decode_tokens_per_s (timing keys None in the while_loop form), tree
+  (branching or None), nodes_per_round (N, G, 0 for AR, None with "auto"),
+  and ``interrupted`` (True) only when an interrupt ended it early."""
   rows = list(range(len(gen.tokens))) if rows is None else list(rows)
   hist = gen.accepted_histogram[rows].sum(0)
   if gen.position_tested is not None:            # "auto": rounds had different G
@@ -109,14 +80,10 @@ def summarize(gen, rows: Sequence[int] | None = None) -> dict:
 def format_summary(name: str, s: dict, timing: bool = True,
                    timing_note: str = "this answer's run is not one of --compare's timed "
                                       "repeats; see their blocks") -> str:
-  """Human-readable block for the CLI; its tau is tokens / target calls
-  (``tokens_per_call``: a call emits its accepted drafts plus one token,
-  cut at the budget or a stop; the prefill emits none), with
+  """Human-readable block for the CLI; tau is ``tokens_per_call``, with
   ``mean_accepted_length`` beside it where a cut makes them differ.
-  ``timing``: False leaves out the timing line (TTFT, ITL, throughput,
-  wall) in favour of ``timing_note`` (``--compare``: its timed blocks
-  follow; two throughputs of one method in one output would read as one
-  measurement)."""
+  ``timing`` False replaces the timing line (TTFT, ITL, throughput, wall)
+  by ``timing_note`` (``--compare`` prints its timed blocks after)."""
   num = lambda x, spec: "n/a" if x is None else format(x, spec)
   ms = lambda x: "n/a" if x is None else f"{x * 1e3:.2f} ms"
   alphas = ", ".join(f"alpha_{k}={num(a, '.3f')}" for k, a in
@@ -165,13 +132,11 @@ def group_rows(categories: Sequence[str | None]) -> dict[str, list[int]]:
 
 def summarize_by_category(gen, categories: Sequence[str | None],
                           speedups: dict[str, float] | None = None) -> dict[str, dict]:
-  """Per category (``group_rows(categories)``, one category per row of
-  ``gen``): ``{"rows": int, "num_tokens": int, "target_calls": int,
-  "mean_accepted_length": tau, "acceptance_rate_per_position": [alpha_k],
-  "accepted_length_histogram": [...]}`` from ``summarize(gen, rows)``, plus
-  ``"speedup"`` (AR wall time / method wall time of that category's
-  prompts) where ``speedups`` has the category. Raises ValueError when
-  ``categories`` does not have one entry per row."""
+  """Per category (``group_rows(categories)``): ``{"rows", "num_tokens",
+  "target_calls", "mean_accepted_length", "acceptance_rate_per_position",
+  "accepted_length_histogram"}`` from ``summarize(gen, rows)``, plus
+  ``"speedup"`` (AR / method wall time) where ``speedups`` has it. Raises
+  ValueError unless ``categories`` has one entry per row of ``gen``."""
   if len(categories) != len(gen.tokens):
     raise ValueError(f"{len(categories)} categories for {len(gen.tokens)} rows")
   out = {}

@@ -1,17 +1,8 @@
-"""Speedup theory of speculative decoding (Leviathan et al. 2023, section 3.4)
-in one place: closed forms that ``decode.cli.stats``, the benchmarks and
-``scripts/simulate_speedup.py`` compare measurements with.
-
-- ``expected_accepted_length`` tau(alpha, G) (eq. 1) and its inverse
-  ``alpha_from_tau``;
-- ``ideal_speedup`` (Theorem 3.8): tau(alpha, G) / (G c + 1);
-- ``chain_tau`` / ``chain_speedup``: the same with per-position rates alpha_k;
-- ``accepted_length_law``: P(a = k) under i.i.d. acceptance;
-- vectorised forms ``closed_form_tau`` / ``closed_form_speedup`` for arrays.
-
-alpha: per-position acceptance rate in [0, 1] (i.i.d.); G: draft length; c:
-draft cost per draft token relative to one target step (>= 0).
-"""
+"""Speedup theory of speculative decoding (Leviathan et al. 2023, section
+3.4): tau(alpha, G) (eq. 1) and its inverse, the walltime improvement of
+Theorem 3.8 (i.i.d. and per-position alpha_k, scalar and vectorised), the
+law of a, and c from a measured round. alpha in [0, 1]; G the draft length;
+c >= 0 the draft cost per token relative to one target step."""
 
 from __future__ import annotations
 
@@ -33,10 +24,8 @@ def ideal_speedup(alpha: float, num_draft_tokens: int, cost_ratio: float) -> flo
 
 def chain_tau(alphas) -> float:
   """E[tokens per target call] = 1 + sum_{j=1..G} prod_{i<=j} alpha_i for
-  per-position rates alpha_1..alpha_G (G = len(alphas), each in [0, 1];
-  alpha_i = P(draft i accepted | drafts 1..i-1 accepted)): eq. 1 of
-  Leviathan et al. 2023 without the i.i.d. assumption; equal to
-  ``expected_accepted_length(alpha, G)`` when all alpha_i = alpha."""
+  per-position rates alpha_i = P(d_i accepted | d_1..d_{i-1} accepted),
+  G = len(alphas): eq. 1 of Leviathan et al. 2023 without i.i.d. acceptance."""
   return float(1.0 + np.cumprod(np.asarray(alphas, np.float64)).sum())
 
 
@@ -81,12 +70,10 @@ def accepted_length_law(alpha: float, g: int) -> np.ndarray:
 
 
 def cost_ratio_from_round(round_cost_ar_steps: float, num_draft_tokens: float) -> float:
-  """Theorem 3.8's c from a measured round: a round that drafts G tokens
-  and verifies them costs G c + 1 target steps, so c = (round / AR step - 1)
-  / G. ``round_cost_ar_steps``: one round's seconds over one AR step's (both
-  measured); ``num_draft_tokens``: G, or the mean G of rounds that drafted
-  different lengths ("auto"), > 0. Negative when a round measured cheaper
-  than an AR step (noise: the theorem assumes c >= 0)."""
+  """Theorem 3.8's c from a measured round: a round of G drafts costs G c + 1
+  target steps, so c = (``round_cost_ar_steps`` - 1) / G, G =
+  ``num_draft_tokens`` > 0 (the mean G with "auto"). Negative when a round
+  measured cheaper than an AR step (noise)."""
   if not num_draft_tokens > 0:
     raise ValueError(f"num_draft_tokens={num_draft_tokens!r} must be > 0 (no round drafted: "
                      "c is undefined)")
@@ -94,8 +81,7 @@ def cost_ratio_from_round(round_cost_ar_steps: float, num_draft_tokens: float) -
 
 
 def speedup_from_tau(tau: float, num_draft_tokens: float, cost_ratio: float) -> float:
-  """Theorem 3.8's walltime improvement tau / (G c + 1) with a measured tau
-  (tokens per target call) in place of tau(alpha, G): the form for rounds
-  whose draft length varies ("auto": G the mean drafted length) or for a
-  token tree (G the nodes per round), where no single alpha fits."""
+  """Theorem 3.8's tau / (G c + 1) with a measured tau (tokens per target
+  call): for "auto" (G the mean drafted length) or a tree (G the nodes per
+  round), where no single alpha fits."""
   return float(tau) / (float(num_draft_tokens) * float(cost_ratio) + 1.0)
