@@ -526,14 +526,16 @@ def time_runs(decoder: Decoder, prompts: Sequence[str], *, method: str, repeats:
   def call_method():
     runs.gens[method].append(decoder.stream(*args, stops=stops))
 
-  def call_ar():
-    if runs.ar_untimed is None:        # compiles AR; its wall time is not one of the repeats
-      ar.warm_up(*args, stops=stops)
-      runs.ar_untimed = ar.stream(*args, stops=stops)
-    runs.gens["ar"].append(ar.stream(*args, stops=stops))
-  if not runs.answer:      # all compilation before the timed rounds
+  def compile_ar():          # AR's untimed run; its wall time is not one of the repeats
     ar.warm_up(*args, stops=stops)
     runs.ar_untimed = ar.stream(*args, stops=stops)
+
+  def call_ar():
+    if runs.ar_untimed is None:
+      compile_ar()
+    runs.gens["ar"].append(ar.stream(*args, stops=stops))
+  if not runs.answer:      # all compilation before the timed rounds
+    compile_ar()
     interleaved_times({method: call_method, "ar": call_ar}, repeats, warmup=0)
   else:                    # round 0: the answer (made), then AR's compiling run and repeat
     call_ar()
