@@ -135,37 +135,11 @@ def check_flag_pairs(num_draft_tokens) -> None:
 
 
 def main(argv):
-  try:
-    code = _main(argv)
-  except KeyboardInterrupt:       # before the decoding, or a second Ctrl-C during it
-    print("interrupted: no result to report", file=sys.stderr)
-    try:
-      _write_json({"interrupted": True, "results": []})
-    except OSError as e:          # a --json path not yet checked
-      print(f"error: --json={_JSON.value!r}: {e.strerror}", file=sys.stderr)
-    code = EXIT_INTERRUPTED
-  if code == EXIT_INTERRUPTED:    # no interpreter teardown: with XLA compiling it can segfault
-    for stream in (sys.stdout, sys.stderr):
-      try:
-        stream.flush()
-      except (OSError, ValueError):
-        pass
-    os._exit(EXIT_INTERRUPTED)
-  return code
-
-
-def _write_json(report: dict) -> None:
-  """``--json``: ``report`` with its provenance (``"meta"``), if the flag is set."""
-  if not _JSON.value:
-    return
-  from mtp import report as report_lib
-  report["meta"] = report_lib.provenance(
-      command="python -m decode " + shlex.join(sys.argv[1:]))   # shell-quoted, retypable
-  from mtp.files import write_atomic
-  write_atomic(_JSON.value, json.dumps(report, indent=2))
-
-
-def _main(argv):
+  """Parses the flags into a ``DecodeRequest`` and runs it
+  (``decode.cli.run.run``); writes --json. Returns the exit status: 0, 2
+  (bad input or checkpoint: one line), 3 (NaN/inf logits) or
+  ``EXIT_INTERRUPTED`` (Ctrl-C ended the decoding; the report says so). A
+  KeyboardInterrupt before the decoding propagates (``reporting_interrupts``)."""
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)   # orbax logs every restore at INFO
@@ -204,6 +178,46 @@ def _main(argv):
   return EXIT_INTERRUPTED if report.interrupted else 0
 
 
+def reporting_interrupts(main):
+  """``main(argv)`` as ``app.run`` calls it, with a Ctrl-C before the
+  decoding (or a second one during it) reported: one line, the --json
+  report ``{"interrupted": true, "results": []}``, status
+  ``EXIT_INTERRUPTED``. That status ends the process at once (streams
+  flushed, ``os._exit``: interpreter teardown while XLA compiles can
+  segfault); any other is returned."""
+  def guarded(argv):
+    try:
+      code = main(argv)
+    except KeyboardInterrupt:
+      print("interrupted: no result to report", file=sys.stderr)
+      try:
+        _write_json({"interrupted": True, "results": []})
+      except OSError as e:        # a --json path not yet checked
+        print(f"error: --json={_JSON.value!r}: {e.strerror}", file=sys.stderr)
+      code = EXIT_INTERRUPTED
+    if code == EXIT_INTERRUPTED:
+      for stream in (sys.stdout, sys.stderr):
+        try:
+          stream.flush()
+        except (OSError, ValueError):
+          pass
+      os._exit(EXIT_INTERRUPTED)
+    return code
+  return guarded
+
+
+def _write_json(report: dict) -> None:
+  """``--json``: ``report`` with its provenance (``"meta"``), if the flag is set."""
+  if not _JSON.value:
+    return
+  from mtp import report as report_lib
+  report["meta"] = report_lib.provenance(
+      command="python -m decode " + shlex.join(sys.argv[1:]))   # shell-quoted, retypable
+  from mtp.files import write_atomic
+  write_atomic(_JSON.value, json.dumps(report, indent=2))
+
+
 if __name__ == "__main__":
   from mtp.cli import flags_parser, main_guard
-  main_guard(lambda _: app.run(main, flags_parser=flags_parser(check_flags_early)))
+  main_guard(lambda _: app.run(reporting_interrupts(main),
+                               flags_parser=flags_parser(check_flags_early)))

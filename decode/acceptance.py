@@ -6,7 +6,8 @@ docs/speculative_sampling.md, indices in docs/design.md section 5.
 
 - ``rejection_sample``: Leviathan et al. 2023, Algorithm 1 (= Chen et al.
   2023, Algorithm 2), vectorised over B and G; ``greedy_verify``: its
-  temperature-0 case; ``accept``: the one a round applies.
+  temperature-0 case; ``chain_rule``: the one a round applies (these two or
+  an AR step's, ``ar_sample`` / ``ar_greedy``, all in one signature).
 - ``tree_rejection_sample`` (recursive rejection sampling, Jeon et al.
   2024), ``tree_greedy_verify``, ``tree_accept``: the same for a tree.
 
@@ -24,7 +25,10 @@ from decode.tree_spec import TreeSpec
 __all__ = [
   "rejection_sample",
   "greedy_verify",
-  "accept",
+  "greedy_chain",
+  "ar_greedy",
+  "ar_sample",
+  "chain_rule",
   "tree_rejection_sample",
   "tree_greedy_verify",
   "tree_accept",
@@ -137,20 +141,38 @@ def greedy_verify(target_logits_or_probs, draft_tokens):
 
 
 
-def accept(key, target, draft_q, draft_tokens, params: SamplingParams):
-  """The acceptance of one chain round: (num_accepted [B] int32,
-  next_token [B] int32), ``greedy_verify`` on logits (greedy ``params``,
-  static; no key) or ``rejection_sample`` on warped probabilities. An AR
-  step (``draft_tokens`` / ``draft_q`` None, target [B, 1, V]) accepts
-  nothing and emits the argmax or a sample of p_0. target: [B, G+1, V];
-  draft_q: [B, G, V] (logits when greedy); draft_tokens: [B, G] int32."""
-  if params.greedy:
-    if draft_tokens is not None:
-      return greedy_verify(target, draft_tokens)
-    return jnp.zeros(target.shape[0], jnp.int32), jnp.argmax(target[:, 0], -1).astype(jnp.int32)
-  if draft_tokens is not None:
-    return rejection_sample(key, target, draft_q, draft_tokens)
+def greedy_chain(key, target, draft_q, draft_tokens):
+  """``greedy_verify`` in the chain rules' signature (``chain_rule``):
+  ``key`` and ``draft_q`` are unused. target: [B, G+1, V] logits;
+  draft_tokens: [B, G] int32. Returns (num_accepted [B], next_token [B])."""
+  return greedy_verify(target, draft_tokens)
+
+
+def ar_greedy(key, target, draft_q=None, draft_tokens=None):
+  """An AR step at temperature 0 in the chain rules' signature: nothing
+  accepted, the next token the argmax of target [B, 1, V] (ties to the
+  lowest id). Returns (zeros [B] int32, next_token [B] int32)."""
+  return jnp.zeros(target.shape[0], jnp.int32), jnp.argmax(target[:, 0], -1).astype(jnp.int32)
+
+
+def ar_sample(key, target, draft_q=None, draft_tokens=None):
+  """An AR step at T > 0 in the chain rules' signature: nothing accepted,
+  the next token sampled from p_0 = target [B, 1, V] (warped
+  probabilities) with ``key``. Returns (zeros [B] int32, next_token [B] int32)."""
   return jnp.zeros(target.shape[0], jnp.int32), sample(key, target[:, 0])
+
+
+def chain_rule(params: SamplingParams, g: int):
+  """The acceptance rule of a chain round at draft length g (static; 0 = an
+  AR step) under ``params`` (greedy or not, static): ``rejection_sample``
+  (T > 0), ``greedy_chain`` (greedy), ``ar_sample`` / ``ar_greedy`` (g =
+  0). Each is ``rule(key, target, draft_q, draft_tokens) -> (num_accepted
+  [B] int32, next_token [B] int32)`` with target [B, g+1, V] (warped
+  probabilities, logits when greedy), draft_q [B, g, V], draft_tokens [B,
+  g] int32 (both None for an AR step) and key None when greedy."""
+  if params.greedy:
+    return greedy_chain if g else ar_greedy
+  return rejection_sample if g else ar_sample
 
 # -- token trees ------------------------------------------------------------------
 

@@ -53,7 +53,8 @@ class ProgramSpec:
   longest_draft: int                    # G; G_max with "auto"; the depth m with a tree
   tree: TreeSpec | None
   schedule: AutoSchedule | None
-  accept_rule: Callable                 # decode.acceptance.accept or a test's rule
+  accept_rule: Callable                 # (sp, g) -> the chain's rule: decode.acceptance.chain_rule
+                                        #   or a test's
   mesh: jax.sharding.Mesh | None
 
   def models(self, params, draft_params):
@@ -67,10 +68,12 @@ class ProgramSpec:
     """Target (and drafter) over positions 0..p-1 (static): ``loops.prefill``."""
     return loops.prefill(self.drafter, *self.models(params, draft_params), state, p)
 
-  def round(self, params, draft_params, state: DecodeState, sp: SamplingParams,
+  def round(self, params, draft_params, sp: SamplingParams, state: DecodeState,
             g: int | None = None) -> DecodeState:
     """One round for every row at draft length g (static; default G; 0 =
-    an AR step; a token tree ignores g)."""
+    an AR step; a token tree ignores g). The sampling parameters come
+    before the state, so ``functools.partial(round, params, draft_params,
+    sp)`` is a ``loops.RoundG``."""
     target, draft = self.models(params, draft_params)
     if self.tree is not None:
       return tree_lib.tree_round(self.drafter, target, state, sp)
@@ -80,15 +83,16 @@ class ProgramSpec:
 
   def generate(self, params, draft_params, state: DecodeState, sp: SamplingParams):
     """Every round after the prefill in one while_loop (``loops.generate_loop``)."""
-    round_g = lambda s, g: self.round(params, draft_params, s, sp, g)
+    round_g = functools.partial(self.round, params, draft_params, sp)
     return loops.generate_loop(round_g, state, self.longest_draft, self.schedule)
 
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
   """The jitted functions of one ``ProgramSpec`` (signatures as the spec's
-  methods; ``stop_rows(state, lengths [B], mask [B])`` cuts rows; the
-  decode state is donated everywhere)."""
+  methods: ``round(params, draft_params, sp, state, g)``; ``stop_rows(state,
+  lengths [B], mask [B])`` cuts rows; the decode state is donated
+  everywhere)."""
   prefill: Callable
   round: Callable
   generate: Callable
@@ -109,7 +113,7 @@ def _build(spec: ProgramSpec) -> Programs:
           else (lambda f: decode_mesh.constrain_state(f, spec.mesh)))
   return Programs(
       prefill=jax.jit(wrap(spec.prefill), donate_argnums=(2,), static_argnums=(3,)),
-      round=jax.jit(wrap(spec.round), donate_argnums=(2,), static_argnums=(4,)),
+      round=jax.jit(wrap(spec.round), donate_argnums=(3,), static_argnums=(4,)),
       generate=jax.jit(wrap(spec.generate), donate_argnums=(2,)),
       stop_rows=jax.jit(wrap(_stop_rows), donate_argnums=(0,)),
       choose=jax.jit(wrap(functools.partial(loops.choose, spec.schedule)), donate_argnums=(0,)))

@@ -33,6 +33,7 @@ then raises ``NonFiniteLogitsError`` naming the row and the position.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -178,7 +179,9 @@ class Decoder:
       (``decode.mesh``); None = one device.
     drafter: a drafter replacing the method's own (``decode.drafters``'
       interface; tests and experiments).
-    accept_rule: the chain's acceptance rule (default ``acceptance.accept``).
+    accept_rule: ``accept_rule(sampling params, g) -> rule`` picks the
+      chain's acceptance rule per round (default ``acceptance.chain_rule``;
+      tests swap in wrong rules).
     tokenizer: the model's tokenizer (required for a BPE model; default the
       byte tokenizer): its stop ids end a row, its ``decode_bytes`` gives
       the text stop strings are matched against.
@@ -189,11 +192,12 @@ class Decoder:
   def __init__(self, target: Transformer, method: str = "mtp", num_draft_tokens: int | str = 2,
                draft: Transformer | None = None, mesh=None, *, max_draft_tokens: int | None = None,
                schedule: AutoSchedule | None = None, auto_costs=None, tree=None, drafter=None,
-               accept_rule=acceptance.accept, tokenizer=None):
+               accept_rule=acceptance.chain_rule, tokenizer=None):
     m = resolve_method(target, method, num_draft_tokens, draft, max_draft_tokens=max_draft_tokens,
                        schedule=schedule, auto_costs=auto_costs, tree=tree)
-    # G: the longest draft of a round (G; G_max with "auto"; the depth m with a tree)
-    self.method, self.G, self.schedule, self.tree = method, m.longest_draft, m.schedule, m.tree
+    self.method, self.schedule, self.tree = method, m.schedule, m.tree
+    # the longest draft of a round: G; G_max with "auto"; the depth m with a tree
+    self.longest_draft = m.longest_draft
     self.drafter = drafter or m.drafter
     self.accept_rule = accept_rule
     self.tokenizer, self.eos_ids, self.pad_id = _tokenizer_ids(target.cfg, tokenizer)
@@ -212,8 +216,8 @@ class Decoder:
         None if draft is None else draft.cfg)
     self.spec = compiled.ProgramSpec(
         target_graphdef=self.target_graphdef, draft_graphdef=self.draft_graphdef,
-        drafter=self.drafter, longest_draft=self.G, tree=self.tree, schedule=self.schedule,
-        accept_rule=accept_rule, mesh=mesh)
+        drafter=self.drafter, longest_draft=self.longest_draft, tree=self.tree,
+        schedule=self.schedule, accept_rule=accept_rule, mesh=mesh)
     self.programs = compiled.programs(self.spec)      # shared by equal specs
 
   def auto_record(self) -> dict | None:
@@ -224,7 +228,7 @@ class Decoder:
   @property
   def num_draft_tokens(self) -> int | str:
     """G, or "auto"."""
-    return "auto" if self.schedule is not None else self.G
+    return "auto" if self.schedule is not None else self.longest_draft
 
   def models(self, params=None, draft_params=None) -> tuple[Transformer, Transformer | None]:
     """(target, draft model or None) merged from parameters (default: the
@@ -248,7 +252,7 @@ class Decoder:
             g: int | None = None) -> DecodeState:
     """One round for every row at draft length g (static; default G; 0 = an
     AR step; a token tree ignores g). Traced: call it inside ``jax.jit``."""
-    return self.spec.round(params, draft_params, state, sp, g)
+    return self.spec.round(params, draft_params, sp, state, g)
 
   def lowered(self, state: DecodeState, prefill_len: int, sp: SamplingParams):
     """(prefill, generate) as ``jax.stages.Lowered`` for these shapes (to
@@ -278,7 +282,7 @@ class Decoder:
     stop_ids = stops_lib.stop_id_array(self.eos_ids + tuple(stops.token_ids), b)
     budget = max_new_tokens if budget is None else min(budget, max_new_tokens)
     state = state_lib.init_state(self.target_cfg, prompts, budget, seed, cache_len,
-                                 self.G, dstate,
+                                 self.longest_draft, dstate,
                                  state_lib.init_auto(self.schedule, b) if self.schedule else None,
                                  stop_ids=stop_ids, pad_id=self.pad_id)
     if self.mesh is not None:
@@ -296,7 +300,7 @@ class Decoder:
     """(padded prompt length, cache length) of ``prepare``'s state
     (``decode.kv_cache.cache_length`` with this decoder's headroom)."""
     headroom = kv_cache.headroom(
-        self.G, self.drafter.depth if isinstance(self.drafter, MTPDrafter) else 0,
+        self.longest_draft, self.drafter.depth if isinstance(self.drafter, MTPDrafter) else 0,
         self.drafter.scratch_slots if self.tree is not None else 0)
     return kv_cache.cache_length(max(len(p) for p in prompts), max_new_tokens, headroom)
 
@@ -319,7 +323,7 @@ class Decoder:
     started = self._start(prompts, max_new_tokens, sp, seed, stops, "while")
     if started is None:
       return self.calibration.fallback(self.plain_ar().generate(
-          prompts, max_new_tokens, sampling_params, seed, stops), self.G)
+          prompts, max_new_tokens, sampling_params, seed, stops), self.longest_draft)
     state, wall, prefill = loops.timed_generate(self.prefill, self._loop(sp), *started)
     gen = self._result(state, None, wall, prefill, stops)
     if self.calibration is not None:
@@ -351,25 +355,51 @@ class Decoder:
              on_tokens: Callable[[int, np.ndarray], None] | None = None,
              stops: StopConditions | None = None,
              on_text: Callable[[int, bytes], None] | None = None, *,
-             interruptible: bool = False) -> Generation:
-    """The jitted prefill, then one jitted round per Python step: what
-    ``generate`` emits for the seed ("auto": at the same ``auto_costs``).
-    Per round ``on_tokens(row, new_ids)`` and ``on_text(row, new_bytes)``
-    (UTF-8; bytes that may start a stop string held back); a row reaching a
-    stop string is cut and stopped before the next round. ``interruptible``:
-    Ctrl-C ends it at a round boundary (``loops.InterruptFlag``), the result
-    ``interrupted`` with what was handed on."""
-    return self._stream(prompts, max_new_tokens, sampling_params, seed, on_tokens, stops,
-                        on_text, interruptible=interruptible)
+             interruptible: bool = False, budget: int | None = None) -> Generation:
+    """The jitted prefill, then one jitted round per Python step
+    (``loops.stream_rounds``): what ``generate`` emits for the seed ("auto":
+    at the same ``auto_costs``). Per round ``on_tokens(row, new_ids)`` and
+    ``on_text(row, new_bytes)`` (UTF-8; bytes that may start a stop string
+    held back); a row reaching a stop string is cut and stopped before the
+    next round. ``interruptible``: Ctrl-C ends it at a round boundary
+    (``loops.InterruptFlag``), the result ``interrupted`` with what was
+    handed on. ``budget``: at most that many new tokens per row on a state
+    sized for ``max_new_tokens``, and also compiles what a full stream runs
+    besides (``warm_up``; "auto" then learns nothing). Raises as ``generate``."""
+    sp = sampling_params.validate()
+    warm = budget is not None
+    started = self._start(prompts, max_new_tokens, sp, seed, stops, "stream", budget)
+    if started is None:
+      return self.calibration.fallback(self.plain_ar().stream(
+          prompts, max_new_tokens, sampling_params, seed, on_tokens, stops, on_text,
+          interruptible=interruptible, budget=budget), self.longest_draft, learn=not warm)
+    state, prefill_len = started
+    strings = () if stops is None else tuple(stops.strings)
+    step = functools.partial(self.programs.round, self.target_params, self.draft_params, sp)
+    watch = stops_lib.StreamStops(strings, self.token_bytes, len(prompts), on_tokens, on_text)
+    jax.block_until_ready(state)
+    state, emit_times, kept, wall, prefill = loops.stream_rounds(
+        step, state, max_new_tokens if budget is None else min(budget, max_new_tokens),
+        prefill_fn=self.prefill, prefill_len=prefill_len, watch=watch,
+        stop_rows=self.programs.stop_rows_host, interruptible=interruptible,
+        choose_fn=self.programs.choose if self.schedule is not None else None)
+    if warm:
+      fixed = self.calibration is not None and self.calibration.fixed is not None
+      state = loops.warm_extras(state, step, self.programs.stop_rows_host, bool(strings),
+                                self.longest_draft if fixed else None)
+    gen = self._result(state, emit_times, wall, prefill, stops, kept, max_new_tokens)
+    if self.calibration is not None and not (warm or gen.interrupted):
+      self.calibration.learn(gen)
+    return gen
 
   def warm_up(self, prompts, max_new_tokens: int, sampling_params: SamplingParams,
               seed: int = 0, stops: StopConditions | None = None) -> Generation:
     """Compiles what ``stream`` of these shapes, sampling mode and stops
-    runs: ``stream`` of ``WARMUP_TOKENS`` per row on a state sized for
-    ``max_new_tokens``, the stop-string cut, "auto"'s calibration (or its AR
-    fallback's programs). Learns nothing; returns its ``Generation``."""
-    return self._stream(prompts, max_new_tokens, sampling_params, seed, None, stops, None,
-                        budget=WARMUP_TOKENS)
+    runs: ``stream`` with a budget of ``WARMUP_TOKENS`` per row on a state
+    sized for ``max_new_tokens``, the stop-string cut, "auto"'s calibration
+    (or its AR fallback's programs). Learns nothing; returns its ``Generation``."""
+    return self.stream(prompts, max_new_tokens, sampling_params, seed, stops=stops,
+                       budget=WARMUP_TOKENS)
 
   def _start(self, prompts, max_new_tokens, sp, seed, stops, form, budget=None):
     """(state, prefill_len) from ``prepare``; "auto" alone goes through
@@ -383,37 +413,8 @@ class Decoder:
     """The jitted while_loop of rounds as a function of the state."""
     return lambda s: self.programs.generate(self.target_params, self.draft_params, s, sp)
 
-  def _stream(self, prompts, max_new_tokens, sampling_params, seed, on_tokens, stops, on_text, *,
-              budget: int | None = None, interruptible: bool = False) -> Generation:
-    """``stream``; with ``budget`` its warm-up (``warm_up``)."""
-    sp = sampling_params.validate()
-    warm = budget is not None
-    started = self._start(prompts, max_new_tokens, sp, seed, stops, "stream", budget)
-    if started is None:
-      return self.calibration.fallback(self.plain_ar()._stream(
-          prompts, max_new_tokens, sampling_params, seed, on_tokens, stops, on_text,
-          budget=budget, interruptible=interruptible), self.G, learn=not warm)
-    state, prefill_len = started
-    strings = () if stops is None else tuple(stops.strings)
-    step = lambda s, g: self.programs.round(self.target_params, self.draft_params, s, sp, g)
-    watch = stops_lib.StreamStops(strings, self.token_bytes, len(prompts), on_tokens, on_text)
-    jax.block_until_ready(state)
-    state, emit_times, kept, wall, prefill = loops.timed_stream(
-        self.prefill, step, state, prefill_len,
-        max_new_tokens if budget is None else min(budget, max_new_tokens), watch,
-        stop_rows=self.programs.stop_rows_host, interruptible=interruptible,
-        choose_fn=self.programs.choose if self.schedule is not None else None)
-    if warm:
-      fixed = self.calibration is not None and self.calibration.fixed is not None
-      state = loops.warm_extras(state, step, self.programs.stop_rows_host, bool(strings),
-                                self.G if fixed else None)
-    gen = self._result(state, emit_times, wall, prefill, stops, kept, max_new_tokens)
-    if self.calibration is not None and not (warm or gen.interrupted):
-      self.calibration.learn(gen)
-    return gen
-
   def _result(self, state, emit_times, wall, prefill, stops: StopConditions | None,
               kept=None, max_new_tokens: int = 0) -> Generation:
     """``state.finish``'s ``Generation`` for this decoder's G, tree and tokenizer."""
-    return state_lib.finish(state, emit_times, wall, prefill, stops, self.G, self.tree,
+    return state_lib.finish(state, emit_times, wall, prefill, stops, self.longest_draft, self.tree,
                             self.token_bytes, self.eos_ids, kept, max_new_tokens)

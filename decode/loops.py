@@ -138,72 +138,87 @@ class InterruptFlag:
       signal.signal(signal.SIGINT, self._old)
 
 
-def stream_rounds(step: Callable[[DecodeState, int], DecodeState], state: DecodeState,
-                  max_new_tokens: int, *, t0: float, choose_fn=None,
-                  on_new: Callable[[int, np.ndarray], tuple[int, bool]] | None = None,
-                  stop_rows: Callable[[DecodeState, np.ndarray, np.ndarray], DecodeState]
-                  | None = None, interrupt: InterruptFlag | None = None):
-  """Host-driven rounds: ``step(state, g)`` (a jitted round) one call per
-  Python step, after the prefill, until every row is done, a row failed, or
-  max_new_tokens rounds ran. With "auto" ``choose_fn(state) -> state`` (a
-  jitted ``choose``) starts each segment and g is read back from the
-  device; otherwise ``step`` is called with g = None.
+def stream_rounds(step: RoundG, state: DecodeState, max_new_tokens: int, *,
+                  prefill_fn: Callable[[DecodeState, int], DecodeState], prefill_len: int,
+                  watch, stop_rows: Callable[[DecodeState, np.ndarray, np.ndarray], DecodeState],
+                  choose_fn=None, interruptible: bool = False):
+  """The stream form after ``Decoder.prepare``: ``prefill_fn(state,
+  prefill_len)`` (blocked on), then host-driven rounds, ``step(state, g)``
+  (a jitted round) one call per Python step, until every row is done, a
+  row failed, or max_new_tokens rounds ran. With "auto" ``choose_fn(state)
+  -> state`` (a jitted ``choose``) starts each segment and g is read back
+  from the device; otherwise ``step`` is called with g = None.
 
-  ``on_new(row, ids) -> (keep, stopped)`` sees each row's newly emitted ids
-  after every round and says how many of them to keep and whether the row
-  stops there (a stop string, ``decode.stops``); rows that stop are cut and
-  stopped on the device with ``stop_rows(state, lengths [B], mask [B])``
-  before the next round, so nothing past a stop is ever handed on.
+  ``watch`` (a ``decode.stops.StreamStops``) sees each row's newly emitted
+  ids after every round (``on_new(row, ids) -> (keep, stopped)``: how many
+  to keep, whether the row stops there at a stop string); rows that stop
+  are cut and stopped on the device with ``stop_rows(state, lengths [B],
+  mask [B])`` before the next round, so nothing past a stop is ever handed
+  on; ``watch.flush()`` hands on what it held back at the end.
 
-  ``interrupt``: an active ``InterruptFlag``; the loop then ends early
-  when it is set (checked at every round boundary) or when a
+  ``interruptible``: inside an ``InterruptFlag`` the loop ends early when
+  Ctrl-C sets it (checked at every round boundary) or when a
   KeyboardInterrupt is raised inside a round (by ``step``, ``choose_fn`` or
-  ``on_new``), and every row keeps the tokens of the rounds completed and
-  handed on before it. Without it a KeyboardInterrupt propagates.
+  ``watch``), and every row keeps the tokens of the rounds completed and
+  handed on before it. Otherwise a KeyboardInterrupt propagates.
 
-  Returns (state, emit_times, kept): emit_times per row, seconds from
-  ``t0`` (perf_counter) to each kept token (tokens of one round share a
-  time); kept None, or after an interrupt [B] int32, each row's length at
-  the last round boundary (what was handed on).
+  Returns (state, emit_times, kept, seconds since the prefill started,
+  seconds of the prefill): emit_times per row, seconds from the prefill's
+  start to each kept token (tokens of one round share a time); kept None,
+  or after an interrupt [B] int32, each row's length at the last round
+  boundary (what was handed on).
   """
+  on_new = watch.on_new if watch.needed else None
   emit_times: list[list[float]] = [[] for _ in range(state.length.shape[0])]
-  prev = np.asarray(state.length)
-  g, left = None, 0
-  for _ in range(max_new_tokens):
-    if interrupt is not None and interrupt.requested:
-      return state, emit_times, prev
-    try:            # ``state`` is rebound after every jitted call: what ran is never lost
-      if choose_fn is not None and left == 0:
-        state = choose_fn(state)
-        g, left = (int(x) for x in jax.device_get((state.auto.g, state.auto.left)))
-      state = step(state, g)
-      left -= 1
-      length, done, error = (np.array(x) for x in
-                             jax.device_get((state.length, state.done, state.error)))
-      if error.any():
+  kept = None
+  with (InterruptFlag() if interruptible else contextlib.nullcontext()) as interrupt:
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(prefill_fn(state, prefill_len))   # else: dispatch time only
+    prefill = time.perf_counter() - t0
+    prev = np.asarray(state.length)
+    g, left = None, 0
+    for _ in range(max_new_tokens):
+      if interrupt is not None and interrupt.requested:
+        kept = prev
         break
-      now = time.perf_counter() - t0
-      grew = np.nonzero(length > prev)[0]
-      if on_new is not None and len(grew):
-        toks = np.asarray(state.tokens)
-        cut = np.zeros(len(length), bool)
-        for i in grew:
-          keep, stopped = on_new(int(i), toks[i, prev[i]:length[i]])
-          if stopped:
-            cut[i], length[i] = True, prev[i] + keep
-        if cut.any():
-          state = stop_rows(state, length, cut)
-          done = done | cut
-    except KeyboardInterrupt:
-      if interrupt is None:
-        raise
-      return state, emit_times, prev
-    for i in grew:
-      emit_times[i].extend([now] * int(length[i] - prev[i]))
-    prev = length
-    if done.all():
-      break
-  return state, emit_times, None
+      try:          # ``state`` is rebound after every jitted call: what ran is never lost
+        if choose_fn is not None and left == 0:
+          state = choose_fn(state)
+          g, left = (int(x) for x in jax.device_get((state.auto.g, state.auto.left)))
+        state = step(state, g)
+        left -= 1
+        length, done, error = (np.array(x) for x in
+                               jax.device_get((state.length, state.done, state.error)))
+        if error.any():
+          break
+        now = time.perf_counter() - t0
+        grew = np.nonzero(length > prev)[0]
+        if on_new is not None and len(grew):
+          toks = np.asarray(state.tokens)
+          cut = np.zeros(len(length), bool)
+          for i in grew:
+            keep, stopped = on_new(int(i), toks[i, prev[i]:length[i]])
+            if stopped:
+              cut[i], length[i] = True, prev[i] + keep
+          if cut.any():
+            state = stop_rows(state, length, cut)
+            done = done | cut
+      except KeyboardInterrupt:
+        if interrupt is None:
+          raise
+        kept = prev
+        break
+      for i in grew:
+        emit_times[i].extend([now] * int(length[i] - prev[i]))
+      prev = length
+      if done.all():
+        break
+  try:
+    watch.flush()
+  except KeyboardInterrupt:     # the callback that ended the loop, raising again
+    if kept is None:
+      raise
+  return state, emit_times, kept, time.perf_counter() - t0, prefill
 
 
 def timed_generate(prefill_fn: Callable[[DecodeState, int], DecodeState],
@@ -222,29 +237,6 @@ def timed_generate(prefill_fn: Callable[[DecodeState, int], DecodeState],
   state = generate_fn(state)
   jax.block_until_ready(state.length)
   return state, time.perf_counter() - t0, t1 - t0
-
-
-def timed_stream(prefill_fn: Callable[[DecodeState, int], DecodeState], step,
-                 state: DecodeState, prefill_len: int, max_rounds: int, watch, *, stop_rows,
-                 choose_fn=None, interruptible: bool = False):
-  """The stream form after ``Decoder.prepare``: ``prefill_fn(state,
-  prefill_len)`` (blocked on), then ``stream_rounds`` with ``watch`` (a
-  ``decode.stops.StreamStops``) seeing each row's new ids, inside an
-  ``InterruptFlag`` when ``interruptible``; then ``watch.flush()``. Returns (state, emit_times,
-  kept, seconds since the prefill started, seconds of the prefill)."""
-  with (InterruptFlag() if interruptible else contextlib.nullcontext()) as interrupt:
-    t0 = time.perf_counter()
-    state = jax.block_until_ready(prefill_fn(state, prefill_len))   # else: dispatch time only
-    prefill = time.perf_counter() - t0
-    state, emit_times, kept = stream_rounds(
-        step, state, max_rounds, t0=t0, on_new=watch.on_new if watch.needed else None,
-        stop_rows=stop_rows, choose_fn=choose_fn, interrupt=interrupt)
-  try:
-    watch.flush()
-  except KeyboardInterrupt:     # the callback that ended the loop, raising again
-    if kept is None:
-      raise
-  return state, emit_times, kept, time.perf_counter() - t0, prefill
 
 
 def warm_extras(state: DecodeState, step, stop_rows, cut: bool, g_max: int | None = None):

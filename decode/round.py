@@ -10,8 +10,9 @@ positions 0..n-2):
    ``flag_non_finite`` stops rows with NaN/inf logits. A row shorter than
    ``drafter.min_length`` gets no draft (``NO_DRAFT``, q = 0, rejected by
    every rule): its round is an exact AR step.
-2. accept (``decode.acceptance.accept``): a accepted drafts plus one
-   residual/bonus token.
+2. accept (``decode.acceptance.chain_rule`` picks the rule: rejection
+   sampling, greedy verification or an AR step's): a accepted drafts plus
+   one residual/bonus token.
 3. ``commit``: n' = n + e, e <= a+1 cut after the first stop id and at the
    token budget; the caches roll back by length (``decode.kv_cache``).
 
@@ -221,17 +222,19 @@ def record_auto(schedule, state: DecodeState, g: int, a, active, drafted=None) -
 
 def chain_round(drafter, target: Transformer, draft: Transformer | None, state: DecodeState,
                 params: SamplingParams, g: int, *, schedule=None,
-                accept_rule=acceptance.accept) -> DecodeState:
+                accept_rule=acceptance.chain_rule) -> DecodeState:
   """One draft-verify-accept-commit round at draft length g (static; 0 =
   AR step) for every row (a no-op for done rows). ``schedule``: "auto"'s
-  ``AutoSchedule`` (statistics updated), else None. ``accept_rule(key, p,
-  q, draft_tokens, params) -> (a, next)``: default ``acceptance.accept``
-  (tests swap in wrong rules to check the statistics catch them)."""
+  ``AutoSchedule`` (statistics updated), else None. ``accept_rule(params,
+  g)`` picks the rule ``rule(key, p, q, draft_tokens) -> (a, next)`` at
+  trace time: default ``acceptance.chain_rule`` (tests swap in wrong rules
+  to check the statistics catch them)."""
   active = ~state.done
   drafted = drafted_rows(drafter, state.length) if g else None
   state, prop = propose(drafter, target, draft, state, params, g)
   with jax.named_scope("accept"):
-    a, nxt = accept_rule(prop.key, prop.p, prop.draft_q, prop.draft_tokens, params)
+    rule = accept_rule(params, g)
+    a, nxt = rule(prop.key, prop.p, prop.draft_q, prop.draft_tokens)
   with jax.named_scope("commit"):
     state = commit(drafter, state, prop.draft_tokens, a, nxt, prop.h0)
   if schedule is not None:

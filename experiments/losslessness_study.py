@@ -127,11 +127,12 @@ def argmax_accept(key, target_probs, draft_tokens):
   return a.astype(jnp.int32), sampling.sample(key, p_row)
 
 
-def _argmax_rule(key, p, q, draft_tokens, params):
-  """``argmax_accept`` as a ``Decoder`` accept_rule (AR steps as the real rule)."""
-  if draft_tokens is None or params.greedy:
-    return verify.accept(key, p, q, draft_tokens, params)
-  return argmax_accept(key, p, draft_tokens)
+def _argmax_rule(params, g):
+  """``argmax_accept`` as a ``Decoder`` accept_rule (AR steps and greedy
+  rounds as the real rule, ``chain_rule``)."""
+  if not g or params.greedy:
+    return verify.chain_rule(params, g)
+  return lambda key, p, q, draft_tokens: argmax_accept(key, p, draft_tokens)
 
 
 class ArgmaxAcceptDecoder(Decoder):
@@ -165,7 +166,7 @@ def sample_continuations(decoder: Decoder, prompts: list[np.ndarray], num_sample
   summed over all rows ([1] for AR).
   """
   out = [np.full((num_samples, num_tokens), -1, np.int64) for _ in prompts]
-  hist = np.zeros(decoder.G + 1, np.int64)
+  hist = np.zeros(decoder.longest_draft + 1, np.int64)
   b = 0
   for i, prompt in enumerate(prompts):
     for start in range(0, num_samples, batch_size):

@@ -124,7 +124,7 @@ def _draft_step(decoder: Decoder, sp: SamplingParams):
   def draft_step(params, dparams, dstate, tokens, n, key):
     target, draft = decoder.models(params, dparams)
     model = target if decoder.method == "mtp" else draft
-    return decoder.drafter.draft(model, dstate, tokens, n, key, sp, decoder.G)
+    return decoder.drafter.draft(model, dstate, tokens, n, key, sp, decoder.longest_draft)
   return draft_step
 
 
@@ -183,7 +183,7 @@ def draft_flop_share(decoder: Decoder, prompts, max_new: int, sp: SamplingParams
   d = _flops(_draft_step(decoder, sp), decoder.target_params, decoder.draft_params,
              state.drafter, state.tokens, state.length, state.key)
   f = _flops(forward, decoder.target_params, state.cache, state.tokens, state.length)
-  return d / (decoder.G * f) if f else float("nan")
+  return d / (decoder.longest_draft * f) if f else float("nan")
 
 
 # -- cells: decoders side by side ---------------------------------------------------------

@@ -30,8 +30,8 @@ def _compiled(dec, prompts, g):
   (None: its G)."""
   import re
   state, _ = dec.prepare(prompts, 16, 0)
-  c = dec.programs.round.lower(dec.target_params, dec.draft_params, state,
-                               SamplingParams(0.0).validate(), g).compile()
+  c = dec.programs.round.lower(dec.target_params, dec.draft_params,
+                               SamplingParams(0.0).validate(), state, g).compile()
   cost = c.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   copied = 0

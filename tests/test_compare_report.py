@@ -16,7 +16,7 @@ import pytest
 from decode.cli import compare as compare_lib
 from decode.cli import theory
 from decode.cli.run import DecodeRequest, run
-from decode.decoder import SamplingParams
+from decode.decoder import Decoder, SamplingParams
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 SPAN = r"([\d.]+) ms \(([\d.]+)-([\d.]+)\)"
@@ -349,13 +349,13 @@ def test_ctrl_c_after_the_answer_keeps_it_and_its_statistics(workdir, monkeypatc
   """The answer is the method's first timed repeat: a Ctrl-C in AR's run
   that follows it stops --compare but keeps the answer, its statistics and
   the report (marked interrupted, no speedup)."""
-  real = compare_lib.decode_texts
+  real = Decoder.warm_up
 
-  def decode(dec, *a, **k):
+  def warm_up(dec, *a, **k):
     if dec.method == "ar":
       raise KeyboardInterrupt
     return real(dec, *a, **k)
-  monkeypatch.setattr(compare_lib, "decode_texts", decode)
+  monkeypatch.setattr(Decoder, "warm_up", warm_up)
   out, err = io.StringIO(), io.StringIO()
   report = run(DecodeRequest(workdir, ["abca"], method="mtp", num_draft_tokens=2, max_new_tokens=8,
                              sampling=SamplingParams(temperature=0.0), compare=True, repeats=2),

@@ -56,7 +56,8 @@ def test_mtp_draft_and_verify_logits_equal_cache_free_forward(target, num_draft_
   prompts = _prompts([2, 7, 12], seed=g)
   state, prefill_len = dec.prepare(prompts, 40, seed=0)
   state = dec.prefill(state, prefill_len)
-  propose = jax.jit(lambda params, s: round_lib.propose(dec.drafter, *dec.models(params), s, warp, dec.G))
+  propose = jax.jit(lambda params, s: round_lib.propose(dec.drafter, *dec.models(params), s, warp,
+                                                         dec.longest_draft))
   commit = jax.jit(functools.partial(round_lib.commit, dec.drafter))
   full = jax.jit(lambda params, x: (lambda o: (o.logits, o.mtp_logits))(
       dec.models(params)[0](x)))
@@ -115,7 +116,8 @@ def test_draft_model_drafts_equal_cache_free_forward(target):
   prompts = _prompts([2, 6], seed=3)
   state, prefill_len = dec.prepare(prompts, 40, seed=0)
   state = dec.prefill(state, prefill_len)
-  propose = jax.jit(lambda tp, dp, s: round_lib.propose(dec.drafter, *dec.models(tp, dp), s, warp, dec.G))
+  propose = jax.jit(lambda tp, dp, s: round_lib.propose(dec.drafter, *dec.models(tp, dp), s, warp,
+                                                         dec.longest_draft))
   commit = jax.jit(functools.partial(round_lib.commit, dec.drafter))
   rng = np.random.default_rng(2)
   forward = jax.jit(lambda tp, dp, x: jax.nn.softmax(dec.models(tp, dp)[1](x).logits))
@@ -145,9 +147,9 @@ def test_auto_greedy_equals_ar(target, ar_greedy):
       for b in range(len(prompts)):
         np.testing.assert_array_equal(gen.tokens[b], ref.tokens[b], err_msg=f"{dec.schedule} row {b}")
       hist = gen.draft_length_histogram
-      assert hist.shape == (len(prompts), dec.G + 1)
+      assert hist.shape == (len(prompts), dec.longest_draft + 1)
       np.testing.assert_array_equal(hist.sum(1), gen.target_calls)   # one chosen g per round
-  assert (hist > 0).all(axis=0).sum() == dec.G + 1       # the cycle visited every g
+  assert (hist > 0).all(axis=0).sum() == dec.longest_draft + 1       # the cycle visited every g
   # sampling: both forms run the same segments, so they emit the same tokens for a seed
   dec = Decoder(target, "mtp", "auto", auto_costs=[1.0, 1.05, 1.1])
   one = dec.generate(prompts, 40, SamplingParams(1.0), seed=3)

@@ -153,7 +153,8 @@ def test_recursive_steps_equal_the_decoders_reuse_of_module_d(trained_markov):
   prompts = [np.concatenate([[tok.BOS_ID], rng.choice(ALPHABET, n)]).astype(np.int32) for n in (2, 9)]
   state, prefill_len = dec.prepare(prompts, 30, seed=0)
   state = dec.prefill(state, prefill_len)
-  propose = jax.jit(lambda params, s: round_lib.propose(dec.drafter, *dec.models(params), s, warp, dec.G))
+  propose = jax.jit(lambda params, s: round_lib.propose(dec.drafter, *dec.models(params), s, warp,
+                                                         dec.longest_draft))
   commit = jax.jit(functools.partial(round_lib.commit, dec.drafter))
   full = jax.jit(lambda params, x: dec.models(params)[0](x, recursive_steps=r).mtp_logits)
   for _ in range(5):

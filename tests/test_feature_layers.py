@@ -101,7 +101,7 @@ def test_drafts_equal_the_cache_free_forward(fused_target, g):
   state, prefill_len = dec.prepare(prompts, 40, seed=0)
   state = dec.prefill(state, prefill_len)
   propose = jax.jit(lambda params, s: round_lib.propose(dec.drafter, *dec.models(params), s,
-                                                        warp, dec.G))
+                                                        warp, dec.longest_draft))
   commit = jax.jit(functools.partial(round_lib.commit, dec.drafter))
   full = jax.jit(lambda params, x: dec.models(params)[0](x).mtp_logits)
   rng = np.random.default_rng(1)
@@ -125,7 +125,8 @@ def test_greedy_equals_ar(fused_target):
               Decoder(fused_target, "mtp", "auto", auto_costs=[1.0, 1.0, 1.0])):
     gen = dec.generate(prompts, 24, GREEDY)
     for b in range(len(prompts)):
-      np.testing.assert_array_equal(gen.tokens[b], ref.tokens[b], err_msg=f"G={dec.G} row {b}")
+      np.testing.assert_array_equal(gen.tokens[b], ref.tokens[b],
+                                    err_msg=f"G={dec.longest_draft} row {b}")
   assert gen.accepted_histogram[:, 1:].sum() > 0
 
 

@@ -223,13 +223,17 @@ def test_the_same_flip_in_float32_is_a_bug(built_tie):
   assert x["line"].endswith("(float32): a bug")
 
 
-def _accept_every_draft(key, target, draft_q, draft_tokens, params):
-  """A wrong acceptance rule: every draft accepted, the bonus token the
-  target's argmax after them (AR steps as the real rule)."""
-  if draft_tokens is None:
-    return verify.accept(key, target, draft_q, draft_tokens, params)
-  b, g = draft_tokens.shape
-  return jnp.full((b,), g, jnp.int32), jnp.argmax(target[:, g], -1).astype(jnp.int32)
+def _accept_every_draft(params, g):
+  """A wrong acceptance rule (``Decoder``'s ``accept_rule``): every draft
+  accepted, the bonus token the target's argmax after them (AR steps as the
+  real rule)."""
+  if not g:
+    return verify.chain_rule(params, g)
+
+  def every(key, target, draft_q, draft_tokens):
+    b = draft_tokens.shape[0]
+    return jnp.full((b,), g, jnp.int32), jnp.argmax(target[:, g], -1).astype(jnp.int32)
+  return every
 
 
 def test_compare_reports_a_wrong_rule_as_a_bug_in_either_dtype(built_tie):
@@ -243,7 +247,7 @@ def test_compare_reports_a_wrong_rule_as_a_bug_in_either_dtype(built_tie):
     _, target = loading.override_model(cfg, model, dtype=dtype)
     kw = dict(method="mtp", repeats=1, max_new_tokens=12, sampling=GREEDY, num_samples=1,
               seed=0)
-    for rule, wrong in ((_accept_every_draft, True), (verify.accept, False)):
+    for rule, wrong in ((_accept_every_draft, True), (verify.chain_rule, False)):
       dec = Decoder(target, "mtp", 1, accept_rule=rule)
       encoded = [np.asarray(p) for p in encode_prompts(prompts)]
       gen = dec.generate(encoded, 12, GREEDY)

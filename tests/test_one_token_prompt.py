@@ -132,8 +132,8 @@ def test_mtp_first_round_of_a_one_token_row_is_an_ar_step(target):
   dec = Decoder(target, "mtp", "auto", max_draft_tokens=2, auto_costs=[1.0] * 3)
   state, p = dec.prepare(PROMPTS["ragged"], MAX_NEW, seed=0)
   state = dec.prefill(state, p)
-  state = jax.device_get(dec.programs.round(dec.target_params, dec.draft_params, state,
-                                            GREEDY, 2))
+  state = jax.device_get(dec.programs.round(dec.target_params, dec.draft_params, GREEDY,
+                                            state, 2))
   np.testing.assert_array_equal(state.accepted_histogram[[0, 2]], [[1, 0, 0]] * 2)
   np.testing.assert_array_equal(state.length[[0, 2]], [2, 2])
   np.testing.assert_array_equal(state.auto.draft_length_histogram, [[1, 0, 0], [0, 0, 1],
@@ -285,7 +285,7 @@ def test_cli_one_character_prompt_on_a_bpe_tokenizer_without_bos(bpe_workdir, me
   """``decode.cli.run`` (what ``python -m decode --prompt H`` runs) on a BPE
   model: "H" is one token as encoded, and the streamed continuation is AR's."""
   from decode.cli.run import DecodeRequest, run
-  from decode.cli.texts import decode_texts, encode_prompts
+  from decode.cli.texts import encode_prompts, encode_rows
   path, model, bpe_tok = bpe_workdir
   (ids,) = encode_prompts(["H"], bpe_tok)
   assert len(ids) == 1 and bpe_tok.bos_id not in ids
@@ -294,6 +294,6 @@ def test_cli_one_character_prompt_on_a_bpe_tokenizer_without_bos(bpe_workdir, me
                              **kw)).to_json()
   assert report["results"][0]["tokens"] == ref.tokens[0].tolist()
   assert capsys.readouterr().out.startswith("H")
-  gen = decode_texts(Decoder(model, "mtp", 3, tokenizer=bpe_tok), ["H", "Hello there"],
-                     max_new_tokens=12, sampling=GREEDY, warmup=False)
+  gen = Decoder(model, "mtp", 3, tokenizer=bpe_tok).stream(
+      encode_rows(["H", "Hello there"], bpe_tok), 12, GREEDY)
   np.testing.assert_array_equal(gen.tokens[0], ref.tokens[0])

@@ -122,16 +122,16 @@ def decoder_round_costs(decoder, state, sp, form: str) -> Calibration:
     def run_none():
       s = jax.block_until_ready(fresh(0).replace(done=jnp.ones_like(state.done)))
       return _timed_generate(decoder, s, sp)[0]
-    return round_costs(run_rounds, decoder.G, repeats=repeats, run_none=run_none)
+    return round_costs(run_rounds, decoder.longest_draft, repeats=repeats, run_none=run_none)
   else:
     def run_rounds(g):
       s = fresh(g)
       t0 = time.perf_counter()
       for _ in range(n):
-        s = decoder.programs.round(p, dp, s, sp, g)
+        s = decoder.programs.round(p, dp, sp, s, g)
         jax.device_get((s.length, s.done, s.error))
       return time.perf_counter() - t0, n
-  return round_costs(run_rounds, decoder.G, repeats=repeats)
+  return round_costs(run_rounds, decoder.longest_draft, repeats=repeats)
 
 
 def plain_ar_calibration(ar_decoder, state, sp, form: str) -> Calibration:
@@ -162,7 +162,7 @@ def plain_ar_calibration(ar_decoder, state, sp, form: str) -> Calibration:
     s = fresh()
     t0 = time.perf_counter()
     for _ in range(n):
-      s = ar_decoder.programs.round(p, dp, s, sp, None)
+      s = ar_decoder.programs.round(p, dp, sp, s, None)
       jax.device_get((s.length, s.done, s.error))
     return time.perf_counter() - t0, n
   return round_costs(run_rounds, 0, repeats=repeats)

@@ -8,7 +8,7 @@ the two emit different samples, which end at EOS at other lengths, so
 walls alone are not comparable; at T = 0 the outputs are the same and the
 ratio is that of the walls). The blocks and the speedup line come from the
 same numbers, so they cannot disagree. With ``run``'s answer
-(``time_runs(out=...)``) the method's first timed repeat is the answer.
+(``TimedRuns(answer=True)``) the method's first timed repeat is the answer.
 
 Beside the measurement, what Theorem 3.8 (``decode.cli.theory``) predicts from
 figures the blocks print: tau / (G c + 1) with tau = tokens / target calls
@@ -42,7 +42,7 @@ from decode.cli import theory
 from decode.sampling import SamplingParams
 from decode.decoder import Decoder
 from decode.stops import StopConditions
-from decode.cli.texts import decode_texts, encode_prompts
+from decode.cli.texts import encode_prompts, encode_rows
 from mtp.timing import interleaved_times
 
 # a prediction this far outside the per-repeat range (printed with two
@@ -483,18 +483,14 @@ def block_prediction(m: dict, a: dict, form: str) -> dict | None:
                          rounds=m["target_calls"])
 
 
-class AnswerInterrupted(Exception):
-  """Ctrl-C ended the answer (the method's first timed repeat): no more
-  repeats run; ``TimedRuns.gens[method][0]`` holds it, marked interrupted."""
-
-
 @dataclasses.dataclass
 class TimedRuns:
   """What ``time_runs`` decoded, filled in as it goes (so a Ctrl-C keeps
   what was done). gens: {"ar": [...], method: [...]}, the timed
   ``Generation`` of each repeat in order; ar_untimed: AR's run after its
   compilation, not timed (the greedy reference); answer: the method's
-  first timed repeat is the reported answer (``run``), streamed."""
+  first timed repeat is the reported answer (``run``), streamed before
+  ``time_runs`` and handed in as ``gens[method][0]``."""
   method: str
   gens: dict = dataclasses.field(default_factory=dict)
   ar_untimed: object = None
@@ -506,50 +502,45 @@ class TimedRuns:
 
 
 def time_runs(decoder: Decoder, prompts: Sequence[str], *, method: str, repeats: int,
-              ar: Decoder | None = None, warm: bool = False, out: TextIO | None = None,
-              runs: TimedRuns | None = None, **kw) -> TimedRuns:
+              max_new_tokens: int, sampling: SamplingParams, num_samples: int, seed: int,
+              stops: StopConditions | None = None, chat: bool = False,
+              systems: Sequence[str | None] | None = None, ar: Decoder | None = None,
+              warm: bool = False, runs: TimedRuns | None = None) -> TimedRuns:
   """``repeats`` interleaved ``decoder`` / AR runs of ``prompts``
-  (``decode_texts`` keywords ``kw``; round r starts with the method when r
-  is even, with AR when odd, so drift hits both alike), AR's first timed
-  call preceded by its untimed compiling run (each repeat's time is its
-  ``Generation``'s own wall time). ``out``: the method's first repeat is
-  the answer: warmed up (compiled, "auto" calibrated) first, streamed to
-  ``out`` and interruptible (then no repeat follows), so the user sees it
-  before AR compiles. ``warm``: else compile ``decoder`` for this batch
+  (``Decoder.stream`` of ``encode_rows``' rows; round r starts with the
+  method when r is even, with AR when odd, so drift hits both alike),
+  AR's first timed call preceded by its untimed run after its warm-up
+  (each repeat's time is its ``Generation``'s own wall time). With
+  ``runs.answer`` the method's first repeat is the answer already made
+  (``runs.gens[method][0]``, see ``decode.cli.run.run``): round 0 goes on
+  with AR's compiling run. ``warm``: compile ``decoder`` for this batch
   first (``Decoder.warm_up``). Fills and returns ``runs``."""
-  runs = runs or TimedRuns(method, answer=out is not None)
+  runs = runs or TimedRuns(method)
   ar = ar or Decoder(decoder.models()[0], "ar", tokenizer=decoder.tokenizer)
-  if warm and out is None:   # compilation (and "auto"'s calibration) must not land in a timed call
-    encoded = [p for p in encode_prompts(prompts, decoder.tokenizer, kw.get("chat", False),
-                                         kw.get("systems")) for _ in range(kw["num_samples"])]
-    decoder.warm_up(encoded, kw["max_new_tokens"], kw["sampling"], kw["seed"],
-                    stops=kw.get("stops"))
+  rows = encode_rows(prompts, decoder.tokenizer, num_samples=num_samples, chat=chat,
+                     systems=systems)
+  args = (rows, max_new_tokens, sampling, seed)
+  if warm and not runs.answer:   # compilation ("auto": calibration) out of the timed calls
+    decoder.warm_up(*args, stops=stops)
 
   def call_method():
-    if out is not None and not runs.gens[method]:
-      gen = decode_texts(decoder, prompts, warmup=True, out=out, interruptible=True, **kw)
-      runs.gens[method].append(gen)
-      runs.answer_auto = decoder.auto_record()
-      if gen.interrupted:
-        raise AnswerInterrupted
-    else:
-      runs.gens[method].append(decode_texts(decoder, prompts, warmup=False, **kw))
+    runs.gens[method].append(decoder.stream(*args, stops=stops))
+
+  def compile_ar():          # AR's untimed run; its wall time is not one of the repeats
+    ar.warm_up(*args, stops=stops)
+    runs.ar_untimed = ar.stream(*args, stops=stops)
 
   def call_ar():
-    if runs.ar_untimed is None:        # compiles AR; its wall time is not one of the repeats
-      runs.ar_untimed = decode_texts(ar, prompts, warmup=True, **kw)
-    runs.gens["ar"].append(decode_texts(ar, prompts, warmup=False, **kw))
-  try:
-    if out is None:        # all compilation before the timed rounds
-      runs.ar_untimed = decode_texts(ar, prompts, warmup=True, **kw)
-      interleaved_times({method: call_method, "ar": call_ar}, repeats, warmup=0)
-    else:                  # round 0 by hand: the answer first, then AR's compiling run
-      call_method()
-      call_ar()
-      if repeats > 1:      # rounds 1..: AR first in odd rounds, as interleaved_times rotates
-        interleaved_times({"ar": call_ar, method: call_method}, repeats - 1, warmup=0)
-  except AnswerInterrupted:
-    pass
+    if runs.ar_untimed is None:
+      compile_ar()
+    runs.gens["ar"].append(ar.stream(*args, stops=stops))
+  if not runs.answer:      # all compilation before the timed rounds
+    compile_ar()
+    interleaved_times({method: call_method, "ar": call_ar}, repeats, warmup=0)
+  else:                    # round 0: the answer (made), then AR's compiling run and repeat
+    call_ar()
+    if repeats > 1:        # rounds 1..: AR first in odd rounds, as interleaved_times rotates
+      interleaved_times({"ar": call_ar, method: call_method}, repeats - 1, warmup=0)
   return runs
 
 

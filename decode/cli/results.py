@@ -21,17 +21,17 @@ def untrained_offsets_note(decoder: Decoder, method: str, trained: int) -> str |
   exceeds the ``trained`` offsets of the checkpoint's MTP modules (D plus
   ``mtp.recursive_steps``): drafts past them reuse module D, never trained
   for that offset. None otherwise (other methods, trees, G <= trained)."""
-  if not (method == "mtp" and decoder.tree is None and decoder.G > trained):
+  if not (method == "mtp" and decoder.tree is None and decoder.longest_draft > trained):
     return None
   depth = decoder.models()[0].mtp_depth
   first = trained + 1
-  extra = (f"drafts {first}..{decoder.G} reuse" if decoder.G > first else
-           f"draft {decoder.G} reuses")
+  extra = (f"drafts {first}..{decoder.longest_draft} reuse" if decoder.longest_draft > first else
+           f"draft {decoder.longest_draft} reuses")
   flag = ("--max_draft_tokens" if decoder.num_draft_tokens == "auto" else "--num_draft_tokens")
   trained_for = (f"the checkpoint's MTP depth D={depth}" if trained == depth else
                  f"the {trained} offsets the checkpoint's modules were trained for (D={depth}, "
                  f"mtp.recursive_steps={trained - depth})")
-  return (f"note: {flag}={decoder.G} > {trained_for}: "
+  return (f"note: {flag}={decoder.longest_draft} > {trained_for}: "
           f"{extra} module {depth}, which was never trained for that offset (acceptance "
           "decays there)\n")
 
@@ -88,7 +88,8 @@ def config_record(workdir: str, method: str, decoder: Decoder, *, batch_size: in
   "auto" ``auto`` (``Decoder.auto_record``: prior and round costs)."""
   return {"workdir": workdir, "checkpoint_step": checkpoint_step, "method": method,
           "num_draft_tokens": decoder.num_draft_tokens,
-          **({"max_draft_tokens": decoder.G} if decoder.num_draft_tokens == "auto" else {}),
+          **({"max_draft_tokens": decoder.longest_draft} if decoder.num_draft_tokens == "auto"
+             else {}),
           "tree": None if decoder.tree is None else list(decoder.tree.branching),
           "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
           "top_k": sampling.top_k, "top_p": sampling.top_p,

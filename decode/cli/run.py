@@ -32,8 +32,8 @@ from decode.limits import (  # noqa: F401 (decode.cli.run's API)
 from decode.decoder import DecodeError, Decoder, SamplingParams, check_flags
 from decode.stops import StopConditions
 from decode.cli.texts import (  # noqa: F401 (decode.cli.run's API: python -m decode, tests)
-    check_prompt_text, decode_texts, encode_prompts, read_prompt_file, read_prompt_jsonl_file,
-    read_prompts)
+    TextOut, check_prompt_text, encode_prompts, encode_rows, read_prompt_file,
+    read_prompt_jsonl_file, read_prompts)
 from mtp import loading
 from mtp import tokenizer as tok
 from mtp.config import ConfigError
@@ -270,8 +270,10 @@ def run(request: DecodeRequest, *, out: TextIO | None = None,
         err: TextIO | None = None) -> DecodeReport:
   """Everything ``python -m decode`` does for ``request``.
 
-  Text goes to ``out`` (default stdout): with one prompt and one sample the
-  prompt and its continuation, streamed; otherwise per row a line
+  The answer is decoded once (``Decoder.stream``), after a warm-up that
+  compiles it (``Decoder.warm_up``). Text goes to ``out`` (default
+  stdout): with one prompt and one sample the prompt and its continuation,
+  streamed (``TextOut``); otherwise per row a line
   ``--- prompt I sample S: 'PROMPT'`` and then prompt + continuation.
   Statistics, the comparison and notices go to ``err`` (default stderr).
 
@@ -322,20 +324,25 @@ def run(request: DecodeRequest, *, out: TextIO | None = None,
     chat = bool(decoder.tokenizer.chat_template)
   kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples, seed=seed,
             stops=stops, chat=chat)
+  rows = encode_rows(prompts, decoder.tokenizer, num_samples=num_samples, chat=chat,
+                     systems=systems)
   runs, compare_stopped = None, False
   with out_of_memory_as_decode_error(len(prompts), num_samples, max_new_tokens):
-    if compare and method != "ar":       # the answer is the method's first timed repeat
-      runs = compare_lib.TimedRuns(method, answer=True)
+    # the answer, once, after a warm-up that compiles it (and calibrates "auto")
+    decoder.warm_up(rows, max_new_tokens, sampling, seed, stops=stops)
+    text = TextOut(out, None if chat else prompts[0]) if len(rows) == 1 else None
+    gen = decoder.stream(rows, max_new_tokens, sampling, seed, stops=stops,
+                         on_text=None if text is None else text.on_text, interruptible=True)
+    if text is not None:
+      text.close()
+    if compare and method != "ar" and not gen.interrupted:  # the answer: the first timed repeat
+      runs = compare_lib.TimedRuns(method, {"ar": [], method: [gen]}, answer=True,
+                                   answer_auto=decoder.auto_record())
       try:
-        compare_lib.time_runs(decoder, prompts, method=method, repeats=repeats, out=out,
-                              runs=runs, systems=systems, **kw)
+        compare_lib.time_runs(decoder, prompts, method=method, repeats=repeats, runs=runs,
+                              systems=systems, **kw)
       except KeyboardInterrupt:
-        if not runs.gens[method]:        # before the answer: as without --compare
-          raise
         compare_stopped = True
-      gen = runs.gens[method][0]
-    else:
-      gen = decode_texts(decoder, prompts, out=out, systems=systems, interruptible=True, **kw)
   results = results_lib.result_rows(gen, prompts, categories, num_samples)
   summary = stats_lib.summarize(gen)
   if len(gen.tokens) > 1:

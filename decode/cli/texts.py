@@ -1,7 +1,8 @@
 """Text in and out of the Decoder for ``python -m decode``: prompt files
 (one prompt per line, or JSONL chat prompts), the UTF-8 check of prompt
-text, encoding (raw text or one chat message with the model's template)
-and the streamed decoding of a batch of prompts to text (``decode_texts``).
+text, encoding (raw text or one chat message with the model's template),
+the batch rows of a job (``encode_rows``) and the streamed text of one row
+(``TextOut``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,6 @@ from typing import TextIO
 import numpy as np
 
 from decode.errors import DecodeError
-from decode.sampling import SamplingParams
-from decode.decoder import Decoder
-from decode.stops import StopConditions
 from mtp import tokenizer as tok
 
 
@@ -137,40 +135,33 @@ def encode_prompts(prompts: Sequence[str], tokenizer=None, chat: bool = False,
   return out
 
 
-def decode_texts(decoder: Decoder, prompts: Sequence[str], *, max_new_tokens: int,
-                 sampling: SamplingParams, num_samples: int = 1, seed: int = 0,
-                 warmup: bool = True, out: TextIO | None = None,
-                 stops: StopConditions | None = None, chat: bool = False,
-                 systems: Sequence[str | None] | None = None, interruptible: bool = False):
-  """Decodes every prompt ``num_samples`` times in one batch (stream form).
-
-  With one prompt and one sample, text is streamed to ``out`` as it is
-  emitted (never past a stop string), after the prompt (raw prompts) or
-  alone (``chat``: the reply to one user message). ``warmup`` first
-  compiles what the stream runs (``Decoder.warm_up``: the same shapes and
-  programs, one token per row; "auto" calibrates there), so timings
-  exclude compilation and the answer is generated once. ``interruptible``:
-  Ctrl-C during the decoding ends it at a round boundary, the text so far
-  kept (and finished on ``out``) and the ``Generation`` marked
-  ``interrupted`` (``Decoder.stream``); else it raises KeyboardInterrupt.
-  Returns the ``Generation``.
-  """
+def encode_rows(prompts: Sequence[str], tokenizer=None, *, num_samples: int = 1,
+                chat: bool = False,
+                systems: Sequence[str | None] | None = None) -> list[np.ndarray]:
+  """The batch rows of ``prompts``: ``encode_prompts``'s ids of each prompt
+  ``num_samples`` times in a row (row r is prompt r // num_samples). Raises
+  DecodeError for num_samples < 1 and as ``encode_prompts``."""
   if not (isinstance(num_samples, int) and num_samples >= 1):
     raise DecodeError(f"--num_samples={num_samples!r} must be an integer >= 1")
-  encoded = [p for p in encode_prompts(prompts, decoder.tokenizer, chat, systems)
-             for _ in range(num_samples)]
-  if warmup:
-    decoder.warm_up(encoded, max_new_tokens, sampling, seed, stops=stops)
-  on_text = None
-  if out is not None and len(encoded) == 1:
-    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    if not chat:
-      out.write(prompts[0])
-    def on_text(row, data):
-      out.write(utf8.decode(data))
-      out.flush()
-  gen = decoder.stream(encoded, max_new_tokens, sampling, seed, stops=stops, on_text=on_text,
-                       interruptible=interruptible)
-  if on_text is not None:
-    out.write(utf8.decode(b"", final=True) + "\n")
-  return gen
+  return [p for p in encode_prompts(prompts, tokenizer, chat, systems) for _ in range(num_samples)]
+
+
+class TextOut:
+  """One row's text on ``out`` while ``Decoder.stream`` hands it on: the
+  ``prompt`` first (None: nothing, as before a chat reply), then each
+  ``on_text(row, data)`` chunk decoded as UTF-8 incrementally (a character
+  split across rounds waits for its last byte; invalid bytes print as
+  U+FFFD), flushed per round; ``close()`` prints what is left and a newline."""
+
+  def __init__(self, out: TextIO, prompt: str | None = None):
+    self.out = out
+    self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    if prompt is not None:
+      out.write(prompt)
+
+  def on_text(self, row: int, data: bytes) -> None:
+    self.out.write(self._utf8.decode(data))
+    self.out.flush()
+
+  def close(self) -> None:
+    self.out.write(self._utf8.decode(b"", final=True) + "\n")
