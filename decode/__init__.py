@@ -1,10 +1,5 @@
-"""Inference: ``python -m decode`` (docs/design.md section 2 has the map).
-
-The engine is this package's top level: ``decoder`` (the ``Decoder``, AR
-and speculative), ``compiled`` (its jitted programs), ``round`` (one
-draft-verify-accept-commit round), ``acceptance`` (the acceptance rules,
-``rejection_sample``), ``drafters`` (the draft loops), ``kv_cache``,
-``sampling``, ``state``, ``loops``, ``tree``; ``auto/`` is
-``--num_draft_tokens=auto`` (schedule and calibration); ``cli/`` is the
-CLI's library and its reports (``run(DecodeRequest) -> DecodeReport``).
+"""Inference: ``python -m decode``. The engine (``decoder.Decoder``, AR and
+speculative) is this package's top level; ``auto/`` is
+``--num_draft_tokens=auto``; ``cli/`` the CLI's library and reports. The
+map of modules is docs/design.md section 2.
 """

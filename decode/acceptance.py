@@ -1,18 +1,10 @@
-"""The acceptance rules of speculative decoding, for a chain of drafts and
-for a token tree (``decode.tree_spec.TreeSpec``): pure functions of the
-target's and the drafter's distributions (the target's forward over the
-verify block is ``decode.round.verify_block``); derivations in
-docs/speculative_sampling.md, indices in docs/design.md section 5.
-
-- ``rejection_sample``: Leviathan et al. 2023, Algorithm 1 (= Chen et al.
-  2023, Algorithm 2), vectorised over B and G; ``greedy_verify``: its
-  temperature-0 case; ``chain_rule``: the one a round applies (these two or
-  an AR step's, ``ar_sample`` / ``ar_greedy``, all in one signature).
-- ``tree_rejection_sample`` (recursive rejection sampling, Jeon et al.
-  2024), ``tree_greedy_verify``, ``tree_accept``: the same for a tree.
-
-Axis letters: B batch, G draft length, N tree nodes, V vocabulary.
-"""
+"""Acceptance rules of speculative decoding, pure functions of the target's
+and drafter's distributions: ``rejection_sample`` (Leviathan et al. 2023,
+Algorithm 1 = Chen et al. 2023, Algorithm 2), ``greedy_verify``,
+``chain_rule``; for a token tree ``tree_rejection_sample`` (Jeon et al. 2024),
+``tree_greedy_verify``, ``tree_accept``. Derivations in
+docs/speculative_sampling.md. Axes: B batch, G draft length, N tree nodes, V
+vocabulary."""
 
 from __future__ import annotations
 
@@ -53,31 +45,16 @@ def _check_verify_shapes(name, target, draft_tokens, draft_probs=None):
 
 
 def rejection_sample(key, target_probs, draft_probs, draft_tokens):
-  """Speculative-sampling verification of G drafts per row (Leviathan et
-  al. 2023, Algorithm 1): for j = 1..G in order, d_j is accepted with
-  probability min(1, p_{j-1}(d_j) / q_j(d_j)); at the first rejection the
-  round emits one token from norm(max(0, p_{j-1} - q_j)), after G accepts a
-  bonus token from p_G. Each emitted token then follows the target's
-  distribution, provided d_j was sampled from q_j.
+  """Leviathan et al. 2023, Algorithm 1: d_j is accepted with probability
+  min(1, p_{j-1}(d_j) / q_j(d_j)) in order; at the first rejection one token
+  from norm(max(0, p_{j-1} - q_j)), after G accepts a bonus token from p_G.
 
-  All randomness is one uniform draw [B, G + V] from ``key``: u_j for the
-  tests (accept iff u_j < p/q) and V for the Gumbel-max draw of the stop
-  token; the accepted count is the leading run of accepts (a cumulative
-  product, no loop over G). Edge cases: p(d) = 0 is never accepted nor
-  emitted; q(d) = 0 counts as ratio +inf (accepted iff p(d) > 0; only a
-  buggy drafter gets there, and losslessness is then lost); ids outside
-  [0, V) are rejected; a residual summing to 0 falls back to p.
-
-  Args:
-    key: a ``jax.random`` key.
-    target_probs: [B, G+1, V] float, warped target distributions p_0..p_G.
-    draft_probs: [B, G, V] float, q_1..q_G the drafts were sampled from.
-    draft_tokens: [B, G] integer drafts d_1..d_G.
-  Returns:
-    (num_accepted [B] int32 in 0..G, next_token [B] int32: the residual
-    token when num_accepted < G, else the bonus token).
-  Raises:
-    ValueError: inconsistent shapes or non-integer draft_tokens (trace time).
+  target_probs [B, G+1, V] float (warped p_0..p_G), draft_probs [B, G, V]
+  float (q_1..q_G), draft_tokens [B, G] integer; one uniform draw [B, G + V]
+  from ``key``. q(d) = 0 counts as ratio +inf, ids outside [0, V) are
+  rejected, a residual summing to 0 falls back to p.
+  Returns (num_accepted [B] int32 in 0..G, next_token [B] int32).
+  Raises ValueError on inconsistent shapes or non-integer draft_tokens.
   """
   p = jnp.asarray(target_probs, jnp.float32)
   q = jnp.asarray(draft_probs, jnp.float32)
@@ -116,19 +93,11 @@ def rejection_sample(key, target_probs, draft_probs, draft_tokens):
 
 
 def greedy_verify(target_logits_or_probs, draft_tokens):
-  """Greedy (temperature 0) verification: accepts d_j while it is the
-  argmax of target row j-1; the next token is the argmax at the first
-  mismatch (or the bonus row G). ``rejection_sample`` with one-hot p and q;
-  ties go to the lowest id, as ``warp_logits`` at temperature 0.
-
-  Args:
-    target_logits_or_probs: [B, G+1, V] float (only argmaxes are used).
-    draft_tokens: [B, G] integer drafts.
-  Returns:
-    (num_accepted [B] int32 in 0..G, next_token [B] int32).
-  Raises:
-    ValueError: inconsistent shapes or non-integer draft_tokens.
-  """
+  """Temperature-0 verification: accepts d_j while it is the argmax of
+  target row j-1; next token the argmax at the first mismatch (or row G);
+  ties to the lowest id. target_logits_or_probs [B, G+1, V], draft_tokens
+  [B, G] integer. Returns (num_accepted [B] int32 in 0..G, next_token [B]
+  int32). Raises ValueError on inconsistent shapes."""
   x = jnp.asarray(target_logits_or_probs)
   d = jnp.asarray(draft_tokens)
   _check_verify_shapes("greedy_verify", x, d)
@@ -163,13 +132,10 @@ def ar_sample(key, target, draft_q=None, draft_tokens=None):
 
 
 def chain_rule(params: SamplingParams, g: int):
-  """The acceptance rule of a chain round at draft length g (static; 0 = an
-  AR step) under ``params`` (greedy or not, static): ``rejection_sample``
-  (T > 0), ``greedy_chain`` (greedy), ``ar_sample`` / ``ar_greedy`` (g =
-  0). Each is ``rule(key, target, draft_q, draft_tokens) -> (num_accepted
-  [B] int32, next_token [B] int32)`` with target [B, g+1, V] (warped
-  probabilities, logits when greedy), draft_q [B, g, V], draft_tokens [B,
-  g] int32 (both None for an AR step) and key None when greedy."""
+  """The rule of a chain round at static draft length g (0 = AR step):
+  ``rejection_sample``, ``greedy_chain``, ``ar_sample`` or ``ar_greedy``, each
+  ``rule(key, target [B, g+1, V], draft_q [B, g, V], draft_tokens [B, g]) ->
+  (num_accepted [B] int32, next_token [B] int32)`` (logits when greedy)."""
   if params.greedy:
     return greedy_chain if g else ar_greedy
   return rejection_sample if g else ar_sample
@@ -217,23 +183,15 @@ def _stop_block(path, a):
 
 
 def tree_greedy_verify(target_logits_or_probs, node_tokens, spec: TreeSpec):
-  """Greedy (temperature 0) verification of a token tree: from the root,
-  move to the first child whose token is the target argmax at the current
-  node, until none matches; the next token is the argmax at the last
-  accepted node. That path is the target's greedy continuation (the tree
-  form of ``greedy_verify``); ties go to the lowest id.
+  """Temperature-0 verification of a tree: from the root, move to the first
+  child whose token is the target argmax at the current node; next token the
+  argmax at the last accepted node (ties to the lowest id).
 
-  Args:
-    target_logits_or_probs: [B, N+1, V] float, the verify block's target
-      rows (root at 0, node i at 1+i; only argmaxes are used).
-    node_tokens: [B, N] integer, BFS order.
-    spec: the tree (static).
-  Returns:
-    (num_accepted [B] int32 in 0..m, next_token [B] int32, path [B, m]
-    int32: the accepted node at depth d in column d-1 for d <= num_accepted,
-    arbitrary valid nodes after).
-  Raises:
-    ValueError: on shapes that do not match ``spec``.
+  target_logits_or_probs [B, N+1, V] (root row 0, node i row 1+i),
+  node_tokens [B, N] integer in BFS order, spec static. Returns (num_accepted
+  [B] int32 in 0..m, next_token [B] int32, path [B, m] int32: accepted node
+  at depth d in column d-1, arbitrary valid nodes after). Raises ValueError
+  on shapes that do not match ``spec``.
   """
   x = jnp.asarray(target_logits_or_probs)
   toks = jnp.asarray(node_tokens)
@@ -255,34 +213,18 @@ def tree_greedy_verify(target_logits_or_probs, node_tokens, spec: TreeSpec):
 
 
 def tree_rejection_sample(key, target_probs, draft_probs, node_tokens, spec: TreeSpec):
-  """Lossless verification of a token tree whose children were drawn
-  without replacement: recursive rejection sampling (Jeon et al. 2024,
-  arXiv:2402.14160), equations (T1)-(T3) of docs/speculative_sampling.md.
-  At a node with target p and draft q whose children c_1..c_b were drawn
-  from q without replacement (c_i ~ q_i, q renormalised without c_<i),
-  with r_1 = p, for i = 1..b:
+  """Recursive rejection sampling of a tree whose children c_1..c_b were
+  drawn from q without replacement (Jeon et al. 2024; (T1)-(T3) of
+  docs/speculative_sampling.md). With r_1 = p, for i = 1..b: accept c_i
+  with probability min(1, r_i(c_i) / q_i(c_i)) (T1), else r_{i+1} =
+  norm(max(0, r_i - q_i)) (T2); all rejected: a token from r_{b+1}; at a
+  leaf a bonus token from p. Children past q's support are skipped.
 
-      accept c_i with probability min(1, r_i(c_i) / q_i(c_i));         (T1)
-      otherwise r_{i+1} = norm(max(0, r_i - q_i))                        (T2)
-
-  continue at the accepted child; if all are rejected emit a token from
-  r_{b+1}, at a leaf a bonus token from its p. Children past q's support
-  (top-k / top-p smaller than b) are skipped. Every node's outcome is
-  computed at once from one uniform draw [B, N + V], then the path is
-  walked; edge cases as ``rejection_sample``.
-
-  Args:
-    key: a ``jax.random`` key.
-    target_probs: [B, N+1, V] float, the verify block's warped target
-      distributions (root at 0, node i at 1+i).
-    draft_probs: [B, N_internal, V] float, q per internal node (root, then
-      depths 1..m-1).
-    node_tokens: [B, N] integer, BFS order (siblings in drawing order).
-    spec: the tree (static).
-  Returns:
-    (num_accepted [B] int32 in 0..m, next_token [B] int32, path [B, m] int32).
-  Raises:
-    ValueError: on shapes that do not match ``spec``.
+  target_probs [B, N+1, V] float, draft_probs [B, N_internal, V] float,
+  node_tokens [B, N] integer (BFS, siblings in drawing order), spec static;
+  one uniform draw [B, N + V]. Returns (num_accepted [B] int32 in 0..m,
+  next_token [B] int32, path [B, m] int32). Raises ValueError on shapes that
+  do not match ``spec``.
   """
   p = jnp.asarray(target_probs, jnp.float32)
   q = jnp.asarray(draft_probs, jnp.float32)

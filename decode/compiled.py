@@ -1,22 +1,10 @@
 """The jitted programs of a ``Decoder``, shared by every decoder with the
-same settings.
-
-What a decoder compiles depends only on its ``ProgramSpec``: the graph of
-the target (and draft) model (``nnx.GraphDef``, equal for models built from
-equal configs, whatever their parameter values), the drafter, G, the token
-tree, the "auto" schedule, the acceptance rule and the mesh. All of them
-compare by value (frozen dataclasses, graph definitions, the built-in
-drafters' settings) or by identity (functions, custom drafters), so
-``programs(spec)`` builds the jitted functions once per distinct spec and a
-second ``Decoder`` with equal settings (a benchmark's fresh decoder per
-repeat or per parameter set, a test's decoders over the same fixture
-model) reuses their traces and compiled executables for every shape they
-were already compiled for. The parameters are arguments of every program,
-never constants, so decoders over different weights share them too.
-
-The traced functions here are pure functions of (spec, arguments): nothing
-reads a ``Decoder`` instance, so changing a decoder after construction can
-never change what another decoder runs.
+same settings: what a decoder compiles depends only on its ``ProgramSpec``
+(model graphs, drafter, G, tree, "auto" schedule, acceptance rule, mesh;
+compared by value or identity), and ``programs(spec)`` builds them once per
+distinct spec. Parameters are arguments of every program, never constants,
+so decoders over different weights share them too. The traced functions are
+pure functions of (spec, arguments): nothing reads a ``Decoder`` instance.
 """
 
 from __future__ import annotations
@@ -70,10 +58,9 @@ class ProgramSpec:
 
   def round(self, params, draft_params, sp: SamplingParams, state: DecodeState,
             g: int | None = None) -> DecodeState:
-    """One round for every row at draft length g (static; default G; 0 =
-    an AR step; a token tree ignores g). The sampling parameters come
-    before the state, so ``functools.partial(round, params, draft_params,
-    sp)`` is a ``loops.RoundG``."""
+    """One round for every row at static draft length g (default G; 0 = AR
+    step; a tree ignores g); ``partial(round, params, draft_params, sp)``
+    is a ``loops.RoundG``."""
     target, draft = self.models(params, draft_params)
     if self.tree is not None:
       return tree_lib.tree_round(self.drafter, target, state, sp)
@@ -121,8 +108,7 @@ def _build(spec: ProgramSpec) -> Programs:
 
 def on_device(tree):
   """``tree`` with its numpy leaves moved to the default device (jax arrays
-  are left where they are): a jitted function copies a numpy argument to the
-  device on every call, and the parameters are arguments of every program."""
+  stay where they are), so programs do not copy them on every call."""
   return jax.tree.map(lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, tree)
 
 
@@ -143,14 +129,9 @@ _cached_build = functools.lru_cache(maxsize=CACHE_SIZE)(_build)
 
 def clear_cache() -> None:
   """Drops every cached ``Programs`` and JAX's compiled executables
-  (``jax.clear_caches``), so that the executables of programs no longer
-  referenced are freed, with their memory mappings.
-
-  For long-lived processes that build many programs: on the CPU each
-  executable holds about 7 memory mappings (its JIT code and data), and a
-  process past the kernel's ``vm.max_map_count`` (65,530 by default) cannot
-  map more: XLA:CPU's next compile then segfaults or fails with "Cannot
-  allocate memory" (docs/testing.md). The next call of a program recompiles it."""
+  (``jax.clear_caches``), freeing their memory mappings: a long-lived CPU
+  process must stay under ``vm.max_map_count`` (docs/testing.md). The next
+  call of a program recompiles it."""
   _cached_build.cache_clear()
   jax.clear_caches()
 

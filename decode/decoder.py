@@ -1,33 +1,11 @@
-"""KV-cached decoding: the autoregressive baseline and speculative decoding
-with an MTP or draft-model drafter, in two forms each.
-
-- ``Decoder.stream(...)``: a jitted prefill and a jitted single round (one
-  target call) driven from Python: streaming, per-token timing, early stop.
-- ``Decoder.generate(...)``: prefill then every round inside one
-  ``jax.lax.while_loop`` (throughput; one host round trip per generation).
-
-Both run the same round function, so they emit identical tokens for the
-same seed; with ``num_draft_tokens="auto"`` only given the same round costs
-(``auto_costs``), since each form otherwise measures its own and may choose
-other draft lengths (same output law either way).
-
-Where each job lives (docs/design.md section 2): the round's pure pieces in
-``decode.round`` (propose with the verify forward / accept / commit) and
-``decode.tree`` (token trees), the acceptance rules in ``decode.acceptance``,
-the drafters and their draft loops in ``decode.drafters``, the KV cache's
-sizes and moves in ``decode.kv_cache``, warping and sampling in
-``decode.sampling``, the loops over rounds in ``decode.loops``, the jitted
-programs in ``decode.compiled``, the typed state in ``decode.state``,
-"auto" (schedule, round costs, AR fallback) in ``decode.auto``; the CLI and
-its reports in ``decode.cli``. Here: the flag rules (``check_flags``,
-``resolve_method``) and the ``Decoder``, which builds the initial state
-(``prepare``) and wires the jitted functions. Caches and buffers are
-donated, so writes happen in place.
-
-Non-finite logits (target or drafter, at any emittable id) stop the row in
-the round that produced them: a flag in the state, set inside the jitted
-round (no host sync), so nothing computed from them is emitted; the host
-then raises ``NonFiniteLogitsError`` naming the row and the position.
+"""KV-cached decoding, AR or speculative with an MTP or draft-model drafter:
+``Decoder.stream`` (one jitted round per Python step: streaming, per-token
+timing, early stop) and ``Decoder.generate`` (every round in one
+``lax.while_loop``). Both run the same round, so they emit identical tokens
+for a seed ("auto": given the same ``auto_costs``). Here: the method rules
+(``resolve_method``) and the ``Decoder``; the other modules are listed in
+docs/design.md section 2. Non-finite logits stop the row in the round that
+produced them; the host then raises ``NonFiniteLogitsError``.
 """
 
 from __future__ import annotations
@@ -86,26 +64,14 @@ class Method:
 
 def resolve_method(target: Transformer, method: str, num_draft_tokens, draft, *,
                    max_draft_tokens=None, schedule=None, auto_costs=None, tree=None) -> Method:
-  """Validates a ``Decoder``'s method settings against the target (and
-  draft) model; returns the ``Method``.
-
-  Args:
-    target: the target ``Transformer`` (its MTP depth D).
-    method: "ar" (one target call per token), "mtp" (drafts from the
-      target's MTP modules) or "draft" (independent ``draft`` model).
-    num_draft_tokens: G in [1, MAX_DRAFT_TOKENS] for "mtp"/"draft" (ignored
-      for "ar"), or "auto" ("mtp" only): g in 0..G_max chosen per segment of
-      rounds from running acceptance estimates and measured round costs
-      (``decode.auto.schedule``, ``decode.auto.calibrate``).
-    draft: draft model for "draft" (same vocabulary), else None.
-    max_draft_tokens: G_max for "auto" (default D).
-    schedule: an ``AutoSchedule`` for "auto" (default ``AutoSchedule(G_max)``).
-    auto_costs: "auto"'s seconds per round for g = 0..G_max (no measurement).
-    tree: a token tree for "mtp", branching per depth ((3, 2, 1) or
-      "3,2,1"; depth m in [1, D]), verified in one target call per round
-      (``decode.tree``); m takes G's place. None: the chain.
-  Raises:
-    DecodeError, one line naming the flag and the allowed range.
+  """Validates a ``Decoder``'s method settings against the target (MTP
+  depth D) and draft model; returns the ``Method``. method: "ar", "mtp" or
+  "draft" (``draft`` sharing the vocabulary); num_draft_tokens: G in [1,
+  MAX_DRAFT_TOKENS], or "auto" ("mtp" only; g in 0..G_max, G_max =
+  ``max_draft_tokens`` or D; ``schedule``, ``auto_costs`` seconds per round
+  for g = 0..G_max); tree: "mtp" branching per depth ((3, 2, 1) or "3,2,1",
+  depth m in [1, D]), None for a chain. Raises DecodeError, one line naming
+  the flag and the allowed range.
   """
   check_flags(method, num_draft_tokens, tree)
   if tree is not None:                  # token trees: decode/tree.py
@@ -168,25 +134,13 @@ def _tokenizer_ids(cfg, tokenizer):
 
 
 class Decoder:
-  """Batched KV-cached decoder for one target model and one method.
-
-  Args:
-    target: trained ``Transformer``.
-    method, num_draft_tokens, draft, max_draft_tokens, schedule,
-      auto_costs, tree: the method and its settings (``resolve_method``).
-    mesh: optional ``jax.sharding.Mesh`` (``mtp.sharding.make_mesh``):
-      parameters sharded as in training, batch rows over ``data``
-      (``decode.mesh``); None = one device.
-    drafter: a drafter replacing the method's own (``decode.drafters``'
-      interface; tests and experiments).
-    accept_rule: ``accept_rule(sampling params, g) -> rule`` picks the
-      chain's acceptance rule per round (default ``acceptance.chain_rule``;
-      tests swap in wrong rules).
-    tokenizer: the model's tokenizer (required for a BPE model; default the
-      byte tokenizer): its stop ids end a row, its ``decode_bytes`` gives
-      the text stop strings are matched against.
-  Raises DecodeError (``resolve_method``; a BPE model without its
-  tokenizer), ConfigError (mesh axes that do not divide the model).
+  """Batched KV-cached decoder for one target ``Transformer`` and one method
+  (method .. tree: ``resolve_method``). mesh: a ``jax.sharding.Mesh``
+  (parameters sharded as in training, rows over ``data``) or None; drafter:
+  replaces the method's own; accept_rule(params, g) -> the chain's rule;
+  tokenizer: required for a BPE model (default bytes), its stop ids end a
+  row. Raises DecodeError (``resolve_method``; BPE without its tokenizer),
+  ConfigError (mesh axes that do not divide the model).
   """
 
   def __init__(self, target: Transformer, method: str = "mtp", num_draft_tokens: int | str = 2,
@@ -268,10 +222,9 @@ class Decoder:
   def prepare(self, prompts: Sequence[np.ndarray], max_new_tokens: int, seed: int,
               stops: StopConditions | None = None, budget: int | None = None):
     """(initial state, prefill_len) for a batch of token prompts (BOS
-    included), the cache sized by ``decode.kv_cache``; ``stops``: stop ids
-    beside EOS; ``budget``: new tokens per row below ``max_new_tokens``,
-    which still sizes the state (same shapes, same programs: ``warm_up``).
-    Raises DecodeError for bad prompts (``state.check_prompts``) or stops."""
+    included); ``stops``: stop ids beside EOS; ``budget``: new tokens per
+    row below ``max_new_tokens`` (which still sizes the state). Raises
+    DecodeError for bad prompts or stops."""
     stops = (stops or StopConditions()).validate(self.target_cfg.vocab_size)
     self.check_prompts(prompts, max_new_tokens)
     p_len, cache_len = self._lengths(prompts, max_new_tokens)
@@ -333,11 +286,9 @@ class Decoder:
   def sample(self, prompt, num_samples: int, max_new_tokens: int,
              sampling_params: SamplingParams, seed: int = 0,
              stops: StopConditions | None = None) -> Generation:
-    """``num_samples`` continuations of one prompt: prefilled once (B = 1),
-    repeated into the batch (``state.repeat_row``), then ``generate``'s
-    loop: the law of ``generate([prompt] * num_samples, ...)`` without B
-    prefills (with a mesh, "auto" or one sample it is that call). Raises
-    DecodeError for num_samples < 1 and as ``generate``."""
+    """``num_samples`` continuations of one prompt, prefilled once and
+    repeated into the batch: the law of ``generate([prompt] * num_samples,
+    ...)``. Raises DecodeError for num_samples < 1 and as ``generate``."""
     if isinstance(num_samples, bool) or not (isinstance(num_samples, (int, np.integer))
                                              and num_samples >= 1):
       raise DecodeError(f"num_samples={num_samples!r} must be an integer >= 1")
@@ -356,16 +307,12 @@ class Decoder:
              stops: StopConditions | None = None,
              on_text: Callable[[int, bytes], None] | None = None, *,
              interruptible: bool = False, budget: int | None = None) -> Generation:
-    """The jitted prefill, then one jitted round per Python step
-    (``loops.stream_rounds``): what ``generate`` emits for the seed ("auto":
-    at the same ``auto_costs``). Per round ``on_tokens(row, new_ids)`` and
-    ``on_text(row, new_bytes)`` (UTF-8; bytes that may start a stop string
-    held back); a row reaching a stop string is cut and stopped before the
-    next round. ``interruptible``: Ctrl-C ends it at a round boundary
-    (``loops.InterruptFlag``), the result ``interrupted`` with what was
-    handed on. ``budget``: at most that many new tokens per row on a state
-    sized for ``max_new_tokens``, and also compiles what a full stream runs
-    besides (``warm_up``; "auto" then learns nothing). Raises as ``generate``."""
+    """The jitted prefill, then one jitted round per Python step: what
+    ``generate`` emits for the seed. Per round ``on_tokens(row, new_ids)``
+    and ``on_text(row, new_bytes)`` (bytes that may start a stop string held
+    back). ``interruptible``: Ctrl-C ends it at a round boundary (result
+    ``interrupted``). ``budget``: at most that many new tokens per row on a
+    state sized for ``max_new_tokens`` (``warm_up``). Raises as ``generate``."""
     sp = sampling_params.validate()
     warm = budget is not None
     started = self._start(prompts, max_new_tokens, sp, seed, stops, "stream", budget)

@@ -1,20 +1,10 @@
-"""The loops that run decoding rounds: the prefill before them, every round
-inside one ``lax.while_loop`` (throughput form), "auto" segments, and the
-host-driven stream form (which Ctrl-C can end at a round boundary,
-``InterruptFlag``).
-
-A round is a traced ``round_g(state, g) -> state`` (``decode.round.chain_round``
-or ``decode.tree.tree_round`` with the parameters bound; g static) and these
-loops only decide how many rounds run and at which g.
-
-"auto" (``decode.auto.schedule``): rounds come in segments; ``choose`` picks the
-next segment's (g, rounds) from the past only, and a segment runs its
-rounds at that g. In the while_loop form an outer loop over segments runs
-the inner while_loops of g = 0..G_max one after the other, of which only
-the chosen one iterates. Sequential loops, not a ``lax.switch`` over them:
-XLA copies every KV cache on entering a switch branch, while loops update
-their carry in place; and no host round trip per segment (it would cost
-most where rounds are shortest).
+"""The loops that run decoding rounds: the prefill, every round inside one
+``lax.while_loop`` (throughput form), "auto" segments, and the host-driven
+stream form (Ctrl-C ends it at a round boundary, ``InterruptFlag``). A round
+is a traced ``round_g(state, g) -> state`` (g static); these loops decide
+how many rounds run and at which g. "auto": ``choose`` picks each segment's
+(g, rounds) from the past; the while_loop form runs the inner loops of g =
+0..G_max in sequence, only the chosen one iterating (docs/results/auto_schedule.md).
 """
 
 from __future__ import annotations
@@ -35,11 +25,10 @@ RoundG = Callable[[DecodeState, int], DecodeState]
 
 
 def prefill(drafter, target, draft, state: DecodeState, p: int) -> DecodeState:
-  """The prefill, traced: ``target.backbone`` over positions 0..p-1 of
-  ``state.tokens`` [B, S] (p = prompt bucket - 1, static) writing its KV
-  cache, then ``drafter.prefill`` (on ``draft`` for a draft model, else the
-  target's MTP modules, with h^0 [B, p, D], or module 1's fused input with
-  ``mtp.feature_layers``); ``drafter`` None for AR."""
+  """The prefill, traced: the target over positions 0..p-1 (static) of
+  ``state.tokens`` [B, S] writing its KV cache, then ``drafter.prefill``
+  (on ``draft``, else the target's modules, with h^0 [B, p, D]); ``drafter``
+  None for AR."""
   b = state.tokens.shape[0]
   with jax.named_scope("prefill"):
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
@@ -61,11 +50,9 @@ def choose(schedule, state: DecodeState) -> DecodeState:
 
 
 def segment(round_g: RoundG, state: DecodeState, g: int) -> DecodeState:
-  """"auto", while_loop form: when the segment's draft length
-  ``state.auto.g`` is g (static), its rounds in one ``lax.while_loop``
-  until its round count (capped by the rounds left in the budget) is used
-  up or every row is done; otherwise nothing (the loop's condition is
-  false at once)."""
+  """"auto", while_loop form: when ``state.auto.g`` is g (static), the
+  segment's rounds (capped by the budget) in one ``lax.while_loop`` until
+  used up or every row is done; otherwise nothing."""
   max_rounds = jnp.max(state.max_new)
   auto = state.auto
   state = state.replace(auto=auto.replace(left=jnp.minimum(auto.left, max_rounds - auto.rounds)))
@@ -81,11 +68,10 @@ def segment(round_g: RoundG, state: DecodeState, g: int) -> DecodeState:
 
 
 def generate_loop(round_g: RoundG, state: DecodeState, g: int, schedule=None) -> DecodeState:
-  """Every round of a generation inside one ``lax.while_loop`` (after the
-  prefill), until every row is done or max_new rounds ran. Fixed draft
-  length: ``round_g(state, g)`` each round. "auto" (``schedule`` given, g
-  = G_max): an outer while_loop over segments (``choose``, then
-  ``segment`` for each g = 0..G_max in sequence)."""
+  """Every round after the prefill in one ``lax.while_loop``, until every row
+  is done or max_new rounds ran: ``round_g(state, g)``, or with "auto"
+  (``schedule``, g = G_max) an outer loop of ``choose`` then ``segment``
+  for g = 0..G_max."""
   max_rounds = jnp.max(state.max_new)
   if schedule is not None:
     def seg_cond(s):
@@ -111,13 +97,10 @@ def generate_loop(round_g: RoundG, state: DecodeState, g: int, schedule=None) ->
 
 
 class InterruptFlag:
-  """Ctrl-C as a flag while a stream runs: inside the block the first SIGINT
-  sets ``requested`` and puts the previous handler back, so the loop stops at
-  its next round boundary (the round in flight finishes, its tokens are
-  kept) and a second Ctrl-C raises KeyboardInterrupt at once. Installed only
-  in the main thread and only over Python's default handler (a caller with
-  its own SIGINT handler keeps it); elsewhere ``requested`` stays False and
-  a KeyboardInterrupt is all there is."""
+  """Ctrl-C as a flag: inside the block the first SIGINT sets ``requested``
+  and restores the previous handler (the loop stops at its next round
+  boundary; a second Ctrl-C raises KeyboardInterrupt). Installed only in
+  the main thread over Python's default handler."""
 
   def __init__(self):
     self.requested = False
@@ -142,31 +125,18 @@ def stream_rounds(step: RoundG, state: DecodeState, max_new_tokens: int, *,
                   prefill_fn: Callable[[DecodeState, int], DecodeState], prefill_len: int,
                   watch, stop_rows: Callable[[DecodeState, np.ndarray, np.ndarray], DecodeState],
                   choose_fn=None, interruptible: bool = False):
-  """The stream form after ``Decoder.prepare``: ``prefill_fn(state,
-  prefill_len)`` (blocked on), then host-driven rounds, ``step(state, g)``
-  (a jitted round) one call per Python step, until every row is done, a
-  row failed, or max_new_tokens rounds ran. With "auto" ``choose_fn(state)
-  -> state`` (a jitted ``choose``) starts each segment and g is read back
-  from the device; otherwise ``step`` is called with g = None.
-
-  ``watch`` (a ``decode.stops.StreamStops``) sees each row's newly emitted
-  ids after every round (``on_new(row, ids) -> (keep, stopped)``: how many
-  to keep, whether the row stops there at a stop string); rows that stop
-  are cut and stopped on the device with ``stop_rows(state, lengths [B],
-  mask [B])`` before the next round, so nothing past a stop is ever handed
-  on; ``watch.flush()`` hands on what it held back at the end.
-
-  ``interruptible``: inside an ``InterruptFlag`` the loop ends early when
-  Ctrl-C sets it (checked at every round boundary) or when a
-  KeyboardInterrupt is raised inside a round (by ``step``, ``choose_fn`` or
-  ``watch``), and every row keeps the tokens of the rounds completed and
-  handed on before it. Otherwise a KeyboardInterrupt propagates.
+  """The stream form: ``prefill_fn(state, prefill_len)``, then one jitted
+  ``step(state, g)`` per host step until every row is done, a row failed or
+  max_new_tokens rounds ran; with "auto" ``choose_fn`` starts each segment.
+  ``watch`` (``decode.stops.StreamStops``) sees each row's new ids after
+  every round; rows it stops are cut on the device with ``stop_rows(state,
+  lengths [B], mask [B])`` before the next round. ``interruptible``: Ctrl-C
+  or a KeyboardInterrupt inside a round ends the loop, rows keep the rounds
+  handed on; otherwise it propagates.
 
   Returns (state, emit_times, kept, seconds since the prefill started,
-  seconds of the prefill): emit_times per row, seconds from the prefill's
-  start to each kept token (tokens of one round share a time); kept None,
-  or after an interrupt [B] int32, each row's length at the last round
-  boundary (what was handed on).
+  seconds of the prefill): emit_times per row, seconds to each kept token;
+  kept None, or after an interrupt [B] int32 lengths handed on.
   """
   on_new = watch.on_new if watch.needed else None
   emit_times: list[list[float]] = [[] for _ in range(state.length.shape[0])]
@@ -224,11 +194,9 @@ def stream_rounds(step: RoundG, state: DecodeState, max_new_tokens: int, *,
 def timed_generate(prefill_fn: Callable[[DecodeState, int], DecodeState],
                    generate_fn: Callable[[DecodeState], DecodeState], state: DecodeState,
                    prefill_len: int, like=None) -> tuple[DecodeState, float, float]:
-  """The while_loop form after ``Decoder.prepare``: ``prefill_fn(state,
-  prefill_len)`` (its output repeated into ``like``'s batch,
-  ``state.repeat_row``, when given), then ``generate_fn``, each blocked on.
-  Returns (state, seconds of both, seconds of the prefill), the clock
-  started with ``state`` ready."""
+  """The while_loop form: ``prefill_fn(state, prefill_len)`` (repeated into
+  ``like``'s batch when given), then ``generate_fn``, each blocked on.
+  Returns (state, seconds of both, seconds of the prefill)."""
   jax.block_until_ready(state)
   t0 = time.perf_counter()
   state = prefill_fn(state, prefill_len)
@@ -240,10 +208,9 @@ def timed_generate(prefill_fn: Callable[[DecodeState, int], DecodeState],
 
 
 def warm_extras(state: DecodeState, step, stop_rows, cut: bool, g_max: int | None = None):
-  """What a warm-up compiles after its round: ``stop_rows`` with a no-op
-  mask when ``cut`` (there are stop strings), and with ``g_max`` (fixed
-  "auto" costs: no calibration compiled them) ``step`` at every draft
-  length 0..g_max. Returns the state, ready."""
+  """What a warm-up compiles after its round: ``stop_rows`` (no-op mask)
+  when ``cut``, and ``step`` at g = 0..g_max when ``g_max`` is given.
+  Returns the state, ready."""
   if cut:
     b = state.length.shape[0]
     state = stop_rows(state, np.asarray(jax.device_get(state.length)), np.zeros(b, bool))

@@ -1,25 +1,11 @@
 """One speculative-decoding round as pure, traced functions (docs/design.md
 section 5), shared by the chain (here) and token trees (``decode.tree``).
-
-For a row with committed tokens x_0..x_{n-1} (target cache valid for
-positions 0..n-2):
-
-1. ``propose``: the drafter drafts d_1..d_g with distributions q_1..q_g
-   (``decode.drafters``); one target forward verifies [x_{n-1}, d_1..d_g]
-   at positions n-1..n+g-1 (``verify_block``), p_j = warp(l_j);
-   ``flag_non_finite`` stops rows with NaN/inf logits. A row shorter than
-   ``drafter.min_length`` gets no draft (``NO_DRAFT``, q = 0, rejected by
-   every rule): its round is an exact AR step.
-2. accept (``decode.acceptance.chain_rule`` picks the rule: rejection
-   sampling, greedy verification or an AR step's): a accepted drafts plus
-   one residual/bonus token.
-3. ``commit``: n' = n + e, e <= a+1 cut after the first stop id and at the
-   token budget; the caches roll back by length (``decode.kv_cache``).
-
-The AR baseline is the same round with g = 0. ``chain_round`` puts the
-three together (with "auto", ``record_auto`` folds the round into the
-schedule's estimates); ``decode.loops`` runs rounds. A greedy
-``SamplingParams`` (static flag) makes the program argmaxes only.
+For a row with tokens x_0..x_{n-1}: ``propose`` drafts d_1..d_g ~ q_1..q_g
+and verifies [x_{n-1}, d_1..d_g] at positions n-1..n+g-1 in one target
+forward, p_j = warp(l_j); the rule (``acceptance.chain_rule``) accepts a
+drafts plus one residual/bonus token; ``commit`` sets n' = n + e, e <= a+1,
+cut after the first stop id and at the budget. g = 0 is the AR step;
+``chain_round`` is the three together.
 """
 
 from __future__ import annotations
@@ -49,26 +35,17 @@ def drafted_rows(drafter, n):
 
 def undrafted_as_absent(drafted, draft_tokens, draft_q):
   """(draft_tokens [B, w] int32, draft_q [B, r, V]) with rows where
-  ``drafted`` [B] bool is False set to ids ``NO_DRAFT`` and q = 0: every
-  rule rejects an id outside the vocabulary, and the residual max(0, p_0 -
-  0) is p_0, so such a row emits exactly an AR step's token."""
+  ``drafted`` [B] bool is False set to ``NO_DRAFT`` and q = 0, so the rule
+  emits an AR step's token from p_0."""
   return (jnp.where(drafted[:, None], draft_tokens, NO_DRAFT),
           jnp.where(drafted[:, None, None], draft_q, 0.0).astype(draft_q.dtype))
 
 
 class Proposal(NamedTuple):
-  """What ``propose`` hands to the acceptance rule and ``commit``.
-
-  draft_tokens: [B, g] int32 (None for an AR step); ``NO_DRAFT`` in rows
-    the drafter could not draft for (``drafted_rows``).
-  draft_q: [B, g, V] float32, the warped draft distributions, or the draft
-    logits when greedy (None for an AR step); 0 in rows without a draft.
-  p: [B, g+1, V] float32, the warped target distributions, or the target
-    logits when greedy.
-  h0: [B, g+1, D], the target's last hidden states over the verify block
-    (module 1's fused input with ``mtp.feature_layers``: what the drafter stores).
-  key: the acceptance key (None when greedy).
-  """
+  """What ``propose`` hands to the rule and ``commit``: draft_tokens [B, g]
+  int32 (``NO_DRAFT`` in undrafted rows), draft_q [B, g, V] float32 (both
+  None for an AR step), p [B, g+1, V] float32 (warped; logits when greedy),
+  h0 [B, g+1, D] (what the drafter stores), key (None when greedy)."""
   draft_tokens: jax.Array | None
   draft_q: jax.Array | None
   p: jax.Array
@@ -77,9 +54,8 @@ class Proposal(NamedTuple):
 
 
 def split_keys(state: DecodeState, params: SamplingParams):
-  """(state with the key advanced, drafting key, acceptance key). Greedy
-  ``params``: nothing is random; the key is not advanced and the acceptance
-  key is None (the built-in drafters draw nothing then)."""
+  """(state with the key advanced, drafting key, acceptance key); greedy
+  ``params``: key not advanced, acceptance key None."""
   if params.greedy:
     return state, state.key, None
   with jax.named_scope("rng"):
@@ -90,12 +66,10 @@ def split_keys(state: DecodeState, params: SamplingParams):
 def flag_non_finite(state: DecodeState, target_logits, draft_q, n, positions=None, *,
                     allowed, draft_allowed=None) -> DecodeState:
   """Sets ``error``/``error_pos`` of active, not yet failed rows whose
-  target logits [B, T, V] or draft q [B, G, V] hold NaN/+-inf at an
-  emittable id (``allowed`` [V] bool, ``tok.head_mask``: the head's -inf
-  elsewhere is by design; ``draft_allowed`` [V] bool for the draft, e.g. a
-  reduced draft vocabulary's ``Transformer.draft_mask``). error_pos: n-1+j
-  for target row j (``positions[:, j]``, [B, T] int32, for a tree), n-1
-  for the drafter. The target is named when both are bad."""
+  target logits [B, T, V] or draft q [B, G, V] hold NaN/+-inf at an id in
+  ``allowed`` / ``draft_allowed`` [V] bool. error_pos: n-1+j for target row
+  j (``positions[:, j]`` [B, T] for a tree), n-1 for the drafter; the
+  target is named when both are bad."""
   bad_t = jnp.any(~jnp.isfinite(target_logits) & allowed, -1)          # [B, T]
   code = jnp.where(jnp.any(bad_t, -1), ERROR_TARGET, ERROR_NONE)
   row = jnp.argmax(bad_t, -1).astype(jnp.int32)
@@ -113,11 +87,9 @@ def flag_non_finite(state: DecodeState, target_logits, draft_q, n, positions=Non
 
 def verify_block(target: Transformer, state: DecodeState, block, positions, params: SamplingParams,
                  **backbone_kw):
-  """The target over a verify block: (h_draft [B, T, D], logits [B, T, V],
-  p [B, T, V] float32 warped probabilities (the logits when greedy), new
-  cache). block / positions: [B, T] int32; ``backbone_kw``: write_offsets /
-  mask for token trees. h_draft is what the MTP drafter stores for module 1
-  (h^0, or the fused features with ``mtp.feature_layers``)."""
+  """The target over a verify block [B, T] int32 at positions [B, T]:
+  (h_draft [B, T, D], logits [B, T, V], p [B, T, V] float32 warped (logits
+  when greedy), new cache); ``backbone_kw``: a tree's write_offsets / mask."""
   with jax.named_scope("verify"):
     with jax.named_scope("forward"):
       h0, h_draft, cache = target.backbone_features(block, positions, cache=state.cache,
@@ -131,12 +103,10 @@ def verify_block(target: Transformer, state: DecodeState, block, positions, para
 
 def propose(drafter, target: Transformer, draft: Transformer | None, state: DecodeState,
             params: SamplingParams, g: int) -> tuple[DecodeState, Proposal]:
-  """Drafts g tokens (static; 0 = an AR step) and verifies them in one
-  target call; no acceptance yet. ``drafter``: None for AR; ``draft``: the
-  independent draft model, else None (the target's MTP modules draft).
-  Returns (state with the drafts written, the target cache extended, the
-  key advanced and non-finite rows flagged, the ``Proposal``). Rows shorter
-  than ``drafter.min_length`` get no draft (``undrafted_as_absent``)."""
+  """Drafts g tokens (static; 0 = AR step) and verifies them in one target
+  call. ``draft``: an independent draft model or None (MTP modules draft).
+  Returns (state with drafts written, cache extended, key advanced,
+  non-finite rows flagged; the ``Proposal``)."""
   state, k_draft, k_accept = split_keys(state, params)
   tokens, n = state.tokens, state.length
   d_tok = d_q = None
@@ -157,20 +127,11 @@ def propose(drafter, target: Transformer, draft: Transformer | None, state: Deco
 
 
 def commit(drafter, state: DecodeState, draft_tokens, a, nxt, h0) -> DecodeState:
-  """Emits d_1..d_a then ``nxt`` per row, cut after the first stop id (EOS
-  or ``state.stop_ids``; kept) and at the token budget; updates lengths,
-  done flags, statistics and the drafter state (``after_verify``). Done or
-  failed rows emit nothing.
-
-  Args:
-    drafter: the round's drafter (None for AR).
-    draft_tokens: [B, w] int32, a chain's d_1..d_g or a tree's accepted
-      path, None for an AR step (w = 0); ``NO_DRAFT`` entries (never
-      emitted) are written past the new length as id 0, a valid id for
-      any drafter reading there.
-    a: [B] int32 accepted drafts; nxt: [B] int32 the residual/bonus token.
-    h0: [B, w+1, D] target hidden states of [x_{n-1}, emitted drafts].
-  """
+  """Emits d_1..d_a then ``nxt`` per row, cut after the first stop id (kept)
+  and at the token budget; updates lengths, done flags, statistics and the
+  drafter state. Done or failed rows emit nothing. draft_tokens [B, w]
+  int32 (a chain's drafts or a tree's path; None for AR), a / nxt [B]
+  int32, h0 [B, w+1, D]."""
   w = 0 if draft_tokens is None else draft_tokens.shape[1]
   n, done = state.length, state.done
   b = n.shape[0]
@@ -197,11 +158,10 @@ def commit(drafter, state: DecodeState, draft_tokens, a, nxt, h0) -> DecodeState
 
 
 def record_auto(schedule, state: DecodeState, g: int, a, active, drafted=None) -> DecodeState:
-  """"auto": folds a round of static draft length g with accepted counts a
-  [B] int32 into the schedule's estimates (``AutoSchedule.update``) and the
-  per-position statistics, for rows ``active`` [B] before the round and
-  not failed in it. ``drafted`` [B] bool (default all): a row without a
-  draft ran an AR step, counted at g = 0 and left out of the estimates."""
+  """"auto": folds a round of static length g with accepted counts a [B]
+  int32 into the schedule's estimates and per-position statistics, for
+  rows ``active`` [B] and not failed; undrafted rows (``drafted`` [B]) count
+  at g = 0 and stay out of the estimates."""
   auto = state.auto
   ok = active & (state.error == ERROR_NONE)
   if g and drafted is not None:
@@ -223,12 +183,10 @@ def record_auto(schedule, state: DecodeState, g: int, a, active, drafted=None) -
 def chain_round(drafter, target: Transformer, draft: Transformer | None, state: DecodeState,
                 params: SamplingParams, g: int, *, schedule=None,
                 accept_rule=acceptance.chain_rule) -> DecodeState:
-  """One draft-verify-accept-commit round at draft length g (static; 0 =
-  AR step) for every row (a no-op for done rows). ``schedule``: "auto"'s
-  ``AutoSchedule`` (statistics updated), else None. ``accept_rule(params,
-  g)`` picks the rule ``rule(key, p, q, draft_tokens) -> (a, next)`` at
-  trace time: default ``acceptance.chain_rule`` (tests swap in wrong rules
-  to check the statistics catch them)."""
+  """One draft-verify-accept-commit round at static draft length g (0 = AR
+  step) for every row (done rows unchanged). ``schedule``: "auto"'s
+  ``AutoSchedule`` or None; ``accept_rule(params, g)`` picks the rule at
+  trace time (default ``acceptance.chain_rule``)."""
   active = ~state.done
   drafted = drafted_rows(drafter, state.length) if g else None
   state, prop = propose(drafter, target, draft, state, params, g)

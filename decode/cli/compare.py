@@ -1,29 +1,13 @@
-"""``python -m decode --compare``: the same prompts, seed and budget decoded
-by AR and by the chosen method in interleaved repeats (``mtp.timing.
-interleaved_times``, the order alternating, all after compilation), each
-method's timed repeats summarized as medians with their spread (min-max)
-for tokens/s, TTFT and ITL, and the speedup as the ratio of the two blocks'
-median tokens/s (new tokens per call over the median wall time: at T > 0
-the two emit different samples, which end at EOS at other lengths, so
-walls alone are not comparable; at T = 0 the outputs are the same and the
-ratio is that of the walls). The blocks and the speedup line come from the
-same numbers, so they cannot disagree. With ``run``'s answer
-(``TimedRuns(answer=True)``) the method's first timed repeat is the answer.
-
-Beside the measurement, what Theorem 3.8 (``decode.cli.theory``) predicts from
-figures the blocks print: tau / (G c + 1) with tau = tokens / target calls
-and G from the method's block, r = G c + 1 = the two blocks' median seconds
-per round, c = (r - 1) / G (n/a below ``MIN_DRAFTED_PER_ROUND``), and one
-line naming the term that decides the result on this machine
-(``verdict_line``). Per prompt category its own speedup (JSONL prompt
-files).
-
-At T = 0 the two outputs must be equal up to the numeric contract
-(docs/speculative_sampling.md): where a row differs, the first differing
-token index and the target's top-2 logit gap there (one cache-free forward
-of the target over the common prefix, in the decode dtype) against the
-contract's bound for that dtype (``near_tie``): below it a near-tie, at or
-above it a bug.
+"""``python -m decode --compare``: AR and the chosen method on the same
+prompts, seed and budget in interleaved repeats after compilation; each
+method's repeats as medians (min-max) of tokens/s, TTFT and ITL; speedup =
+ratio of the two blocks' median tokens/s (new tokens per call over the
+median wall). Beside it Theorem 3.8's prediction tau / (G c + 1) from the
+printed figures (r = G c + 1 = the blocks' seconds per round ratio, c = (r
+- 1) / G) and a verdict line; per prompt category its own speedup. At T =
+0 a differing row reports the first differing index and the target's top-2
+logit gap against the numeric contract's bound (docs/speculative_sampling.md):
+below it a near-tie, at or above it a bug.
 """
 
 from __future__ import annotations
@@ -62,25 +46,13 @@ ULPS_16BIT = 8
 
 def logit_error_bound(dtype: str, *, scale: float, layers: int, length: int,
                       max_logit: float) -> float:
-  """The contract's bound D on |z^A_v - z^B_v|: how far two computations of
-  the target's logit z_v at one position (an AR step, a verify block, the
-  cache-free forward; any cache size, attention implementation or G) may
-  differ in ``dtype`` (docs/speculative_sampling.md, "Numeric contract").
-
-  float32: only the order of the attention's float32 sums differs, two
-  sums per layer in each of the two computations, each with relative error
-  about u sqrt(n) (u = 2^-24), which reaches the logits through the normed
-  final hidden state h: D = 4 L u sqrt(n) scale, with ``scale`` = ||h||
-  max_v ||W_v|| (|z_v| <= scale by Cauchy-Schwarz), ``layers`` = L and
-  ``length`` = n, the positions attended over.
-
-  bfloat16 / float16: every activation is rounded to the format (relative
-  u = 2^-8 for bfloat16), the logits themselves included, and two
-  computations round apart wherever their float32 accumulators differ, so
-  they differ by whole ulps of the logits: D = ``ULPS_16BIT`` ulps of the
-  largest logit, 2 u |z|_max each (``max_logit``), measured at most 2.9
-  (tiny model, L = 2) and 3.8 (SmolLM2-135M, L = 30) ulps on this CPU.
-  Raises ValueError for another dtype."""
+  """The bound D on |z^A_v - z^B_v| between two computations of the
+  target's logit z_v at one position in ``dtype`` (docs/speculative_sampling.md,
+  "Numeric contract"). float32: D = 4 L u sqrt(n) scale, u = 2^-24, L =
+  ``layers``, n = ``length`` (positions attended over), ``scale`` = ||h||
+  max_v ||W_v||. bfloat16 / float16: D = ``ULPS_16BIT`` ulps of the largest
+  logit ``max_logit``, 2 u |z|_max each (u = 2^-8 for bfloat16). Raises
+  ValueError for another dtype."""
   if dtype not in UNIT_ROUNDOFF:
     raise ValueError(f"dtype={dtype!r}: no numeric contract; one of {sorted(UNIT_ROUNDOFF)}")
   u = UNIT_ROUNDOFF[dtype]
@@ -90,22 +62,13 @@ def logit_error_bound(dtype: str, *, scale: float, layers: int, length: int,
 
 
 def near_tie(logits, *, dtype: str, scale: float, layers: int, length: int) -> dict:
-  """Whether a greedy disagreement at one position is allowed by the
-  numeric contract. ``logits``: the target's logits [V] there (one
-  computation; ids that are not finite are never emitted and are left
-  out); ``scale``, ``layers``, ``length``: ``logit_error_bound``'s.
-
-  Two computations A and B that took different argmaxes a != b bound the
-  top-2 gap of any third C: with |z^X_v - z^Y_v| <= D for every pair and
-  id, z^C_top1 - z^C_top2 <= 2 D (the first of a and b in C's order is
-  within 2 D of C's top-1, since A or B ranked it first). So a gap below
-  ``bound`` = 2 D is a near-tie, one at or above it a bug.
-
-  Returns {"dtype", "gap" (top-1 minus top-2 logit), "bound", "near_tie"
-  (gap < bound), "top2_ids" [top-1, top-2], "logit_scale" (``scale``),
-  "max_logit" (the largest finite |z_v|), "line" (the printed verdict:
-  "near-tie: top-2 gap X < bound B (dtype)" or "greedy outputs differ at a
-  top-2 gap X >= bound B: a bug")}."""
+  """Whether a greedy disagreement at one position is allowed by the numeric
+  contract: two computations with different argmaxes leave every other a
+  top-1 minus top-2 gap <= 2 D, so a gap below ``bound`` = 2 D
+  (``logit_error_bound``) is a near-tie, at or above it a bug. ``logits``:
+  the target's logits [V] there (non-finite ids left out). Returns {"dtype",
+  "gap", "bound", "near_tie", "top2_ids" [top-1, top-2], "logit_scale",
+  "max_logit", "line" (the printed verdict)}."""
   z = np.asarray(logits, np.float64).reshape(-1)
   finite = np.isfinite(z)
   z = np.where(finite, z, -np.inf)
@@ -204,17 +167,12 @@ def _rounds(gen) -> int:
 
 
 def pooled_acceptance(gens: Sequence) -> dict:
-  """tau, alpha_k and the mean drafted length G over all rounds of
-  ``gens`` (the timed repeats of one method; ``decode.cli.stats``'s
-  definitions): {"mean_accepted_length" (mean a + 1 per round, a cut round
-  counted whole), "acceptance_rate_per_position", "mean_draft_tokens" (G
-  for a chain, the nodes per round for a tree, the mean chosen G with
-  "auto", 0 for AR; per target call), "tokens" (emitted, all rows and
-  gens), "target_calls" (rounds summed over rows), "drafted_tokens"
-  (mean_draft_tokens x target_calls), "tau" = tokens / target_calls, the
-  printed tau (a call emits its accepted drafts plus one token of its own,
-  cut at the budget, EOS or a stop; the prefill emits none), and its old
-  name "emitted_per_round"}."""
+  """tau, alpha_k and the mean drafted length G over all rounds of ``gens``
+  (one method's timed repeats; ``decode.cli.stats``'s definitions):
+  {"mean_accepted_length", "acceptance_rate_per_position",
+  "mean_draft_tokens" (drafted tokens per target call), "tokens",
+  "target_calls", "drafted_tokens", "tau" = tokens / target_calls (the
+  printed tau), "emitted_per_round" (tau's old name)}."""
   hist = sum(np.asarray(g.accepted_histogram, np.int64).sum(0) for g in gens)
   calls = int(sum(int(np.sum(g.target_calls)) for g in gens))
   tokens = int(sum(len(t) for g in gens for t in g.tokens))
@@ -242,22 +200,13 @@ def pooled_acceptance(gens: Sequence) -> dict:
 
 
 def timed_summary(gens: Sequence) -> dict:
-  """One method's timed repeats (``Generation`` per repeat, in order) as
-  the ``--compare`` block and the report's ``timed`` entry: repeats,
-  new_tokens (per call, mean), tokens_per_s / ttft_s / itl_p50_s /
-  itl_p90_s / wall_time_s / round_s / decode_tokens_per_s / prefill_share
-  as {"median", "min", "max"} over the repeats, rounds (median batched
-  rounds of the decoding phase), rounds_span (their median, min, max) and
-  rounds_mean (printed: with one row new_tokens / rounds_mean = tau), and
-  ``pooled_acceptance``'s keys over all repeats (tau = tokens /
-  target_calls, the block's printed tau).
-
-  tokens_per_s's median is the new tokens per call over the median wall
-  time (the speedup's definition; the median of the repeats' rates when
-  every repeat emits the same number of tokens, as at T = 0), its min and
-  max those of the repeats' rates. round_s: the decoding phase (wall time
-  minus prefill) over the batched rounds, seconds per round (for AR one
-  step)."""
+  """One method's timed repeats (``Generation`` each, in order) as the
+  ``--compare`` block and the report's ``timed`` entry: repeats, new_tokens
+  (per call), tokens_per_s / ttft_s / itl_p50_s / itl_p90_s / wall_time_s /
+  round_s / decode_tokens_per_s / prefill_share as {"median", "min", "max"},
+  rounds, rounds_span, rounds_mean and ``pooled_acceptance``'s keys.
+  tokens_per_s's median = new tokens per call / median wall; round_s =
+  (wall - prefill) / batched rounds, seconds."""
   walls = [float(g.wall_time_s) for g in gens]
   news = [int(sum(len(t) for t in g.tokens)) for g in gens]
   rates = [n / w for n, w in zip(news, walls) if w > 0]
@@ -290,22 +239,13 @@ def predict_speedup(*, tau: float, alphas: Sequence[float | None] | None,
                     mean_draft_tokens: float, round_s: float, ar_step_s: float,
                     form: str = "chain", drafted_tokens: int | None = None,
                     rounds: int | None = None) -> dict:
-  """Theorem 3.8's speedup tau / (G c + 1) from measured numbers: tau
-  (tokens per target call, as printed), G (``mean_draft_tokens``: drafted
-  tokens per target call; the mean with "auto", the nodes with a tree),
-  round_s and ar_step_s (seconds per round of the method and per AR step),
-  whose ratio r = round_s / ar_step_s is G c + 1, so the prediction is
-  tau / r (``theory.speedup_from_tau``; ``alphas``: kept for callers, the
-  measured tau already holds them). c = (r - 1) / G
-  (``theory.cost_ratio_from_round``) is None where G <
-  ``MIN_DRAFTED_PER_ROUND`` (too few drafts to measure it; the prediction
-  still holds r). ``form``: "chain", "auto" or "tree" (printed names);
-  ``drafted_tokens`` / ``rounds``: totals behind G, for the printed n/a.
-
-  Returns {"form", "tau", "draft_tokens" (G), "round_ar_steps" (r),
-  "round_s", "ar_step_s", "cost_ratio" (c or None), "drafted_tokens",
-  "rounds", "predicted_speedup"}; with G = 0 (auto ran AR) the theorem's
-  G = 0 case, 1."""
+  """Theorem 3.8's speedup tau / r, r = round_s / ar_step_s = G c + 1 (both
+  in seconds), from tau (tokens per target call) and G (drafted tokens per
+  target call); c = (r - 1) / G, None where G < ``MIN_DRAFTED_PER_ROUND``.
+  ``alphas`` is unused. ``form``: "chain", "auto" or "tree". Returns
+  {"form", "tau", "draft_tokens" (G), "round_ar_steps" (r), "round_s",
+  "ar_step_s", "cost_ratio" (c or None), "drafted_tokens", "rounds",
+  "predicted_speedup"} (1 when G = 0)."""
   del alphas                      # tau is measured: chain_tau(alphas) would count cut rounds whole
   r = float(round_s) / float(ar_step_s)
   out = {"form": form, "tau": float(tau), "draft_tokens": float(mean_draft_tokens),
@@ -359,18 +299,12 @@ def verdict_line(p: dict, measured: float, lo: float, hi: float, *,
                  decode_speedup: float | None = None,
                  prefill_share: tuple[float, float] | None = None,
                  emitted_per_round: float | None = None, method: str = "mtp") -> str:
-  """One line naming the term that decides the result on this machine:
-  whether tau exceeds the cost of a round in AR steps r = G c + 1 (drafting
-  pays iff tau > r; ``p``'s tau and r, the figures the prediction line
-  printed), the prediction beside the measured speedup and its
-  per-repeat range [lo, hi], and where the prediction falls outside that
-  range, the term it leaves out that accounts for more of the gap: rounds
-  emitting fewer tokens than tau (``decode_speedup``, the measured
-  decoding-phase speedup, against the prediction; ``emitted_per_round``:
-  tokens per row and batched round, below tau where rows wait for the
-  batch's slowest) or the prefill and per-call work (the whole call
-  against the decoding phase; ``prefill_share``: (method, AR) prefill over
-  wall). ``p``: ``predict_speedup``'s dict. Pure (tests inject numbers)."""
+  """One line naming the term that decides the result: whether tau exceeds r
+  = G c + 1 (drafting pays iff tau > r; ``p``: ``predict_speedup``'s dict),
+  the prediction beside the measured speedup and its range [lo, hi], and
+  outside that range the term it leaves out: rounds emitting fewer tokens
+  than tau (``decode_speedup``, ``emitted_per_round``) or the prefill and
+  per-call work (``prefill_share``: (method, AR)). Pure."""
   pred = p["predicted_speedup"]
   measured_text = f"measured {measured:.2f}x ({lo:.2f}-{hi:.2f}x)"
   if p["draft_tokens"] == 0:
@@ -506,15 +440,11 @@ def time_runs(decoder: Decoder, prompts: Sequence[str], *, method: str, repeats:
               stops: StopConditions | None = None, chat: bool = False,
               systems: Sequence[str | None] | None = None, ar: Decoder | None = None,
               warm: bool = False, runs: TimedRuns | None = None) -> TimedRuns:
-  """``repeats`` interleaved ``decoder`` / AR runs of ``prompts``
-  (``Decoder.stream`` of ``encode_rows``' rows; round r starts with the
-  method when r is even, with AR when odd, so drift hits both alike),
-  AR's first timed call preceded by its untimed run after its warm-up
-  (each repeat's time is its ``Generation``'s own wall time). With
-  ``runs.answer`` the method's first repeat is the answer already made
-  (``runs.gens[method][0]``, see ``decode.cli.run.run``): round 0 goes on
-  with AR's compiling run. ``warm``: compile ``decoder`` for this batch
-  first (``Decoder.warm_up``). Fills and returns ``runs``."""
+  """``repeats`` interleaved ``decoder`` / AR streams of ``prompts`` (the
+  method first in even rounds, AR first in odd), AR's first timed call
+  preceded by its untimed run. With ``runs.answer`` the method's first
+  repeat is the answer already made. ``warm``: ``decoder.warm_up`` for this
+  batch first. Fills and returns ``runs``."""
   runs = runs or TimedRuns(method)
   ar = ar or Decoder(decoder.models()[0], "ar", tokenizer=decoder.tokenizer)
   rows = encode_rows(prompts, decoder.tokenizer, num_samples=num_samples, chat=chat,
@@ -572,30 +502,16 @@ def compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: st
                     systems: Sequence[str | None] | None = None,
                     ar: Decoder | None = None, warm: bool = False,
                     check_greedy: bool = True, runs: TimedRuns | None = None) -> dict:
-  """``repeats`` interleaved AR / ``decoder`` runs of ``prompts``
-  (``time_runs``; ``runs``: those already made, e.g. with the answer as
-  the method's first repeat; see ``decode.cli.run.run``; ``gen``: the reported
-  generation, whose tokens greedy AR must reproduce); writes the two timed
-  blocks, the speedup line (the ratio of the blocks' median tokens/s, with
-  the per-repeat ratios' range and median), the Theorem 3.8 prediction from
-  the blocks' printed figures and the verdict line to ``err``.
-
-  Returns the report keys ar_stats (AR's untimed generation, the one that
-  follows its compilation), speedup (tokens/s ratio), speedup_per_repeat,
-  speedup_per_repeat_median, repeats, wall_times_s (seconds per call),
-  new_tokens (per call, all rows), tokens_per_s (per decoder: the blocks'
-  medians), timed ({"ar": ..., METHOD: ...}: ``timed_summary`` of each),
-  answer_repeat (0 when the answer is the method's first timed repeat, else
-  None), prediction (``predict_speedup``'s dict from the blocks with
-  "predicted_per_repeat", "measured_speedup", "measured_min",
-  "measured_max", "measured_median" and "line", the verdict; None without
-  timings) and greedy_check (at T = 0 with ``check_greedy``:
-  ``greedy_check``'s dict, the first differing position of every row
-  whose outputs differ and the target's top-2 logit gap there against the
-  numeric contract's bound, each printed as one line; None at T > 0).
-  ``ar``: the AR decoder to time (default a new one; passing one reuses
-  its compilations). ``warm``: first compile ``decoder`` for this batch
-  (``Decoder.warm_up``), when it has not decoded this batch shape yet."""
+  """``time_runs`` of AR and ``decoder`` on ``prompts`` (``runs``: those
+  already made; ``gen``: the reported generation); writes the two timed
+  blocks, the speedup line, the Theorem 3.8 prediction and the verdict to
+  ``err``. ``ar``: the AR decoder (default a new one); ``warm``: warm up
+  ``decoder`` for this batch first. Returns the report keys ar_stats,
+  speedup (tokens/s ratio), speedup_per_repeat, speedup_per_repeat_median,
+  repeats, wall_times_s, new_tokens, tokens_per_s, timed ({"ar": ...,
+  METHOD: ...}), answer_repeat (0 or None), prediction (``predict_speedup``'s
+  dict plus the measured speedups and "line"; None without timings) and
+  greedy_check (``greedy_check``'s dict at T = 0, else None)."""
   kw = dict(max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples, seed=seed,
             stops=stops, chat=chat, systems=systems)
   if runs is None:
@@ -664,12 +580,9 @@ def category_speedups(decoder: Decoder, gen, prompts: Sequence[str],
                       stops: StopConditions | None = None, chat: bool = False,
                       systems: Sequence[str | None] | None = None) -> dict:
   """Per category (``categories[i]`` of prompt i) the speedup of
-  ``compare_with_ar`` over that category's prompts as one batch (its rows of
-  ``gen``, ``num_samples`` per prompt, are the reference tokens), with one
-  AR decoder shared by all categories and the method's decoder warmed up
-  for each category's batch first (a smaller batch is another shape to
-  compile, which must not land in the first timed repeat); its printed
-  lines are dropped. Returns {category: speedup}."""
+  ``compare_with_ar`` over that category's prompts as one batch (one AR
+  decoder shared, the method warmed up per batch; printed lines dropped).
+  Returns {category: speedup}."""
   speedups = {}
   ar = Decoder(decoder.models()[0], "ar", tokenizer=decoder.tokenizer)
   for cat, idx in stats_lib.group_rows(categories).items():

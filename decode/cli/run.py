@@ -1,13 +1,7 @@
-"""Library side of ``python -m decode``: load checkpoints, encode prompts,
-decode (streaming when there is one prompt), compare with AR, report.
-
-``run(DecodeRequest) -> DecodeReport``: the generated text goes to ``out``
-(stdout), statistics, comparisons and notices to ``err`` (stderr);
-``DecodeReport.to_json()`` is what ``--json`` writes (with ``"meta"``:
-``mtp.report.provenance``). The rooms: ``decode.cli.texts`` (prompt files,
-encoding, streamed text), ``decode.cli.compare`` (--compare),
-``decode.cli.results`` (the report's rows, config and notices); this file
-checks the flags' values, loads the decoder and runs the job.
+"""Library side of ``python -m decode``: ``run(DecodeRequest) ->
+DecodeReport`` loads checkpoints, encodes prompts, decodes, compares with
+AR; text to ``out`` (stdout), statistics and notices to ``err`` (stderr);
+``DecodeReport.to_json()`` is what ``--json`` writes.
 """
 
 from __future__ import annotations
@@ -163,21 +157,14 @@ def load_decoder(workdir: str, method: str, num_draft_tokens: int | str,
                  draft_workdir: str | None = None, max_draft_tokens: int | None = None,
                  tree=None, *, dtype: str | None = None,
                  attention_impl: str | None = None) -> tuple[Decoder, int, int | None]:
-  """(A Decoder for the checkpoint in ``workdir`` (and ``draft_workdir``),
-  the number of draft offsets its MTP modules were trained for: D plus
-  ``mtp.recursive_steps``, the checkpoint step loaded (None for an
-  exported model)); ``num_draft_tokens`` an integer or "auto" (then
-  ``max_draft_tokens``); ``tree``: a token tree such as "3,2,1" (method
-  "mtp").
-
-  ``dtype`` ("float32" or "bfloat16"; None: the checkpoint's
-  ``model.dtype``): the target (backbone, head and MTP modules) and the
-  draft model decode in that dtype, their parameters cast once here
-  (``mtp.loading.override_model``); the output law is then that of the
-  target in ``dtype``. ``attention_impl`` (None: the checkpoint's
-  ``model.attention_impl``): one of ``mtp.config.ATTENTION_IMPLS`` for
-  both models. Both are checked against the checkpoint's config before any
-  parameter is read. Raises CheckpointError / DecodeError."""
+  """(Decoder for the checkpoint in ``workdir`` (and ``draft_workdir``),
+  trained draft offsets D + ``mtp.recursive_steps``, checkpoint step loaded
+  or None for an exported model). ``num_draft_tokens``: an integer or
+  "auto"; ``tree`` such as "3,2,1". ``dtype`` ("float32" / "bfloat16";
+  None: the checkpoint's) casts both models' parameters once, the output
+  law then that of the target in ``dtype``; ``attention_impl`` one of
+  ``mtp.config.ATTENTION_IMPLS``. Both are checked before any parameter is
+  read. Raises CheckpointError / DecodeError."""
   check_flags(method, num_draft_tokens, tree)        # before anything is read
   check_overrides(dtype, attention_impl)
   overrides = dict(dtype=dtype, attention_impl=attention_impl)
@@ -268,33 +255,16 @@ class DecodeReport:
 
 def run(request: DecodeRequest, *, out: TextIO | None = None,
         err: TextIO | None = None) -> DecodeReport:
-  """Everything ``python -m decode`` does for ``request``.
-
-  The answer is decoded once (``Decoder.stream``), after a warm-up that
-  compiles it (``Decoder.warm_up``). Text goes to ``out`` (default
-  stdout): with one prompt and one sample the prompt and its continuation,
-  streamed (``TextOut``); otherwise per row a line
-  ``--- prompt I sample S: 'PROMPT'`` and then prompt + continuation.
-  Statistics, the comparison and notices go to ``err`` (default stderr).
-
-  ``compare``: ``repeats`` interleaved pairs of method and AR runs after
-  compilation, the method's first being the reported (streamed) generation
-  (``decode.cli.compare.time_runs``); a block per method (median (min-max)
-  tokens/s, wall, TTFT, ITL), the speedup (ratio of the median tokens/s)
-  with the per-repeat ratios, Theorem 3.8's prediction and the line naming
-  the term that decides. A tree reports acceptance per depth; JSONL
-  categories add a per-category table (with compare, each category's own
-  interleaved runs).
-
-  Ctrl-C while decoding ends the generation at a round boundary (text and
-  statistics so far, unfinished rows "interrupted", the comparison
-  skipped); during the comparison it keeps the results; either way the
-  report is ``interrupted``. Before the decoding KeyboardInterrupt
-  propagates.
-
-  Raises DecodeError / CheckpointError for bad arguments or checkpoints
-  (every numeric setting and the prompt text are checked before anything
-  is loaded).
+  """Everything ``python -m decode`` does for ``request``: the answer decoded
+  once by ``Decoder.stream`` after ``warm_up``; text to ``out`` (one prompt
+  and sample: streamed; else per row ``--- prompt I sample S: 'PROMPT'``
+  then prompt + continuation), statistics and notices to ``err``.
+  ``compare``: ``repeats`` interleaved method / AR runs, the method's first
+  being the answer (``decode.cli.compare``); JSONL categories add a
+  per-category table. Ctrl-C while decoding ends it at a round boundary
+  (the comparison skipped), during the comparison keeps the results; the
+  report is then ``interrupted``. Raises DecodeError / CheckpointError for
+  bad arguments or checkpoints, checked before anything is loaded.
   """
   req = request
   method, max_new_tokens, sampling, num_samples = (req.method, req.max_new_tokens, req.sampling,

@@ -1,9 +1,6 @@
 """Text in and out of the Decoder for ``python -m decode``: prompt files
-(one prompt per line, or JSONL chat prompts), the UTF-8 check of prompt
-text, encoding (raw text or one chat message with the model's template),
-the batch rows of a job (``encode_rows``) and the streamed text of one row
-(``TextOut``).
-"""
+(lines or JSONL), the UTF-8 check, encoding (raw or chat template), a job's
+rows (``encode_rows``) and one row's streamed text (``TextOut``)."""
 
 from __future__ import annotations
 
@@ -18,17 +15,10 @@ from mtp import tokenizer as tok
 
 
 def read_prompt_file(path: str) -> list[str]:
-  """One prompt per line, every line taken literally (no escapes; a prompt
-  cannot contain a newline: use ``--prompt $'...'`` for one multi-line
-  prompt), so prompt i is line i+1. Line ends are ``\\n``, ``\\r\\n`` or
-  ``\\r``; a final line end is optional.
-
-  A UTF-8 byte-order mark at the start of the file (editors on Windows
-  write one) is not part of the first prompt.
-
-  Raises DecodeError for a missing file, an empty line (naming it: an empty
-  prompt is an error), non-UTF-8 bytes (naming the line) or an empty file.
-  """
+  """One prompt per line, taken literally (prompt i is line i+1; line ends
+  ``\\n``, ``\\r\\n`` or ``\\r``; a leading UTF-8 BOM dropped). Raises
+  DecodeError for a missing file, an empty line, non-UTF-8 bytes (naming
+  the line) or an empty file."""
   try:
     raw = open(path, "rb").read()
   except OSError as e:
@@ -58,17 +48,11 @@ def read_prompts(path: str) -> list[str] | list[dict]:
 
 
 def read_prompt_jsonl_file(path: str) -> list[dict]:
-  """A JSONL prompt file: one JSON object per line, ``{"prompt": str,
-  "category": str (optional), "system": str (optional)}`` (blank lines
-  skipped), e.g. the held-out set ``mtp/data/heldout_chat.jsonl``. With a
-  model whose tokenizer has a chat template each object is a chat (an
-  optional system message, the prompt as the user message, the generation
-  prompt appended); without one the prompt is raw text. Results and
-  statistics are then also reported per ``category``.
-
-  Raises DecodeError, one line naming the file and the line: invalid UTF-8
-  or JSON, not an object, a missing or empty ``prompt``, a value that is not
-  a string, an unknown field, or no prompt at all.
+  """A JSONL prompt file: per line ``{"prompt": str, "category": str
+  (optional), "system": str (optional)}``, blank lines skipped (e.g.
+  ``mtp/data/heldout_chat.jsonl``). Raises DecodeError naming the file and
+  line: invalid UTF-8 or JSON, not an object, a missing or empty
+  ``prompt``, a non-string value, an unknown field, or no prompt at all.
   """
   from mtp.data.chat import read_prompt_jsonl
   from mtp.data.corpora import DataError
@@ -79,11 +63,9 @@ def read_prompt_jsonl_file(path: str) -> list[dict]:
 
 
 def check_prompt_text(prompts: Sequence[str], flag: str = "--prompt") -> None:
-  """Raises DecodeError for text that is not valid Unicode: Python turns
-  command-line bytes that are not UTF-8 into lone surrogates (PEP 383), so a
-  byte such as 0xFF typed into --prompt arrives as U+DCFF; it is refused,
-  naming the prompt, the byte and its position, instead of being fed to the
-  model as other bytes."""
+  """Raises DecodeError for text with lone surrogates (non-UTF-8 command-line
+  bytes, PEP 383: 0xFF arrives as U+DCFF), naming the prompt, byte and
+  position."""
   for i, p in enumerate(prompts):
     for j, ch in enumerate(p):
       if 0xD800 <= ord(ch) <= 0xDFFF:
@@ -95,20 +77,13 @@ def check_prompt_text(prompts: Sequence[str], flag: str = "--prompt") -> None:
 
 def encode_prompts(prompts: Sequence[str], tokenizer=None, chat: bool = False,
                    systems: Sequence[str | None] | None = None) -> list[np.ndarray]:
-  """Token ids per prompt with ``tokenizer`` (default the byte tokenizer):
-  raw text (BOS first where the tokenizer adds one: always for the byte
-  tokenizer), or with ``chat`` one user message rendered with the
-  tokenizer's chat template (generation prompt appended). Text is always
-  encoded as text: a prompt that spells a special token (``<|im_start|>``)
-  never becomes the control token; only the template emits those.
-
-  ``systems``: per prompt an optional system message (placed before the
-  user message; needs ``chat``).
-
-  Raises DecodeError for an empty prompt, text that is not valid UTF-8
-  (``check_prompt_text``), ``chat`` with a tokenizer that has no template,
-  or a system message without ``chat``.
-  """
+  """Token ids per prompt with ``tokenizer`` (default bytes): raw text (BOS
+  first where the tokenizer adds one), or with ``chat`` one user message
+  (after ``systems``' optional system message) in the chat template,
+  generation prompt appended. Text that spells a special token never
+  becomes the control token. Raises DecodeError for an empty prompt,
+  invalid UTF-8, ``chat`` without a template, or a system message without
+  ``chat``."""
   check_prompt_text(prompts, "--chat" if chat else "--prompt")
   tk = tokenizer or tok.ByteTokenizer()
   if chat and not tk.chat_template:
