@@ -917,7 +917,9 @@ def hf_part(ctx: Context, rec: dict, deadline: float) -> None:
   a = ctx.args
   if ctx.quick:
     import tempfile
-
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if repo not in sys.path:       # tests/ is not installed: the checkout's, from any cwd
+      sys.path.insert(0, repo)
     from tests import tiny_bpe
     path = os.path.join(tempfile.mkdtemp(prefix="device_check_hf_"), "llama")
     tiny_bpe.write_tiny_hf_llama(path, seed=5)

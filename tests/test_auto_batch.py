@@ -48,7 +48,8 @@ class Work:
       real = getattr(dec.programs, field)
 
       def call(*args, **kw):
-        rows = int(args[2].tokens.shape[0])
+        state = args[3] if field == "round" else args[2]    # round: (params, draft, sp, state, g)
+        rows = int(state.tokens.shape[0])
         out = real(*args, **kw)
         rounds = (1 if field != "generate" else int(out.auto.rounds) if out.auto is not None
                   else int(np.max(out.target_calls)))

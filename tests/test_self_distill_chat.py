@@ -130,10 +130,17 @@ def _records(out, name="chat_sd", split="train"):
   return {bytes(src[i]["name"]).decode(): src[i]["tokens"] for i in range(len(src))}
 
 
-def test_interrupted_run_resumes_with_the_same_results(made, bpe_workdir, data_dir, tmp_path,
-                                                       monkeypatch):
-  _, ref_out = made
-  out = str(tmp_path)
+def _assert_same_records(out, ref_out):
+  for split in ("train", "validation"):
+    got, want = _records(out, split=split), _records(ref_out, split=split)
+    assert got.keys() == want.keys()
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k])
+
+
+def _stop_after_first_batch(bpe_workdir, data_dir, out, monkeypatch):
+  """Runs the RECIPE build into ``out`` until its second batch raises; the
+  decoder's ``generate`` is real again afterwards."""
   real = sd.Decoder.generate
   calls = []
 
@@ -145,20 +152,23 @@ def test_interrupted_run_resumes_with_the_same_results(made, bpe_workdir, data_d
   monkeypatch.setattr(sd.Decoder, "generate", failing)
   with pytest.raises(RuntimeError, match="interrupted"):
     sd.make_chat_dataset(bpe_workdir, "chat_sd", RECIPE, data_dir=data_dir, out_dir=out, log=None)
+  monkeypatch.setattr(sd.Decoder, "generate", real)
+
+
+def test_interrupted_run_resumes_with_the_same_results(made, bpe_workdir, data_dir, tmp_path,
+                                                       monkeypatch):
+  _, ref_out = made
+  out = str(tmp_path)
+  _stop_after_first_batch(bpe_workdir, data_dir, out, monkeypatch)
   partial = os.path.join(out, ".chat_sd.partial")
   assert len([f for f in os.listdir(partial) if f.endswith(".npz")]) == 1
   with pytest.raises(data.DataError, match="partial output of another run"):
     sd.make_chat_dataset(bpe_workdir, "chat_sd", sd.ChatRecipe(**{**RECIPE.__dict__, "seed": 3}),
                          data_dir=data_dir, out_dir=out, log=None)
-  monkeypatch.setattr(sd.Decoder, "generate", real)
   meta = sd.make_chat_dataset(bpe_workdir, "chat_sd", RECIPE, data_dir=data_dir, out_dir=out,
                               log=None)
   assert meta["splits"]["train"]["batches_resumed"] == 1 and not os.path.exists(partial)
-  for split in ("train", "validation"):
-    got, want = _records(out, split=split), _records(ref_out, split=split)
-    assert got.keys() == want.keys()
-    for k in want:
-      np.testing.assert_array_equal(got[k], want[k])
+  _assert_same_records(out, ref_out)
 
 
 def test_snapshot_of_a_stopped_build_is_usable_and_the_build_goes_on(made, bpe_workdir, data_dir,
@@ -169,18 +179,7 @@ def test_snapshot_of_a_stopped_build_is_usable_and_the_build_goes_on(made, bpe_w
   resumes with the validation batches the snapshot decoded."""
   _, ref_out = made
   out = str(tmp_path)
-  real = sd.Decoder.generate
-  calls = []
-
-  def failing(self, *a, **k):
-    calls.append(1)
-    if len(calls) == 2:
-      raise RuntimeError("interrupted")
-    return real(self, *a, **k)
-  monkeypatch.setattr(sd.Decoder, "generate", failing)
-  with pytest.raises(RuntimeError, match="interrupted"):
-    sd.make_chat_dataset(bpe_workdir, "chat_sd", RECIPE, data_dir=data_dir, out_dir=out, log=None)
-  monkeypatch.setattr(sd.Decoder, "generate", real)
+  _stop_after_first_batch(bpe_workdir, data_dir, out, monkeypatch)
   with pytest.raises(data.DataError, match="no partial build of 'other'"):
     sd.make_chat_dataset(bpe_workdir, "other", RECIPE, data_dir=data_dir, out_dir=out, log=None,
                          snapshot="snap")
@@ -200,11 +199,7 @@ def test_snapshot_of_a_stopped_build_is_usable_and_the_build_goes_on(made, bpe_w
   meta = sd.make_chat_dataset(bpe_workdir, "chat_sd", RECIPE, data_dir=data_dir, out_dir=out,
                               log=None)
   assert meta["splits"]["validation"]["batches_resumed"] >= 1 and not os.path.exists(partial)
-  for split in ("train", "validation"):
-    got, want = _records(out, split=split), _records(ref_out, split=split)
-    assert got.keys() == want.keys()
-    for k in want:
-      np.testing.assert_array_equal(got[k], want[k])
+  _assert_same_records(out, ref_out)
 
 
 def test_self_written_prompts_mixed_into_training_only(made, bpe_workdir, data_dir, tmp_path):
