@@ -102,22 +102,24 @@ clean-demo:  ## remove runs/tiny and runs/smollm_demo
 
 # No worker restarts: a crashed worker ends the run, tests/crash_rerun.py reruns its test once.
 XDIST := -n 2 --dist loadfile --max-worker-restart 0
+# make test-hf's files (the real SmolLM2, torch): skipped by the other tiers, also where torch is installed.
+HF_TESTS := tests/test_export_hf.py tests/test_import_hf.py tests/test_chat_smollm.py \
+  tests/test_smollm_modules.py tests/test_bench_hf.py tests/test_bench_baselines.py
+NOT_HF := $(addprefix --ignore=,$(HF_TESTS))
 test: $(STAMP)  ## the test suite without the slow tests (docs/testing.md)
-	$(PY) -m pytest -q $(XDIST) --durations=25 -m "not slow" tests
+	$(PY) -m pytest -q $(XDIST) --durations=25 -m "not slow" $(NOT_HF) tests
 test-slow: $(STAMP)  ## the slow end-to-end tests
-	$(PY) -m pytest -q $(XDIST) --durations=10 -m slow tests
+	$(PY) -m pytest -q $(XDIST) --durations=10 -m slow $(NOT_HF) tests
 # make test on CUDA, with PY a Python whose jax has CUDA (cpu_only tests skip; docs/testing.md).
 test-gpu:  ## make test on CUDA (PY: a Python whose jax has CUDA)
-	JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -q $(XDIST) --durations=25 -m "not slow" tests
+	JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -q $(XDIST) --durations=25 -m "not slow" $(NOT_HF) tests
 # This machine's accelerator checked in < 6 min (docs/testing.md); ARGS=--quick: the CPU dry run.
 device-check:  ## this machine's accelerator checked in < 6 min (ARGS=--quick: CPU dry run)
 	$(PY) -m scripts.device_check $(ARGS)
 
 # MTP_REQUIRE_HF=1: a missing torch/transformers fails instead of skipping.
 test-hf: $(HF_STAMP) $(SMOLLM_STAMP)  ## the Hugging Face parity tests (installs torch, transformers)
-	MTP_REQUIRE_HF=1 $(PY) -m pytest -q tests/test_export_hf.py tests/test_import_hf.py \
-	  tests/test_chat_smollm.py tests/test_smollm_modules.py \
-	  tests/test_bench_hf.py tests/test_bench_baselines.py
+	MTP_REQUIRE_HF=1 $(PY) -m pytest -q $(HF_TESTS)
 
 # Every target with a "## " comment on its line, one line each.
 help:  ## list the targets, one line each
