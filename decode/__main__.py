@@ -96,6 +96,8 @@ def check_flags_early() -> None:
                       seed=_SEED.value, repeats=_REPEATS.value, max_draft_tokens=_G_MAX.value)
   limits.check_sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
   limits.check_overrides(_DTYPE.value, _ATTENTION.value)
+  from decode.stops import StopConditions
+  StopConditions(strings=tuple(_STOP.value)).validate(vocab_size=1)   # ids: against the model, later
   check_flag_pairs(num_draft_tokens)
 
 

@@ -81,6 +81,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import resource
 import shutil
 import sys
@@ -88,7 +89,32 @@ import time
 
 from mtp import cli
 
+
+def snapshot_error(snapshot: str, out_name: str, chat_prompts: int | None) -> str | None:
+  """Why ``--snapshot`` cannot be taken (None: it can): it needs chat mode,
+  a snake_case name, and a name other than the build's."""
+  if not snapshot:
+    return None
+  if not chat_prompts:
+    return "--snapshot: needs chat mode (the build's --chat_prompts N and its other arguments)"
+  if snapshot == out_name:
+    return (f"--snapshot={snapshot!r} must differ from --out_name (the build's own name, "
+            "which the build writes when it finishes)")
+  if not re.fullmatch(r"[a-z][a-z0-9_]*", snapshot):
+    return f"--snapshot={snapshot!r} must be a new snake_case dataset name ([a-z][a-z0-9_]*)"
+  return None
+
+
 if __name__ == "__main__":     # a flag out of range: one line, before the imports below load jax
+  _early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+  for _flag in ("--snapshot", "--out_name"):
+    _early.add_argument(_flag, default="")
+  _early.add_argument("--chat_prompts", type=int, default=0)
+  _known, _ = _early.parse_known_args()
+  _why = snapshot_error(_known.snapshot, _known.out_name, _known.chat_prompts)
+  if _why:
+    print(f"error: {_why}", file=sys.stderr)
+    sys.exit(2)
   cli.refuse_bad_flags(num_docs=(int, 1), prompt_bytes=(int, 1), max_new_tokens=(int, 1),
                        temperature=(float, 0), top_k=(int, 0), top_p=(float, 0, 1, True),
                        num_draft_tokens=(int, 0), batch_size=(int, 1), seed=(int, 0),
@@ -466,10 +492,20 @@ def make_chat_dataset(workdir: str, out_name: str, recipe: ChatRecipe, *, data_d
   recipe_json = chat_recipe_json(recipe)
   folder = os.path.join(out_dir, out_name)
   if snapshot:
-    if not os.path.isdir(os.path.join(out_dir, f".{out_name}.partial")):
-      raise data_lib.DataError(f"--snapshot: no partial build of '{out_name}' in {out_dir} "
-                               "(start it with the same arguments without --snapshot)")
-    data_lib.check_dataset_name(snapshot, out_dir)
+    why = snapshot_error(snapshot, out_name, recipe.chat_prompts)
+    stamp = os.path.join(out_dir, f".{out_name}.partial", "recipe.json")
+    if why is None and not os.path.exists(stamp):
+      why = (f"--snapshot: no partial build of '{out_name}' in {out_dir} (start it with the "
+             "same arguments without --snapshot)")
+    if why is None and os.path.exists(os.path.join(out_dir, snapshot)):
+      why = f"--snapshot={snapshot!r}: dataset '{snapshot}' already exists in {out_dir}"
+    if why is None:
+      with open(stamp) as f:
+        if json.load(f) != {"workdir": os.path.abspath(workdir), "recipe": recipe_json}:
+          why = (f"--snapshot: the build of '{out_name}' was started with other arguments "
+                 f"(its {stamp}); give the snapshot the build's exact arguments")
+    if why:
+      raise data_lib.DataError(why)
   elif os.path.exists(folder):
     old = data_lib.distilled_metadata(folder)
     if (old is not None and old.get("recipe") == recipe_json
@@ -579,6 +615,10 @@ def main(argv=None) -> int:
                     "--out_name (same arguments, running or stopped) has answered so far as "
                     "that dataset, decoding no training prompt; the build goes on")
   args = ap.parse_args(argv)
+  why = snapshot_error(args.snapshot, args.out_name, args.chat_prompts)
+  if why:
+    print(f"error: {why}", file=sys.stderr)
+    return 2
   if args.out_dir or args.data_dir:
     cli.check_output_path("out_dir" if args.out_dir else "data_dir", args.out_dir or args.data_dir,
                           "dir")

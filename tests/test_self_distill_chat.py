@@ -183,6 +183,12 @@ def test_snapshot_of_a_stopped_build_is_usable_and_the_build_goes_on(made, bpe_w
   with pytest.raises(data.DataError, match="no partial build of 'other'"):
     sd.make_chat_dataset(bpe_workdir, "other", RECIPE, data_dir=data_dir, out_dir=out, log=None,
                          snapshot="snap")
+  for snap, recipe, needle in (("chat_sd", RECIPE, "must differ from --out_name"),
+                               ("snap", sd.ChatRecipe(**{**RECIPE.__dict__, "seed": 3}),
+                                "started with other arguments")):
+    with pytest.raises(data.DataError, match=needle):
+      sd.make_chat_dataset(bpe_workdir, "chat_sd", recipe, data_dir=data_dir, out_dir=out,
+                           log=None, snapshot=snap)
   meta = sd.make_chat_dataset(bpe_workdir, "chat_sd", RECIPE, data_dir=data_dir, out_dir=out,
                               log=None, snapshot="snap")
   assert meta["snapshot_of"] == {"name": "chat_sd", "train_prompts_answered": RECIPE.batch_size,
