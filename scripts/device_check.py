@@ -916,11 +916,13 @@ def hf_part(ctx: Context, rec: dict, deadline: float) -> None:
   from scripts import bench_hf
   a = ctx.args
   if ctx.quick:
+    import importlib.util
     import tempfile
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if repo not in sys.path:       # tests/ is not installed: the checkout's, from any cwd
-      sys.path.insert(0, repo)
-    from tests import tiny_bpe
+    # tests/ is not installed: the checkout's tests/tiny_bpe.py (numpy only), from any cwd
+    spec = importlib.util.spec_from_file_location("tiny_bpe", os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "tiny_bpe.py"))
+    tiny_bpe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny_bpe)
     path = os.path.join(tempfile.mkdtemp(prefix="device_check_hf_"), "llama")
     tiny_bpe.write_tiny_hf_llama(path, seed=5)
     pair = bench_hf.load_hf_dir_pair(path)
