@@ -44,6 +44,9 @@ from mtp import tokenizer as tok
 # a crashed xdist worker's test gets one rerun in a fresh process (its docstring)
 from tests.crash_rerun import pytest_configure  # noqa: F401
 
+# MTP_TEST_COMPILE_LOG=FILE: compile seconds per test (tests/compile_log.py)
+pytest_plugins = ["tests.compile_log"]
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():

@@ -31,9 +31,10 @@ GREEDY = SamplingParams(temperature=0.0)
 MAX_NEW = 20
 BOS_ONLY = np.asarray([tok.BOS_ID], np.int32)
 ONE_BYTE = np.asarray([ord("c")], np.int32)      # one token, no BOS
+ONE_TOKEN = {"bos_only": BOS_ONLY, "no_bos": ONE_BYTE}
+# two batches of one compiled shape (3 rows; 1 and 5 tokens share a prompt bucket)
 PROMPTS = {
-    "bos_only": [BOS_ONLY],
-    "no_bos": [ONE_BYTE],
+    "one_token": [BOS_ONLY, ONE_BYTE, np.asarray([ord("e")], np.int32)],   # every row 1 token
     "ragged": [BOS_ONLY, random_prompts([4], seed=3)[0], ONE_BYTE],    # 1, 5 and 1 tokens
 }
 
@@ -102,9 +103,9 @@ METHODS = ["ar", "mtp_g1", "mtp_g2", "mtp_g3", "auto", "auto_cycling", "tree", "
 @pytest.mark.parametrize("method", METHODS)
 def test_one_token_prompts_decode_greedy_as_ar(target, small_draft, references, method,
                                                monkeypatch):
-  """Every method, both forms, a BOS-only prompt, a one-token prompt without
-  BOS and a ragged batch [1, 5, 1 tokens]: the tokens of AR (and of the
-  cache-free argmax, ``references``)."""
+  """Every method, both forms, a batch of one-token prompts (BOS alone, and
+  two without BOS) and a ragged batch [1, 5, 1 tokens]: the tokens of AR
+  (and of the cache-free argmax, ``references``)."""
   monkeypatch.setattr(AutoSchedule, "drafting_pays", lambda self, *a, **k: True)
   dec = _decoders(target, small_draft)[method]()
   for name, prompts in PROMPTS.items():
@@ -230,7 +231,7 @@ def test_first_two_tokens_of_a_one_token_prompt_follow_the_target_law(trained_ma
   chi-square test; drafts are accepted along the way."""
   model = trained_markov[1]
   sp = SamplingParams(temperature=1.0)
-  one = PROMPTS[prompt][0]
+  one = ONE_TOKEN[prompt]
   dec = {"mtp_g2": lambda: Decoder(model, "mtp", 2),
          "mtp_g3": lambda: Decoder(model, "mtp", 3),
          "tree": lambda: Decoder(model, "mtp", tree=(2, 2)),
