@@ -1,10 +1,11 @@
 """Per-test XLA compile seconds, for keeping the suite fast (docs/testing.md).
 
 With ``MTP_TEST_COMPILE_LOG=FILE`` each test process (each xdist worker)
-appends one JSON line per test to FILE: ``{"test": nodeid, "compile_s":
-seconds in backend compiles, "compiles": count, "cache_hits": programs
-loaded from the persistent cache}``, counted from JAX's monitoring events
-over the test's setup, call and teardown. Without the variable nothing is
+appends one JSON line per test to FILE: ``{"test": nodeid, "trace_s":
+seconds tracing to jaxprs, "lower_s": lowering them to MLIR, "compile_s":
+in XLA compiles, "compiles": count, "cache_hits": programs loaded from the
+persistent cache}``, counted from JAX's monitoring events over the test's
+setup, call and teardown (this process only, not its subprocesses). Without the variable nothing is
 registered. ``python -m tests.compile_log FILE`` sums it by file.
 """
 
@@ -17,12 +18,16 @@ import sys
 
 import pytest
 
-_COUNTS = {"compile_s": 0.0, "compiles": 0, "cache_hits": 0}
+_COUNTS = {"trace_s": 0.0, "lower_s": 0.0, "compile_s": 0.0, "compiles": 0, "cache_hits": 0}
+_DURATIONS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+              "/jax/core/compile/backend_compile_duration": "compile_s"}
 
 
 def _on_duration(event: str, secs: float, **_) -> None:
+  if event in _DURATIONS:
+    _COUNTS[_DURATIONS[event]] += secs
   if event == "/jax/core/compile/backend_compile_duration":
-    _COUNTS["compile_s"] += secs
     _COUNTS["compiles"] += 1
 
 
@@ -49,22 +54,25 @@ def pytest_runtest_protocol(item, nextitem):
       f.write(json.dumps(row) + "\n")
 
 
-def summarize(path: str) -> list[tuple[str, float, int, int]]:
-  """[(file, compile_s, compiles, cache_hits)] from a log, most compile time first."""
-  by_file = collections.defaultdict(lambda: [0.0, 0, 0])
+def summarize(path: str) -> list[tuple[str, dict]]:
+  """[(file, its summed counts)] from a log, the most trace + lower +
+  compile seconds first."""
+  by_file = collections.defaultdict(lambda: dict.fromkeys(_COUNTS, 0))
   for line in open(path):
     row = json.loads(line)
     acc = by_file[row["test"].split("::")[0]]
-    acc[0] += row["compile_s"]
-    acc[1] += row["compiles"]
-    acc[2] += row["cache_hits"]
-  return sorted(((f, *v) for f, v in by_file.items()), key=lambda r: -r[1])
+    for k in acc:
+      acc[k] += row.get(k, 0)
+  busy = lambda c: c["trace_s"] + c["lower_s"] + c["compile_s"]
+  return sorted(by_file.items(), key=lambda r: -busy(r[1]))
 
 
 if __name__ == "__main__":
   rows = summarize(sys.argv[1])
-  print(f"{'compile_s':>10} {'compiles':>8} {'hits':>6}  file")
-  for f, s, n, h in rows:
-    print(f"{s:10.1f} {n:8d} {h:6d}  {f}")
-  print(f"{sum(r[1] for r in rows):10.1f} {sum(r[2] for r in rows):8d} "
-        f"{sum(r[3] for r in rows):6d}  total")
+  total = dict.fromkeys(_COUNTS, 0)
+  print("".join(f"{k:>11}" for k in _COUNTS) + "  file")
+  for f, c in rows + [("total", total)]:
+    for k in _COUNTS:
+      total[k] += c[k] if f != "total" else 0
+    print("".join(f"{c[k]:11.1f}" if isinstance(c[k], float) else f"{c[k]:11d}"
+                  for k in _COUNTS) + f"  {f}")

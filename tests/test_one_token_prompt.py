@@ -7,7 +7,7 @@ not have: its first round is an AR step (``decode.round``: drafts marked
 absent), drafting starts from the second; the draft model drafts x_1 from
 x_0 at once. Checked here: greedy output identical to AR and to a
 cache-free argmax (AR, MTP G = 1..3, "auto", a tree, the draft model; both
-forms; BOS-only and non-BOS prompts; a ragged batch of 1- and 5-token
+forms; BOS-only and non-BOS prompts; a ragged batch of 1-, 2- and 5-token
 prompts), the joint law of the first two tokens at T = 1 (chi-square, the
 harness of tests/test_decode_distribution.py), the CLI path on a BPE
 tokenizer without BOS, and the one-line error for an empty prompt.
@@ -32,10 +32,12 @@ MAX_NEW = 20
 BOS_ONLY = np.asarray([tok.BOS_ID], np.int32)
 ONE_BYTE = np.asarray([ord("c")], np.int32)      # one token, no BOS
 ONE_TOKEN = {"bos_only": BOS_ONLY, "no_bos": ONE_BYTE}
-# two batches of one compiled shape (3 rows; 1 and 5 tokens share a prompt bucket)
+# two batches of one compiled shape, that of tests/test_decode.py's batch (4 rows,
+# one prompt bucket): programs compiled by either file are loaded by the other
 PROMPTS = {
-    "one_token": [BOS_ONLY, ONE_BYTE, np.asarray([ord("e")], np.int32)],   # every row 1 token
-    "ragged": [BOS_ONLY, random_prompts([4], seed=3)[0], ONE_BYTE],    # 1, 5 and 1 tokens
+    "one_token": [BOS_ONLY, ONE_BYTE, np.asarray([ord("e")], np.int32), BOS_ONLY],   # 1 token each
+    "ragged": [BOS_ONLY, random_prompts([4], seed=3)[0], ONE_BYTE,
+               random_prompts([1], seed=4)[0]],    # 1, 5, 1 and 2 tokens
 }
 
 
@@ -103,8 +105,8 @@ METHODS = ["ar", "mtp_g1", "mtp_g2", "mtp_g3", "auto", "auto_cycling", "tree", "
 @pytest.mark.parametrize("method", METHODS)
 def test_one_token_prompts_decode_greedy_as_ar(target, small_draft, references, method,
                                                monkeypatch):
-  """Every method, both forms, a batch of one-token prompts (BOS alone, and
-  two without BOS) and a ragged batch [1, 5, 1 tokens]: the tokens of AR
+  """Every method, both forms, a batch of one-token prompts (BOS alone and
+  without BOS) and a ragged batch [1, 5, 1, 2 tokens]: the tokens of AR
   (and of the cache-free argmax, ``references``)."""
   monkeypatch.setattr(AutoSchedule, "drafting_pays", lambda self, *a, **k: True)
   dec = _decoders(target, small_draft)[method]()
@@ -129,7 +131,7 @@ def test_mtp_first_round_of_a_one_token_row_is_an_ar_step(target):
   """A row of one token has no position n-2 to draft from: in its first
   round it accepts nothing (a = 0, one token) and "auto" counts the round at
   draft length 0 with no position tested, while the 5-token row of the same
-  batch drafts in that round."""
+  batch (and the 2-token row: position 0 is n-2) drafts in that round."""
   dec = Decoder(target, "mtp", "auto", max_draft_tokens=2, auto_costs=[1.0] * 3)
   state, p = dec.prepare(PROMPTS["ragged"], MAX_NEW, seed=0)
   state = dec.prefill(state, p)
@@ -138,14 +140,14 @@ def test_mtp_first_round_of_a_one_token_row_is_an_ar_step(target):
   np.testing.assert_array_equal(state.accepted_histogram[[0, 2]], [[1, 0, 0]] * 2)
   np.testing.assert_array_equal(state.length[[0, 2]], [2, 2])
   np.testing.assert_array_equal(state.auto.draft_length_histogram, [[1, 0, 0], [0, 0, 1],
-                                                                    [1, 0, 0]])
+                                                                    [1, 0, 0], [0, 0, 1]])
   np.testing.assert_array_equal(state.auto.position_tested[[0, 2]], 0)
   assert state.auto.position_tested[1, 0] == 1
 
 
 @pytest.mark.parametrize("method", ["mtp_g2", "mtp_g3", "auto", "draft"])
 def test_drafts_after_a_one_token_prompt_equal_a_cache_free_forward(target, small_draft, method):
-  """Rows of 1, 5 and 1 tokens, rounds with random accepted lengths (all
+  """Rows of 1, 5, 1 and 2 tokens, rounds with random accepted lengths (all
   accepted in the first round where a row may draft): every draft
   distribution equals a cache-free forward over the committed tokens and
   the earlier drafts (MTP module k at position n-2; the draft model at
