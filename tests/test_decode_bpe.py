@@ -4,7 +4,6 @@ a row, 258 is an ordinary token, the head mask comes from the config), and
 greedy equality, the chi-square law of the first two tokens, trees and stop
 strings hold as on the byte models."""
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,7 +13,7 @@ from mtp import bpe
 from mtp import tokenizer as tok
 from tests.conftest import markov_transition, tiny_config, with_noisy_mtp
 from tests.schedules import CyclingSchedule
-from tests.test_decode_distribution import ALPHA, chi_square_pvalue
+from tests.test_decode_distribution import ALPHA, chi_square_pvalue, exact_pair_law
 from tests.tiny_bpe import gguf_tokenizer_metadata, train_tiny_bpe
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -107,24 +106,11 @@ def test_never_emitted_ids_get_probability_zero(bpe_model, bpe_tok, states):
     assert mask[emitted].all(), sorted(set(emitted[~mask[emitted]]))
 
 
-def _pair_law(model, prompt, sp):
-  from decode import sampling
-  warp = lambda logits: np.asarray(sampling.probs_from_logits(
-      sampling.warp_logits(logits, sp.temperature, sp.top_k, sp.top_p)), np.float64)
-  p1 = warp(model(jnp.asarray(prompt[None])).logits[0, -1])
-  support = np.nonzero(p1 > 0)[0]
-  seqs = np.concatenate([np.repeat(prompt[None], len(support), 0), support[:, None]], 1)
-  p2 = warp(model(jnp.asarray(seqs, jnp.int32)).logits[:, -1])
-  law = np.zeros((p1.shape[0],) * 2)
-  law[support] = p1[support, None] * p2
-  return law
-
-
 @pytest.mark.parametrize("sp", [SamplingParams(1.0), SamplingParams(0.7, top_k=3)],
                          ids=["chain_t1", "tree_t0.7_top3"])
 def test_first_two_tokens_follow_the_target_law(bpe_model, bpe_tok, states, sp):
   prompt = _prompts(bpe_tok, states, [4], seed=5)[0]
-  law = _pair_law(bpe_model, prompt, sp)
+  law = exact_pair_law(bpe_model, sp, prompt)
   dec = (Decoder(bpe_model, "mtp", 2, tokenizer=bpe_tok) if sp.top_k == 0 else
          Decoder(bpe_model, "mtp", tree=(2, 2), tokenizer=bpe_tok))
   gen = dec.generate([prompt] * 4000, 2, sp, seed=11)

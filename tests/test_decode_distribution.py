@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from scipy import stats
 
 from decode import drafters as drafters_lib
@@ -32,18 +33,29 @@ SETTINGS = {
 }
 
 
-def exact_pair_law(model, sp: SamplingParams) -> np.ndarray:
-  """P[x1, x2] [V, V] float64 of the first two tokens sampled from ``model``."""
-  warp = lambda logits: np.asarray(
-      sampling.probs_from_logits(sampling.warp_logits(logits, sp.temperature, sp.top_k, sp.top_p)),
-      np.float64)
-  p1 = warp(model(jnp.asarray(PROMPT[None])).logits[0, -1])
-  v = p1.shape[0]
-  support = np.nonzero(p1 > 0)[0]
-  seqs = np.concatenate([np.repeat(PROMPT[None], len(support), 0), support[:, None]], 1)
-  p2 = warp(model(jnp.asarray(seqs, jnp.int32)).logits[:, -1])
-  law = np.zeros((v, v))
-  law[support] = p1[support, None] * p2
+@nnx.jit
+def _pair_probs(model, seqs, sp):
+  """Warped p [B, 2, V] at positions n - 1 and n of seqs [B, n + 2] (one
+  jitted program: eager forwards compile every op per shape)."""
+  n = seqs.shape[1] - 2
+  logits = model(seqs).logits[:, n - 1:n + 1]
+  return sampling.probs_from_logits(sampling.warp_logits(logits, sp.temperature, sp.top_k, sp.top_p))
+
+
+def exact_pair_law(model, sp: SamplingParams, prompt: np.ndarray = PROMPT) -> np.ndarray:
+  """P[x1, x2] [V, V] float64 of the first two tokens ``model`` samples after
+  ``prompt`` under ``sp``'s warp, p(x1 | prompt) p(x2 | prompt, x1), from one
+  cache-free forward over [prompt, x1, PAD] for every x1 (causal: the PAD
+  slot is never seen; a one-token prompt still gives the MTP heads the 2
+  positions they need)."""
+  n, v = len(prompt), model.cfg.vocab_size
+  seqs = np.repeat(np.concatenate([prompt, [tok.PAD_ID, tok.PAD_ID]])[None], v, 0)
+  seqs[:, n] = np.arange(v)
+  probs = np.asarray(_pair_probs(model, seqs.astype(np.int32), sp), np.float64)
+  p1 = probs[0, 0]                    # the same in every row (position n - 1)
+  assert p1.shape == (v,)
+  law = p1[:, None] * probs[:, 1]
+  law[p1 == 0] = 0                    # no row for an x1 the warp never samples
   return law
 
 

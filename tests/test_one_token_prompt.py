@@ -25,7 +25,8 @@ from mtp import model as model_lib
 from mtp import tokenizer as tok
 from tests.conftest import random_prompts, tiny_config, with_noisy_mtp
 from tests.schedules import CyclingSchedule
-from tests.test_decode_distribution import ALPHA, NUM_SAMPLES, _perturbed, chi_square_pvalue
+from tests.test_decode_distribution import (ALPHA, NUM_SAMPLES, _perturbed, chi_square_pvalue,
+                                            exact_pair_law)
 
 GREEDY = SamplingParams(temperature=0.0)
 MAX_NEW = 20
@@ -203,26 +204,6 @@ def test_drafts_after_a_one_token_prompt_equal_a_cache_free_forward(target, smal
   assert drafted_once.all()
 
 
-def _pair_law(model, prompt, sp):
-  """Exact P[x1, x2] [V, V] float64 of the first two tokens after ``prompt``
-  (cache-free forwards over [prompt, x1, PAD]: causal, so the PAD slot is
-  never seen, and the model's forward gets the 2+ positions its MTP heads
-  need)."""
-  from decode import sampling
-  warp = lambda logits: np.asarray(sampling.probs_from_logits(
-      sampling.warp_logits(logits, sp.temperature, sp.top_k, sp.top_p)), np.float64)
-  n = len(prompt)
-  padded = np.concatenate([prompt, [tok.PAD_ID, tok.PAD_ID]]).astype(np.int32)
-  p1 = warp(model(jnp.asarray(padded[None])).logits[0, n - 1])
-  support = np.nonzero(p1 > 0)[0]
-  seqs = np.repeat(padded[None], len(support), 0)
-  seqs[:, n] = support
-  p2 = warp(model(jnp.asarray(seqs)).logits[:, n])
-  law = np.zeros((p1.shape[0],) * 2)
-  law[support] = p1[support, None] * p2
-  return law
-
-
 @pytest.mark.parametrize("method,prompt", [("mtp_g2", "bos_only"), ("mtp_g3", "no_bos"),
                                            ("tree", "bos_only"), ("draft", "no_bos")])
 def test_first_two_tokens_of_a_one_token_prompt_follow_the_target_law(trained_markov, method,
@@ -241,7 +222,7 @@ def test_first_two_tokens_of_a_one_token_prompt_follow_the_target_law(trained_ma
   gen = dec.generate([one] * NUM_SAMPLES, 2, sp, seed=17)
   assert all(len(t) == 2 for t in gen.tokens)      # EOS has ~no mass on this source
   pairs = np.stack([t[:2] for t in gen.tokens])
-  pvalue = chi_square_pvalue(pairs, _pair_law(model, one, sp))
+  pvalue = chi_square_pvalue(pairs, exact_pair_law(model, sp, one))
   assert pvalue > ALPHA, f"{method} {prompt}: chi-square p={pvalue:.2e}"
   assert gen.accepted_histogram[:, 1:].sum() > 0
 
