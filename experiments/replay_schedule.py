@@ -49,13 +49,16 @@ if __name__ == "__main__":     # a flag out of range: one line, before the impor
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
+from decode import kv_cache  # noqa: E402
 from decode.cli import run as run_lib  # noqa: E402
 from decode.auto.schedule import AutoSchedule  # noqa: E402
 from decode.decoder import DecodeError, SamplingParams  # noqa: E402
 from experiments import common  # noqa: E402
 from mtp import loading, report  # noqa: E402
 from mtp import data as data_lib  # noqa: E402
+from mtp import model as model_lib  # noqa: E402
 from mtp import tokenizer as tok  # noqa: E402
 from scripts.bench_chat import heldout_prompts  # noqa: E402
 
@@ -118,7 +121,11 @@ from scripts.bench_chat import heldout_prompts  # noqa: E402
 
 def _teacher_forced(model, prompt, answer, max_draft_tokens: int, who: str):
   """Checks the arguments and runs the cache-free forward over prompt +
-  answer: (model output, tokens int32 [1, P+L], P, L)."""
+  answer: (logits [S, V], mtp_logits D (+R) arrays [S, V], tokens int32
+  [1, P+L], P, L), S >= P+L: the buffer is padded to a multiple of
+  ``kv_cache.PROMPT_BUCKET`` with ``MTP_FILL_ID``, what the model itself
+  feeds past the end, so positions < P+L are unchanged and answers of any
+  length share a few compiled programs."""
   d = model.mtp_depth
   if d < 1:
     raise ValueError(f"{who} needs a model with MTP modules (mtp.depth >= 1)")
@@ -128,8 +135,28 @@ def _teacher_forced(model, prompt, answer, max_draft_tokens: int, who: str):
   if prompt.size < 2 or answer.size == 0:
     raise ValueError(f"{who} needs a prompt of >= 2 tokens and a non-empty answer")
   tokens = np.concatenate([prompt, answer])[None]
-  out = model(jnp.asarray(tokens), recursive_steps=max(0, max_draft_tokens - d))
-  return out, tokens, prompt.size, answer.size
+  n = tokens.shape[1]
+  bucket = kv_cache.PROMPT_BUCKET
+  padded = np.full((1, max(n, min(model.cfg.max_seq_len, bucket * -(-n // bucket)))),
+                   model_lib.MTP_FILL_ID, np.int32)
+  padded[:, :n] = tokens
+  logits, mtp_logits = _cache_free_logits(model, jnp.asarray(padded),
+                                          max(0, max_draft_tokens - d))
+  return logits[0], [m[0] for m in mtp_logits], tokens, prompt.size, answer.size
+
+
+@functools.partial(nnx.jit, static_argnums=2)
+def _cache_free_logits(model, tokens, recursive_steps: int):
+  """(logits, mtp_logits) of ``model(tokens, recursive_steps=...)``, jitted."""
+  out = model(tokens, recursive_steps=recursive_steps)
+  return out.logits, out.mtp_logits
+
+
+@jax.jit
+def _warped_probs(logits, params):
+  """``decode.sampling.warped_probs`` [S, V] of every row, jitted."""
+  from decode.sampling import warped_probs
+  return warped_probs(logits, params)
 
 
 def greedy_acceptance(model, prompt, answer, max_draft_tokens: int) -> np.ndarray:
@@ -150,12 +177,12 @@ def greedy_acceptance(model, prompt, answer, max_draft_tokens: int) -> np.ndarra
   Raises ValueError for D = 0, G_max < 1, a prompt shorter than 2 tokens or
   an empty answer.
   """
-  out, tokens, p, n_ans = _teacher_forced(model, prompt, answer, max_draft_tokens,
-                                          "greedy_acceptance")
+  _, mtp_logits, tokens, p, n_ans = _teacher_forced(model, prompt, answer, max_draft_tokens,
+                                                    "greedy_acceptance")
   k = np.arange(n_ans)                     # round start n = P + k: chain at n-2
   acc = np.zeros((n_ans, max_draft_tokens), bool)
   for j in range(1, max_draft_tokens + 1):
-    draft = np.asarray(jnp.argmax(out.mtp_logits[j - 1][0], -1))     # at i: guess for t_{i+j+1}
+    draft = np.asarray(mtp_logits[j - 1]).argmax(-1)                 # at i: guess for t_{i+j+1}
     target = p + k + j - 1                                           # draft j's position n+j-1
     ok = target < p + n_ans
     acc[ok, j - 1] = draft[p + k[ok] - 2] == tokens[0, target[ok]]
@@ -182,21 +209,19 @@ def acceptance_probs(model, prompt, answer, max_draft_tokens: int, params) -> np
     moved out of the nucleus).
   Raises ValueError as ``greedy_acceptance``.
   """
-  from decode.sampling import warped_probs
   if params.greedy:
     return greedy_acceptance(model, prompt, answer, max_draft_tokens).astype(np.float32)
-  out, tokens, p, n_ans = _teacher_forced(model, prompt, answer, max_draft_tokens,
-                                          "acceptance_probs")
+  logits, mtp_logits, tokens, p, n_ans = _teacher_forced(model, prompt, answer,
+                                                         max_draft_tokens, "acceptance_probs")
   k = np.arange(n_ans)
   rho = np.zeros((n_ans, max_draft_tokens), np.float32)
-  pick = lambda logits, rows, x: np.asarray(          # the warp is per row: only the rows needed
-      jnp.take_along_axis(warped_probs(logits[jnp.asarray(rows)], params), x[:, None], 1)[:, 0])
+  target_probs = np.asarray(_warped_probs(logits, params))          # the warp is per row
   for j in range(1, max_draft_tokens + 1):
     target = p + k + j - 1
     ok = target < p + n_ans
-    x = jnp.asarray(tokens[0, target[ok]])
-    qx = pick(out.mtp_logits[j - 1][0], p + k[ok] - 2, x)          # at i: draft for t_{i+j+1}
-    px = pick(out.logits[0], target[ok] - 1, x)                     # at i: target for t_{i+1}
+    x = tokens[0, target[ok]]
+    qx = np.asarray(_warped_probs(mtp_logits[j - 1], params))[p + k[ok] - 2, x]   # at i: draft for t_{i+j+1}
+    px = target_probs[target[ok] - 1, x]                            # at i: target for t_{i+1}
     rho[ok, j - 1] = np.where(px > 0, np.minimum(px, qx) / np.where(px > 0, px, 1.0), 0.0)
   return np.clip(rho, 0.0, 1.0)
 
