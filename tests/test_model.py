@@ -1,5 +1,7 @@
 """Model structure, packing isolation and KV-cache equivalence."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,37 +103,55 @@ def test_packed_documents_are_isolated(model):
                                alone2.mtp_logits[k - 1][0, :9 - k], atol=1e-5)
 
 
+@nnx.jit
+def _full_forward(model, tokens):
+  out = model(tokens)
+  return out.hidden, out.mtp_logits
+
+
+@nnx.jit
+def _backbone(model, tokens, positions, cache):
+  return model.backbone(tokens, positions, cache=cache)
+
+
+@functools.partial(nnx.jit, static_argnums=1)
+def _mtp_forward_and_head(model, k, h, tokens, positions, cache):
+  hk, cache = model.mtp_forward(k, h, tokens, positions, cache=cache)
+  return hk, cache, model.mtp_head(k, hk)
+
+
 def test_kv_cache_matches_cache_free_forward(cfg, model):
   """Backbone and every MTP module run chunk by chunk through their caches
   (per-row offsets, with stale entries left behind by a rollback) equal the
-  cache-free forward."""
+  cache-free forward (each piece jitted, as decoding runs it)."""
   rng = np.random.default_rng(3)
   b, t, s = 2, 14, 32
   toks = _rand_tokens(rng, b, t)
-  full = model(toks)
+  full_hidden, full_mtp_logits = _full_forward(model, toks)
   pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   caches = model_lib.init_layer_caches(cfg.model, cfg.model.num_layers, b, s)
   mtp_caches = [model_lib.init_layer_caches(cfg.model, 1, b, s)[0] for _ in range(model.mtp_depth)]
   # write garbage ahead (as a rejected speculative block would), then roll back
   junk = _rand_tokens(rng, b, 6)
-  _, caches = model.backbone(junk, pos[:, 5:11], cache=caches)
+  _, caches = _backbone(model, junk, pos[:, 5:11], caches)
   hs = []
   for lo, hi in [(0, 5), (5, 6), (6, 11), (11, 14)]:
-    h, caches = model.backbone(toks[:, lo:hi], pos[:, lo:hi], cache=caches)
+    h, caches = _backbone(model, toks[:, lo:hi], pos[:, lo:hi], caches)
     hs.append(h)
   h0 = jnp.concatenate(hs, 1)
-  np.testing.assert_allclose(h0, full.hidden[0], atol=2e-5)
+  np.testing.assert_allclose(h0, full_hidden[0], atol=2e-5)
   h_prev = h0
   for k in range(1, model.mtp_depth + 1):
     n = t - k   # positions whose input t_{i+k} exists
-    outs = []
+    outs, heads = [], []
     for lo, hi in [(0, 4), (4, n)]:
-      hk, mtp_caches[k - 1] = model.mtp_forward(k, h_prev[:, lo:hi], toks[:, lo + k:hi + k],
-                                                pos[:, lo:hi], cache=mtp_caches[k - 1])
+      hk, mtp_caches[k - 1], head = _mtp_forward_and_head(
+          model, k, h_prev[:, lo:hi], toks[:, lo + k:hi + k], pos[:, lo:hi], mtp_caches[k - 1])
       outs.append(hk)
+      heads.append(head)
     hk = jnp.concatenate(outs, 1)
-    np.testing.assert_allclose(hk, full.hidden[k][:, :n], atol=2e-5)
-    np.testing.assert_allclose(model.mtp_head(k, hk), full.mtp_logits[k - 1][:, :n], atol=1e-4)
+    np.testing.assert_allclose(hk, full_hidden[k][:, :n], atol=2e-5)
+    np.testing.assert_allclose(jnp.concatenate(heads, 1), full_mtp_logits[k - 1][:, :n], atol=1e-4)
     h_prev = hk
 
 
@@ -139,16 +159,16 @@ def test_per_row_offsets(cfg, model):
   """Rows at different lengths write at their own offsets."""
   rng = np.random.default_rng(4)
   toks = _rand_tokens(rng, 2, 10)
-  full = model(toks)
+  full_hidden, _ = _full_forward(model, toks)
   caches = model_lib.init_layer_caches(cfg.model, cfg.model.num_layers, 2, 16)
   # row 0 has 4 tokens cached, row 1 has 6
   pre = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
-  _, caches = model.backbone(toks[:, :6], pre, cache=caches)
+  _, caches = _backbone(model, toks[:, :6], pre, caches)
   pos = jnp.asarray([[4, 5, 6], [6, 7, 8]], jnp.int32)
   new = jnp.stack([toks[0, 4:7], toks[1, 6:9]])
-  h, _ = model.backbone(new, pos, cache=caches)
-  np.testing.assert_allclose(h[0], full.hidden[0][0, 4:7], atol=2e-5)
-  np.testing.assert_allclose(h[1], full.hidden[0][1, 6:9], atol=2e-5)
+  h, _ = _backbone(model, new, pos, caches)
+  np.testing.assert_allclose(h[0], full_hidden[0][0, 4:7], atol=2e-5)
+  np.testing.assert_allclose(h[1], full_hidden[0][1, 6:9], atol=2e-5)
 
 
 def test_gqa_equals_repeated_kv_heads(cfg):
