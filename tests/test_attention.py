@@ -7,7 +7,6 @@ the last slot; the model's cached pieces agree under "dense", "blockwise"
 and "auto"; the config field is validated. ("cudnn" needs an NVIDIA GPU:
 only its config rule is tested here.)"""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -169,6 +168,19 @@ def _models(block=16, **model):
   return out
 
 
+@nnx.jit
+def _cached_pieces(m, x, x_next, pos, caches, mcache):
+  """``backbone`` then MTP module 1 through their caches, in one program (as decoding runs them)."""
+  h, caches = m.backbone(x, pos, cache=caches)
+  hk, mcache = m.mtp_forward(1, h, x_next, pos, cache=mcache)
+  return h, caches, hk, mcache
+
+
+@nnx.jit
+def _logits(m, x):
+  return m(x).logits
+
+
 def test_model_cached_pieces_agree_across_impls():
   """Prefill then AR steps and a verify block, ragged rows, through
   ``backbone`` and ``mtp_forward`` with caches: dense, blockwise and auto
@@ -185,18 +197,17 @@ def test_model_cached_pieces_agree_across_impls():
     mcache = model_lib.init_layer_caches(cfg, 1, b, s)[0]
     p = 33
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    h, caches = m.backbone(toks[:, :p], pos, cache=caches)
-    hk, mcache = m.mtp_forward(1, h, toks[:, 1:p + 1], pos, cache=mcache)
+    h, caches, hk, mcache = _cached_pieces(m, toks[:, :p], toks[:, 1:p + 1], pos, caches, mcache)
     hs = [h, hk]
     starts = jnp.asarray([p, p - 1, p - 17], jnp.int32)   # rows at different lengths
     for step, t in enumerate((1, 4, 1, 3)):
       pos = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-      x = jnp.take_along_axis(toks, pos, 1)
-      h, caches = m.backbone(x, pos, cache=caches)
-      hk, mcache = m.mtp_forward(1, h, jnp.take_along_axis(toks, pos + 1, 1), pos, cache=mcache)
+      h, caches, hk, mcache = _cached_pieces(m, jnp.take_along_axis(toks, pos, 1),
+                                             jnp.take_along_axis(toks, pos + 1, 1), pos, caches,
+                                             mcache)
       hs += [h, hk]
       starts = starts + t
-    outs[impl] = (hs, caches, mcache, m(toks[:, :40]).logits)
+    outs[impl] = (hs, caches, mcache, _logits(m, toks[:, :40]))
   hd, cd, md, ld = outs["dense"]
   for impl in ("blockwise", "auto"):
     hb, cb, mb, lb = outs[impl]
