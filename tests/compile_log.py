@@ -1,34 +1,40 @@
 """Per-test XLA compile seconds, for keeping the suite fast (docs/testing.md).
 
-With ``MTP_TEST_COMPILE_LOG=FILE`` each test process (each xdist worker)
-appends one JSON line per test to FILE: ``{"test": nodeid, "trace_s":
-seconds tracing to jaxprs, "lower_s": lowering them to MLIR, "compile_s":
-in XLA compiles, "compiles": count, "cache_hits": programs loaded from the
-persistent cache}``, counted from JAX's monitoring events over the test's
-setup, call and teardown (this process only, not its subprocesses). Without the variable nothing is
-registered. ``python -m tests.compile_log FILE`` sums it by file.
+With ``MTP_TEST_COMPILE_LOG=FILE`` the test session empties FILE, then each
+test process (each xdist worker) appends one JSON line per test: ``{"test":
+nodeid, "trace_s": seconds tracing to jaxprs, "lower_s": lowering them to
+MLIR, "compile_s": getting executables (compiling, or loading one from the
+persistent cache), "programs": executables got, "cache_hits": of those, the
+ones loaded}``, counted from JAX's monitoring events over the test's setup,
+call and teardown. Only the session's own processes write: a pytest that a
+test starts (``scripts.device_check --quick``, a crashed test's rerun) logs
+nothing. Without the variable nothing is registered. ``python -m
+tests.compile_log FILE`` sums it by file.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import os
-import sys
 
 import pytest
 
-_COUNTS = {"trace_s": 0.0, "lower_s": 0.0, "compile_s": 0.0, "compiles": 0, "cache_hits": 0}
+ENV = "MTP_TEST_COMPILE_LOG"
+_OWNER = "MTP_TEST_COMPILE_LOG_SESSION"     # set by the session that logs; its children skip
+_COUNTS = {"trace_s": 0.0, "lower_s": 0.0, "compile_s": 0.0, "programs": 0, "cache_hits": 0}
 _DURATIONS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
               "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
               "/jax/core/compile/backend_compile_duration": "compile_s"}
+_path: str | None = None
 
 
 def _on_duration(event: str, secs: float, **_) -> None:
   if event in _DURATIONS:
     _COUNTS[_DURATIONS[event]] += secs
   if event == "/jax/core/compile/backend_compile_duration":
-    _COUNTS["compiles"] += 1
+    _COUNTS["programs"] += 1
 
 
 def _on_event(event: str, **_) -> None:
@@ -37,42 +43,86 @@ def _on_event(event: str, **_) -> None:
 
 
 def pytest_configure(config):
-  if os.environ.get("MTP_TEST_COMPILE_LOG"):
-    from jax import monitoring
-    monitoring.register_event_duration_secs_listener(_on_duration)
-    monitoring.register_event_listener(_on_event)
+  """The controller (or a lone process) makes FILE empty, or stops with one
+  line when it cannot write it; xdist workers log; nested sessions do not."""
+  global _path
+  path = os.environ.get(ENV)
+  if not path:
+    return
+  worker = hasattr(config, "workerinput")
+  if not worker:
+    if os.environ.get(_OWNER):
+      return                                   # a pytest started by a test of a logging session
+    path = os.path.abspath(path)
+    try:
+      open(path, "w").close()
+    except OSError as e:
+      raise pytest.UsageError(f"{ENV}={path}: cannot write it ({e.strerror})") from None
+    os.environ[ENV] = path                      # the workers (other cwd) get the absolute path
+    os.environ[_OWNER] = str(os.getpid())
+  _path = path
+  from jax import monitoring
+  monitoring.register_event_duration_secs_listener(_on_duration)
+  monitoring.register_event_listener(_on_event)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-  path = os.environ.get("MTP_TEST_COMPILE_LOG")
   before = dict(_COUNTS)
   yield
-  if path:
+  if _path:
     row = {"test": item.nodeid, **{k: _COUNTS[k] - before[k] for k in _COUNTS}}
-    with open(path, "a") as f:       # one short line per write: appends do not interleave
+    with open(_path, "a") as f:       # one short line per write: appends do not interleave
       f.write(json.dumps(row) + "\n")
 
 
 def summarize(path: str) -> list[tuple[str, dict]]:
   """[(file, its summed counts)] from a log, the most trace + lower +
-  compile seconds first."""
+  compile seconds first. Raises ValueError naming FILE:LINE for a line that
+  is not a row."""
   by_file = collections.defaultdict(lambda: dict.fromkeys(_COUNTS, 0))
-  for line in open(path):
-    row = json.loads(line)
-    acc = by_file[row["test"].split("::")[0]]
-    for k in acc:
-      acc[k] += row.get(k, 0)
+  with open(path) as f:
+    for i, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+        name, counts = row["test"].split("::")[0], [row[k] for k in _COUNTS]
+      except (ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError(f"{path}:{i}: not a row of {ENV}: {line.strip()[:80]}") from None
+      acc = by_file[name]
+      for k, v in zip(_COUNTS, counts):
+        acc[k] += v
   busy = lambda c: c["trace_s"] + c["lower_s"] + c["compile_s"]
   return sorted(by_file.items(), key=lambda r: -busy(r[1]))
 
 
+def _table(rows: list[tuple[str, dict]]) -> str:
+  """Rows and their total; ``compiled`` = programs - cache_hits."""
+  keys = ("trace_s", "lower_s", "compile_s", "programs", "cache_hits", "compiled")
+  total = {k: sum(c.get(k, 0) for _, c in rows) for k in _COUNTS}
+  lines = ["".join(f"{k:>11}" for k in keys) + "  file"]
+  for name, c in rows + [("total", total)]:
+    c = {**c, "compiled": c["programs"] - c["cache_hits"]}
+    lines.append("".join(f"{float(c[k]):11.1f}" if k.endswith("_s") else f"{int(c[k]):11d}"
+                         for k in keys) + f"  {name}")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m tests.compile_log",
+                               description=f"Sum a {ENV} file by test file.")
+  ap.add_argument("log", help=f"the file {ENV} named")
+  args = ap.parse_args(argv)
+  try:
+    rows = summarize(args.log)
+  except (OSError, ValueError) as e:
+    raise SystemExit(f"tests.compile_log: {e}") from None
+  if not rows:
+    raise SystemExit(f"tests.compile_log: {args.log} has no rows (was {ENV} set for a run?)")
+  print(_table(rows))
+  return 0
+
+
 if __name__ == "__main__":
-  rows = summarize(sys.argv[1])
-  total = dict.fromkeys(_COUNTS, 0)
-  print("".join(f"{k:>11}" for k in _COUNTS) + "  file")
-  for f, c in rows + [("total", total)]:
-    for k in _COUNTS:
-      total[k] += c[k] if f != "total" else 0
-    print("".join(f"{c[k]:11.1f}" if isinstance(c[k], float) else f"{c[k]:11d}"
-                  for k in _COUNTS) + f"  {f}")
+  raise SystemExit(main())

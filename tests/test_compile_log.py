@@ -6,12 +6,14 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests import compile_log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(tmp_path, log: str | None):
+def _run(tmp_path, log: str | None, nested: bool = False):
   test = tmp_path / "test_two.py"
   test.write_text(textwrap.dedent("""
       import jax, jax.numpy as jnp
@@ -22,26 +24,60 @@ def _run(tmp_path, log: str | None):
       def test_plain():
         assert 1 + 1 == 2
   """))
-  env = {k: v for k, v in os.environ.items() if k != "MTP_TEST_COMPILE_LOG"}
-  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-             **({"MTP_TEST_COMPILE_LOG": log} if log else {}))
+  env = {k: v for k, v in os.environ.items() if k not in (compile_log.ENV, compile_log._OWNER)}
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **({compile_log.ENV: log} if log else {}),
+             **({compile_log._OWNER: "1"} if nested else {}))
   env.pop("JAX_COMPILATION_CACHE_DIR", None)       # a fresh compile, not a cache hit
-  out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "-p", "tests.compile_log", str(test)],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-  assert out.returncode == 0, out.stdout + out.stderr
+  return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                         "-p", "tests.compile_log", str(test)],
+                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_one_line_per_test_with_its_compiles_and_nothing_without_the_variable(tmp_path):
+def test_one_line_per_test_a_fresh_file_per_session_and_nothing_when_not_asked(tmp_path):
   log = tmp_path / "compile.jsonl"
-  _run(tmp_path, None)
+  assert _run(tmp_path, None).returncode == 0
   assert not log.exists()
-  _run(tmp_path, str(log))
+  log.write_text('{"test": "old::row"}\n')               # a previous session's rows go
+  assert _run(tmp_path, "compile.jsonl").returncode == 0   # relative to the session's cwd
   rows = {r["test"].split("::")[1]: r for r in map(json.loads, log.read_text().splitlines())}
   assert set(rows) == {"test_compiles", "test_plain"}
-  assert rows["test_compiles"]["compiles"] >= 1 and rows["test_compiles"]["compile_s"] > 0
-  assert rows["test_compiles"]["trace_s"] > 0 and rows["test_compiles"]["lower_s"] > 0
-  assert rows["test_plain"]["compiles"] == 0 and rows["test_plain"]["compile_s"] == 0
+  got = rows["test_compiles"]
+  assert got["programs"] >= 1 and got["compile_s"] > 0 and got["cache_hits"] == 0
+  assert got["trace_s"] > 0 and got["lower_s"] > 0
+  assert rows["test_plain"]["programs"] == 0 and rows["test_plain"]["compile_s"] == 0
   (name, counts), = compile_log.summarize(str(log))
-  assert name.endswith("test_two.py")
-  assert counts["compiles"] == rows["test_compiles"]["compiles"]
+  assert name.endswith("test_two.py") and counts["programs"] == got["programs"]
+  # a pytest that a test of a logging session starts writes nothing
+  before = log.read_text()
+  assert _run(tmp_path, str(log), nested=True).returncode == 0
+  assert log.read_text() == before
+
+
+def test_an_unwritable_log_stops_the_session_before_any_test(tmp_path):
+  out = _run(tmp_path, str(tmp_path / "no_such_dir" / "x.jsonl"))
+  assert out.returncode == 4, out.stdout + out.stderr
+  assert "MTP_TEST_COMPILE_LOG=" in out.stderr and "cannot write it" in out.stderr
+  assert "passed" not in out.stdout
+
+
+def test_summary_table_adds_up_and_bad_logs_get_one_line(tmp_path, capsys):
+  log = tmp_path / "c.jsonl"
+  row = lambda t, p, h: json.dumps({"test": t, "trace_s": 1.0, "lower_s": 0.5, "compile_s": 2.0,
+                                     "programs": p, "cache_hits": h})
+  log.write_text("\n".join([row("tests/a.py::x", 5, 1), row("tests/a.py::y", 3, 0),
+                            row("tests/b.py::z", 2, 2)]) + "\n\n")
+  assert compile_log.main([str(log)]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0].split() == ["trace_s", "lower_s", "compile_s", "programs", "cache_hits",
+                              "compiled", "file"]
+  assert lines[1].split() == ["2.0", "1.0", "4.0", "8", "1", "7", "tests/a.py"]
+  assert lines[2].split() == ["1.0", "0.5", "2.0", "2", "2", "0", "tests/b.py"]
+  assert lines[3].split() == ["3.0", "1.5", "6.0", "10", "3", "7", "total"]
+  log.write_text(row("tests/a.py::x", 1, 0) + "\n" + '{"test": "t::u", "trace_s"\n')
+  with pytest.raises(SystemExit, match=r"c\.jsonl:2: not a row of MTP_TEST_COMPILE_LOG"):
+    compile_log.main([str(log)])
+  log.write_text("")
+  with pytest.raises(SystemExit, match="has no rows"):
+    compile_log.main([str(log)])
+  with pytest.raises(SystemExit, match="No such file"):
+    compile_log.main([str(tmp_path / "missing.jsonl")])

@@ -45,11 +45,11 @@ def _pair_probs(model, seqs, sp):
 def exact_pair_law(model, sp: SamplingParams, prompt: np.ndarray = PROMPT) -> np.ndarray:
   """P[x1, x2] [V, V] float64 of the first two tokens ``model`` samples after
   ``prompt`` under ``sp``'s warp, p(x1 | prompt) p(x2 | prompt, x1), from one
-  cache-free forward over [prompt, x1, PAD] for every x1 (causal: the PAD
-  slot is never seen; a one-token prompt still gives the MTP heads the 2
-  positions they need)."""
+  cache-free forward over [prompt, x1, 0] for every x1 (causal: the last
+  slot is never seen, and id 0 exists in every vocabulary; a one-token
+  prompt still gives the MTP heads the 2 positions they need)."""
   n, v = len(prompt), model.cfg.vocab_size
-  seqs = np.repeat(np.concatenate([prompt, [tok.PAD_ID, tok.PAD_ID]])[None], v, 0)
+  seqs = np.repeat(np.concatenate([prompt, [0, 0]])[None], v, 0)
   seqs[:, n] = np.arange(v)
   probs = np.asarray(_pair_probs(model, seqs.astype(np.int32), sp), np.float64)
   p1 = probs[0, 0]                    # the same in every row (position n - 1)
