@@ -28,12 +28,13 @@ def _qkv(rng, b, t, n, k, h, s):
   return f(b, t, n, h), f(b, s, k, h), f(b, s, k, h)
 
 
-def _dense(q, keys, values, positions, mask=None):
-  return model_lib.cached_attention(q, keys, values, positions, mask, impl="dense")
-
-
 _blockwise = jax.jit(model_lib.blockwise_attention, static_argnames="block_size")
 _cached = jax.jit(model_lib.cached_attention, static_argnames=("impl", "block_size"))
+
+
+def _dense(q, keys, values, positions, mask=None):
+  """The reference: the dense masked path, jitted (one executable per shape, not per op)."""
+  return _cached(q, keys, values, positions, mask, impl="dense")
 
 
 def _impl(impl):
