@@ -136,9 +136,9 @@ def _teacher_forced(model, prompt, answer, max_draft_tokens: int, who: str):
     raise ValueError(f"{who} needs a prompt of >= 2 tokens and a non-empty answer")
   tokens = np.concatenate([prompt, answer])[None]
   n = tokens.shape[1]
-  bucket = kv_cache.PROMPT_BUCKET
-  padded = np.full((1, max(n, min(model.cfg.max_seq_len, bucket * -(-n // bucket)))),
-                   model_lib.MTP_FILL_ID, np.int32)
+  bucket, _ = kv_cache.cache_length(n, 0, 0)       # n rounded up to the prompt bucket
+  padded = np.full((1, max(n, min(model.cfg.max_seq_len, bucket))), model_lib.MTP_FILL_ID,
+                   np.int32)
   padded[:, :n] = tokens
   logits, mtp_logits = _cache_free_logits(model, jnp.asarray(padded),
                                           max(0, max_draft_tokens - d))
