@@ -5,11 +5,13 @@ test process (each xdist worker) appends one JSON line per test: ``{"test":
 nodeid, "trace_s": seconds tracing to jaxprs, "lower_s": lowering them to
 MLIR, "compile_s": getting executables (compiling, or loading one from the
 persistent cache), "programs": executables got, "cache_hits": of those, the
-ones loaded}``, counted from JAX's monitoring events over the test's setup,
-call and teardown. Only the session's own processes write: a pytest that a
+ones loaded, "worker": the xdist worker ("main" without xdist), "start": Unix
+time the test began, "wall_s": its seconds}``, counted from JAX's monitoring
+events over the test's setup, call and teardown. Only the session's own processes write: a pytest that a
 test starts (``scripts.device_check --quick``, a crashed test's rerun) logs
 nothing. Without the variable nothing is registered. ``python -m
-tests.compile_log FILE`` sums it by file.
+tests.compile_log FILE`` sums it by file and says how busy each worker was
+(the idle tail is the suite's wall time that one worker spent waiting).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import collections
 import json
 import os
+import time
 
 import pytest
 
@@ -68,39 +71,66 @@ def pytest_configure(config):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-  before = dict(_COUNTS)
+  before, start = dict(_COUNTS), time.time()
   yield
   if _path:
-    row = {"test": item.nodeid, **{k: _COUNTS[k] - before[k] for k in _COUNTS}}
+    row = {"test": item.nodeid, **{k: _COUNTS[k] - before[k] for k in _COUNTS},
+           "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "start": start,
+           "wall_s": time.time() - start}
     with open(_path, "a") as f:       # one short line per write: appends do not interleave
       f.write(json.dumps(row) + "\n")
 
 
-def summarize(path: str) -> list[tuple[str, dict]]:
-  """[(file, its summed counts)] from a log, the most trace + lower +
-  compile seconds first. Raises ValueError naming FILE:LINE for a line that
-  is not a row."""
-  by_file = collections.defaultdict(lambda: dict.fromkeys(_COUNTS, 0))
+def _rows(path: str) -> list[dict]:
+  """The log's rows. Raises ValueError naming FILE:LINE for a line that is
+  not a row. Rows from before worker/start/wall_s were logged get None/0."""
+  rows = []
   with open(path) as f:
     for i, line in enumerate(f, 1):
       if not line.strip():
         continue
       try:
         row = json.loads(line)
-        name, counts = row["test"].split("::")[0], [row[k] for k in _COUNTS]
+        rows.append({"file": row["test"].split("::")[0], **{k: row[k] + 0 for k in _COUNTS},
+                     "wall_s": float(row.get("wall_s", 0.0)), "worker": row.get("worker"),
+                     "start": row.get("start")})
       except (ValueError, KeyError, TypeError, AttributeError):
         raise ValueError(f"{path}:{i}: not a row of {ENV}: {line.strip()[:80]}") from None
-      acc = by_file[name]
-      for k, v in zip(_COUNTS, counts):
-        acc[k] += v
+  return rows
+
+
+def summarize(path: str) -> list[tuple[str, dict]]:
+  """[(file, its summed counts and wall_s)] from a log, the most wall seconds
+  first (then trace + lower + compile seconds). Raises ValueError as _rows."""
+  by_file = collections.defaultdict(lambda: dict.fromkeys((*_COUNTS, "wall_s"), 0))
+  for row in _rows(path):
+    acc = by_file[row["file"]]
+    for k in acc:
+      acc[k] += row[k]
   busy = lambda c: c["trace_s"] + c["lower_s"] + c["compile_s"]
-  return sorted(by_file.items(), key=lambda r: -busy(r[1]))
+  return sorted(by_file.items(), key=lambda r: (-r[1]["wall_s"], -busy(r[1])))
+
+
+def workers(path: str) -> dict[str, dict]:
+  """{worker: {"tests_s": seconds in its tests, "done_s": when its last test
+  ended, counted from the first test's start}}; empty for a log without
+  worker and start fields. A worker's idle tail is max(done_s) - its done_s."""
+  rows = [r for r in _rows(path) if r["worker"] is not None and r["start"] is not None]
+  if not rows:
+    return {}
+  t0 = min(r["start"] for r in rows)
+  out: dict[str, dict] = {}
+  for r in rows:
+    w = out.setdefault(r["worker"], {"tests_s": 0.0, "done_s": 0.0})
+    w["tests_s"] += r["wall_s"]
+    w["done_s"] = max(w["done_s"], r["start"] + r["wall_s"] - t0)
+  return dict(sorted(out.items()))
 
 
 def _table(rows: list[tuple[str, dict]]) -> str:
   """Rows and their total; ``compiled`` = programs - cache_hits."""
-  keys = ("trace_s", "lower_s", "compile_s", "programs", "cache_hits", "compiled")
-  total = {k: sum(c.get(k, 0) for _, c in rows) for k in _COUNTS}
+  keys = ("wall_s", "trace_s", "lower_s", "compile_s", "programs", "cache_hits", "compiled")
+  total = {k: sum(c.get(k, 0) for _, c in rows) for k in (*_COUNTS, "wall_s")}
   lines = ["".join(f"{k:>11}" for k in keys) + "  file"]
   for name, c in rows + [("total", total)]:
     c = {**c, "compiled": c["programs"] - c["cache_hits"]}
@@ -109,18 +139,27 @@ def _table(rows: list[tuple[str, dict]]) -> str:
   return "\n".join(lines)
 
 
+def _worker_lines(ws: dict[str, dict]) -> str:
+  """One line per worker: seconds in tests, when it finished, its idle tail."""
+  end = max((w["done_s"] for w in ws.values()), default=0.0)
+  return "\n".join(f"worker {name}: {w['tests_s']:.1f} s in tests, done at {w['done_s']:.1f} s, "
+                   f"idle tail {end - w['done_s']:.1f} s" for name, w in ws.items())
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m tests.compile_log",
                                description=f"Sum a {ENV} file by test file.")
   ap.add_argument("log", help=f"the file {ENV} named")
   args = ap.parse_args(argv)
   try:
-    rows = summarize(args.log)
+    rows, ws = summarize(args.log), workers(args.log)
   except (OSError, ValueError) as e:
     raise SystemExit(f"tests.compile_log: {e}") from None
   if not rows:
     raise SystemExit(f"tests.compile_log: {args.log} has no rows (was {ENV} set for a run?)")
   print(_table(rows))
+  if ws:
+    print(_worker_lines(ws))
   return 0
 
 

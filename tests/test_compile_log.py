@@ -44,6 +44,8 @@ def test_one_line_per_test_a_fresh_file_per_session_and_nothing_when_not_asked(t
   got = rows["test_compiles"]
   assert got["programs"] >= 1 and got["compile_s"] > 0 and got["cache_hits"] == 0
   assert got["trace_s"] > 0 and got["lower_s"] > 0
+  assert got["worker"] == "main" and got["wall_s"] > 0          # no xdist here
+  assert got["start"] <= rows["test_plain"]["start"]            # the file's order
   assert rows["test_plain"]["programs"] == 0 and rows["test_plain"]["compile_s"] == 0
   (name, counts), = compile_log.summarize(str(log))
   assert name.endswith("test_two.py") and counts["programs"] == got["programs"]
@@ -62,19 +64,36 @@ def test_an_unwritable_log_stops_the_session_before_any_test(tmp_path):
 
 def test_summary_table_adds_up_and_bad_logs_get_one_line(tmp_path, capsys):
   log = tmp_path / "c.jsonl"
-  row = lambda t, p, h: json.dumps({"test": t, "trace_s": 1.0, "lower_s": 0.5, "compile_s": 2.0,
-                                     "programs": p, "cache_hits": h})
-  log.write_text("\n".join([row("tests/a.py::x", 5, 1), row("tests/a.py::y", 3, 0),
-                            row("tests/b.py::z", 2, 2)]) + "\n\n")
+  row = lambda t, p, h, w, start, wall: json.dumps(
+      {"test": t, "trace_s": 1.0, "lower_s": 0.5, "compile_s": 2.0, "programs": p,
+       "cache_hits": h, "worker": w, "start": start, "wall_s": wall})
+  log.write_text("\n".join([row("tests/a.py::x", 5, 1, "gw0", 100.0, 4.0),
+                            row("tests/a.py::y", 3, 0, "gw1", 100.5, 2.5),
+                            row("tests/b.py::z", 2, 2, "gw1", 103.0, 7.5)]) + "\n\n")
   assert compile_log.main([str(log)]) == 0
   lines = capsys.readouterr().out.splitlines()
-  assert lines[0].split() == ["trace_s", "lower_s", "compile_s", "programs", "cache_hits",
-                              "compiled", "file"]
-  assert lines[1].split() == ["2.0", "1.0", "4.0", "8", "1", "7", "tests/a.py"]
-  assert lines[2].split() == ["1.0", "0.5", "2.0", "2", "2", "0", "tests/b.py"]
-  assert lines[3].split() == ["3.0", "1.5", "6.0", "10", "3", "7", "total"]
-  log.write_text(row("tests/a.py::x", 1, 0) + "\n" + '{"test": "t::u", "trace_s"\n')
+  assert lines[0].split() == ["wall_s", "trace_s", "lower_s", "compile_s", "programs",
+                              "cache_hits", "compiled", "file"]
+  assert lines[1].split() == ["7.5", "1.0", "0.5", "2.0", "2", "2", "0", "tests/b.py"]
+  assert lines[2].split() == ["6.5", "2.0", "1.0", "4.0", "8", "1", "7", "tests/a.py"]
+  assert lines[3].split() == ["14.0", "3.0", "1.5", "6.0", "10", "3", "7", "total"]
+  # gw0 ran 100-104, gw1 100.5-103 and 103-110.5: gw0 then waited 6.5 s for gw1
+  assert lines[4] == "worker gw0: 4.0 s in tests, done at 4.0 s, idle tail 6.5 s"
+  assert lines[5] == "worker gw1: 10.0 s in tests, done at 10.5 s, idle tail 0.0 s"
+  assert len(lines) == 6
+  # a log written before worker, start and wall_s were logged: the table, no worker lines
+  old = {"test": "tests/a.py::x", "trace_s": 1.0, "lower_s": 0.5, "compile_s": 2.0,
+         "programs": 5, "cache_hits": 1}
+  log.write_text(json.dumps(old) + "\n")
+  assert compile_log.main([str(log)]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[1].split() == ["0.0", "1.0", "0.5", "2.0", "5", "1", "4", "tests/a.py"]
+  assert len(lines) == 3
+  log.write_text(json.dumps(old) + "\n" + '{"test": "t::u", "trace_s"\n')
   with pytest.raises(SystemExit, match=r"c\.jsonl:2: not a row of MTP_TEST_COMPILE_LOG"):
+    compile_log.main([str(log)])
+  log.write_text(json.dumps({**old, "programs": "five"}) + "\n")
+  with pytest.raises(SystemExit, match=r"c\.jsonl:1: not a row"):
     compile_log.main([str(log)])
   log.write_text("")
   with pytest.raises(SystemExit, match="has no rows"):
