@@ -31,6 +31,7 @@ _DURATIONS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
               "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
               "/jax/core/compile/backend_compile_duration": "compile_s"}
 _path: str | None = None
+_worker = "main"                              # this process's xdist worker id
 
 
 def _on_duration(event: str, secs: float, **_) -> None:
@@ -48,7 +49,7 @@ def _on_event(event: str, **_) -> None:
 def pytest_configure(config):
   """The controller (or a lone process) makes FILE empty, or stops with one
   line when it cannot write it; xdist workers log; nested sessions do not."""
-  global _path
+  global _path, _worker
   path = os.environ.get(ENV)
   if not path:
     return
@@ -64,6 +65,7 @@ def pytest_configure(config):
     os.environ[ENV] = path                      # the workers (other cwd) get the absolute path
     os.environ[_OWNER] = str(os.getpid())
   _path = path
+  _worker = config.workerinput["workerid"] if worker else "main"
   from jax import monitoring
   monitoring.register_event_duration_secs_listener(_on_duration)
   monitoring.register_event_listener(_on_event)
@@ -75,7 +77,7 @@ def pytest_runtest_protocol(item, nextitem):
   yield
   if _path:
     row = {"test": item.nodeid, **{k: _COUNTS[k] - before[k] for k in _COUNTS},
-           "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "start": start,
+           "worker": _worker, "start": start,
            "wall_s": time.time() - start}
     with open(_path, "a") as f:       # one short line per write: appends do not interleave
       f.write(json.dumps(row) + "\n")

@@ -44,7 +44,7 @@ def test_one_line_per_test_a_fresh_file_per_session_and_nothing_when_not_asked(t
   got = rows["test_compiles"]
   assert got["programs"] >= 1 and got["compile_s"] > 0 and got["cache_hits"] == 0
   assert got["trace_s"] > 0 and got["lower_s"] > 0
-  assert got["worker"] == "main" and got["wall_s"] > 0          # no xdist here
+  assert got["worker"] == "main" and got["wall_s"] > 0   # no xdist here (env from a worker or not)
   assert got["start"] <= rows["test_plain"]["start"]            # the file's order
   assert rows["test_plain"]["programs"] == 0 and rows["test_plain"]["compile_s"] == 0
   (name, counts), = compile_log.summarize(str(log))
@@ -100,3 +100,4 @@ def test_summary_table_adds_up_and_bad_logs_get_one_line(tmp_path, capsys):
     compile_log.main([str(log)])
   with pytest.raises(SystemExit, match="No such file"):
     compile_log.main([str(tmp_path / "missing.jsonl")])
+
