@@ -5,13 +5,16 @@ test process (each xdist worker) appends one JSON line per test: ``{"test":
 nodeid, "trace_s": seconds tracing to jaxprs, "lower_s": lowering them to
 MLIR, "compile_s": getting executables (compiling, or loading one from the
 persistent cache), "programs": executables got, "cache_hits": of those, the
-ones loaded, "worker": the xdist worker ("main" without xdist), "start": Unix
+ones loaded, "misses": [[program name, cache key, seconds], ...] for each
+executable compiled (not loaded), "worker": the xdist worker ("main" without xdist), "start": Unix
 time the test began, "wall_s": its seconds}``, counted from JAX's monitoring
 events over the test's setup, call and teardown. Only the session's own processes write: a pytest that a
 test starts (``scripts.device_check --quick``, a crashed test's rerun) logs
 nothing. Without the variable nothing is registered. ``python -m
-tests.compile_log FILE`` sums it by file and says how busy each worker was
-(the idle tail is the suite's wall time that one worker spent waiting).
+tests.compile_log FILE`` sums it by file, says how busy each worker was
+(the idle tail is the suite's wall time that one worker spent waiting) and
+which programs were compiled more than once (by two workers at the same
+time, or after the cache was bypassed): seconds that sharing would save.
 """
 
 from __future__ import annotations
@@ -32,6 +35,17 @@ _DURATIONS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
               "/jax/core/compile/backend_compile_duration": "compile_s"}
 _path: str | None = None
 _worker = "main"                              # this process's xdist worker id
+_MISSES: list = []                            # [name, key, seconds] per compiled executable
+_pending: list = []                           # the cache miss whose compile is timing now
+
+
+def _note_miss(log_miss):
+  """Wraps jax's cache-miss log call: remembers (module name, key) for the
+  compile that follows it."""
+  def note(module_name, cache_key, *a, **k):
+    _pending[:] = [module_name, str(cache_key)[-16:]]   # the key's hash ends it
+    return log_miss(module_name, cache_key, *a, **k)
+  return note
 
 
 def _on_duration(event: str, secs: float, **_) -> None:
@@ -39,6 +53,9 @@ def _on_duration(event: str, secs: float, **_) -> None:
     _COUNTS[_DURATIONS[event]] += secs
   if event == "/jax/core/compile/backend_compile_duration":
     _COUNTS["programs"] += 1
+    if _pending:
+      _MISSES.append([*_pending, secs])
+      _pending.clear()
 
 
 def _on_event(event: str, **_) -> None:
@@ -67,6 +84,11 @@ def pytest_configure(config):
   _path = path
   _worker = config.workerinput["workerid"] if worker else "main"
   from jax import monitoring
+  try:        # jax's private hook; without it rows have no misses
+    from jax._src import compiler
+    compiler.log_persistent_cache_miss = _note_miss(compiler.log_persistent_cache_miss)
+  except (ImportError, AttributeError):
+    pass
   monitoring.register_event_duration_secs_listener(_on_duration)
   monitoring.register_event_listener(_on_event)
 
@@ -74,13 +96,17 @@ def pytest_configure(config):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
   before, start = dict(_COUNTS), time.time()
+  _MISSES.clear()
   yield
   if _path:
     row = {"test": item.nodeid, **{k: _COUNTS[k] - before[k] for k in _COUNTS},
-           "worker": _worker, "start": start,
+           "misses": list(_MISSES), "worker": _worker, "start": start,
            "wall_s": time.time() - start}
-    with open(_path, "a") as f:       # one short line per write: appends do not interleave
-      f.write(json.dumps(row) + "\n")
+    fd = os.open(_path, os.O_WRONLY | os.O_APPEND)   # one write per line: lines do not interleave
+    try:
+      os.write(fd, (json.dumps(row) + "\n").encode())
+    finally:
+      os.close(fd)
 
 
 def _rows(path: str) -> list[dict]:
@@ -95,7 +121,8 @@ def _rows(path: str) -> list[dict]:
         row = json.loads(line)
         rows.append({"file": row["test"].split("::")[0], **{k: row[k] + 0 for k in _COUNTS},
                      "wall_s": float(row.get("wall_s", 0.0)), "worker": row.get("worker"),
-                     "start": row.get("start")})
+                     "start": row.get("start"),
+                     "misses": [(str(n), str(k), float(t)) for n, k, t in row.get("misses", [])]})
       except (ValueError, KeyError, TypeError, AttributeError):
         raise ValueError(f"{path}:{i}: not a row of {ENV}: {line.strip()[:80]}") from None
   return rows
@@ -129,6 +156,31 @@ def workers(path: str) -> dict[str, dict]:
   return dict(sorted(out.items()))
 
 
+def repeated_compiles(path: str) -> list[dict]:
+  """Programs compiled more than once, by cache key: [{"name", "compiles",
+  "repeat_s": the seconds of every compile after the first (in log order),
+  "files": the test files that compiled it}], the most repeat_s first."""
+  by_key: dict[str, dict] = {}
+  for row in _rows(path):
+    for name, key, secs in row["misses"]:
+      r = by_key.setdefault(key, {"name": name, "compiles": 0, "repeat_s": 0.0, "files": []})
+      r["repeat_s"] += secs if r["compiles"] else 0.0
+      r["compiles"] += 1
+      if row["file"] not in r["files"]:
+        r["files"].append(row["file"])
+  return sorted((r for r in by_key.values() if r["compiles"] > 1), key=lambda r: -r["repeat_s"])
+
+
+def _repeat_lines(reps: list[dict], top: int = 8) -> str:
+  """A total line, then the ``top`` programs with the most repeat seconds."""
+  lines = [f"compiled more than once: {len(reps)} programs, "
+           f"{sum(r['compiles'] - 1 for r in reps)} repeat compiles, "
+           f"{sum(r['repeat_s'] for r in reps):.1f} s"]
+  lines += [f"  {r['repeat_s']:6.1f} s  {r['compiles']}x  {r['name']}  {' '.join(r['files'])}"
+            for r in reps[:top]]
+  return "\n".join(lines)
+
+
 def _table(rows: list[tuple[str, dict]]) -> str:
   """Rows and their total; ``compiled`` = programs - cache_hits."""
   keys = ("wall_s", "trace_s", "lower_s", "compile_s", "programs", "cache_hits", "compiled")
@@ -154,7 +206,7 @@ def main(argv=None) -> int:
   ap.add_argument("log", help=f"the file {ENV} named")
   args = ap.parse_args(argv)
   try:
-    rows, ws = summarize(args.log), workers(args.log)
+    rows, ws, reps = summarize(args.log), workers(args.log), repeated_compiles(args.log)
   except (OSError, ValueError) as e:
     raise SystemExit(f"tests.compile_log: {e}") from None
   if not rows:
@@ -162,6 +214,8 @@ def main(argv=None) -> int:
   print(_table(rows))
   if ws:
     print(_worker_lines(ws))
+  if reps:
+    print(_repeat_lines(reps))
   return 0
 
 

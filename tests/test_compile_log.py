@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -27,7 +28,7 @@ def _run(tmp_path, log: str | None, nested: bool = False):
   env = {k: v for k, v in os.environ.items() if k not in (compile_log.ENV, compile_log._OWNER)}
   env.update(PYTHONPATH=ROOT, **({compile_log.ENV: log} if log else {}),   # this backend
              **({compile_log._OWNER: "1"} if nested else {}))
-  env.pop("JAX_COMPILATION_CACHE_DIR", None)       # a fresh compile, not a cache hit
+  env["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(dir=tmp_path)   # a fresh compile, no hit
   return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                          "-p", "tests.compile_log", str(test)],
                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -44,6 +45,8 @@ def test_one_line_per_test_a_fresh_file_per_session_and_nothing_when_not_asked(t
   got = rows["test_compiles"]
   assert got["programs"] >= 1 and got["compile_s"] > 0 and got["cache_hits"] == 0
   assert got["trace_s"] > 0 and got["lower_s"] > 0
+  assert len(got["misses"]) == got["programs"] >= 1            # each compile, its key
+  assert all(n.startswith("jit_") and len(k) == 16 and t > 0 for n, k, t in got["misses"])
   assert got["worker"] == "main" and got["wall_s"] > 0   # no xdist here (env from a worker or not)
   assert got["start"] <= rows["test_plain"]["start"]            # the file's order
   assert rows["test_plain"]["programs"] == 0 and rows["test_plain"]["compile_s"] == 0
@@ -64,12 +67,14 @@ def test_an_unwritable_log_stops_the_session_before_any_test(tmp_path):
 
 def test_summary_table_adds_up_and_bad_logs_get_one_line(tmp_path, capsys):
   log = tmp_path / "c.jsonl"
-  row = lambda t, p, h, w, start, wall: json.dumps(
+  row = lambda t, p, h, w, start, wall, misses: json.dumps(
       {"test": t, "trace_s": 1.0, "lower_s": 0.5, "compile_s": 2.0, "programs": p,
-       "cache_hits": h, "worker": w, "start": start, "wall_s": wall})
-  log.write_text("\n".join([row("tests/a.py::x", 5, 1, "gw0", 100.0, 4.0),
-                            row("tests/a.py::y", 3, 0, "gw1", 100.5, 2.5),
-                            row("tests/b.py::z", 2, 2, "gw1", 103.0, 7.5)]) + "\n\n")
+       "cache_hits": h, "misses": misses, "worker": w, "start": start, "wall_s": wall})
+  f, g = ("jit_f", "k1" * 8), ("jit_g", "k2" * 8)
+  log.write_text("\n".join([row("tests/a.py::x", 5, 1, "gw0", 100.0, 4.0, [[*f, 1.0], [*g, 0.5]]),
+                            row("tests/a.py::y", 3, 0, "gw1", 100.5, 2.5, [[*f, 1.5]]),
+                            row("tests/b.py::z", 2, 2, "gw1", 103.0, 7.5,
+                                [[*f, 0.7], [*g, 0.4], ["jit_h", "k3" * 8, 9.0]])]) + "\n\n")
   assert compile_log.main([str(log)]) == 0
   lines = capsys.readouterr().out.splitlines()
   assert lines[0].split() == ["wall_s", "trace_s", "lower_s", "compile_s", "programs",
@@ -80,7 +85,11 @@ def test_summary_table_adds_up_and_bad_logs_get_one_line(tmp_path, capsys):
   # gw0 ran 100-104, gw1 100.5-103 and 103-110.5: gw0 then waited 6.5 s for gw1
   assert lines[4] == "worker gw0: 4.0 s in tests, done at 4.0 s, idle tail 6.5 s"
   assert lines[5] == "worker gw1: 10.0 s in tests, done at 10.5 s, idle tail 0.0 s"
-  assert len(lines) == 6
+  # jit_f compiled 3 times (1.5 + 0.7 s after its first), jit_g twice (0.4 s), jit_h once
+  assert lines[6] == "compiled more than once: 2 programs, 3 repeat compiles, 2.6 s"
+  assert lines[7].split() == ["2.2", "s", "3x", "jit_f", "tests/a.py", "tests/b.py"]
+  assert lines[8].split() == ["0.4", "s", "2x", "jit_g", "tests/a.py", "tests/b.py"]
+  assert len(lines) == 9
   # a log written before worker, start and wall_s were logged: the table, no worker lines
   old = {"test": "tests/a.py::x", "trace_s": 1.0, "lower_s": 0.5, "compile_s": 2.0,
          "programs": 5, "cache_hits": 1}
