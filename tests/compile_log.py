@@ -171,6 +171,17 @@ def repeated_compiles(path: str) -> list[dict]:
   return sorted((r for r in by_key.values() if r["compiles"] > 1), key=lambda r: -r["repeat_s"])
 
 
+def by_program(path: str) -> list[tuple[str, int, float]]:
+  """[(program name, compiles, seconds)] over the log's compiled (not
+  loaded) executables, the most seconds first."""
+  acc: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+  for row in _rows(path):
+    for name, _, secs in row["misses"]:
+      acc[name][0] += 1
+      acc[name][1] += secs
+  return sorted(((n, c, t) for n, (c, t) in acc.items()), key=lambda r: -r[2])
+
+
 def _repeat_lines(reps: list[dict], top: int = 8) -> str:
   """A total line, then the ``top`` programs with the most repeat seconds."""
   lines = [f"compiled more than once: {len(reps)} programs, "
@@ -204,6 +215,8 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m tests.compile_log",
                                description=f"Sum a {ENV} file by test file.")
   ap.add_argument("log", help=f"the file {ENV} named")
+  ap.add_argument("--programs", action="store_true",
+                  help="instead: compile seconds by program name (jit_generate, jit_round, ...)")
   args = ap.parse_args(argv)
   try:
     rows, ws, reps = summarize(args.log), workers(args.log), repeated_compiles(args.log)
@@ -211,6 +224,11 @@ def main(argv=None) -> int:
     raise SystemExit(f"tests.compile_log: {e}") from None
   if not rows:
     raise SystemExit(f"tests.compile_log: {args.log} has no rows (was {ENV} set for a run?)")
+  if args.programs:
+    progs = by_program(args.log)
+    print(f"{'compile_s':>11}{'compiles':>11}  program")
+    print("\n".join(f"{t:11.1f}{c:11d}  {n}" for n, c, t in progs))
+    return 0
   print(_table(rows))
   if ws:
     print(_worker_lines(ws))

@@ -90,6 +90,10 @@ def test_summary_table_adds_up_and_bad_logs_get_one_line(tmp_path, capsys):
   assert lines[7].split() == ["2.2", "s", "3x", "jit_f", "tests/a.py", "tests/b.py"]
   assert lines[8].split() == ["0.4", "s", "2x", "jit_g", "tests/a.py", "tests/b.py"]
   assert len(lines) == 9
+  assert compile_log.main([str(log), "--programs"]) == 0
+  assert [ln.split() for ln in capsys.readouterr().out.splitlines()] == [
+      ["compile_s", "compiles", "program"], ["9.0", "1", "jit_h"], ["3.2", "3", "jit_f"],
+      ["0.9", "2", "jit_g"]]
   # a log written before worker, start and wall_s were logged: the table, no worker lines
   old = {"test": "tests/a.py::x", "trace_s": 1.0, "lower_s": 0.5, "compile_s": 2.0,
          "programs": 5, "cache_hits": 1}
