@@ -6,9 +6,10 @@ nodeid, "trace_s": seconds tracing to jaxprs, "lower_s": lowering them to
 MLIR, "compile_s": getting executables (compiling, or loading one from the
 persistent cache), "programs": executables got, "cache_hits": of those, the
 ones loaded, "misses": [[program name, cache key, seconds], ...] for each
-executable compiled (not loaded), "worker": the xdist worker ("main" without xdist), "start": Unix
-time the test began, "wall_s": its seconds}``, counted from JAX's monitoring
-events over the test's setup, call and teardown. Only the session's own processes write: a pytest that a
+executable compiled (not loaded), "worker": the xdist worker ("main"
+without xdist), "start": Unix time the test began, "wall_s": its
+seconds}``, counted from JAX's monitoring events over the test's setup,
+call and teardown. Only the session's own processes write: a pytest that a
 test starts (``scripts.device_check --quick``, a crashed test's rerun) logs
 nothing. Without the variable nothing is registered. ``python -m
 tests.compile_log FILE`` sums it by file, says how busy each worker was
@@ -109,8 +110,8 @@ def pytest_runtest_protocol(item, nextitem):
       os.close(fd)
 
 
-def _rows(path: str) -> list[dict]:
-  """The log's rows. Raises ValueError naming FILE:LINE for a line that is
+def read(path: str) -> list[dict]:
+  """The log's rows, parsed once for every summary below. Raises ValueError naming FILE:LINE for a line that is
   not a row. Rows from before worker/start/wall_s were logged get None/0."""
   rows = []
   with open(path) as f:
@@ -119,7 +120,7 @@ def _rows(path: str) -> list[dict]:
         continue
       try:
         row = json.loads(line)
-        rows.append({"file": row["test"].split("::")[0], **{k: row[k] + 0 for k in _COUNTS},
+        rows.append({"file": row["test"].split("::")[0], **{k: row[k] + 0 for k in _COUNTS},   # + 0: TypeError on a non-number
                      "wall_s": float(row.get("wall_s", 0.0)), "worker": row.get("worker"),
                      "start": row.get("start"),
                      "misses": [(str(n), str(k), float(t)) for n, k, t in row.get("misses", [])]})
@@ -128,11 +129,11 @@ def _rows(path: str) -> list[dict]:
   return rows
 
 
-def summarize(path: str) -> list[tuple[str, dict]]:
-  """[(file, its summed counts and wall_s)] from a log, the most wall seconds
-  first (then trace + lower + compile seconds). Raises ValueError as _rows."""
+def summarize(rows: list[dict]) -> list[tuple[str, dict]]:
+  """[(file, its summed counts and wall_s)] from ``read``'s rows, the most
+  wall seconds first (then trace + lower + compile seconds)."""
   by_file = collections.defaultdict(lambda: dict.fromkeys((*_COUNTS, "wall_s"), 0))
-  for row in _rows(path):
+  for row in rows:
     acc = by_file[row["file"]]
     for k in acc:
       acc[k] += row[k]
@@ -140,11 +141,11 @@ def summarize(path: str) -> list[tuple[str, dict]]:
   return sorted(by_file.items(), key=lambda r: (-r[1]["wall_s"], -busy(r[1])))
 
 
-def workers(path: str) -> dict[str, dict]:
+def workers(rows: list[dict]) -> dict[str, dict]:
   """{worker: {"tests_s": seconds in its tests, "done_s": when its last test
   ended, counted from the first test's start}}; empty for a log without
   worker and start fields. A worker's idle tail is max(done_s) - its done_s."""
-  rows = [r for r in _rows(path) if r["worker"] is not None and r["start"] is not None]
+  rows = [r for r in rows if r["worker"] is not None and r["start"] is not None]
   if not rows:
     return {}
   t0 = min(r["start"] for r in rows)
@@ -156,12 +157,12 @@ def workers(path: str) -> dict[str, dict]:
   return dict(sorted(out.items()))
 
 
-def repeated_compiles(path: str) -> list[dict]:
+def repeated_compiles(rows: list[dict]) -> list[dict]:
   """Programs compiled more than once, by cache key: [{"name", "compiles",
   "repeat_s": the seconds of every compile after the first (in log order),
   "files": the test files that compiled it}], the most repeat_s first."""
   by_key: dict[str, dict] = {}
-  for row in _rows(path):
+  for row in rows:
     for name, key, secs in row["misses"]:
       r = by_key.setdefault(key, {"name": name, "compiles": 0, "repeat_s": 0.0, "files": []})
       r["repeat_s"] += secs if r["compiles"] else 0.0
@@ -171,11 +172,11 @@ def repeated_compiles(path: str) -> list[dict]:
   return sorted((r for r in by_key.values() if r["compiles"] > 1), key=lambda r: -r["repeat_s"])
 
 
-def by_program(path: str) -> list[tuple[str, int, float]]:
+def by_program(rows: list[dict]) -> list[tuple[str, int, float]]:
   """[(program name, compiles, seconds)] over the log's compiled (not
   loaded) executables, the most seconds first."""
   acc: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
-  for row in _rows(path):
+  for row in rows:
     for name, _, secs in row["misses"]:
       acc[name][0] += 1
       acc[name][1] += secs
@@ -219,17 +220,18 @@ def main(argv=None) -> int:
                   help="instead: compile seconds by program name (jit_generate, jit_round, ...)")
   args = ap.parse_args(argv)
   try:
-    rows, ws, reps = summarize(args.log), workers(args.log), repeated_compiles(args.log)
+    log = read(args.log)
   except (OSError, ValueError) as e:
     raise SystemExit(f"tests.compile_log: {e}") from None
-  if not rows:
+  if not log:
     raise SystemExit(f"tests.compile_log: {args.log} has no rows (was {ENV} set for a run?)")
   if args.programs:
-    progs = by_program(args.log)
+    progs = by_program(log)
     print(f"{'compile_s':>11}{'compiles':>11}  program")
     print("\n".join(f"{t:11.1f}{c:11d}  {n}" for n, c, t in progs))
     return 0
-  print(_table(rows))
+  print(_table(summarize(log)))
+  ws, reps = workers(log), repeated_compiles(log)
   if ws:
     print(_worker_lines(ws))
   if reps:

@@ -50,7 +50,7 @@ def test_one_line_per_test_a_fresh_file_per_session_and_nothing_when_not_asked(t
   assert got["worker"] == "main" and got["wall_s"] > 0   # no xdist here (env from a worker or not)
   assert got["start"] <= rows["test_plain"]["start"]            # the file's order
   assert rows["test_plain"]["programs"] == 0 and rows["test_plain"]["compile_s"] == 0
-  (name, counts), = compile_log.summarize(str(log))
+  (name, counts), = compile_log.summarize(compile_log.read(str(log)))
   assert name.endswith("test_two.py") and counts["programs"] == got["programs"]
   # a pytest that a test of a logging session starts writes nothing
   before = log.read_text()
