@@ -322,6 +322,26 @@ def test_source_fingerprint_follows_the_frozen_parameters_not_the_modules():
   assert fp(seq_len=2 * T) != a
 
 
+def test_the_cache_key_leaves_out_the_draft_vocabulary():
+  # h^0 reads no draft vocabulary: stages with another V' (issue 49's V' 4,096
+  # and 8,192) share one cache; a backbone parameter still moves the key.
+  from mtp import draft_vocab as dv
+  from train.loop import cached_backbone
+  cfg = tiny_config(mtp=dict(depth=1, recursive_steps=1, draft_vocab_size=48),
+                    train={"freeze_backbone": True, "hidden_cache": True, "seq_len": T})
+  tokenizer = tok.ByteTokenizer()
+  model = build_model(cfg, 0)
+  def key():
+    frozen = cached_backbone(cfg, nnx.state(model, nnx.Param))
+    return cache_lib.source_fingerprint(cfg, tokenizer, frozen)
+  dv.set_draft_vocab(model, np.arange(40, 136, 2, dtype=np.int32))
+  a = key()
+  dv.set_draft_vocab(model, np.arange(50, 146, 2, dtype=np.int32))
+  assert key() == a
+  model.embed.embedding[...] = model.embed.embedding[...].at[0, 0].add(1.0)
+  assert key() != a
+
+
 def test_bad_combinations_are_clear_errors(tmp_path):
   with pytest.raises(ConfigError, match="train.hidden_cache.*freeze_backbone"):
     tiny_config(train=dict(hidden_cache=True))

@@ -145,6 +145,16 @@ def split_trainable(cfg: Config, params):
   return nnx.split_state(params, MTP_PARAMS, ...)    # (DraftVocab is not under mtp/: frozen)
 
 
+def cached_backbone(cfg: Config, params):
+  """The frozen parameters that decide the cached h^0 (``train.hidden_cache``):
+  ``split_trainable``'s frozen part without the draft vocabulary, which no
+  hidden state reads (stages with another V' share one cache)."""
+  frozen = split_trainable(cfg, params)[1]
+  if cfg.mtp.draft_vocab_size:
+    frozen = nnx.split_state(frozen, nnx.Not(DraftVocab), ...)[0]
+  return frozen
+
+
 @dataclasses.dataclass
 class TrainState:
   params: Any
@@ -528,7 +538,7 @@ def _attach_hidden_cache(cfg: Config, workdir: str, trainer: Trainer, state: Tra
   """Builds or loads the frozen backbone's h^0 cache (``train.hidden_cache``)
   and attaches it to ``data_iter`` (a ``CacheIterator``)."""
   t = cfg.train
-  source = cache_lib.source_fingerprint(cfg, tokenizer, split_trainable(cfg, state.params)[1])
+  source = cache_lib.source_fingerprint(cfg, tokenizer, cached_backbone(cfg, state.params))
   get_rows = (lambda: train_rows) if train_rows is not None else (
       lambda: cache_lib.check_rows(rows_fn(), t.seq_len, cfg.model.vocab_size))
   folder = cache_lib.cache_folder(workdir, t.hidden_cache_dir, source,
