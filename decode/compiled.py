@@ -29,6 +29,8 @@ from decode.tree_spec import TreeSpec
 from decode.state import DecodeState
 
 CACHE_SIZE = 64      # distinct specs kept (each holds its executables per shape)
+ALL_ROUNDS = 2**31 - 1   # generate's round_limit: no limit beyond the budget (a Python int:
+                         #   weakly typed like the stream's 1, so both share one program)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,35 +58,34 @@ class ProgramSpec:
     """Target (and drafter) over positions 0..p-1 (static): ``loops.prefill``."""
     return loops.prefill(self.drafter, *self.models(params, draft_params), state, p)
 
-  def round(self, params, draft_params, sp: SamplingParams, state: DecodeState,
-            g: int | None = None) -> DecodeState:
-    """One round for every row at static draft length g (default G; 0 = AR
-    step; a tree ignores g); ``partial(round, params, draft_params, sp)``
-    is a ``loops.RoundG``."""
+  def round_at(self, params, draft_params, sp: SamplingParams) -> Callable[[int], loops.Round]:
+    """g -> the round at static draft length g (0 = AR step; a tree ignores
+    g) as ``state -> state``: a partial of ``round.chain_round`` or
+    ``tree.tree_round`` itself, so a loop's body is the round."""
     target, draft = self.models(params, draft_params)
     if self.tree is not None:
-      return tree_lib.tree_round(self.drafter, target, state, sp)
-    return round_lib.chain_round(self.drafter, target, draft, state, sp,
-                                 self.longest_draft if g is None else g, schedule=self.schedule,
-                                 accept_rule=self.accept_rule)
+      return lambda g: functools.partial(tree_lib.tree_round, self.drafter, target, params=sp)
+    return lambda g: functools.partial(round_lib.chain_round, self.drafter, target, draft,
+                                       params=sp, g=g, schedule=self.schedule,
+                                       accept_rule=self.accept_rule)
 
-  def generate(self, params, draft_params, state: DecodeState, sp: SamplingParams):
-    """Every round after the prefill in one while_loop (``loops.generate_loop``)."""
-    round_g = functools.partial(self.round, params, draft_params, sp)
-    return loops.generate_loop(round_g, state, self.longest_draft, self.schedule)
+  def round(self, params, draft_params, sp: SamplingParams, state: DecodeState,
+            g: int | None = None) -> DecodeState:
+    """One round for every row at static draft length g (default G)."""
+    return self.round_at(params, draft_params, sp)(self.longest_draft if g is None else g)(state)
 
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
   """The jitted functions of one ``ProgramSpec`` (signatures as the spec's
-  methods: ``round(params, draft_params, sp, state, g)``; ``stop_rows(state,
-  lengths [B], mask [B])`` cuts rows; the decode state is donated
-  everywhere)."""
+  methods; ``generate(params, draft_params, sp, round_limit, state)`` is
+  ``loops.generate_loop``, the program of both decoding forms; ``round`` is
+  there to inspect one round's program; ``stop_rows(state, lengths [B], mask
+  [B])`` cuts rows; the decode state is donated everywhere)."""
   prefill: Callable
   round: Callable
   generate: Callable
   stop_rows: Callable
-  choose: Callable
 
   def stop_rows_host(self, state: DecodeState, lengths, mask) -> DecodeState:
     """``stop_rows`` with host (numpy) lengths [B] and mask [B] (the stream loop's)."""
@@ -101,9 +102,8 @@ def _build(spec: ProgramSpec) -> Programs:
   return Programs(
       prefill=jax.jit(wrap(spec.prefill), donate_argnums=(2,), static_argnums=(3,)),
       round=jax.jit(wrap(spec.round), donate_argnums=(3,), static_argnums=(4,)),
-      generate=jax.jit(wrap(spec.generate), donate_argnums=(2,)),
-      stop_rows=jax.jit(wrap(_stop_rows), donate_argnums=(0,)),
-      choose=jax.jit(wrap(functools.partial(loops.choose, spec.schedule)), donate_argnums=(0,)))
+      generate=jax.jit(wrap(functools.partial(loops.generate_loop, spec)), donate_argnums=(4,)),
+      stop_rows=jax.jit(wrap(_stop_rows), donate_argnums=(0,)))
 
 
 def on_device(tree):

@@ -213,7 +213,7 @@ class Decoder:
     read their HLO)."""
     p, dp = self.target_params, self.draft_params
     return (self.programs.prefill.lower(p, dp, state, prefill_len),
-            self.programs.generate.lower(p, dp, state, sp))
+            self.programs.generate.lower(p, dp, sp, compiled.ALL_ROUNDS, state))
 
   def prefill(self, state: DecodeState, prefill_len: int) -> DecodeState:
     """The jitted prefill of ``prepare``'s state (donated)."""
@@ -322,18 +322,15 @@ class Decoder:
           interruptible=interruptible, budget=budget), self.longest_draft, learn=not warm)
     state, prefill_len = started
     strings = () if stops is None else tuple(stops.strings)
-    step = functools.partial(self.programs.round, self.target_params, self.draft_params, sp)
+    step = self._loop(sp, round_limit=1)
     watch = stops_lib.StreamStops(strings, self.token_bytes, len(prompts), on_tokens, on_text)
     jax.block_until_ready(state)
     state, emit_times, kept, wall, prefill = loops.stream_rounds(
         step, state, max_new_tokens if budget is None else min(budget, max_new_tokens),
         prefill_fn=self.prefill, prefill_len=prefill_len, watch=watch,
-        stop_rows=self.programs.stop_rows_host, interruptible=interruptible,
-        choose_fn=self.programs.choose if self.schedule is not None else None)
+        stop_rows=self.programs.stop_rows_host, interruptible=interruptible)
     if warm:
-      fixed = self.calibration is not None and self.calibration.fixed is not None
-      state = loops.warm_extras(state, step, self.programs.stop_rows_host, bool(strings),
-                                self.longest_draft if fixed else None)
+      state = loops.warm_extras(state, self.programs.stop_rows_host, bool(strings))
     gen = self._result(state, emit_times, wall, prefill, stops, kept, max_new_tokens)
     if self.calibration is not None and not (warm or gen.interrupted):
       self.calibration.learn(gen)
@@ -356,9 +353,11 @@ class Decoder:
       return self.prepare(prompts, max_new_tokens, seed, stops, budget)
     return calibrate.start(self, prompts, max_new_tokens, sp, seed, stops, form, budget)
 
-  def _loop(self, sp):
-    """The jitted while_loop of rounds as a function of the state."""
-    return lambda s: self.programs.generate(self.target_params, self.draft_params, s, sp)
+  def _loop(self, sp, round_limit: int = compiled.ALL_ROUNDS):
+    """The jitted while_loop of rounds (at most ``round_limit`` per call) as
+    a function of the state."""
+    return functools.partial(self.programs.generate, self.target_params, self.draft_params, sp,
+                             round_limit)
 
   def _result(self, state, emit_times, wall, prefill, stops: StopConditions | None,
               kept=None, max_new_tokens: int = 0) -> Generation:

@@ -1,8 +1,8 @@
 """The loops that run decoding rounds: the prefill, every round inside one
 ``lax.while_loop`` (throughput form), "auto" segments, and the host-driven
-stream form (Ctrl-C ends it at a round boundary, ``InterruptFlag``). A round
-is a traced ``round_g(state, g) -> state`` (g static); these loops decide
-how many rounds run and at which g. "auto": ``choose`` picks each segment's
+stream form (that program one round per call; Ctrl-C ends it at a round
+boundary, ``InterruptFlag``). A round is a traced ``state -> state`` at a
+static draft length g; these loops decide how many rounds run and at which g. "auto": ``choose`` picks each segment's
 (g, rounds) from the past; the while_loop form runs the inner loops of g =
 0..G_max in sequence, only the chosen one iterating (docs/results/auto_schedule.md).
 """
@@ -10,6 +10,7 @@ how many rounds run and at which g. "auto": ``choose`` picks each segment's
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import threading
 import time
@@ -21,7 +22,7 @@ import numpy as np
 
 from decode.state import DecodeState, repeat_row
 
-RoundG = Callable[[DecodeState, int], DecodeState]
+Round = Callable[[DecodeState], DecodeState]     # one round at a static draft length
 
 
 def prefill(drafter, target, draft, state: DecodeState, p: int) -> DecodeState:
@@ -49,51 +50,44 @@ def choose(schedule, state: DecodeState) -> DecodeState:
   return state.replace(auto=state.auto.replace(schedule=sched, g=g, left=rounds))
 
 
-def segment(round_g: RoundG, state: DecodeState, g: int) -> DecodeState:
-  """"auto", while_loop form: when ``state.auto.g`` is g (static), the
-  segment's rounds (capped by the budget) in one ``lax.while_loop`` until
-  used up or every row is done; otherwise nothing."""
-  max_rounds = jnp.max(state.max_new)
+def segment(round_fn: Round, state: DecodeState, g: int, more: Callable) -> DecodeState:
+  """"auto": when ``state.auto.g`` is g (static), the segment's rounds
+  (``round_fn``, capped by the budget) in one ``lax.while_loop`` until used
+  up (``round.record_auto`` counts them down) or ``more(state)`` is False;
+  otherwise nothing."""
   auto = state.auto
-  state = state.replace(auto=auto.replace(left=jnp.minimum(auto.left, max_rounds - auto.rounds)))
+  left = jnp.minimum(auto.left, jnp.max(state.max_new) - state.rounds)
+  state = state.replace(auto=auto.replace(left=left))
 
   def cond(s):
-    return (s.auto.g == g) & (s.auto.left > 0) & ~jnp.all(s.done)
+    return (s.auto.g == g) & (s.auto.left > 0) & more(s)
 
-  def body(s):
-    s = round_g(s, g)
-    return s.replace(auto=s.auto.replace(left=s.auto.left - 1, rounds=s.auto.rounds + 1))
-
-  return jax.lax.while_loop(cond, body, state)
+  return jax.lax.while_loop(cond, round_fn, state)
 
 
-def generate_loop(round_g: RoundG, state: DecodeState, g: int, schedule=None) -> DecodeState:
-  """Every round after the prefill in one ``lax.while_loop``, until every row
-  is done or max_new rounds ran: ``round_g(state, g)``, or with "auto"
-  (``schedule``, g = G_max) an outer loop of ``choose`` then ``segment``
-  for g = 0..G_max."""
-  max_rounds = jnp.max(state.max_new)
-  if schedule is not None:
-    def seg_cond(s):
-      return ~jnp.all(s.done) & (s.auto.rounds < max_rounds)
+def generate_loop(spec, params, draft_params, sp, round_limit, state: DecodeState) -> DecodeState:
+  """The program of both decoding forms: the rounds after the prefill in one
+  ``lax.while_loop`` until every row is done, max_new rounds ran or
+  ``round_limit`` (int32, traced: ``ALL_ROUNDS`` for generate, 1 per stream
+  step) ran in this call. The loop body is the round itself
+  (``spec.round_at``: ``round.chain_round`` or ``tree.tree_round`` at a
+  static g). "auto" (``spec.schedule``): an outer loop of ``choose`` (when
+  the segment is used up) then ``segment`` for g = 0..G_max."""
+  round_at = spec.round_at(params, draft_params, sp)
+  max_rounds, start = jnp.max(state.max_new), state.rounds
 
-    def seg_body(s):
-      s = choose(schedule, s)
-      for gi in range(g + 1):
-        s = segment(round_g, s, gi)
-      return s
-    return jax.lax.while_loop(seg_cond, seg_body, state)
+  def more(s):
+    return ~jnp.all(s.done) & (s.rounds < max_rounds) & (s.rounds - start < round_limit)
 
-  def cond(carry):
-    s, i = carry
-    return jnp.logical_and(~jnp.all(s.done), i < max_rounds)
+  if spec.schedule is None:
+    return jax.lax.while_loop(more, round_at(spec.longest_draft), state)
 
-  def body(carry):
-    s, i = carry
-    return round_g(s, g), i + 1
-
-  state, _ = jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
-  return state
+  def seg_body(s):
+    s = jax.lax.cond(s.auto.left == 0, functools.partial(choose, spec.schedule), lambda s: s, s)
+    for g in range(spec.longest_draft + 1):
+      s = segment(round_at(g), s, g, more)
+    return s
+  return jax.lax.while_loop(more, seg_body, state)
 
 
 class InterruptFlag:
@@ -121,13 +115,14 @@ class InterruptFlag:
       signal.signal(signal.SIGINT, self._old)
 
 
-def stream_rounds(step: RoundG, state: DecodeState, max_new_tokens: int, *,
-                  prefill_fn: Callable[[DecodeState, int], DecodeState], prefill_len: int,
-                  watch, stop_rows: Callable[[DecodeState, np.ndarray, np.ndarray], DecodeState],
-                  choose_fn=None, interruptible: bool = False):
+def stream_rounds(step: Callable[[DecodeState], DecodeState], state: DecodeState,
+                  max_new_tokens: int, *, prefill_fn: Callable[[DecodeState, int], DecodeState],
+                  prefill_len: int, watch,
+                  stop_rows: Callable[[DecodeState, np.ndarray, np.ndarray], DecodeState],
+                  interruptible: bool = False):
   """The stream form: ``prefill_fn(state, prefill_len)``, then one jitted
-  ``step(state, g)`` per host step until every row is done, a row failed or
-  max_new_tokens rounds ran; with "auto" ``choose_fn`` starts each segment.
+  round ``step(state)`` (the generate program with a round limit of 1) per
+  host step until every row is done, a row failed or max_new_tokens rounds ran.
   ``watch`` (``decode.stops.StreamStops``) sees each row's new ids after
   every round; rows it stops are cut on the device with ``stop_rows(state,
   lengths [B], mask [B])`` before the next round. ``interruptible``: Ctrl-C
@@ -146,17 +141,12 @@ def stream_rounds(step: RoundG, state: DecodeState, max_new_tokens: int, *,
     state = jax.block_until_ready(prefill_fn(state, prefill_len))   # else: dispatch time only
     prefill = time.perf_counter() - t0
     prev = np.asarray(state.length)
-    g, left = None, 0
     for _ in range(max_new_tokens):
       if interrupt is not None and interrupt.requested:
         kept = prev
         break
       try:          # ``state`` is rebound after every jitted call: what ran is never lost
-        if choose_fn is not None and left == 0:
-          state = choose_fn(state)
-          g, left = (int(x) for x in jax.device_get((state.auto.g, state.auto.left)))
-        state = step(state, g)
-        left -= 1
+        state = step(state)
         length, done, error = (np.array(x) for x in
                                jax.device_get((state.length, state.done, state.error)))
         if error.any():
@@ -207,14 +197,10 @@ def timed_generate(prefill_fn: Callable[[DecodeState, int], DecodeState],
   return state, time.perf_counter() - t0, t1 - t0
 
 
-def warm_extras(state: DecodeState, step, stop_rows, cut: bool, g_max: int | None = None):
+def warm_extras(state: DecodeState, stop_rows, cut: bool):
   """What a warm-up compiles after its round: ``stop_rows`` (no-op mask)
-  when ``cut``, and ``step`` at g = 0..g_max when ``g_max`` is given.
-  Returns the state, ready."""
+  when ``cut``. Returns the state, ready."""
   if cut:
     b = state.length.shape[0]
     state = stop_rows(state, np.asarray(jax.device_get(state.length)), np.zeros(b, bool))
-  if g_max is not None:
-    for g in range(g_max + 1):
-      state = step(state, g)
   return jax.block_until_ready(state)

@@ -128,8 +128,8 @@ def propose(drafter, target: Transformer, draft: Transformer | None, state: Deco
 
 def commit(drafter, state: DecodeState, draft_tokens, a, nxt, h0) -> DecodeState:
   """Emits d_1..d_a then ``nxt`` per row, cut after the first stop id (kept)
-  and at the token budget; updates lengths, done flags, statistics and the
-  drafter state. Done or failed rows emit nothing. draft_tokens [B, w]
+  and at the token budget; updates lengths, done flags, the round count,
+  statistics and the drafter state. Done or failed rows emit nothing. draft_tokens [B, w]
   int32 (a chain's drafts or a tree's path; None for AR), a / nxt [B]
   int32, h0 [B, w+1, D]."""
   w = 0 if draft_tokens is None else draft_tokens.shape[1]
@@ -150,7 +150,7 @@ def commit(drafter, state: DecodeState, draft_tokens, a, nxt, h0) -> DecodeState
   done = done | failed | (first_stop < e) | (new_n - state.prompt_len >= state.max_new)
   hist = state.accepted_histogram + jax.nn.one_hot(
       a, state.accepted_histogram.shape[1], dtype=jnp.int32) * active[:, None]
-  state = state.replace(tokens=tokens, length=new_n, done=done,
+  state = state.replace(tokens=tokens, length=new_n, done=done, rounds=state.rounds + 1,
                         target_calls=state.target_calls + active, accepted_histogram=hist)
   if drafter is not None:
     state = state.replace(drafter=drafter.after_verify(state.drafter, h0, n))
@@ -159,9 +159,10 @@ def commit(drafter, state: DecodeState, draft_tokens, a, nxt, h0) -> DecodeState
 
 def record_auto(schedule, state: DecodeState, g: int, a, active, drafted=None) -> DecodeState:
   """"auto": folds a round of static length g with accepted counts a [B]
-  int32 into the schedule's estimates and per-position statistics, for
-  rows ``active`` [B] and not failed; undrafted rows (``drafted`` [B]) count
-  at g = 0 and stay out of the estimates."""
+  int32 into the segment's rounds left, the schedule's estimates and the
+  per-position statistics, for rows ``active`` [B] and not failed;
+  undrafted rows (``drafted`` [B]) count at g = 0 and stay out of the
+  estimates."""
   auto = state.auto
   ok = active & (state.error == ERROR_NONE)
   if g and drafted is not None:
@@ -170,7 +171,7 @@ def record_auto(schedule, state: DecodeState, g: int, a, active, drafted=None) -
            .at[:, 0].add((active & ~drafted).astype(jnp.int32)))
   else:
     dlh = auto.draft_length_histogram.at[:, g].add(active.astype(jnp.int32))
-  auto = auto.replace(draft_length_histogram=dlh)
+  auto = auto.replace(draft_length_histogram=dlh, left=jnp.maximum(auto.left - 1, 0))
   auto = auto.replace(schedule=schedule.update(auto.schedule, g, a, ok))
   if g:
     j = jnp.arange(1, auto.position_tested.shape[1] + 1)[None, :]

@@ -21,15 +21,14 @@ from mtp.model import init_layer_caches
 @struct.dataclass
 class AutoState:
   """State of "auto" (``decode.auto.schedule``). schedule:
-  ``AutoSchedule.init_state``; g, left, rounds: int32 scalars (the segment's
-  draft length, 0 = AR; its rounds left; rounds run); draft_length_histogram:
+  ``AutoSchedule.init_state``; g, left: int32 scalars (the segment's draft
+  length, 0 = AR; its rounds left); draft_length_histogram:
   [B, G_max+1] int32, rounds per g (active rows); position_tested /
   position_accepted: [B, G_max] int32, rounds in which draft position k was
   tested (>= k drafted, d_1..d_{k-1} accepted) / accepted."""
   schedule: dict
   g: jax.Array
   left: jax.Array
-  rounds: jax.Array
   draft_length_histogram: jax.Array
   position_tested: jax.Array
   position_accepted: jax.Array
@@ -48,6 +47,7 @@ class DecodeState:
   accepted_histogram: [B, G+1] int32, rounds per number of accepted drafts.
   error, error_pos: [B] int32, ``decode.errors`` code and non-finite position.
   stop_ids: [B, K] int32, ids that end the row (EOS, stop ids; -1 pads).
+  rounds: int32 scalar, rounds run since the prefill (``round.commit`` counts).
   drafter: the drafter's state (None for AR); auto: ``AutoState`` or None."""
   tokens: jax.Array
   length: jax.Array
@@ -61,6 +61,7 @@ class DecodeState:
   error: jax.Array
   error_pos: jax.Array
   stop_ids: jax.Array
+  rounds: jax.Array
   drafter: Any = None
   auto: AutoState | None = None
 
@@ -150,7 +151,7 @@ def init_state(model_cfg, prompts, max_new_tokens: int, seed: int, cache_len: in
       error=jnp.zeros((b,), jnp.int32), error_pos=jnp.zeros((b,), jnp.int32),
       stop_ids=jnp.asarray(stop_id_array([tok.EOS_ID], b) if stop_ids is None else stop_ids,
                            jnp.int32),
-      drafter=drafter_state, auto=auto)
+      rounds=jnp.int32(0), drafter=drafter_state, auto=auto)
 
 
 def repeat_row(one: DecodeState, like) -> DecodeState:
@@ -171,7 +172,7 @@ def init_auto(schedule, batch: int) -> AutoState:
   round costs 1 s each until measured (``decode.auto.calibrate``)."""
   g = schedule.max_draft_tokens
   return AutoState(schedule=schedule.init_state(batch, np.ones(g + 1, np.float32)),
-                   g=jnp.int32(0), left=jnp.int32(0), rounds=jnp.int32(0),   # 3 buffers (donated)
+                   g=jnp.int32(0), left=jnp.int32(0),   # 2 buffers (donated)
                    draft_length_histogram=jnp.zeros((batch, g + 1), jnp.int32),
                    position_tested=jnp.zeros((batch, g), jnp.int32),
                    position_accepted=jnp.zeros((batch, g), jnp.int32))

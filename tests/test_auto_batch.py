@@ -37,8 +37,7 @@ def test_the_plan_keeps_the_timed_work_of_sixteen_rows():
 class Work:
   """Per jitted program a decoder runs (its ``Programs`` replaced by
   counting wrappers): calls, and rows x rounds (a prefill counts its rows,
-  a round call one round of its rows, a while_loop call the rounds it ran,
-  the most of any row)."""
+  a generate call, while_loop or stream step, the rounds it ran)."""
 
   def __init__(self):
     self.work, self.calls = {}, {}
@@ -48,18 +47,17 @@ class Work:
       real = getattr(dec.programs, field)
 
       def call(*args, **kw):
-        state = args[3] if field == "round" else args[2]    # round: (params, draft, sp, state, g)
-        rows = int(state.tokens.shape[0])
-        out = real(*args, **kw)
-        rounds = (1 if field != "generate" else int(out.auto.rounds) if out.auto is not None
-                  else int(np.max(out.target_calls)))
+        state = args[4] if field == "generate" else args[2]  # (params, draft, sp, limit, state)
+        rows, before = int(state.tokens.shape[0]), int(state.rounds)
+        out = real(*args, **kw)                             # (the state is donated)
+        rounds = int(out.rounds) - before if field == "generate" else 1
         key = f"{name}.{field}"
         self.work[key] = self.work.get(key, 0) + rows * rounds
         self.calls[key] = self.calls.get(key, 0) + 1
         return out
       return call
     dec.programs = dataclasses.replace(dec.programs, **{f: counting(f) for f in (
-        "prefill", "round", "generate")})
+        "prefill", "generate")})
 
 
 def _calibration_work(model, batch: int, form: str) -> Work:
@@ -82,8 +80,8 @@ def test_stream_calibration_at_a_large_batch_is_the_work_of_sixteen_rows(trained
   row). The rounds still run at the batch itself, whose costs they are."""
   _, model, _ = trained_markov
   one, many = _calibration_work(model, 1, "stream"), _calibration_work(model, 128, "stream")
-  assert set(one.work) == set(many.work) == {"auto.prefill", "auto.round", "ar.prefill",
-                                             "ar.round"}
+  assert set(one.work) == set(many.work) == {"auto.prefill", "auto.generate", "ar.prefill",
+                                             "ar.generate"}
   for key in one.work:
     bound = calibrate.CALIBRATION_ROWS * one.work[key]
     if key.endswith("prefill"):

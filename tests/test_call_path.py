@@ -16,7 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_HOPS = 6
 EXPECTED = [("decode/__main__.py", "main"), ("decode/cli/run.py", "run"),
             ("decode/decoder.py", "stream"), ("decode/loops.py", "stream_rounds"),
-            ("decode/compiled.py", "round"), ("decode/round.py", "chain_round")]
+            ("decode/loops.py", "generate_loop"), ("decode/round.py", "chain_round")]
 
 # python -m decode with the warm-up off (so the answer's stream traces the
 # round) and rejection_sample recording the project frames above it on its

@@ -5,6 +5,7 @@ tests/test_decode_distribution.py.
 """
 
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from decode import compiled
 from decode import drafters as drafters_lib
 from decode import round as round_lib
 from decode import state as state_lib
@@ -135,6 +137,18 @@ def test_draft_model_drafts_equal_cache_free_forward(target):
 
 # -- greedy equality ----------------------------------------------------------------
 
+def _both_forms(dec, prompts, max_new, sp):
+  """(generate's, stream's) Generation; the stream traced no decoding
+  program: it runs the while_loop's program one round per call."""
+  one = dec.generate(prompts, max_new, sp)
+  traced, real = [], compiled.ProgramSpec.round_at
+  with mock.patch.object(compiled.ProgramSpec, "round_at",
+                         lambda self, *a: traced.append(a) or real(self, *a)):
+    two = dec.stream(prompts, max_new, sp)
+  assert not traced and dec.programs.round._cache_size() == 0
+  return one, two
+
+
 def test_auto_greedy_equals_ar(target, ar_greedy):
   """Draft length chosen every round (measured costs, and a schedule that
   switches every round through g = 0..3): output identical to AR."""
@@ -143,7 +157,7 @@ def test_auto_greedy_equals_ar(target, ar_greedy):
   for dec in (Decoder(target, "mtp", "auto"),
               Decoder(target, "mtp", "auto", max_draft_tokens=3, schedule=CyclingSchedule(3),
                       auto_costs=[1.0, 1.0, 1.0, 1.0])):      # the cycle ignores costs
-    for gen in (dec.generate(prompts, 24, GREEDY), dec.stream(prompts, 24, GREEDY)):
+    for gen in _both_forms(dec, prompts, 24, GREEDY):
       for b in range(len(prompts)):
         np.testing.assert_array_equal(gen.tokens[b], ref.tokens[b], err_msg=f"{dec.schedule} row {b}")
       hist = gen.draft_length_histogram
@@ -164,7 +178,7 @@ def test_mtp_greedy_equals_ar(target, ar_greedy, g):
   """Batch of prompts with different lengths; G = 3 > D = 2 reuses module D."""
   prompts, ref = ar_greedy
   dec = Decoder(target, "mtp", g)
-  for gen in (dec.generate(prompts, 24, GREEDY), dec.stream(prompts, 24, GREEDY)):
+  for gen in _both_forms(dec, prompts, 24, GREEDY):
     for b in range(len(prompts)):
       np.testing.assert_array_equal(gen.tokens[b], ref.tokens[b], err_msg=f"G={g} row {b}")
   hist = gen.accepted_histogram

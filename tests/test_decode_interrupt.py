@@ -174,11 +174,11 @@ import decode.cli.run
 real = loops.stream_rounds
 def stream_rounds(step, *a, **k):
   n = [0]
-  def counted(s, g):
+  def counted(s):
     n[0] += 1
     if n[0] == 3:
       os.kill(os.getpid(), signal.SIGINT)
-    return step(s, g)
+    return step(s)
   return real(counted, *a, **k)
 def load_decoder(*a, **k):
   raise KeyboardInterrupt

@@ -85,7 +85,7 @@ def _timed_generate(decoder, state, sp) -> tuple[float, object]:
 
   import jax
   t0 = time.perf_counter()
-  state = decoder.programs.generate(decoder.target_params, decoder.draft_params, state, sp)
+  state = decoder._loop(sp)(state)
   jax.block_until_ready(state.length)
   return time.perf_counter() - t0, state
 
@@ -94,44 +94,46 @@ def decoder_round_costs(decoder, state, sp, form: str) -> Calibration:
   """``round_costs`` of a "auto" ``Decoder`` after the prefill ``state``
   (each call on a copy). While_loop form: the generation's own program with
   g forced and a budget of n (g + 1) tokens, and on all-done rows for
-  ``call_s``; stream form: n rounds called from Python with its host sync.
+  ``call_s``; stream form: n rounds at g forced, one per call from Python
+  with its host sync (the stream's own program).
   n and the calls: ``calibration_plan``."""
   import time
 
   import jax
   import jax.numpy as jnp
-  p, dp = decoder.target_params, decoder.draft_params
   n, repeats = calibration_plan(state.tokens.shape[0])
 
   def fresh(g):
     s = jax.tree.map(jnp.copy, state)
+    # g forced from the state's own committed scalar: an uncommitted jnp.int32(g)
+    # would give the calibration a program of its own, and the generation would
+    # compile again inside its timed decoding phase
+    s = s.replace(auto=s.auto.replace(schedule={**s.auto.schedule, "force": jnp.full_like(
+        s.auto.schedule["force"], g)}))
     if form == "while":
-      s = s.replace(max_new=jnp.minimum(s.max_new, n * (g + 1)),
-                    # from the state's own committed scalar: an uncommitted jnp.int32(g)
-                    # would give the calibration a program of its own, and the
-                    # generation would compile again inside its timed decoding phase
-                    auto=s.auto.replace(schedule={**s.auto.schedule, "force": jnp.full_like(
-                        s.auto.schedule["force"], g)}))
+      s = s.replace(max_new=jnp.minimum(s.max_new, n * (g + 1)))
     return jax.block_until_ready(s)
 
   if form == "while":
     def run_rounds(g):
       seconds, s = _timed_generate(decoder, fresh(g), sp)
-      return seconds, int(s.auto.rounds)
+      return seconds, int(s.rounds)
 
     def run_none():
       s = jax.block_until_ready(fresh(0).replace(done=jnp.ones_like(state.done)))
       return _timed_generate(decoder, s, sp)[0]
     return round_costs(run_rounds, decoder.longest_draft, repeats=repeats, run_none=run_none)
-  else:
-    def run_rounds(g):
-      s = fresh(g)
-      t0 = time.perf_counter()
-      for _ in range(n):
-        s = decoder.programs.round(p, dp, sp, s, g)
-        jax.device_get((s.length, s.done, s.error))
-      return time.perf_counter() - t0, n
-  return round_costs(run_rounds, decoder.longest_draft, repeats=repeats)
+  step = decoder._loop(sp, round_limit=1)
+
+  def run_stream_rounds(g):
+    s = fresh(g)
+    t0 = time.perf_counter()
+    for _ in range(n):
+      s = step(s)
+      if jax.device_get((s.length, s.done, s.error))[1].all():
+        break
+    return time.perf_counter() - t0, int(s.rounds)
+  return round_costs(run_stream_rounds, decoder.longest_draft, repeats=repeats)
 
 
 def plain_ar_calibration(ar_decoder, state, sp, form: str) -> Calibration:
@@ -143,7 +145,6 @@ def plain_ar_calibration(ar_decoder, state, sp, form: str) -> Calibration:
 
   import jax
   import jax.numpy as jnp
-  p, dp = ar_decoder.target_params, ar_decoder.draft_params
   n, repeats = calibration_plan(state.tokens.shape[0])
 
   def fresh(done=False):
@@ -158,14 +159,17 @@ def plain_ar_calibration(ar_decoder, state, sp, form: str) -> Calibration:
     return round_costs(run_rounds, 0, repeats=repeats,
                        run_none=lambda: _timed_generate(ar_decoder, fresh(done=True), sp)[0])
 
-  def run_rounds(_):
+  step = ar_decoder._loop(sp, round_limit=1)
+
+  def run_stream_rounds(_):
     s = fresh()
     t0 = time.perf_counter()
     for _ in range(n):
-      s = ar_decoder.programs.round(p, dp, sp, s, None)
-      jax.device_get((s.length, s.done, s.error))
-    return time.perf_counter() - t0, n
-  return round_costs(run_rounds, 0, repeats=repeats)
+      s = step(s)
+      if jax.device_get((s.length, s.done, s.error))[1].all():
+        break
+    return time.perf_counter() - t0, int(jnp.max(s.target_calls))
+  return round_costs(run_stream_rounds, 0, repeats=repeats)
 
 
 def extra_prefill_seconds(decoder, prompts, max_new_tokens: int, repeats: int | None = None,
