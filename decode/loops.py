@@ -2,9 +2,10 @@
 ``lax.while_loop`` (throughput form), "auto" segments, and the host-driven
 stream form (that program one round per call; Ctrl-C ends it at a round
 boundary, ``InterruptFlag``). A round is a traced ``state -> state`` at a
-static draft length g; these loops decide how many rounds run and at which g. "auto": ``choose`` picks each segment's
-(g, rounds) from the past; the while_loop form runs the inner loops of g =
-0..G_max in sequence, only the chosen one iterating (docs/results/auto_schedule.md).
+static draft length g; these loops decide how many rounds run and at which
+g. "auto": ``choose`` picks each segment's (g, rounds) from the past; the
+inner loops of g = 0..G_max run in sequence, only the chosen one iterating
+(docs/results/auto_schedule.md).
 """
 
 from __future__ import annotations
