@@ -277,7 +277,7 @@ class Decoder:
     if started is None:
       return self.calibration.fallback(self.plain_ar().generate(
           prompts, max_new_tokens, sampling_params, seed, stops), self.longest_draft)
-    state, wall, prefill = loops.timed_generate(self.prefill, self._loop(sp), *started)
+    state, wall, prefill = loops.timed_generate(self.prefill, self.rounds_program(sp), *started)
     gen = self._result(state, None, wall, prefill, stops)
     if self.calibration is not None:
       self.calibration.learn(gen)
@@ -299,7 +299,8 @@ class Decoder:
     like = jax.eval_shape(lambda: self.prepare([prompt] * num_samples, max_new_tokens, seed,
                                                stops)[0])
     state, wall, prefill = loops.timed_generate(
-        self.prefill, self._loop(sp), *self.prepare([prompt], max_new_tokens, seed, stops), like)
+        self.prefill, self.rounds_program(sp),
+        *self.prepare([prompt], max_new_tokens, seed, stops), like)
     return self._result(state, None, wall, prefill, stops)
 
   def stream(self, prompts, max_new_tokens: int, sampling_params: SamplingParams, seed: int = 0,
@@ -322,7 +323,7 @@ class Decoder:
           interruptible=interruptible, budget=budget), self.longest_draft, learn=not warm)
     state, prefill_len = started
     strings = () if stops is None else tuple(stops.strings)
-    step = self._loop(sp, round_limit=1)
+    step = self.rounds_program(sp, round_limit=1)
     watch = stops_lib.StreamStops(strings, self.token_bytes, len(prompts), on_tokens, on_text)
     jax.block_until_ready(state)
     state, emit_times, kept, wall, prefill = loops.stream_rounds(
@@ -353,7 +354,7 @@ class Decoder:
       return self.prepare(prompts, max_new_tokens, seed, stops, budget)
     return calibrate.start(self, prompts, max_new_tokens, sp, seed, stops, form, budget)
 
-  def _loop(self, sp, round_limit: int = compiled.ALL_ROUNDS):
+  def rounds_program(self, sp, round_limit: int = compiled.ALL_ROUNDS):
     """The jitted while_loop of rounds (at most ``round_limit`` per call) as
     a function of the state."""
     return functools.partial(self.programs.generate, self.target_params, self.draft_params, sp,

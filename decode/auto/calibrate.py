@@ -85,7 +85,7 @@ def _timed_generate(decoder, state, sp) -> tuple[float, object]:
 
   import jax
   t0 = time.perf_counter()
-  state = decoder._loop(sp)(state)
+  state = decoder.rounds_program(sp)(state)
   jax.block_until_ready(state.length)
   return time.perf_counter() - t0, state
 
@@ -123,7 +123,7 @@ def decoder_round_costs(decoder, state, sp, form: str) -> Calibration:
       s = jax.block_until_ready(fresh(0).replace(done=jnp.ones_like(state.done)))
       return _timed_generate(decoder, s, sp)[0]
     return round_costs(run_rounds, decoder.longest_draft, repeats=repeats, run_none=run_none)
-  step = decoder._loop(sp, round_limit=1)
+  step = decoder.rounds_program(sp, round_limit=1)
 
   def run_stream_rounds(g):
     s = fresh(g)
@@ -159,7 +159,7 @@ def plain_ar_calibration(ar_decoder, state, sp, form: str) -> Calibration:
     return round_costs(run_rounds, 0, repeats=repeats,
                        run_none=lambda: _timed_generate(ar_decoder, fresh(done=True), sp)[0])
 
-  step = ar_decoder._loop(sp, round_limit=1)
+  step = ar_decoder.rounds_program(sp, round_limit=1)
 
   def run_stream_rounds(_):
     s = fresh()
