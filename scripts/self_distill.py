@@ -67,6 +67,10 @@ wall time and peak memory. An interrupted run resumes: every finished batch
 is kept in ``OUT_DIR/.OUT_NAME.partial/`` and re-running with the same
 arguments decodes only the rest (the same results: batches and seeds are
 deterministic); the folder is removed once the dataset is written.
+``--carry FILE`` keeps a packed copy of that folder (one compressed
+``.npz``, ``mtp.data.pack_partial``) rewritten after every batch and
+restored before the build starts, so a build can be committed part-done
+and resumed in another checkout.
 Re-running with the same arguments when the dataset exists does nothing (it
 says so); other arguments with an existing name (or partial run) are refused.
 The data pipeline packs such a dataset as is and carries ``loss_mask``
@@ -382,7 +386,7 @@ def parse_temperatures(text: str) -> tuple[float, ...]:
 def answer_examples(decoder: Decoder, prompts: list[dict], recipe: ChatRecipe, *,
                     max_prompt_tokens: int, seed_offset: int = 0, log=None,
                     cache_dir: str | None = None, cache_tag: str = "train",
-                    only_cached: bool = False) -> tuple[list[tuple[str, dict]], dict]:
+                    only_cached: bool = False, on_batch=None) -> tuple[list[tuple[str, dict]], dict]:
   """Samples the model's answer to each chat prompt (``{"category",
   "messages"}``) and returns token examples and counts.
 
@@ -398,6 +402,7 @@ def answer_examples(decoder: Decoder, prompts: list[dict], recipe: ChatRecipe, *
   where it stopped with the same results (batches and seeds are
   deterministic for a recipe). ``only_cached``: decode nothing; prompts whose
   batch is not in ``cache_dir`` yet are left out (a snapshot of a running build).
+  ``on_batch``: called with no argument after each batch saved to ``cache_dir``.
 
   Returns:
     (examples, stats): examples ``[(key, {"tokens": int32 [P + A],
@@ -438,6 +443,8 @@ def answer_examples(decoder: Decoder, prompts: list[dict], recipe: ChatRecipe, *
         row_calls = np.asarray(gen.target_calls[:len(chunk)], np.int64)
         if cached:
           data_lib.save_partial_batch(cached, answers, row_calls)
+          if on_batch is not None:
+            on_batch()
       for j, i in enumerate(chunk):
         ids = answers[j]
         results[i] = ids
@@ -461,7 +468,7 @@ def answer_examples(decoder: Decoder, prompts: list[dict], recipe: ChatRecipe, *
 
 
 def make_chat_dataset(workdir: str, out_name: str, recipe: ChatRecipe, *, data_dir: str = "",
-                      out_dir: str = "", log=print, snapshot: str = "") -> dict:
+                      out_dir: str = "", log=print, snapshot: str = "", carry: str = "") -> dict:
   """Generates and writes a self-distilled chat token dataset (chat mode in
   the module docstring).
 
@@ -477,6 +484,8 @@ def make_chat_dataset(workdir: str, out_name: str, recipe: ChatRecipe, *, data_d
       running (or stopped) build has finished so far as that dataset,
       decoding none of them (the small validation split is decoded and
       kept in the build's partial folder); the build goes on unchanged.
+    carry: a ``.npz`` path ("" = none): its batches restored into the
+      partial folder first; rewritten after every decoded batch.
   Returns:
     the metadata (recipe, per-split stats, paths); ``skipped: True`` when the
     dataset already existed with the same workdir and recipe (nothing done).
@@ -536,6 +545,14 @@ def make_chat_dataset(workdir: str, out_name: str, recipe: ChatRecipe, *, data_d
   kw = dict(seed=recipe.seed, data_dir=src_dir, categories=recipe.categories,
             max_context_chars=recipe.max_context_chars)
   partial = data_lib.partial_run_dir(out_dir, out_name, workdir, recipe_json, log)
+  on_batch = None
+  if carry:
+    if os.path.exists(carry):
+      n = data_lib.unpack_partial(carry, partial, recipe_json)
+      if log is not None:
+        log(f"--carry: {n} batches restored from {carry}")
+    if not snapshot:
+      on_batch = lambda: data_lib.pack_partial(partial, carry)
   t0 = time.perf_counter()
   splits, per_split = {}, {}
   for split, n, offset in (("train", recipe.chat_prompts, 0),
@@ -547,7 +564,8 @@ def make_chat_dataset(workdir: str, out_name: str, recipe: ChatRecipe, *, data_d
       log(f"{split}: {n} chat prompts")
     splits[split], per_split[split] = answer_examples(
         decoder, prompts, recipe, max_prompt_tokens=max_prompt, seed_offset=offset, log=log,
-        cache_dir=partial, cache_tag=split, only_cached=bool(snapshot) and split == "train")
+        cache_dir=partial, cache_tag=split, only_cached=bool(snapshot) and split == "train",
+        on_batch=on_batch)
     per_split[split]["categories"] = {c: sum(1 for _, e in splits[split] if e["category"] == c)
                                       for c in sorted({*recipe.categories,
                                                        *(p["category"] for p in prompts)})}
@@ -614,6 +632,9 @@ def main(argv=None) -> int:
   chat.add_argument("--snapshot", default="", help="a new dataset name: write what the build of "
                     "--out_name (same arguments, running or stopped) has answered so far as "
                     "that dataset, decoding no training prompt; the build goes on")
+  chat.add_argument("--carry", default="", help="a .npz that carries the unfinished build to "
+                    "another checkout: restored before the build starts, rewritten after "
+                    "every batch (commit it to resume elsewhere)")
   args = ap.parse_args(argv)
   why = snapshot_error(args.snapshot, args.out_name, args.chat_prompts)
   if why:
@@ -622,6 +643,8 @@ def main(argv=None) -> int:
   if args.out_dir or args.data_dir:
     cli.check_output_path("out_dir" if args.out_dir else "data_dir", args.out_dir or args.data_dir,
                           "dir")
+  if args.carry:
+    cli.check_output_path("carry", args.carry, "file")
   log = lambda s: print(s, file=sys.stderr, flush=True)
   if args.chat_prompts:
     try:
@@ -637,7 +660,8 @@ def main(argv=None) -> int:
           categories=tuple(cli.list_items(ap, "categories", args.categories)),
           self_prompts=args.self_prompts, self_prompt_share=args.self_prompt_share)
       meta = make_chat_dataset(args.workdir, args.out_name, recipe, data_dir=args.data_dir,
-                               out_dir=args.out_dir, log=log, snapshot=args.snapshot)
+                               out_dir=args.out_dir, log=log, snapshot=args.snapshot,
+                               carry=args.carry)
     except (DecodeError, ckpt_lib.CheckpointError, data_lib.DataError) as e:
       print(f"error: {e}", file=sys.stderr)
       return 2

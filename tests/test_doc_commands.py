@@ -25,7 +25,8 @@ OUTPUTS = {("train", "workdir"): True, ("mtp.importers", "workdir"): True,
            ("mtp.export", "out"): True, ("mtp.export", "modules_out"): True,
            ("scripts.self_prompts", "out"): True, ("decode", "json"): False,
            ("train", "config.train.hidden_cache_dir"): True, ("train", "config.data.data_dir"): True,
-           ("scripts.sharegpt_data", "out_dir"): True, ("scripts.sharegpt_data", "prompts_out"): True}
+           ("scripts.sharegpt_data", "out_dir"): True, ("scripts.sharegpt_data", "prompts_out"): True,
+           ("scripts.self_distill", "carry"): False}
 # what a make target leaves behind (the Makefile's defaults)
 MAKE_MAKES = {"install": [".venv"], "demo": ["runs/smollm_demo", ".venv"],
               "demo-tiny": ["runs/tiny", ".venv"], "smollm": ["runs/smollm", ".venv"],

@@ -138,7 +138,7 @@ def _assert_same_records(out, ref_out):
       np.testing.assert_array_equal(got[k], want[k])
 
 
-def _stop_after_first_batch(bpe_workdir, data_dir, out, monkeypatch):
+def _stop_after_first_batch(bpe_workdir, data_dir, out, monkeypatch, **kw):
   """Runs the RECIPE build into ``out`` until its second batch raises; the
   decoder's ``generate`` is real again afterwards."""
   real = sd.Decoder.generate
@@ -151,7 +151,8 @@ def _stop_after_first_batch(bpe_workdir, data_dir, out, monkeypatch):
     return real(self, *a, **k)
   monkeypatch.setattr(sd.Decoder, "generate", failing)
   with pytest.raises(RuntimeError, match="interrupted"):
-    sd.make_chat_dataset(bpe_workdir, "chat_sd", RECIPE, data_dir=data_dir, out_dir=out, log=None)
+    sd.make_chat_dataset(bpe_workdir, "chat_sd", RECIPE, data_dir=data_dir, out_dir=out, log=None,
+                         **kw)
   monkeypatch.setattr(sd.Decoder, "generate", real)
 
 
@@ -169,6 +170,29 @@ def test_interrupted_run_resumes_with_the_same_results(made, bpe_workdir, data_d
                               log=None)
   assert meta["splits"]["train"]["batches_resumed"] == 1 and not os.path.exists(partial)
   _assert_same_records(out, ref_out)
+
+
+def test_carry_file_resumes_a_build_in_another_folder(made, bpe_workdir, data_dir, tmp_path,
+                                                      monkeypatch):
+  """--carry FILE: a build stopped after its first batch leaves that batch
+  packed in FILE; a build into another, empty folder (another checkout)
+  restores it, decodes only the rest and writes the uninterrupted build's
+  records; FILE from another recipe is refused."""
+  _, ref_out = made
+  carry = str(tmp_path / "carry.npz")
+  _stop_after_first_batch(bpe_workdir, data_dir, str(tmp_path / "a"), monkeypatch, carry=carry)
+  with np.load(carry) as packed:
+    assert sorted({k.split("/")[0] for k in packed.files if "/" in k}) == ["train-0-0000000"]
+  with pytest.raises(data.DataError, match="another recipe"):
+    sd.make_chat_dataset(bpe_workdir, "chat_sd", sd.ChatRecipe(**{**RECIPE.__dict__, "seed": 3}),
+                         data_dir=data_dir, out_dir=str(tmp_path / "c"), log=None, carry=carry)
+  out = str(tmp_path / "b")
+  meta = sd.make_chat_dataset(bpe_workdir, "chat_sd", RECIPE, data_dir=data_dir, out_dir=out,
+                              log=None, carry=carry)
+  assert meta["splits"]["train"]["batches_resumed"] == 1
+  _assert_same_records(out, ref_out)
+  with np.load(carry) as packed:      # rewritten after every decoded batch
+    assert len({k.split("/")[0] for k in packed.files if "/" in k}) > 1
 
 
 def test_snapshot_of_a_stopped_build_is_usable_and_the_build_goes_on(made, bpe_workdir, data_dir,

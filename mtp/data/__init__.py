@@ -24,7 +24,8 @@ from mtp.data.chat import (
     CATEGORIES as CHAT_CATEGORIES, HELDOUT_CATEGORIES, HELDOUT_CHAT_PATH, chat_prompts,
     heldout_chat_prompts, overlaps, prompt_messages, prompt_text, read_prompt_jsonl)
 from mtp.data.distilled import (
-    chat_token_example, distilled_metadata, load_partial_batch, partial_run_dir, save_partial_batch)
+    chat_token_example, distilled_metadata, load_partial_batch, pack_partial, partial_run_dir,
+    save_partial_batch, unpack_partial)
 from mtp.data.pipeline import (
     JsonStateIterDataset, epoch_rows, make_eval_batches, make_train_dataset, pad_id_of)
 from mtp.data.prompts import held_out_prompts, training_prompts

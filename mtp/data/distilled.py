@@ -1,7 +1,8 @@
 """Self-distilled datasets on disk, around their writing
 (``write_dataset`` / ``write_token_dataset`` in ``corpora.py``): the
 metadata of one that exists, the partial folder of an unfinished chat run
-(its recipe stamp and the answers of finished batches), and the token
+(its recipe stamp and the answers of finished batches; packed into one file
+to carry it to another checkout), and the token
 examples (chat prompt + answer, ``loss_mask``) that ``scripts.self_distill``
 writes.
 """
@@ -71,6 +72,51 @@ def save_partial_batch(path: str, answers: list[np.ndarray], calls: np.ndarray) 
   buf = io.BytesIO()
   np.savez(buf, calls=calls, **{f"a{j}": a for j, a in enumerate(answers)})
   write_atomic(path, buf.getvalue())
+
+
+def pack_partial(folder: str, path: str) -> int:
+  """Writes the finished batches of the partial folder ``folder`` and its
+  recipe into one compressed ``.npz`` at ``path``, atomically, so that an
+  unfinished build can be committed and resumed in another checkout
+  (``unpack_partial``). Keys: ``recipe`` (uint8 [n], the recipe JSON
+  without the absolute workdir) and ``<batch file stem>/<array name>``.
+  Returns the number of batches packed."""
+  with open(os.path.join(folder, "recipe.json")) as f:
+    recipe = json.load(f)["recipe"]
+  arrays = {"recipe": np.frombuffer(json.dumps(recipe, sort_keys=True).encode(), np.uint8)}
+  names = sorted(f for f in os.listdir(folder) if f.endswith(".npz") and ".tmp" not in f)
+  for name in names:
+    with np.load(os.path.join(folder, name)) as batch:
+      arrays.update({f"{name[:-4]}/{k}": batch[k] for k in batch.files})
+  buf = io.BytesIO()
+  np.savez_compressed(buf, **arrays)
+  write_atomic(path, buf.getvalue())
+  return len(names)
+
+
+def unpack_partial(path: str, folder: str, recipe_json: dict) -> int:
+  """Restores into ``folder`` (a ``partial_run_dir``) the batches of
+  ``pack_partial``'s file at ``path`` that the folder lacks; returns how
+  many. Raises DataError when the file was packed from another recipe."""
+  with np.load(path) as packed:
+    have = json.loads(packed["recipe"].tobytes())
+    if have != json.loads(json.dumps(recipe_json, sort_keys=True)):
+      raise DataError(f"--carry {path} holds a build with another recipe ({have}); give the "
+                      "build that file's arguments or another --carry path")
+    batches: dict[str, dict[str, np.ndarray]] = {}
+    for key in packed.files:
+      if "/" in key:
+        stem, name = key.split("/", 1)
+        batches.setdefault(stem, {})[name] = packed[key]
+  restored = 0
+  for stem, arrays in batches.items():
+    out = os.path.join(folder, stem + ".npz")
+    if not os.path.exists(out):
+      buf = io.BytesIO()
+      np.savez(buf, **arrays)
+      write_atomic(out, buf.getvalue())
+      restored += 1
+  return restored
 
 
 def chat_token_example(index: int, category: str, temperature: float, prompt: np.ndarray,
