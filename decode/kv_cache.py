@@ -14,7 +14,8 @@ import jax.numpy as jnp
 
 from mtp.model import write_cache
 
-PROMPT_BUCKET = 64      # prompt lengths are padded to a multiple: no recompile per length
+PROMPT_BUCKET = 64      # lengths past it are padded to a multiple of it, shorter ones to a
+MIN_BUCKET = 8          #   power of two >= MIN_BUCKET: few compiled shapes, little padding
 
 
 def headroom(g: int, module_depth: int = 0, tree_scratch: int = 0) -> int:
@@ -24,11 +25,22 @@ def headroom(g: int, module_depth: int = 0, tree_scratch: int = 0) -> int:
   return 2 * g + 4 + module_depth + tree_scratch
 
 
+def bucket(n: int) -> int:
+  """n >= 0 rounded up to a compiled length: the least power of two >= n in
+  [MIN_BUCKET, PROMPT_BUCKET] (8, 16, 32, 64), past that a multiple of
+  PROMPT_BUCKET (128, 192, ...)."""
+  if n <= PROMPT_BUCKET:
+    return max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length())
+  return PROMPT_BUCKET * math.ceil(n / PROMPT_BUCKET)
+
+
 def cache_length(prompt_len: int, max_new_tokens: int, headroom: int) -> tuple[int, int]:
-  """(prompt bucket P, cache slots S): the longest prompt, and prompt +
-  max_new_tokens + ``headroom``, each rounded up to ``PROMPT_BUCKET``."""
-  p = PROMPT_BUCKET * math.ceil(prompt_len / PROMPT_BUCKET)
-  return p, PROMPT_BUCKET * math.ceil((p + max_new_tokens + headroom) / PROMPT_BUCKET)
+  """(prompt bucket P, cache slots S): the longest prompt rounded up by
+  ``bucket`` (what prefill computes), and P + max_new_tokens + ``headroom``
+  rounded up by ``bucket`` to at least PROMPT_BUCKET (one decoding program
+  for every short generation of a batch shape)."""
+  p = bucket(prompt_len)
+  return p, max(PROMPT_BUCKET, bucket(p + max_new_tokens + headroom))
 
 
 def gather_rows(buf: jax.Array, idx: jax.Array) -> jax.Array:

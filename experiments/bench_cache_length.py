@@ -633,7 +633,7 @@ def parser() -> argparse.ArgumentParser:
                        "measured parts apart (--skip_steps / --skip_generation), merged")
   ap.add_argument("--quick", action="store_true",
                   help="tiny sizes for tests: a 2-layer d_model 32 model for (a) and (b), S 64,256, "
-                       "position 20, 2 steps, 1 repeat, 16/32 new tokens, prompts 16/48")
+                       "position 20, 2 steps, 1 repeat, 16/32 new tokens, prompts 12/16")
   return ap
 
 
@@ -641,7 +641,7 @@ def settings(ap: argparse.ArgumentParser, args) -> CacheBench:
   """The study's settings from the flags (``ap.error`` naming a bad one)."""
   if args.quick:
     cli.apply_quick(ap, args, cache_slots="64,256", position=20, steps=2, repeats=1,
-                    new_tokens="16,32", prompt_tokens="16,48", prompt_new_tokens=16, gen_repeats=1,
+                    new_tokens="16,32", prompt_tokens="12,16", prompt_new_tokens=16, gen_repeats=1,
                     short_prompt=16)
   cli.check_range(ap, args, position=0, steps=1, repeats=1, short_prompt=1, prompt_new_tokens=1,
                   gen_repeats=1, num_draft_tokens=1)

@@ -15,6 +15,7 @@ from flax import nnx
 
 from decode import compiled
 from decode import drafters as drafters_lib
+from decode import kv_cache
 from decode import round as round_lib
 from decode import state as state_lib
 from decode.decoder import DecodeError, Decoder, NonFiniteLogitsError, SamplingParams
@@ -39,8 +40,9 @@ def target(trained_markov):
 
 @pytest.fixture(scope="module")
 def ar_greedy(target):
-  """AR greedy reference for a batch of prompts of different lengths."""
-  prompts = _prompts([3, 9, 17, 30])
+  """AR greedy reference for a batch of prompts of different lengths (one
+  prompt bucket, 8: the shape of tests/test_one_token_prompt.py's batches)."""
+  prompts = _prompts([2, 4, 6, 8])
   return prompts, Decoder(target, "ar").generate(prompts, 24, GREEDY)
 
 
@@ -328,6 +330,18 @@ def test_bad_input_errors(target):
     Decoder(target, "draft", 2, other)
   with pytest.raises(DecodeError, match="method"):
     Decoder(target, "beam")
+
+
+def test_cache_length_buckets():
+  """Prompts pad to 8, 16, 32, 64, then multiples of 64; the cache holds
+  the padded prompt, the budget and the headroom, in at least 64 slots."""
+  assert ([kv_cache.bucket(n) for n in (0, 1, 8, 9, 16, 17, 33, 64, 65, 128, 129)]
+          == [8, 8, 8, 16, 16, 32, 64, 64, 128, 128, 192])
+  for n in range(1, 200, 7):
+    for max_new, room in ((1, 4), (24, 12), (300, 10)):
+      p, s = kv_cache.cache_length(n, max_new, room)
+      assert n <= p < max(2 * n, 16) if n <= 64 else 0 <= p - n < 64
+      assert s >= max(64, p + max_new + room) and s == kv_cache.bucket(s)
 
 
 def test_prompt_at_maximum_length_generates_to_the_limit(target):

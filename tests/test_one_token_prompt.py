@@ -29,12 +29,12 @@ from tests.test_decode_distribution import (ALPHA, NUM_SAMPLES, _perturbed, chi_
                                             exact_pair_law)
 
 GREEDY = SamplingParams(temperature=0.0)
-MAX_NEW = 20
+MAX_NEW = 24
 BOS_ONLY = np.asarray([tok.BOS_ID], np.int32)
 ONE_BYTE = np.asarray([ord("c")], np.int32)      # one token, no BOS
 ONE_TOKEN = {"bos_only": BOS_ONLY, "no_bos": ONE_BYTE}
 # two batches of one compiled shape, that of tests/test_decode.py's batch (4 rows,
-# one prompt bucket): programs compiled by either file are loaded by the other
+# prompt bucket 8, 24 new tokens): programs compiled by either file are loaded by the other
 PROMPTS = {
     "one_token": [BOS_ONLY, ONE_BYTE, np.asarray([ord("e")], np.int32), BOS_ONLY],   # 1 token each
     "ragged": [BOS_ONLY, random_prompts([4], seed=3)[0], ONE_BYTE,
