@@ -186,6 +186,10 @@ def test_carry_file_resumes_a_build_in_another_folder(made, bpe_workdir, data_di
   with pytest.raises(data.DataError, match="another recipe"):
     sd.make_chat_dataset(bpe_workdir, "chat_sd", sd.ChatRecipe(**{**RECIPE.__dict__, "seed": 3}),
                          data_dir=data_dir, out_dir=str(tmp_path / "c"), log=None, carry=carry)
+  (tmp_path / "bad.npz").write_bytes(b"not a zip")
+  with pytest.raises(data.DataError, match="not a build packed by --carry"):
+    sd.make_chat_dataset(bpe_workdir, "chat_sd", RECIPE, data_dir=data_dir,
+                         out_dir=str(tmp_path / "d"), log=None, carry=str(tmp_path / "bad.npz"))
   out = str(tmp_path / "b")
   meta = sd.make_chat_dataset(bpe_workdir, "chat_sd", RECIPE, data_dir=data_dir, out_dir=out,
                               log=None, carry=carry)

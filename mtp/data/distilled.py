@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import zipfile
 
 import numpy as np
 
@@ -97,17 +98,22 @@ def pack_partial(folder: str, path: str) -> int:
 def unpack_partial(path: str, folder: str, recipe_json: dict) -> int:
   """Restores into ``folder`` (a ``partial_run_dir``) the batches of
   ``pack_partial``'s file at ``path`` that the folder lacks; returns how
-  many. Raises DataError when the file was packed from another recipe."""
-  with np.load(path) as packed:
-    have = json.loads(packed["recipe"].tobytes())
-    if have != json.loads(json.dumps(recipe_json, sort_keys=True)):
-      raise DataError(f"--carry {path} holds a build with another recipe ({have}); give the "
-                      "build that file's arguments or another --carry path")
-    batches: dict[str, dict[str, np.ndarray]] = {}
-    for key in packed.files:
-      if "/" in key:
-        stem, name = key.split("/", 1)
-        batches.setdefault(stem, {})[name] = packed[key]
+  many. Raises DataError when the file is not a packed build or was packed
+  from another recipe."""
+  try:
+    with np.load(path) as packed:
+      have = json.loads(packed["recipe"].tobytes())
+      batches: dict[str, dict[str, np.ndarray]] = {}
+      for key in packed.files:
+        if "/" in key:
+          stem, name = key.split("/", 1)
+          batches.setdefault(stem, {})[name] = packed[key]
+  except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+    raise DataError(f"--carry {path}: not a build packed by --carry ({e}); move it away to "
+                    "start a new one") from None
+  if have != json.loads(json.dumps(recipe_json, sort_keys=True)):
+    raise DataError(f"--carry {path} holds a build with another recipe ({have}); give the "
+                    "build that file's arguments or another --carry path")
   restored = 0
   for stem, arrays in batches.items():
     out = os.path.join(folder, stem + ".npz")
