@@ -547,6 +547,7 @@ def make_chat_dataset(workdir: str, out_name: str, recipe: ChatRecipe, *, data_d
   partial = data_lib.partial_run_dir(out_dir, out_name, workdir, recipe_json, log)
   on_batch = None
   if carry:
+    os.makedirs(os.path.dirname(os.path.abspath(carry)), exist_ok=True)
     if os.path.exists(carry):
       n = data_lib.unpack_partial(carry, partial, recipe_json)
       if log is not None:

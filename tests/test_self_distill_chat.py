@@ -179,7 +179,7 @@ def test_carry_file_resumes_a_build_in_another_folder(made, bpe_workdir, data_di
   restores it, decodes only the rest and writes the uninterrupted build's
   records; FILE from another recipe is refused."""
   _, ref_out = made
-  carry = str(tmp_path / "carry.npz")
+  carry = str(tmp_path / "new_folder" / "carry.npz")      # its folder made by the build
   _stop_after_first_batch(bpe_workdir, data_dir, str(tmp_path / "a"), monkeypatch, carry=carry)
   with np.load(carry) as packed:
     assert sorted({k.split("/")[0] for k in packed.files if "/" in k}) == ["train-0-0000000"]
