@@ -302,11 +302,12 @@ def test_bench_cells_defaults_and_refusals():
       bench_cells("w", depth, draft, **{**kw, **extra})
 
 
-def test_quick_runs_never_overwrite_the_committed_reports():
+def test_quick_runs_never_overwrite_the_committed_reports(tmp_path, monkeypatch):
   """``--quick`` with ``--out`` at its default writes under runs/quick/
-  (a smoke run once rewrote results/simulate_speedup.json); a given
-  ``--out`` is kept, and a full run keeps results/."""
+  (a smoke run once rewrote results/simulate_speedup.json), whose folder it
+  makes; a given ``--out`` is kept, and a full run keeps results/."""
   import argparse
+  monkeypatch.chdir(tmp_path)       # the folder is made relative to the working directory
   from mtp import cli
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="results/simulate_speedup")
@@ -315,6 +316,7 @@ def test_quick_runs_never_overwrite_the_committed_reports():
   args = ap.parse_args(["--quick"])
   cli.apply_quick(ap, args, rounds=2)
   assert args.out == os.path.join("runs", "quick", "simulate_speedup") and args.rounds == 2
+  assert os.path.isdir(tmp_path / "runs" / "quick")
   args = ap.parse_args(["--quick", "--out", "elsewhere/x"])
   cli.apply_quick(ap, args, rounds=2)
   assert args.out == "elsewhere/x"
