@@ -9,6 +9,7 @@ drifts between training and decoding changes it."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from decode.decoder import Decoder, SamplingParams
 from mtp import draft_vocab as draft_vocab_lib
@@ -18,12 +19,19 @@ GREEDY = SamplingParams(temperature=0.0)
 NEW = 32
 
 
+@nnx.jit
+def _module1_argmax(model, tokens):
+  out = model(tokens, jnp.arange(tokens.shape[1])[None], jnp.ones_like(tokens))
+  return jnp.argmax(out.mtp_logits[0][0], -1)
+
+
 def _teacher_forced_drafts(model, seq: np.ndarray) -> np.ndarray:
-  """[len(seq)] ids: entry i is module 1's argmax at position i (h_i, emb of
-  seq[i + 1]), its guess for seq[i + 2], as in training."""
-  t = jnp.asarray(seq[None])
-  out = model(t, jnp.arange(len(seq))[None], jnp.ones_like(t))
-  return np.asarray(jnp.argmax(out.mtp_logits[0][0], -1))
+  """[len(seq)] ids: entry i < len(seq) - 1 is module 1's argmax at position
+  i (h_i, emb of seq[i + 1]), its guess for seq[i + 2], as in training; one
+  program for every row (seq padded to 64: causal, the padding is not seen)."""
+  t = np.zeros((1, max(64, len(seq))), np.int32)
+  t[0, :len(seq)] = seq
+  return np.asarray(_module1_argmax(model, jnp.asarray(t)))[:len(seq)]
 
 
 def _simulated_histogram(drafts: np.ndarray, seq: np.ndarray, prompt_len: int, new: int):

@@ -1,6 +1,7 @@
 """Model structure, packing isolation and KV-cache equivalence."""
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -23,13 +24,27 @@ def model(cfg):
   return model_lib.build_model(cfg, seed=1)
 
 
+@nnx.jit
+def _forward_arrays(model, tokens, positions=None, segment_ids=None):
+  out = model(tokens, positions, segment_ids)
+  return out.logits, out.mtp_logits, out.hidden
+
+
+def forward(model, tokens, positions=None, segment_ids=None) -> types.SimpleNamespace:
+  """``model(tokens, positions, segment_ids)`` as one compiled program per
+  shape (eagerly every operation compiles on its own): logits, mtp_logits,
+  hidden."""
+  logits, mtp_logits, hidden = _forward_arrays(model, tokens, positions, segment_ids)
+  return types.SimpleNamespace(logits=logits, mtp_logits=mtp_logits, hidden=hidden)
+
+
 def _rand_tokens(rng, b, t):
   return jnp.asarray(rng.integers(0, 256, (b, t)), jnp.int32)
 
 
 def test_shapes_and_padding_mask(cfg, model):
   toks = _rand_tokens(np.random.default_rng(0), 2, 12)
-  out = model(toks)
+  out = forward(model, toks)
   assert out.logits.shape == (2, 12, cfg.model.vocab_size) and out.logits.dtype == jnp.float32
   assert len(out.mtp_logits) == cfg.mtp.depth and len(out.hidden) == cfg.mtp.depth + 1
   # vocabulary padding, PAD, BOS and non-UTF-8 bytes have probability exactly
@@ -73,8 +88,8 @@ def test_untied_head_has_its_own_weights(cfg):
 
 def test_causality(model):
   toks = _rand_tokens(np.random.default_rng(1), 1, 10)
-  out_a = model(toks)
-  out_b = model(toks.at[0, 7].set((toks[0, 7] + 1) % 256))
+  out_a = forward(model, toks)
+  out_b = forward(model, toks.at[0, 7].set((toks[0, 7] + 1) % 256))
   # main head and h^0 at positions < 7 never see token 7
   np.testing.assert_allclose(out_a.logits[0, :7], out_b.logits[0, :7], atol=1e-6)
   # depth k at position i reads t_{i+k}: positions < 7-k are unaffected
@@ -91,8 +106,8 @@ def test_packed_documents_are_isolated(model):
   packed = jnp.concatenate([doc1, doc2], 1)
   seg = jnp.asarray([[1] * 7 + [2] * 9], jnp.int32)
   pos = jnp.asarray([list(range(7)) + list(range(9))], jnp.int32)
-  out = model(packed, pos, seg)
-  alone1, alone2 = model(doc1), model(doc2)
+  out = forward(model, packed, pos, seg)
+  alone1, alone2 = forward(model, doc1), forward(model, doc2)
   np.testing.assert_allclose(out.logits[0, :7], alone1.logits[0], atol=1e-5)
   np.testing.assert_allclose(out.logits[0, 7:], alone2.logits[0], atol=1e-5)
   for k in range(1, model.mtp_depth + 1):
@@ -112,6 +127,11 @@ def _full_forward(model, tokens):
 @nnx.jit
 def _backbone(model, tokens, positions, cache):
   return model.backbone(tokens, positions, cache=cache)
+
+
+@nnx.jit
+def _tree_backbone(model, tokens, positions, cache, write_offsets, mask):
+  return model.backbone(tokens, positions, cache=cache, write_offsets=write_offsets, mask=mask)
 
 
 @functools.partial(nnx.jit, static_argnums=1)
@@ -193,7 +213,7 @@ def test_gqa_equals_repeated_kv_heads(cfg):
     var.set_value(new[path])
   nnx.update(mha, dst)
   toks = _rand_tokens(np.random.default_rng(5), 1, 9)
-  np.testing.assert_allclose(m(toks).logits, mha(toks).logits, atol=1e-5)
+  np.testing.assert_allclose(forward(m, toks).logits, forward(mha, toks).logits, atol=1e-5)
 
 
 def test_tree_block_with_write_offsets_and_mask(cfg, model):
@@ -218,7 +238,7 @@ def test_tree_block_with_write_offsets_and_mask(cfg, model):
       j = parent[j]
   caches = model_lib.init_layer_caches(cfg.model, cfg.model.num_layers, b, s)
   pre = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (b, 8))
-  _, caches = model.backbone(toks[:, :8], pre, cache=caches)   # row 0: only 0..3 valid
+  _, caches = _backbone(model, toks[:, :8], pre, caches)   # row 0: only 0..3 valid
   root = jnp.stack([toks[0, lens[0] - 1], toks[1, lens[1] - 1]])
   block = jnp.concatenate([root[:, None], kids], 1)
   offs = jnp.asarray(lens - 1, jnp.int32)
@@ -228,7 +248,7 @@ def test_tree_block_with_write_offsets_and_mask(cfg, model):
   for r in range(b):
     tree_vis[r, :, lens[r] - 1:lens[r] + 3] = anc
   mask = (slot < offs[:, None, None]) | jnp.asarray(tree_vis)
-  h, _ = model.backbone(block, pos, cache=caches, write_offsets=offs, mask=mask)
+  h, _ = _tree_backbone(model, block, pos, caches, offs, mask)
   for r in range(b):
     prefix = np.asarray(toks[r, :lens[r]])
     for i in range(4):
@@ -236,6 +256,8 @@ def test_tree_block_with_write_offsets_and_mask(cfg, model):
       while parent[path[-1]] > 0:
         path.append(parent[path[-1]])
       branch = [int(block[r, j]) for j in reversed(path) if j > 0]
-      seq = jnp.asarray(np.concatenate([prefix, branch])[None], jnp.int32)
-      ref = model(seq).hidden[0][0, -1]
+      seq = np.concatenate([prefix, branch])
+      # the cache-free forward of seq, in a buffer of 12 (causal: the tail is not seen)
+      buf = jnp.asarray(np.pad(seq, (0, 12 - len(seq)))[None], jnp.int32)
+      ref = forward(model, buf).hidden[0][0, len(seq) - 1]
       np.testing.assert_allclose(h[r, i], ref, atol=2e-5, err_msg=f"row {r} node {i}")

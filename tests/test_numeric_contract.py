@@ -237,3 +237,20 @@ def test_greedy_mtp_equals_ar_across_impls_and_g(greedy_target, impl):
       assert x["index"] >= first, (impl, f"row {x['row']}: AR's first near-tie at {first}", lines)
     accepted += int(gen.accepted_histogram[:, 1:].sum())
   assert accepted > 0, "the drafter should get some drafts accepted"
+
+
+def test_target_logits_at_is_the_cache_free_forward_at_the_last_position():
+  """``compare.target_logits_at`` (the near-tie check of ``--compare``) runs
+  the prefix padded to a bucket, clamped to max_seq_len: its logits and
+  logit scale equal the unpadded cache-free forward's at the prefix's last
+  position (prefixes of 1, 9 (bucket 16), 70 (bucket 128 > max_seq_len 100)
+  and 100 ids)."""
+  cfg = tiny_config(model=dict(max_seq_len=100), mtp=dict(depth=0))
+  model = model_lib.build_model(cfg, seed=2)
+  rng = np.random.default_rng(5)
+  for n in (1, 9, 70, 100):
+    ids = rng.integers(0, 256, n).astype(np.int32)
+    logits, scale = compare_lib.target_logits_at(model, ids)
+    want, want_scale = _cache_free(model, jnp.asarray(ids[None]))
+    np.testing.assert_allclose(logits, want[0, -1], atol=1e-5, err_msg=f"n={n}")
+    assert scale == pytest.approx(float(want_scale[0, -1]), rel=1e-5), n

@@ -232,6 +232,7 @@ def test_loss_fn_compact_form_equals_the_full_form():
   batch = markov_batch(np.random.default_rng(0), 4, 32, np.full((7, 7), 1 / 7))
   batch = {k: jnp.asarray(v) for k, v in batch.items()}
   h0 = model.backbone_hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+  loss_fn = jax.jit(loss_fn)         # one program per form, not one per operation
   full = _mtp_part(*loss_fn(params, batch))
   compact = _mtp_part(*loss_fn(params, {**batch, "h0": h0}))
   np.testing.assert_allclose(compact, full, rtol=1e-5)

@@ -13,6 +13,7 @@ below it a near-tie, at or above it a bug.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import math
 import types
@@ -102,18 +103,36 @@ def target_logits_at(target, ids) -> tuple[np.ndarray, float]:
   """The target's logits [V] (float32) for the token after ``ids`` (the
   common prefix: prompt and the tokens both outputs share) from one
   cache-free forward in the target's own dtype, and that position's logit
-  scale ||h|| max_v ||W_v|| (``logit_error_bound``)."""
+  scale ||h|| max_v ||W_v|| (``logit_error_bound``). The forward runs over
+  ``ids`` padded to ``kv_cache.bucket`` (causal: the padding is not seen),
+  one compiled program per bucket."""
   import jax.numpy as jnp
-  tokens = jnp.asarray(np.asarray(ids, np.int32))[None]
-  positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-  h0, _ = target.backbone(tokens, positions)
-  h = h0[:, -1:]
-  logits = target.head(h)[0, 0]
-  hn = target.final_norm(h).astype(jnp.float32)
+  from decode import kv_cache
+  n = len(ids)
+  length = max(n, min(kv_cache.bucket(n), target.cfg.max_seq_len))
+  tokens = np.zeros((1, length), np.int32)
+  tokens[0, :n] = np.asarray(ids, np.int32)
+  logits, h_norm = _last_logits_program()(target, jnp.asarray(tokens), jnp.int32(n - 1))
   w = (target.embed.embedding[...] if target.cfg.tie_embeddings
        else target.lm_head.kernel[...].T)
   w_norm = float(jnp.linalg.norm(w.astype(jnp.float32), axis=-1).max())
-  return np.asarray(logits, np.float32), float(jnp.linalg.norm(hn)) * w_norm
+  return np.asarray(logits, np.float32), float(h_norm) * w_norm
+
+
+@functools.cache
+def _last_logits_program():
+  """``(target, tokens [1, T] int32, last int32) -> (logits [V], ||final_norm(h)||
+  float32)`` at position ``last`` of a cache-free forward, under ``nnx.jit``."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  def last_logits(target, tokens, last):
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    h0, _ = target.backbone(tokens, positions)
+    h = jax.lax.dynamic_slice_in_dim(h0, last, 1, axis=1)
+    return target.head(h)[0, 0], jnp.linalg.norm(target.final_norm(h).astype(jnp.float32))
+  return nnx.jit(last_logits)
 
 
 def greedy_check(target, prompt_ids: Sequence, method_tokens: Sequence, ar_tokens: Sequence,
