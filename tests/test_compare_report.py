@@ -72,6 +72,18 @@ def test_verdict_when_drafting_pays():
   assert "(c = 0.150 per drafted node)" in tree
 
 
+def test_verdict_says_when_auto_drafted_in_some_repeats_only():
+  """A pooled tau and round over repeats where "auto" drafted and repeats
+  where it ran AR describe neither: the line names the count and the
+  per-repeat predictions' range; all or none drafting adds nothing."""
+  p = _pred(1.125, 1.036, g=0.25, form="auto")
+  line = compare_lib.verdict_line(p, 0.98, 0.97, 1.00, auto_repeats=(1, 3, 1.0, 1.0001))
+  assert ("predicted 1.09x, measured 0.98x (0.97-1.00x) (auto drafted in 1 of 3 repeats: the "
+          "pooled tau and round mix them; per-repeat predictions 1.00-1.00x); outside") in line
+  for every in ((3, 3, 1.05, 1.2), (0, 3, 1.0, 1.0)):
+    assert "auto drafted" not in compare_lib.verdict_line(p, 0.98, 0.97, 1.0, auto_repeats=every)
+
+
 def test_verdict_names_the_term_when_measured_and_predicted_disagree():
   """Outside the per-repeat range the line says which left-out term accounts
   for more of the gap: the prefill (the whole call against the decoding
@@ -310,6 +322,15 @@ def _rebuild(report: dict, text: str, method: str = "mtp") -> None:
   assert float(vtau) == tau and float(vr) == r
   assert (f"predicted {ptext}x, measured {sp:.2f}x ({lo:.2f}-{hi:.2f}x)") in vline
   assert ("drafting pays here" in vline) == (float(vtau) > float(vr))
+  # "auto" that drafted in some repeats only says so, with the per-repeat predictions
+  per, drafted = pred["predicted_per_repeat"], pred["drafted_repeats"]
+  some = t["form"] == "auto" and 0 < drafted < len(report["wall_times_s"][method])
+  clause = re.search(rf"auto drafted in (\d+) of (\d+) repeats: .*per-repeat predictions "
+                     rf"{NUM}-{NUM}x\)", vline)
+  assert (clause is not None) == some, vline
+  if some:
+    assert clause.groups()[:2] == (str(drafted), str(len(report["wall_times_s"][method])))
+    assert _close(float(clause.group(3)), min(per), 2) and _close(float(clause.group(4)), max(per), 2)
 
 
 @pytest.mark.parametrize("num_draft_tokens", [2, "auto"])

@@ -317,13 +317,17 @@ def prediction_line(p: dict) -> str:
 def verdict_line(p: dict, measured: float, lo: float, hi: float, *,
                  decode_speedup: float | None = None,
                  prefill_share: tuple[float, float] | None = None,
-                 emitted_per_round: float | None = None, method: str = "mtp") -> str:
+                 emitted_per_round: float | None = None, method: str = "mtp",
+                 auto_repeats: tuple[int, int, float, float] | None = None) -> str:
   """One line naming the term that decides the result: whether tau exceeds r
   = G c + 1 (drafting pays iff tau > r; ``p``: ``predict_speedup``'s dict),
   the prediction beside the measured speedup and its range [lo, hi], and
   outside that range the term it leaves out: rounds emitting fewer tokens
   than tau (``decode_speedup``, ``emitted_per_round``) or the prefill and
-  per-call work (``prefill_share``: (method, AR)). Pure."""
+  per-call work (``prefill_share``: (method, AR)). ``auto_repeats``: (repeats
+  that drafted, repeats, lowest and highest per-repeat prediction); when
+  "auto" drafted in some repeats only, the line says so (the pooled tau and r
+  mix drafting and AR repeats). Pure."""
   pred = p["predicted_speedup"]
   measured_text = f"measured {measured:.2f}x ({lo:.2f}-{hi:.2f}x)"
   if p["draft_tokens"] == 0:
@@ -338,6 +342,10 @@ def verdict_line(p: dict, measured: float, lo: float, hi: float, *,
             f"tau {tau:.3f} but a round costs {r:.3f} AR steps {per}: drafting does not pay "
             "here")
   line = f"{head}; predicted {pred:.2f}x, {measured_text}"
+  if auto_repeats is not None and 0 < auto_repeats[0] < auto_repeats[1]:
+    drafted, n, p_lo, p_hi = auto_repeats
+    line += (f" (auto drafted in {drafted} of {n} repeats: the pooled tau and round mix "
+             f"them; per-repeat predictions {p_lo:.2f}-{p_hi:.2f}x)")
   if lo - AGREEMENT_SLACK <= pred <= hi + AGREEMENT_SLACK:
     return line
   line += "; outside the measured range:"
@@ -576,11 +584,16 @@ def compare_with_ar(decoder: Decoder, gen, prompts: Sequence[str], *, method: st
              and a["prefill_share"]["median"] is not None else None)
     row_rounds = sum(_rounds(g) * len(g.tokens) for g in gens[method])
     emitted = m["tokens"] / row_rounds if row_rounds else None
+    per_repeat = prediction_of(gens[method], gens["ar"], form)
+    drafted = sum(int(pooled_acceptance([g])["mean_draft_tokens"] > 0) for g in gens[method])
+    auto_repeats = ((drafted, len(gens[method]), min(per_repeat), max(per_repeat))
+                    if form == "auto" and per_repeat else None)
     line = verdict_line(pred, speedup, min(ratios), max(ratios),
                         decode_speedup=float(np.median(decode_ratios)) if decode_ratios else None,
-                        prefill_share=share, emitted_per_round=emitted, method=method)
+                        prefill_share=share, emitted_per_round=emitted, method=method,
+                        auto_repeats=auto_repeats)
     err.write(prediction_line(pred) + "\n" + line + "\n")
-    pred = {**pred, "predicted_per_repeat": prediction_of(gens[method], gens["ar"], form),
+    pred = {**pred, "predicted_per_repeat": per_repeat, "drafted_repeats": drafted,
             "measured_speedup": speedup, "measured_min": min(ratios),
             "measured_max": max(ratios), "measured_median": float(np.median(ratios)),
             "line": line}
