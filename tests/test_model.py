@@ -119,12 +119,6 @@ def test_packed_documents_are_isolated(model):
 
 
 @nnx.jit
-def _full_forward(model, tokens):
-  out = model(tokens)
-  return out.hidden, out.mtp_logits
-
-
-@nnx.jit
 def _backbone(model, tokens, positions, cache):
   return model.backbone(tokens, positions, cache=cache)
 
@@ -147,7 +141,8 @@ def test_kv_cache_matches_cache_free_forward(cfg, model):
   rng = np.random.default_rng(3)
   b, t, s = 2, 14, 32
   toks = _rand_tokens(rng, b, t)
-  full_hidden, full_mtp_logits = _full_forward(model, toks)
+  full = forward(model, toks)
+  full_hidden, full_mtp_logits = full.hidden, full.mtp_logits
   pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   caches = model_lib.init_layer_caches(cfg.model, cfg.model.num_layers, b, s)
   mtp_caches = [model_lib.init_layer_caches(cfg.model, 1, b, s)[0] for _ in range(model.mtp_depth)]
@@ -179,7 +174,7 @@ def test_per_row_offsets(cfg, model):
   """Rows at different lengths write at their own offsets."""
   rng = np.random.default_rng(4)
   toks = _rand_tokens(rng, 2, 10)
-  full_hidden, _ = _full_forward(model, toks)
+  full_hidden = forward(model, toks).hidden
   caches = model_lib.init_layer_caches(cfg.model, cfg.model.num_layers, 2, 16)
   # row 0 has 4 tokens cached, row 1 has 6
   pre = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
